@@ -1,0 +1,46 @@
+"""Session-wide test set-up: one CPU thread per test process, and no child process outlives the session."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_children_at_exit():
+    """Last line of defence: kill any process this test session started that is still alive when it ends.
+
+    Tests reap their own processes; this only catches what a crashed test left behind. It kills only our own
+    descendants, found through /proc, by PID.
+    """
+    yield
+    me = os.getpid()
+    for pid in _descendants(me):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out

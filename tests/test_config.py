@@ -1,0 +1,77 @@
+"""Run config: strict loading, a stable run id, and the stage partition."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from trainer.config import RunConfig, stage_layer_ranges
+
+
+def test_default_run_loads_and_round_trips_through_toml():
+    run = RunConfig.default()
+    again = RunConfig.from_dict(tomllib.loads(run.to_toml()))
+    assert again == run
+    assert again.run_id == run.run_id
+    assert len(run.run_id) == 16
+
+
+def test_run_id_changes_with_any_setting():
+    run = RunConfig.default()
+    assert run.replace(optim={"lr": run.optim.lr * 2}).run_id != run.run_id
+    assert run.replace(averaging={"fraction": 0.1}).run_id != run.run_id
+    assert run.replace(seed=run.seed + 1).run_id != run.run_id
+
+
+def test_unknown_keys_are_refused_with_their_name(tmp_path):
+    with pytest.raises(ValueError, match="lrr"):
+        RunConfig.from_dict({"optim": {"lrr": 1.0}})
+    with pytest.raises(ValueError, match="stagez"):
+        RunConfig.from_dict({"stagez": 3})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("n_stages = [")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        RunConfig.from_toml(bad)
+    with pytest.raises(ValueError, match="cannot read run file"):
+        RunConfig.from_toml(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("model", {"n_embd": 130, "n_head": 4}, "divisible"),
+        ("optim", {"optimizer": "sgd"}, "optimizer"),
+        ("averaging", {"fraction": 0.0}, "fraction"),
+        ("averaging", {"rule": "mean"}, "rule"),
+        ("compression", {"activations": "int3"}, "activations"),
+        ("data", {"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_invalid_values_say_what_is_wrong(section, values, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig.from_dict({section: values})
+
+
+def test_partitions_count_is_ceil_of_inverse_fraction():
+    assert RunConfig.from_dict({"averaging": {"fraction": 0.05}}).averaging.n_partitions == 20
+    assert RunConfig.from_dict({"averaging": {"fraction": 0.3}}).averaging.n_partitions == 4
+    assert RunConfig.from_dict({"averaging": {"fraction": 1.0}}).averaging.n_partitions == 1
+
+
+def test_stage_ranges_cover_all_layers_and_first_stages_take_the_remainder():
+    run = RunConfig.from_dict({"n_stages": 3, "model": {"n_layer": 8}})
+    assert stage_layer_ranges(run) == [(0, 3), (3, 6), (6, 8)]
+    run = RunConfig.from_dict({"n_stages": 4, "model": {"n_layer": 4}})
+    assert stage_layer_ranges(run) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    explicit = RunConfig.from_dict({"n_stages": 2, "layers_per_stage": [3, 1], "model": {"n_layer": 4}})
+    assert stage_layer_ranges(explicit) == [(0, 3), (3, 4)]
+
+
+def test_bad_stage_splits_are_refused():
+    with pytest.raises(ValueError, match="sum to"):
+        RunConfig.from_dict({"n_stages": 2, "layers_per_stage": [1, 1], "model": {"n_layer": 4}})
+    with pytest.raises(ValueError, match="middle stage"):
+        RunConfig.from_dict({"n_stages": 3, "layers_per_stage": [2, 0, 2], "model": {"n_layer": 4}})
+    with pytest.raises(ValueError, match="cannot split"):
+        RunConfig.from_dict({"n_stages": 8, "model": {"n_layer": 2}})

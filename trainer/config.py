@@ -1,0 +1,349 @@
+"""The run: one TOML file that every peer of a swarm shares.
+
+A run fixes the model (layers, width, heads, context, vocab), how its layers are split into pipeline stages, the
+optimiser, the data-parallel averaging rule, the wire compression and the data. Its **run id** is a hash of the
+canonical form of the config, and every DHT key is prefixed with it, so peers with different settings never mix.
+
+The embedded default run (``trainer/runs/default.toml``) is a small byte-level GPT trained on the Python standard
+library's own source files; it is what ``asyncmesh-peer swarm`` trains when given no ``--run``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4")
+AVERAGING_RULES = ("ema", "delta", "avg", "wagma", "none")
+OPTIMIZERS = ("nadam", "adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A nanoGPT-style decoder."""
+
+    n_layer: int = 4
+    """Transformer blocks in the whole model (summed over all stages)."""
+    n_embd: int = 128
+    """Width of the residual stream; must be divisible by n_head."""
+    n_head: int = 4
+    """Attention heads per block."""
+    block_size: int = 128
+    """Context length in tokens; also the length of every training sequence."""
+    vocab_size: int = 256
+    """Token vocabulary; 256 for the byte-level default."""
+    dropout: float = 0.0
+    """Dropout probability; 0 as in the papers' runs."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The per-stage optimiser. Defaults are AsyncPP's released code (NAdam, beta1 0.99), see DESIGN.md."""
+
+    optimizer: str = "nadam"
+    """'nadam' (AsyncPP look-ahead, torch.optim.NAdam with decoupled weight decay) or 'adamw' (naive/sync)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.99
+    """First-moment coefficient; 0.99 is the AsyncPP look-ahead, 0.9 the usual AdamW value."""
+    beta2: float = 0.999
+    """Second-moment coefficient."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    momentum_decay: float = 0.004
+    """NAdam's psi: a built-in momentum warm-up (mu_t starts near beta1/2). Keep it."""
+    grad_clip: float = 10.0
+    """Gradient-norm clip applied to each stage separately; 0 disables."""
+    warmup_steps: int = 300
+    """Linear warm-up of the learning rate, in local optimiser steps."""
+    total_steps: int = 10_000
+    """Steps of the cosine schedule; after it the learning rate stays at min_lr_ratio * lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    weight_stashing: bool = True
+    """Backward at the weights the forward used (PipeDream/AsyncPP). False: backward through the latest weights."""
+    nows_beta1_first: float = 0.99
+    """Without stashing: beta1 of the first stage (largest delay); interpolated linearly to nows_beta1_last."""
+    nows_beta1_last: float = 0.9
+    """Without stashing: beta1 of the last stage (no delay)."""
+    accumulate: int = 1
+    """Sum this many asynchronous gradients before one optimiser step (Aji & Heafield); 1 applies each at once."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        for name in ("beta1", "beta2", "nows_beta1_first", "nows_beta1_last"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.total_steps >= 1")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.accumulate < 1:
+            raise ValueError(f"optim.accumulate must be >= 1, got {self.accumulate}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingConfig:
+    """Data-parallel averaging between replicas of one stage (AsyncMesh sparse EMA by default)."""
+
+    rule: str = "ema"
+    """'ema' (AsyncMesh), 'delta' (a + lam*drift), 'avg' (stale overwrite, AsyncSPARTA), 'wagma', or 'none'."""
+    fraction: float = 0.05
+    """p: fraction of each tensor averaged per round; coordinates are split into ceil(1/p) partitions."""
+    lam: float = 1.0
+    """lambda: multiplier on the drift correction."""
+    mu_start: float = 0.5
+    """EMA coefficient mu before and at the start of annealing."""
+    mu_end: float = 0.99
+    """EMA coefficient mu at the end of the cosine annealing."""
+    mu_warmup_steps: int = 1000
+    """Local steps at mu_start before the cosine annealing to mu_end begins."""
+    every_steps: int = 1
+    """Start an averaging round every this many local optimiser steps (simulator and daemon alike)."""
+    delay_steps: int = 10
+    """Simulator only: tau, local steps between taking an average and applying it (the daemon measures it)."""
+    wagma_group_size: int = 2
+    """WAGMA: replicas per averaging group (groups rotate over the bit-fields of the replica index)."""
+    wagma_global_every: int = 11
+    """WAGMA: every this many steps a global average bounds staleness (tau + 1 = 11 in the paper)."""
+    timeout_s: float = 30.0
+    """Daemon: give up on an averaging round after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.rule not in AVERAGING_RULES:
+            raise ValueError(f"averaging.rule must be one of {AVERAGING_RULES}, got {self.rule!r}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"averaging.fraction must be in (0, 1], got {self.fraction}")
+        for name in ("mu_start", "mu_end"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"averaging.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.every_steps < 1 or self.delay_steps < 0 or self.mu_warmup_steps < 0:
+            raise ValueError("averaging.every_steps must be >= 1; delay_steps and mu_warmup_steps >= 0")
+        if self.wagma_group_size < 2 or self.wagma_global_every < 1:
+            raise ValueError("averaging.wagma_group_size must be >= 2 and wagma_global_every >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"averaging.timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def n_partitions(self) -> int:
+        """n = ceil(1/p) disjoint partitions per tensor, cycled one per round."""
+        return max(1, math.ceil(1.0 / self.fraction - 1e-9))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Codec ids (see protocol.codecs) for what crosses the wire."""
+
+    activations: str = "int8"
+    """Forward activations between stages."""
+    gradients: str = "int8"
+    """Backward gradients between stages."""
+    averaging: str = "int8"
+    """Averaging payloads (the partition's values)."""
+
+    def __post_init__(self) -> None:
+        for name in ("activations", "gradients", "averaging"):
+            if getattr(self, name) not in CODEC_NAMES:
+                raise ValueError(f"compression.{name} must be one of {CODEC_NAMES}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "stdlib"
+    """'stdlib' (the running interpreter's own .py sources) or a path: text files/folders, or uint16 .bin shards."""
+    batch_size: int = 8
+    """Sequences per micro-batch."""
+    val_fraction: float = 0.05
+    """Fraction of files held out for validation (chosen deterministically by file path)."""
+    max_bytes: int = 8_000_000
+    """Read at most this many bytes of text (keeps start-up fast); 0 reads everything."""
+    bin_vocab_size: int = 0
+    """For pre-tokenized .bin shards: their vocabulary size (must equal model.vocab_size); 0 for text."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.max_bytes < 0 or self.bin_vocab_size < 0:
+            raise ValueError("data.max_bytes and data.bin_vocab_size must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything that must be identical on every peer of one swarm."""
+
+    name: str = "default"
+    """Human-readable name shown on dashboards."""
+    seed: int = 0
+    """Seeds the initial weights, the averaging partitions and the data shards."""
+    n_stages: int = 2
+    """Pipeline stages the model is split into."""
+    layers_per_stage: tuple[int, ...] = ()
+    """Explicit split of model.n_layer over the stages; empty splits as evenly as possible."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        if self.n_stages < 1:
+            raise ValueError(f"n_stages must be >= 1, got {self.n_stages}")
+        object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        stage_layer_ranges(self)  # validates the split
+        if self.data.bin_vocab_size and self.data.bin_vocab_size != self.model.vocab_size:
+            raise ValueError(
+                f"data.bin_vocab_size ({self.data.bin_vocab_size}) must equal "
+                f"model.vocab_size ({self.model.vocab_size})"
+            )
+
+    # --- identity -------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layers_per_stage"] = list(self.layers_per_stage)
+        return d
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def run_id(self) -> str:
+        """16 hex digits of sha256 over the canonical config; prefixes every DHT key of this run."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    # --- loading ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """Strict: an unknown key is an error that names it (a typo must not silently fork the run)."""
+        sections = {"model": ModelConfig, "optim": OptimConfig, "averaging": AveragingConfig,
+                    "compression": CompressionConfig, "data": DataConfig}
+        kwargs: dict[str, Any] = {}
+        top_fields = {f.name for f in dataclasses.fields(cls)}
+        for key, value in d.items():
+            if key not in top_fields:
+                raise ValueError(f"unknown key {key!r} in run config; known keys: {sorted(top_fields)}")
+            if key in sections:
+                if not isinstance(value, dict):
+                    raise ValueError(f"[{key}] must be a table, got {type(value).__name__}")
+                kwargs[key] = _build_section(sections[key], key, value)
+            elif key == "layers_per_stage":
+                kwargs[key] = tuple(value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read run file {path}: {e}. Pass an existing TOML file to --run.") from e
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"run file {path} is not valid TOML: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def default(cls) -> RunConfig:
+        """The embedded default run shipped inside the package."""
+        text = resources.files("trainer").joinpath("runs/default.toml").read_text()
+        return cls.from_dict(tomllib.loads(text))
+
+    def replace(self, **sections: Any) -> RunConfig:
+        """Copy with overrides; a section may be given as a dict of its fields, e.g. replace(optim={"lr": 1e-3})."""
+        kwargs: dict[str, Any] = {}
+        for key, value in sections.items():
+            current = getattr(self, key)
+            if dataclasses.is_dataclass(current) and isinstance(value, dict):
+                kwargs[key] = dataclasses.replace(current, **value)
+            else:
+                kwargs[key] = value
+        return dataclasses.replace(self, **kwargs)
+
+    def to_toml(self) -> str:
+        """Write the config as TOML (round-trips through from_toml to the same run id)."""
+        lines = []
+        d = self.to_dict()
+        for key, value in d.items():
+            if not isinstance(value, dict):
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in d.items():
+            if isinstance(value, dict):
+                lines.append(f"\n[{key}]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+        return "\n".join(lines) + "\n"
+
+
+def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in [{name}]; known keys: {sorted(known)}")
+    return cls(**values)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def stage_layer_ranges(run: RunConfig) -> list[tuple[int, int]]:
+    """Half-open ranges [start, end) of transformer blocks held by each stage.
+
+    Stage 0 also holds the embeddings and the last stage the final norm, head and loss, so a stage may hold zero
+    blocks only when it is the first or the last. With no explicit split, blocks are spread as evenly as possible,
+    earlier stages taking the remainder (they carry no head).
+    """
+    n_layer, k = run.model.n_layer, run.n_stages
+    if run.layers_per_stage:
+        counts = list(run.layers_per_stage)
+        if len(counts) != k:
+            raise ValueError(f"layers_per_stage has {len(counts)} entries but n_stages is {k}")
+        if any(c < 0 for c in counts) or sum(counts) != n_layer:
+            raise ValueError(f"layers_per_stage {counts} must be non-negative and sum to model.n_layer ({n_layer})")
+    else:
+        if k > n_layer + 2 or (k > 2 and n_layer < k - 2):
+            raise ValueError(f"cannot split {n_layer} layers into {k} stages; use fewer stages or more layers")
+        base, extra = divmod(n_layer, k)
+        counts = [base + (1 if s < extra else 0) for s in range(k)]
+    for s, c in enumerate(counts):
+        if c == 0 and 0 < s < k - 1:
+            raise ValueError(f"middle stage {s} would hold no transformer block; adjust layers_per_stage")
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start, start + c))
+        start += c
+    return ranges
