@@ -1,0 +1,270 @@
+"""What one peer is doing, in numbers: the single place the daemon and the averager write, and everything else reads.
+
+One ``PeerMetrics`` per peer process, mutated on the event loop only (no locks). Writers:
+
+- the daemon sets ``state`` (or calls ``begin_drain``), ``stage``, ``local_step``, ``pipeline_delay``, ``inflight``,
+  ``queued``, calls ``inc(...)`` for counters, ``observe_loss``/``observe_val``, ``set_swarm`` and ``warn``;
+- the network averager calls ``observe_round(ok=..., group_size=..., tau=...)`` (or ``inc("averaging_rounds_ok")`` and
+  sets ``avg_tau`` / ``avg_group_size`` itself).
+
+Readers (the dashboard, ``/status``, ``/metrics`` and ``asyncmesh-peer status``) only ever call ``snapshot()``, which
+returns a plain JSON-able dict, so every view shows the same figures.
+
+Counter names are free-form; the ones the views know are ``tokens`` (training tokens processed by this peer; the
+attribute ``tokens_total`` reads and writes it), ``samples``, ``microbatches_dropped``, ``microbatches_requeued``,
+``retries``, ``averaging_rounds_ok``, ``averaging_rounds_failed``, ``bytes_in``, ``bytes_out`` and
+``rejected:<reason>`` (inputs refused, by reason). Every counter also gets a rate over the last ``window_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+STATES = ("joining", "loading_state", "training", "draining", "stopped")
+REJECTED_PREFIX = "rejected:"
+_COUNTER_ALIASES = {"tokens_total": "tokens"}
+SNAPSHOT_SCHEMA = 1
+
+
+class _RateWindow:
+    """Sum of increments over the last ``window_s`` seconds, kept in 1-second buckets (O(window) memory)."""
+
+    __slots__ = ("buckets", "window_s")
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.buckets: deque[list[float]] = deque()  # [bucket start second, amount]
+
+    def add(self, now: float, n: float) -> None:
+        second = math.floor(now)
+        if self.buckets and self.buckets[-1][0] == second:
+            self.buckets[-1][1] += n
+        else:
+            self.buckets.append([second, n])
+        self._trim(now)
+
+    def total(self, now: float) -> float:
+        self._trim(now)
+        return sum(amount for _, amount in self.buckets)
+
+    def _trim(self, now: float) -> None:
+        while self.buckets and self.buckets[0][0] <= now - self.window_s - 1:
+            self.buckets.popleft()
+
+
+class PeerMetrics:
+    """Counters, gauges and short histories of one peer. Cheap to write (O(1)), cheap to snapshot (~50 µs).
+
+    Args:
+        peer_id: this peer's libp2p id (base58); may be set later once the DHT is up.
+        stage: pipeline stage served, or None before one is chosen.
+        window_s: seconds over which rates (tokens/s, bytes/s) are averaged; 10 s smooths per-micro-batch bursts
+            while still reacting within a few dashboard refreshes.
+        history: number of loss values kept for the sparklines.
+        stall_s: a training peer whose step and token count have not moved for this long reports unhealthy.
+        clock: monotonic time source in seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        peer_id: str = "",
+        stage: int | None = None,
+        *,
+        window_s: float = 10.0,
+        history: int = 120,
+        stall_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if window_s <= 0 or history < 2 or stall_s <= 0:
+            raise ValueError("PeerMetrics needs window_s > 0, history >= 2 and stall_s > 0")
+        self.peer_id = peer_id
+        self.stage = stage
+        self.run_id = ""
+        self.n_stages: int | None = None
+        self.maddrs: list[str] = []
+        self.train_loss: float | None = None
+        self.val_loss: float | None = None
+        self.pipeline_delay = 0.0
+        self.avg_tau: float | None = None
+        self.avg_group_size: int | None = None
+        self.inflight = 0
+        self.queued = 0
+        self.drain_deadline: float | None = None
+        self.window_s = window_s
+        self.stall_s = stall_s
+        self._clock = clock
+        self._started = clock()
+        self._state = "joining"
+        self._state_since = self._started
+        self._local_step = 0
+        self._last_progress = self._started
+        self._counters: Counter[str] = Counter()
+        self._rates: dict[str, _RateWindow] = {}
+        self._train_hist: deque[float] = deque(maxlen=history)
+        self._val_hist: deque[float] = deque(maxlen=history)
+        self._peers_per_stage: dict[int, int] = {}
+        self._warnings: deque[dict[str, Any]] = deque(maxlen=20)
+
+    # ---- gauges with side effects -------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """'joining', 'loading_state', 'training', 'draining' or 'stopped'."""
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if value not in STATES:
+            raise ValueError(f"unknown peer state {value!r}; use one of {', '.join(STATES)}")
+        if value != self._state:
+            self._state, self._state_since = value, self._clock()
+            self._last_progress = self._state_since  # a fresh state gets a fresh stall allowance
+
+    @property
+    def local_step(self) -> int:
+        """Optimiser steps applied by this peer's stage worker."""
+        return self._local_step
+
+    @local_step.setter
+    def local_step(self, value: int) -> None:
+        if value != self._local_step:
+            self._last_progress = self._clock()
+        self._local_step = int(value)
+
+    @property
+    def tokens_total(self) -> int:
+        """Training tokens this peer has processed (the ``tokens`` counter)."""
+        return int(self._counters["tokens"])
+
+    @tokens_total.setter
+    def tokens_total(self, value: int) -> None:
+        self.inc("tokens", int(value) - self.tokens_total)
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Enter 'draining' with a visible countdown: the views show the seconds left until ``timeout_s`` expires."""
+        self.state = "draining"
+        self.drain_deadline = self._clock() + max(0.0, timeout_s)
+
+    # ---- writers ------------------------------------------------------------------------------------------------
+    def inc(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (e.g. 'bytes_out', 'rejected:bad_shape'); negative ``n`` is refused."""
+        if n < 0:
+            raise ValueError(f"counter {name!r} can only grow; got an increment of {n}")
+        name = _COUNTER_ALIASES.get(name, name)
+        self._counters[name] += n
+        now = self._clock()
+        window = self._rates.get(name)
+        if window is None:
+            window = self._rates[name] = _RateWindow(self.window_s)
+        window.add(now, n)
+        if name in ("tokens", "samples") and n:
+            self._last_progress = now
+
+    def observe_loss(self, train_loss: float) -> None:
+        """Record one training loss (last stage). Non-finite values are counted as 'nonfinite_loss', not stored."""
+        if not math.isfinite(train_loss):
+            self.inc("nonfinite_loss")
+            return
+        self.train_loss = float(train_loss)
+        self._train_hist.append(self.train_loss)
+
+    def observe_val(self, val_loss: float) -> None:
+        """Record one validation loss (last stage, evaluation micro-batches)."""
+        if not math.isfinite(val_loss):
+            self.inc("nonfinite_loss")
+            return
+        self.val_loss = float(val_loss)
+        self._val_hist.append(self.val_loss)
+
+    def observe_round(self, *, ok: bool, group_size: int | None = None, tau: float | None = None) -> None:
+        """Record one finished averaging round: success, how many peers took part, local steps it took (tau)."""
+        self.inc("averaging_rounds_ok" if ok else "averaging_rounds_failed")
+        if ok:
+            if group_size is not None:
+                self.avg_group_size = int(group_size)
+            if tau is not None:
+                self.avg_tau = float(tau)
+
+    def set_swarm(self, peers_per_stage: dict[int, int]) -> None:
+        """Record how many peers the DHT currently shows per stage (the latest fetch replaces the previous one)."""
+        self._peers_per_stage = {int(s): int(n) for s, n in peers_per_stage.items()}
+
+    def warn(self, text: str) -> None:
+        """Show an operator-facing warning; a repeat of the latest one bumps its count instead of adding a line."""
+        now = self._clock()
+        if self._warnings and self._warnings[-1]["text"] == text:
+            self._warnings[-1]["count"] += 1
+            self._warnings[-1]["at"] = now
+            return
+        self._warnings.append({"text": text, "count": 1, "at": now})
+
+    # ---- reader -------------------------------------------------------------------------------------------------
+    def rate(self, name: str) -> float:
+        """Per-second rate of counter ``name`` over the window (over the uptime while it is shorter)."""
+        window = self._rates.get(_COUNTER_ALIASES.get(name, name))
+        if window is None:
+            return 0.0
+        now = self._clock()
+        span = min(self.window_s, max(now - self._started, 1e-3))
+        return window.total(now) / span
+
+    def health(self) -> tuple[bool, list[str]]:
+        """(healthy, reasons): unhealthy when stopped, or training with no step or token for ``stall_s``."""
+        now = self._clock()
+        reasons = []
+        if self._state == "stopped":
+            reasons.append("peer has stopped")
+        if self._state == "training" and now - self._last_progress > self.stall_s:
+            idle = now - self._last_progress
+            reasons.append(f"no training progress for {idle:.0f} s (stall limit {self.stall_s:g} s)")
+        return not reasons, reasons
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every figure as a JSON-able dict (the schema all views share; see ``SNAPSHOT_SCHEMA``)."""
+        now = self._clock()
+        counters = dict(self._counters)
+        rejected = {k[len(REJECTED_PREFIX):]: v for k, v in counters.items() if k.startswith(REJECTED_PREFIX)}
+        rates = {k: self.rate(k) for k in self._rates}
+        tokens_per_s = rates.get("tokens", 0.0)
+        bytes_in_per_s, bytes_out_per_s = rates.get("bytes_in", 0.0), rates.get("bytes_out", 0.0)
+        healthy, reasons = self.health()
+        train = list(self._train_hist)
+        return {
+            "schema": SNAPSHOT_SCHEMA,
+            "peer_id": self.peer_id,
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "n_stages": self.n_stages,
+            "maddrs": list(self.maddrs),
+            "state": self._state,
+            "state_for_s": now - self._state_since,
+            "uptime_s": now - self._started,
+            "drain_remaining_s": (max(0.0, self.drain_deadline - now)
+                                  if self._state == "draining" and self.drain_deadline is not None else None),
+            "healthy": healthy,
+            "health_reasons": reasons,
+            "local_step": self._local_step,
+            "tokens_total": self.tokens_total,
+            "tokens_per_s": tokens_per_s,
+            "bytes_in_per_s": bytes_in_per_s,
+            "bytes_out_per_s": bytes_out_per_s,
+            "bytes_per_token": ((bytes_in_per_s + bytes_out_per_s) / tokens_per_s) if tokens_per_s > 0 else None,
+            "train_loss": self.train_loss,
+            "train_loss_avg": (sum(train[-20:]) / len(train[-20:])) if train else None,
+            "val_loss": self.val_loss,
+            "train_loss_history": train,
+            "val_loss_history": list(self._val_hist),
+            "pipeline_delay": self.pipeline_delay,
+            "avg_tau": self.avg_tau,
+            "avg_group_size": self.avg_group_size,
+            "inflight": self.inflight,
+            "queued": self.queued,
+            "counters": counters,
+            "rates": rates,
+            "rejected": rejected,
+            "peers_per_stage": {str(s): n for s, n in sorted(self._peers_per_stage.items())},
+            "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings],
+        }
