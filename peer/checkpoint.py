@@ -1,0 +1,161 @@
+"""Periodic local checkpoints of one stage's state, so that a restarted peer resumes where it stopped.
+
+A checkpoint is one file per stage, ``<dir>/stage-<N>.pt``, holding the worker's ``state_dict()`` (parameters,
+optimiser, averaging EMA state, counters) together with the run id, the run's name, the stage and the local step. It is
+written atomically (temporary file in the same folder, fsync, ``os.replace``), so a crash or a ``docker stop`` in the
+middle of a save leaves the previous checkpoint intact, never a truncated one.
+
+Loading refuses, with a message that says what to do, a checkpoint written for another run (its settings differ, so
+its weights do not fit or would silently fork the run) or for another stage. Files are read with
+``torch.load(weights_only=True)``: a checkpoint folder may be shared or copied, and the restricted unpickler cannot run
+code.
+
+Interface for the daemon::
+
+    save_checkpoint(directory, run, stage, state) -> Path      # state = worker.state_dict() (taken on the compute
+                                                               # thread); call it in an executor, it does file I/O
+    load_checkpoint(directory, run, stage) -> dict | None      # the state dict, or None when there is no checkpoint
+    checkpoint_stages(directory, run) -> list[int]             # stages this run has checkpoints for (stage choice)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint exists but cannot be used (another run or stage, unreadable, or not ours)."""
+
+
+def checkpoint_path(directory: str | Path, stage: int) -> Path:
+    """Where the checkpoint of ``stage`` lives inside ``directory``."""
+    if stage < 0:
+        raise ValueError(f"stage must be >= 0, got {stage}")
+    return Path(directory) / f"stage-{stage}.pt"
+
+
+def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` (a worker's ``state_dict()``) for ``stage`` of ``run`` atomically; returns the file's path.
+
+    The step recorded is ``state['local_step']`` when the state carries one. Raises OSError when the folder cannot be
+    written (the caller logs it and keeps training: a failed checkpoint must not stop the peer).
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be the dict returned by StageWorker.state_dict(), got {type(state).__name__}")
+    path = checkpoint_path(directory, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    step = state.get("local_step", -1)
+    payload = {
+        "format": FORMAT_VERSION,
+        "run_id": run.run_id,
+        "run_name": run.name,
+        "stage": int(stage),
+        "step": int(step) if isinstance(step, int) else -1,
+        "saved_at": time.time(),
+        "state": state,
+    }
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    logger.info("checkpoint saved: %s (run %s, stage %d, step %s)", path, run.run_id, stage, payload["step"])
+    return path
+
+
+def load_checkpoint(directory: str | Path, run: RunConfig, stage: int) -> dict[str, Any] | None:
+    """The saved state of ``stage`` for ``run``, or None when ``directory`` holds no checkpoint for that stage.
+
+    Raises CheckpointError when the file is unreadable, is not an asyncmesh checkpoint, or belongs to another run or
+    stage; the message names both runs and says how to proceed.
+    """
+    path = checkpoint_path(directory, stage)
+    if not path.exists():
+        return None
+    payload = _read(path)
+    if payload["run_id"] != run.run_id:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to run {payload['run_id']} ({payload.get('run_name', '?')!r}), but this peer "
+            f"runs {run.run_id} ({run.name!r}): the run settings differ. Use another --checkpoint-dir for this run, "
+            f"or delete {path} if that run is over."
+        )
+    if payload["stage"] != stage:
+        raise CheckpointError(
+            f"checkpoint {path} holds stage {payload['stage']}, not stage {stage} (was the file renamed?). "
+            f"Move it back to {checkpoint_path(directory, payload['stage']).name} or delete it."
+        )
+    logger.info("checkpoint loaded: %s (stage %d, step %d)", path, stage, payload["step"])
+    return payload["state"]
+
+
+def checkpoint_stages(directory: str | Path, run: RunConfig) -> list[int]:
+    """Stages of ``run`` that ``directory`` holds usable checkpoints for (others are skipped with a warning)."""
+    stages = []
+    for stage in range(run.n_stages):
+        path = checkpoint_path(directory, stage)
+        if not path.exists():
+            continue
+        try:
+            payload = _read(path)
+        except CheckpointError as e:
+            logger.warning("%s", e)
+            continue
+        if payload["run_id"] == run.run_id and payload["stage"] == stage:
+            stages.append(stage)
+    return stages
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises a variety of pickle/zip/OS errors for a damaged or foreign file
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {type(e).__name__}: {e}. Delete it to start from peers or the seeded "
+            f"init, or restore it from a backup."
+        ) from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION or not isinstance(
+        payload.get("state"), dict
+    ):
+        raise CheckpointError(
+            f"{path} is not an asyncmesh checkpoint of format {FORMAT_VERSION}. Delete it or point --checkpoint-dir "
+            f"elsewhere."
+        )
+    if not isinstance(payload.get("run_id"), str) or not isinstance(payload.get("stage"), int):
+        raise CheckpointError(f"{path} lacks its run id or stage; delete it or point --checkpoint-dir elsewhere.")
+    return payload
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
