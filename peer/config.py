@@ -1,0 +1,134 @@
+"""How one peer process runs: everything a volunteer may set on the command line, as one validated dataclass.
+
+The run (model, optimiser, averaging, data) is ``trainer.config.RunConfig`` and is shared by the whole swarm; a
+``PeerConfig`` holds only what may differ between peers: addresses, identity, device, stage, timeouts and budgets.
+The CLI only builds this dataclass; the daemon reads nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("async", "sync")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def default_home() -> Path:
+    """Where a peer keeps its identity key and checkpoints unless told otherwise (``$ASYNCMESH_HOME``)."""
+    return Path(os.environ.get("ASYNCMESH_HOME", Path.home() / ".asyncmesh"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """One peer process. Timeouts are in seconds."""
+
+    stage: int | None = None
+    """Pipeline stage to serve; None chooses automatically from the swarm's announced throughput."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of running peers to join through; empty starts a new swarm."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Multiaddrs to listen on; port 0 picks a free port."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Multiaddrs others should dial (a public IP or port forward); empty announces what libp2p observes."""
+    identity_path: Path = field(default_factory=lambda: default_home() / "identity.key")
+    """Private key file that fixes this peer's id across restarts; created on first start."""
+    checkpoint_dir: Path | None = None
+    """Directory for periodic and final checkpoints; None disables checkpoints."""
+    data_path: str | None = None
+    """Overrides the run's data source (text files, a folder, or .bin shards)."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    mode: str = "async"
+    """'async' (no barrier anywhere) or 'sync' (GPipe flush and full gradient average every step, for comparison)."""
+    max_steps: int = 0
+    """Stop after this many local optimiser steps (0: run until stopped)."""
+    max_inflight: int = 0
+    """Stage 0: micro-batches in flight at once; 0 uses n_stages + 1."""
+    sync_microbatches: int = 4
+    """Sync mode: micro-batches per flush (GPipe M)."""
+    max_queue: int = 16
+    """Work items a peer queues for its compute thread before answering Busy (backpressure)."""
+    eval_every_s: float = 10.0
+    """Stage 0: send the fixed validation batches this often (0 disables evaluation)."""
+    eval_batches: int = 2
+    """Validation micro-batches per evaluation."""
+    announce_every_s: float = 5.0
+    """Re-announce this peer's DHT record this often."""
+    record_ttl_s: float = 20.0
+    """A DHT record expires this long after its announcement (a dead peer vanishes from routing after it)."""
+    dht_timeout_s: float = 5.0
+    """Hard timeout on one DHT read."""
+    rpc_timeout_s: float = 10.0
+    """Timeout of one forward/backward RPC."""
+    microbatch_timeout_s: float = 60.0
+    """A micro-batch whose gradient has not come back after this long is dropped (and re-queued on stage 0)."""
+    hop_retries: int = 4
+    """Other peers tried for one hop before the micro-batch is dropped."""
+    ban_base_s: float = 2.0
+    """First ban of a failing peer; doubles per consecutive failure up to ban_max_s."""
+    ban_max_s: float = 60.0
+    """Longest ban of a failing peer."""
+    rebalance_every_s: float = 60.0
+    """How often a peer checks whether moving to another stage would help the swarm (0 disables)."""
+    rebalance_quality: float = 0.75
+    """Hysteresis: move only if the slowest stage's capacity would rise above current / quality."""
+    join_jitter_s: float = 1.0
+    """Random wait before acting on a stage choice, then re-check (spreads peers that join at the same time)."""
+    checkpoint_every_s: float = 120.0
+    """Periodic checkpoint interval when checkpoint_dir is set (0: only the final checkpoint)."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM: wait this long for in-flight micro-batches before the final checkpoint."""
+    state_load_timeout_s: float = 60.0
+    """Give up loading state from donors after this long and fall back to a checkpoint or the seeded init."""
+    reachability_timeout_s: float = 10.0
+    """Dial-back timeout of the reachability self-check."""
+    summary_json: Path | None = None
+    """Write a JSON summary (tokens/s, losses, counters) here on exit."""
+    metrics_port: int | None = None
+    """Serve the status endpoint on this port (None disables)."""
+    use_ipfs: bool = False
+    """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "host_maddrs", tuple(self.host_maddrs))
+        object.__setattr__(self, "announce_maddrs", tuple(self.announce_maddrs))
+        object.__setattr__(self, "identity_path", Path(self.identity_path))
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+        if self.summary_json is not None:
+            object.__setattr__(self, "summary_json", Path(self.summary_json))
+        if self.stage is not None and self.stage < 0:
+            raise ValueError(f"--stage must be 'auto' or a non-negative integer, got {self.stage}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("max_steps", "max_inflight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("sync_microbatches", "max_queue", "hop_retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("announce_every_s", "record_ttl_s", "dht_timeout_s", "rpc_timeout_s", "microbatch_timeout_s",
+                     "ban_base_s", "ban_max_s", "drain_timeout_s", "state_load_timeout_s", "reachability_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
+        for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
+        if self.record_ttl_s <= self.announce_every_s:
+            raise ValueError(f"record_ttl_s ({self.record_ttl_s}) must exceed announce_every_s "
+                             f"({self.announce_every_s}) or the record expires between announcements")
+        if not 0.0 < self.rebalance_quality <= 1.0:
+            raise ValueError(f"rebalance_quality must be in (0, 1], got {self.rebalance_quality}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be a TCP port (0-65535), got {self.metrics_port}")
+        if self.ban_max_s < self.ban_base_s:
+            raise ValueError("ban_max_s must be >= ban_base_s")
+
+    def inflight_for(self, n_stages: int) -> int:
+        """Micro-batches stage 0 keeps in flight: enough to fill the pipeline unless set explicitly."""
+        return self.max_inflight or n_stages + 1

@@ -1,0 +1,99 @@
+"""Stage choice and rebalancing on hand-built DHT snapshots (pure functions, no network)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from peer.dht_records import PeerRecord
+from peer.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+
+
+def rec(pid: str, stage: int, thr: float = 1.0, state: str = "training") -> PeerRecord:
+    return PeerRecord(peer_id=pid, stage=stage, throughput=thr, queue=0, version=0, state=state)
+
+
+def swarm(*recs: PeerRecord) -> dict[str, PeerRecord]:
+    return {r.peer_id: r for r in recs}
+
+
+def test_stage_costs_weigh_the_head_and_never_zero():
+    costs = stage_costs([2, 2], n_embd=32, vocab_size=256)
+    assert costs[0] == pytest.approx(2.05)
+    assert costs[1] == pytest.approx(2 + 256 / (12 * 32))
+    assert min(stage_costs([0, 3, 0], n_embd=64, vocab_size=256)) > 0
+
+
+def test_empty_swarm_picks_any_stage_and_empty_stage_first():
+    costs = [1.0, 1.0, 1.0]
+    assert choose_stage({}, costs, rng=random.Random(0)) in (0, 1, 2)
+    snap = swarm(rec("a", 0), rec("b", 2))
+    assert all(choose_stage(snap, costs, rng=random.Random(i)) == 1 for i in range(20))
+
+
+def test_choice_is_relative_to_cost():
+    # equal throughput, but stage 1 costs 3x as much: it has the least capacity
+    snap = swarm(rec("a", 0, 2.0), rec("b", 1, 2.0), rec("c", 1, 2.0))
+    assert choose_stage(snap, [1.0, 3.0]) == 1
+    assert capacities(snap, [1.0, 3.0]) == pytest.approx([2.0, 4.0 / 3.0])
+
+
+def test_ties_are_broken_at_random_to_spread_joiners():
+    snap = swarm(rec("a", 0), rec("b", 1))
+    picks = {choose_stage(snap, [1.0, 1.0], rng=random.Random(i)) for i in range(40)}
+    assert picks == {0, 1}
+
+
+def test_stopped_peers_are_ignored():
+    snap = swarm(rec("a", 0), rec("b", 1), rec("c", 1, state="stopped"), rec("d", 0))
+    assert choose_stage(snap, [1.0, 1.0]) == 1
+
+
+def test_newcomer_estimate_is_the_median():
+    assert estimate_throughput({}) == 1.0
+    assert estimate_throughput(swarm(rec("a", 0, 1.0), rec("b", 1, 5.0), rec("c", 1, 3.0))) == 3.0
+
+
+def test_overserved_stage_moves_one_peer_to_the_starved_one():
+    snap = swarm(rec("a", 0), rec("b", 0), rec("c", 0), rec("d", 1))
+    assert should_move(snap, [1.0, 1.0], "a") == 1
+    assert should_move(snap, [1.0, 1.0], "d") is None  # alone on its stage: never empties it
+
+
+def test_hysteresis_blocks_small_gains():
+    # moving "a" would leave stage 0 at 2.2 < 2.9: the minimum would fall
+    snap = swarm(rec("a", 0, 1.0), rec("b", 0, 2.2), rec("c", 1, 2.9))
+    assert should_move(snap, [1.0, 1.0], "a") is None
+    # moving "a" raises the minimum from 2.3 to 2.5 (+9 %): below the 1/0.75 threshold, above 1/0.95
+    snap = swarm(rec("a", 0, 0.4), rec("b", 0, 2.5), rec("c", 1, 2.3))
+    assert should_move(snap, [1.0, 1.0], "a", quality=0.75) is None
+    assert should_move(snap, [1.0, 1.0], "a", quality=0.95) == 1
+
+
+def test_no_flapping_after_a_move():
+    costs = [1.0, 1.0, 1.0]
+    rng = random.Random(1)
+    for trial in range(50):
+        recs = [rec(f"p{i}", rng.randrange(3), rng.uniform(0.2, 3.0)) for i in range(rng.randint(2, 8))]
+        snap = swarm(*recs)
+        for _ in range(40):  # let every peer move greedily until nobody wants to
+            moved = False
+            for pid in sorted(snap):
+                target = should_move(snap, costs, pid)
+                if target is not None:
+                    before = min(capacities(snap, costs))
+                    r = snap[pid]
+                    snap[pid] = PeerRecord(peer_id=pid, stage=target, throughput=r.throughput, queue=0, version=0,
+                                           state="training")
+                    assert min(capacities(snap, costs)) > before  # the objective strictly improves
+                    moved = True
+            if not moved:
+                break
+        else:
+            pytest.fail(f"trial {trial}: peers kept moving (flapping)")
+
+
+def test_invalid_quality_is_rejected():
+    with pytest.raises(ValueError, match="quality"):
+        should_move(swarm(rec("a", 0)), [1.0], "a", quality=0.0)
