@@ -1,0 +1,228 @@
+"""Data-parallel averaging math: sparse partitions, the avg/delta/EMA update rules, and WAGMA groups.
+
+AsyncMesh (DESIGN.md "Data-parallel axis", ALGORITHMS.md §1.3, §6B). Per parameter tensor, coordinates are randomly
+permuted into n = ceil(1/p) disjoint partitions, cycled one per round and redrawn after each cycle. The permutation
+of cycle c for parameter j of stage s is drawn from a generator seeded by (run seed, s, j, c) only, so every replica
+computes the same partitions and no mask crosses the wire. Round r uses partition r % n of cycle r // n.
+
+A round on partition S: the replicas' mean a = mean_j W_j[S] arrives some local steps after this replica snapshotted
+W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] - W_then:
+  'avg'   W[S] <- a                                   (stale overwrite, "AsyncSPARTA")
+  'delta' W[S] <- a + lam * delta
+  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh; e starts at 0)
+mu is mu_start for the first mu_warmup_steps local steps, then cosine-annealed to mu_end at optim.total_steps:
+  mu = mu_start + (mu_end - mu_start) * (1 - cos(pi * t)) / 2,  t = (k - W) / (T - W - 1) clamped to [0, 1].
+
+WAGMA (ALGORITHMS.md §3, §6C) as pure functions the simulator and the worker share: groups rotate over the base-G
+digit fields of the replica index; w_i <- (sum of the group's last published models + w_i) / (|group| + 1), the
+released code's divisor (own model counted twice); every ``wagma_global_every`` steps a global average.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import AveragingConfig
+
+logger = logging.getLogger(__name__)
+
+
+class AveragingError(ValueError):
+    """An averaging call that cannot be applied: unknown round, wrong shapes, non-finite values."""
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.sha256("/".join(map(str, ("asyncmesh-partition",) + parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Partitioner:
+    """Per-parameter index sets of each round, identical on every replica of a stage.
+
+    Args:
+        seed: the run seed.
+        stage: the pipeline stage (replicas of different stages hold different tensors).
+        shapes: the stage's parameter shapes, in ``parameters()`` order.
+        fraction: p; each tensor is split into n = ceil(1/p) partitions.
+    """
+
+    def __init__(self, seed: int, stage: int, shapes: Sequence[Sequence[int]], fraction: float) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        self.seed, self.stage = seed, stage
+        self.numels = [math.prod(s) for s in shapes]
+        self.n = max(1, math.ceil(1.0 / fraction - 1e-9))
+        self._cycle = -1
+        self._perms: list[torch.Tensor] = []
+
+    def _perm(self, j: int, cycle: int) -> torch.Tensor:
+        gen = torch.Generator(device="cpu").manual_seed(_seed(self.seed, self.stage, j, cycle))
+        return torch.randperm(self.numels[j], generator=gen)
+
+    def indices(self, round_no: int) -> list[torch.Tensor]:
+        """Flat LongTensor indices (sorted) of round ``round_no``'s partition, one per parameter."""
+        if round_no < 0:
+            raise ValueError(f"round_no must be >= 0, got {round_no}")
+        cycle, k = divmod(round_no, self.n)
+        if cycle != self._cycle:  # cache one cycle: rounds usually advance in order
+            self._perms = [self._perm(j, cycle) for j in range(len(self.numels))]
+            self._cycle = cycle
+        return [torch.sort(perm[k :: self.n]).values for perm in self._perms]
+
+
+def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
+    """EMA coefficient at ``local_step``: mu_start during warm-up, then cosine to mu_end at ``total_steps``."""
+    if local_step < cfg.mu_warmup_steps:
+        return cfg.mu_start
+    span = total_steps - cfg.mu_warmup_steps - 1
+    if span <= 0:
+        return cfg.mu_end
+    t = min(1.0, max(0.0, (local_step - cfg.mu_warmup_steps) / span))
+    return cfg.mu_start + (cfg.mu_end - cfg.mu_start) * (1.0 - math.cos(math.pi * t)) / 2.0
+
+
+@dataclass
+class _Snapshot:
+    indices: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class SparseAveragingState:
+    """One replica's averaging state: the partitioner, in-flight snapshots and the EMA drift buffers.
+
+    Several rounds may be in flight at once (the network delay spans several local steps); each keeps its own
+    snapshot. ``rule`` is 'avg', 'delta' or 'ema' (for 'wagma' the worker averages whole tensors, see wagma_apply).
+    """
+
+    def __init__(self, cfg: AveragingConfig, total_steps: int, seed: int, stage: int,
+                 params: Sequence[torch.Tensor]) -> None:
+        self.cfg, self.total_steps = cfg, total_steps
+        fraction = 1.0 if cfg.rule == "wagma" else cfg.fraction
+        self.partitioner = Partitioner(seed, stage, [p.shape for p in params], fraction)
+        self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if cfg.rule == "ema" else []
+        self.snapshots: dict[int, _Snapshot] = {}
+
+    def begin(self, round_no: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Snapshot W[S] of round ``round_no``; returns copies of the values (one flat tensor per parameter)."""
+        if round_no in self.snapshots:
+            raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
+        idx = [i.to(p.device) for i, p in zip(self.partitioner.indices(round_no), params, strict=True)]
+        values = [p.detach().reshape(-1)[i].clone() for p, i in zip(params, idx, strict=True)]
+        self.snapshots[round_no] = _Snapshot(idx, values)
+        return [v.clone() for v in values]
+
+    def abort(self, round_no: int) -> None:
+        """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
+        self.snapshots.pop(round_no, None)
+
+    @torch.no_grad()
+    def finish(self, round_no: int, mean: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+               local_step: int, group_size: int | None = None) -> None:
+        """Apply the rule with the drift since ``begin``; validates ``mean`` before touching any weight.
+
+        For 'wagma', ``mean`` is the mean of the group's published models and ``group_size`` how many there were
+        (default ``wagma_group_size``); on a global round (``wagma_is_global(round_no)``) W <- mean.
+        """
+        snap = self.snapshots.get(round_no)
+        if snap is None:
+            raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
+        if len(mean) != len(snap.indices):
+            raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(snap.indices)}")
+        for j, (m, i) in enumerate(zip(mean, snap.indices, strict=True)):
+            if m.shape != i.shape:
+                raise AveragingError(f"round {round_no}: tensor {j} has shape {tuple(m.shape)}, "
+                                     f"expected {tuple(i.shape)}")
+            if not torch.isfinite(m).all():
+                raise AveragingError(f"round {round_no}: tensor {j} holds NaN or Inf; round rejected")
+        del self.snapshots[round_no]
+        rule, lam = self.cfg.rule, self.cfg.lam
+        mu = mu_at(self.cfg, local_step, self.total_steps)
+        for j, (p, i) in enumerate(zip(params, snap.indices, strict=True)):
+            flat = p.data.view(-1)
+            a = mean[j].to(device=p.device, dtype=p.dtype)
+            if rule == "avg":
+                new = a
+            elif rule == "delta":
+                new = a + lam * (flat[i] - snap.values[j])
+            elif rule == "ema":
+                e = self.ema[j].view(-1)
+                e[i] = mu * e[i] + (1.0 - mu) * (flat[i] - snap.values[j])
+                new = a + lam * e[i]
+            elif rule == "wagma" and wagma_is_global(round_no, self.cfg.wagma_global_every):
+                new = a
+            elif rule == "wagma":
+                new = wagma_apply(flat[i], a, group_size or self.cfg.wagma_group_size)
+            else:
+                raise AveragingError(f"averaging.rule {rule!r} does not average; set a rule to use averaging")
+            flat[i] = new
+
+    def state_dict(self) -> dict:
+        return {"ema": [e.clone() for e in self.ema]}
+
+    def load_state_dict(self, d: dict) -> None:
+        ema = d["ema"]
+        if len(ema) != len(self.ema) or any(a.shape != b.shape for a, b in zip(ema, self.ema, strict=True)):
+            raise ValueError("averaging state does not match this stage's parameters (different run or stage?)")
+        for dst, src in zip(self.ema, ema, strict=True):
+            dst.copy_(src)
+        self.snapshots.clear()
+
+
+# --- WAGMA ------------------------------------------------------------------------------------------------------
+
+def wagma_n_fields(n_replicas: int, group_size: int) -> int:
+    """Digit fields L = ceil(log_G R): groups rotate through them, one per phase."""
+    if n_replicas < 1 or group_size < 2:
+        raise ValueError(f"need n_replicas >= 1 and group_size >= 2, got {n_replicas}, {group_size}")
+    fields, span = 0, 1
+    while span < n_replicas:
+        span *= group_size
+        fields += 1
+    return max(1, fields)
+
+
+def wagma_group(replica: int, phase: int, n_replicas: int, group_size: int) -> list[int]:
+    """Replicas averaging together with ``replica`` at ``phase`` (sorted, including ``replica`` itself).
+
+    Phase t uses base-G digit field f = t mod L of the replica index: the group is every index that differs from
+    ``replica`` only in digit f. For G a power of two this is the released code's XOR butterfly (partners
+    ``replica ^ (m << f*log2 G)``). Groups are disjoint and symmetric, and after L phases every replica has mixed
+    with every other. When R is not a power of G the index space is padded to G^L and indices >= R are left out, so
+    some groups are smaller than G (possibly just the replica itself); the union over L phases stays connected.
+    """
+    if not 0 <= replica < n_replicas:
+        raise ValueError(f"replica must be in [0, {n_replicas}), got {replica}")
+    L = wagma_n_fields(n_replicas, group_size)
+    unit = group_size ** (phase % L)
+    digit = (replica // unit) % group_size
+    base = replica - digit * unit
+    return [m for m in (base + d * unit for d in range(group_size)) if m < n_replicas]
+
+
+def wagma_is_global(step: int, every: int) -> bool:
+    """True when ``step`` is a global-average step: t mod (tau + 1) == tau with every = tau + 1."""
+    return step % every == every - 1
+
+
+def wagma_average(own: torch.Tensor, published: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(sum of the group's last published models + own) / (len(published) + 1); ``published`` includes own's."""
+    total = own.clone()
+    for w in published:
+        total += w
+    return total / (len(published) + 1)
+
+
+def wagma_apply(own: torch.Tensor, group_mean: torch.Tensor, group_size: int) -> torch.Tensor:
+    """wagma_average given the mean of the ``group_size`` published models instead of the list."""
+    return (group_mean * group_size + own) / (group_size + 1)
+
+
+def global_average(models: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Plain mean of all replicas' tensors (the periodic global synchronisation)."""
+    return torch.stack(list(models)).mean(dim=0)

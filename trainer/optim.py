@@ -1,0 +1,87 @@
+"""Per-stage optimisers and the learning-rate schedule.
+
+'nadam' is the AsyncPP look-ahead: ``torch.optim.NAdam`` with decoupled weight decay and beta1 0.99, whose
+(1 - mu_t)-discounted gradient term and mu_{t+1} look-ahead are exactly the paper's Nesterov correction for stale
+gradients (see DESIGN.md); ``momentum_decay`` is kept as its built-in momentum warm-up. 'adamw' is the synchronous
+baseline's optimiser. Weight decay applies to matrices and embeddings only (nanoGPT's grouping), never to biases or
+LayerNorm parameters.
+
+Without weight stashing the paper's No-WS variant uses a stage-dependent beta1: ``nows_beta1_first`` at stage 0 (the
+largest delay), linearly down to ``nows_beta1_last`` at the last stage (no delay).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from trainer.config import OptimConfig
+
+
+def stage_beta1(cfg: OptimConfig, stage: int, n_stages: int) -> float:
+    """beta1 of ``stage``: ``cfg.beta1`` with stashing, else linear from nows_beta1_first to nows_beta1_last."""
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"stage must be in [0, {n_stages}), got {stage}")
+    if cfg.weight_stashing:
+        return cfg.beta1
+    if n_stages == 1:
+        return cfg.nows_beta1_last
+    frac = stage / (n_stages - 1)
+    return cfg.nows_beta1_first + frac * (cfg.nows_beta1_last - cfg.nows_beta1_first)
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate for local optimiser step ``step`` (0-based).
+
+    Linear warm-up ``lr * (step + 1) / (warmup_steps + 1)`` for ``step < warmup_steps``, then cosine from ``lr`` to
+    ``min_lr_ratio * lr`` at ``step == total_steps``, constant after (nanoGPT's schedule).
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    min_lr = cfg.min_lr_ratio * cfg.lr
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    if step >= cfg.total_steps:
+        return min_lr
+    ratio = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - min_lr)
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, stage: int, n_stages: int
+) -> torch.optim.Optimizer:
+    """The stage's optimiser: decay on tensors with >= 2 dims, none on biases/norms; the caller sets lr per step."""
+    params = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("build_optimizer got no trainable parameters")
+    betas = (stage_beta1(cfg, stage, n_stages), cfg.beta2)
+    lr = lr_at(cfg, 0)
+    if cfg.optimizer == "nadam":
+        return torch.optim.NAdam(
+            groups, lr=lr, betas=betas, eps=cfg.eps, momentum_decay=cfg.momentum_decay, decoupled_weight_decay=True
+        )
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'nadam' or 'adamw'")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip this stage's gradient norm to ``max_norm`` (0 disables); returns the norm before clipping."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))

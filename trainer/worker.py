@@ -1,0 +1,342 @@
+"""StageWorker: one replica of one pipeline stage, driven by the simulator or by the daemon.
+
+It knows nothing of networks: it takes a micro-batch's input, returns the output, takes the output gradient, returns
+the input gradient, steps its optimiser, and keeps its data-parallel averaging state (trainer/averaging.py).
+
+**Backward recomputes the forward.** ``forward`` runs without autograd and keeps only the micro-batch's input (and,
+with weight stashing, the weight version it used); ``backward`` recomputes the stage's forward with autograd from
+that input and backpropagates. Keeping the autograd graph instead is not an option in an asynchronous pipeline: the
+optimiser and the averaging modify the weights in place between a micro-batch's forward and its backward, which
+invalidates the saved tensors, and holding graphs for every in-flight micro-batch costs far more memory than their
+inputs. This is PipeDream's (and the AsyncPP code's) mandatory ``--recompute``; it costs one extra forward on every
+stage but the last (``forward_loss`` does forward and backward at once). Dropout masks are reproduced by saving the
+RNG state at the forward.
+
+**Weight stashing** (``optim.weight_stashing``): the recompute runs at the weights of the version the forward used,
+then the step applies to the latest weights (w_{t+1} = step(w_t, grad f(w_{t-tau}))). A copy of a version's weights
+is made only when the weights are about to change while micro-batches forwarded at that version are still pending
+(refcounted), and freed when the last of them is backwarded or dropped. Averaging changes the live weights without
+creating a version, so the newest version's weights reflect post-averaging weights, as AsyncMesh's code does
+(``insert_to_queue`` after ``_interpolate_models``). Without stashing, backward uses the latest weights.
+
+**Not thread-safe.** The daemon calls one worker from one dedicated compute thread; the simulator from its loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from trainer.averaging import SparseAveragingState
+from trainer.config import RunConfig
+from trainer.model import build_stage
+from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+
+
+@dataclass
+class _Pending:
+    x: torch.Tensor  # stage input: tokens [B, T] or activations [B, T, C]
+    version: int  # local_step when the forward ran
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) RNG states for dropout, None if no dropout
+
+
+class StageWorker:
+    """One replica of pipeline stage ``stage`` of ``run``.
+
+    Args:
+        run: the run config every peer shares.
+        stage: the pipeline stage, 0 <= stage < run.n_stages.
+        device: torch device for weights and compute ('cpu', 'cuda', 'cuda:1', ...).
+        seed: init seed override (default run.seed; replicas of a swarm must share it). Partitions always use
+            run.seed so every replica agrees on them.
+        replica: this replica's index (simulator) — informational, used in log messages.
+        auto_step: True (asynchronous drivers): every backward/forward_loss adds its gradient and, after
+            ``optim.accumulate`` of them, the worker steps. False (synchronous drivers): call ``optimizer_step``.
+    """
+
+    def __init__(self, run: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int | None = None,
+                 replica: int = 0, auto_step: bool = True) -> None:
+        if not 0 <= stage < run.n_stages:
+            raise ValueError(f"stage must be in [0, {run.n_stages}), got {stage}")
+        self.run, self.stage, self.n_stages = run, stage, run.n_stages
+        self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
+        self.device = torch.device(device)
+        self.replica, self.auto_step = replica, auto_step
+        self.model = build_stage(run, stage, seed).to(self.device)
+        self.model.train()
+        self._names = [n for n, _ in self.model.named_parameters()]
+        self._params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self._params, run.optim, stage, run.n_stages)
+        self.local_step = 0
+        self.accumulated = 0  # gradient contributions summed into .grad since the last step
+        self.steps_skipped = 0  # steps refused because the gradient norm was not finite
+        self.last_grad_norm: float | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._stash: dict[int, list[torch.Tensor]] = {}  # version -> weight copies of a superseded version
+        self._refs: Counter[int] = Counter()  # version -> pending micro-batches forwarded at it
+        rule = run.averaging.rule
+        self.averaging = (None if rule == "none" else
+                          SparseAveragingState(run.averaging, run.optim.total_steps, run.seed, stage, self._params))
+
+    # --- properties -------------------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Weight version: the number of optimiser steps applied (== local_step)."""
+        return self.local_step
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def pending(self) -> int:
+        """Micro-batches forwarded and awaiting their backward."""
+        return len(self._pending)
+
+    def stashed_versions(self) -> list[int]:
+        """Versions whose weights are currently held as copies (for metrics and tests)."""
+        return sorted(self._stash)
+
+    # --- input checks (programming-error guards; the daemon validated wire tensors already) ------------------------
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.run.model
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"stage {self.stage} input must be a torch.Tensor, got {type(x).__name__}")
+        if self.is_first:
+            if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+                raise ValueError(f"stage 0 takes integer token ids [B, T], got {x.dtype} {tuple(x.shape)}")
+            x = x.to(self.device, torch.long)
+        else:
+            if x.dim() != 3 or x.shape[-1] != cfg.n_embd or not x.is_floating_point():
+                raise ValueError(f"stage {self.stage} takes float activations [B, T, {cfg.n_embd}], "
+                                 f"got {x.dtype} {tuple(x.shape)}")
+            x = x.to(self.device, self._params[0].dtype)
+        if x.shape[0] < 1 or not 1 <= x.shape[1] <= cfg.block_size:
+            raise ValueError(f"batch must be non-empty and 1 <= T <= block_size ({cfg.block_size}), "
+                             f"got shape {tuple(x.shape)}")
+        return x
+
+    def _check_targets(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if targets.shape != x.shape[:2] or targets.is_floating_point():
+            raise ValueError(f"targets must be integer ids of shape {tuple(x.shape[:2])}, "
+                             f"got {targets.dtype} {tuple(targets.shape)}")
+        targets = targets.to(self.device, torch.long)
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.run.model.vocab_size):
+            raise ValueError(f"targets must be in [0, {self.run.model.vocab_size})")
+        return targets
+
+    # --- pipeline ---------------------------------------------------------------------------------------------------
+    def _save_rng(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.run.model.dropout == 0.0:
+            return None
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def forward(self, mb_id: int, x: torch.Tensor) -> torch.Tensor:
+        """Forward a micro-batch through this (non-last) stage; keeps its input until backward or drop."""
+        if self.is_last:
+            raise ValueError(f"stage {self.stage} is the last stage: call forward_loss with the targets")
+        if mb_id in self._pending:
+            raise ValueError(f"micro-batch {mb_id} is already pending on stage {self.stage}; ids must be unique")
+        x = self._check_input(x)
+        rng = self._save_rng()
+        with torch.no_grad():
+            y = self.model(x)  # [B, T, C]
+        self._pending[mb_id] = _Pending(x, self.version, rng)
+        self._refs[self.version] += 1
+        return y
+
+    def backward(self, mb_id: int, grad_y: torch.Tensor) -> torch.Tensor | None:
+        """Backward a pending micro-batch; returns the gradient wrt its input (None on stage 0)."""
+        if self.is_last:
+            raise ValueError(f"stage {self.stage} is the last stage: forward_loss already ran its backward")
+        pend = self._pending.get(mb_id)
+        if pend is None:
+            raise ValueError(f"micro-batch {mb_id} is not pending on stage {self.stage} (dropped or never forwarded)")
+        B, T = pend.x.shape[:2]
+        expected = (B, T, self.run.model.n_embd)
+        if tuple(grad_y.shape) != expected or not grad_y.is_floating_point():
+            raise ValueError(f"gradient for micro-batch {mb_id} must be float {expected}, "
+                             f"got {grad_y.dtype} {tuple(grad_y.shape)}")
+        del self._pending[mb_id]
+        try:
+            weights = self._stash.get(pend.version) if self.run.optim.weight_stashing else None
+            x = pend.x if self.is_first else pend.x.detach().requires_grad_(True)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
+                                       enabled=pend.rng is not None):
+                if pend.rng is not None:
+                    torch.set_rng_state(pend.rng[0])
+                    if pend.rng[1] is not None:
+                        torch.cuda.set_rng_state(pend.rng[1], self.device)
+                grad_x = self._backprop(x, weights, lambda out: (out, grad_y.to(out.device, out.dtype)))
+        finally:
+            self._release(pend.version)
+        self._contributed()
+        return grad_x
+
+    def forward_loss(self, mb_id: int, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, loss, backward at once; returns (loss, grad wrt input or None if also stage 0)."""
+        if not self.is_last:
+            raise ValueError(f"stage {self.stage} is not the last stage: call forward, then backward")
+        x = self._check_input(x)
+        targets = self._check_targets(x, targets)
+        if not self.is_first:
+            x = x.detach().requires_grad_(True)
+        box: list[float] = []
+
+        def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+            loss = self.model.loss(logits, targets)
+            box.append(float(loss.detach()))
+            return loss, None
+
+        grad_x = self._backprop(x, None, loss_fn)
+        self._contributed()
+        return box[0], grad_x
+
+    def _backprop(self, x: torch.Tensor, weights: list[torch.Tensor] | None, head) -> torch.Tensor | None:
+        """Forward with autograd (at ``weights`` or the live ones), backprop, add into .grad; returns grad wrt x."""
+        if weights is None:
+            params = self._params
+            out = self.model(x)
+        else:
+            params = [w.detach().requires_grad_(True) for w in weights]
+            out = functional_call(self.model, dict(zip(self._names, params, strict=True)), (x,))
+        target, grad_out = head(out)
+        inputs = params + ([] if self.is_first else [x])
+        grads = torch.autograd.grad(target, inputs, grad_out, allow_unused=True)
+        for p, g in zip(self._params, grads[: len(params)], strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                p.grad.add_(g)
+        return None if self.is_first else grads[-1]
+
+    def drop(self, mb_id: int) -> None:
+        """Forget a pending micro-batch (timeout, broken route); unknown ids are ignored."""
+        pend = self._pending.pop(mb_id, None)
+        if pend is not None:
+            self._release(pend.version)
+
+    def _release(self, version: int) -> None:
+        self._refs[version] -= 1
+        if self._refs[version] <= 0:
+            del self._refs[version]
+            self._stash.pop(version, None)
+
+    def _contributed(self) -> None:
+        self.accumulated += 1
+        if self.auto_step and self.accumulated >= self.run.optim.accumulate:
+            self.optimizer_step()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | float:
+        """No-grad forward at the latest weights: the output, or the mean loss on the last stage given targets."""
+        x = self._check_input(x)
+        self.model.eval()
+        try:
+            out = self.model(x)
+        finally:
+            self.model.train()
+        if self.is_last and targets is not None:
+            return float(self.model.loss(out, self._check_targets(x, targets)))
+        return out
+
+    # --- optimiser --------------------------------------------------------------------------------------------------
+    def optimizer_step(self) -> None:
+        """Clip this stage's summed gradient, set the scheduled lr, step, version += 1.
+
+        A non-finite gradient norm skips the step (counted in ``steps_skipped``) so the weights stay intact.
+        """
+        norm = clip_grad_norm(self._params, self.run.optim.grad_clip)
+        self.last_grad_norm = norm
+        if not torch.isfinite(torch.tensor(norm)):
+            self.steps_skipped += 1
+            logger.warning("stage %d replica %d: non-finite gradient norm, step skipped", self.stage, self.replica)
+        else:
+            if self.run.optim.weight_stashing and self._refs.get(self.version, 0) > 0:
+                self._stash.setdefault(self.version, [p.detach().clone() for p in self._params])
+            set_lr(self.optimizer, lr_at(self.run.optim, self.local_step))
+            self.optimizer.step()
+            self.local_step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated = 0
+
+    def grads(self) -> list[torch.Tensor]:
+        """Copies of the summed gradients (zeros where none has arrived), in parameters() order."""
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self._params]
+
+    def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """Replace the summed gradients (e.g. by the mean over replicas of a synchronous step)."""
+        if len(grads) != len(self._params):
+            raise ValueError(f"set_grads got {len(grads)} tensors, stage {self.stage} has {len(self._params)}")
+        for j, (p, g) in enumerate(zip(self._params, grads, strict=True)):
+            if g.shape != p.shape:
+                raise ValueError(f"gradient {j} ({self._names[j]}) has shape {tuple(g.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g.detach().to(p.device, p.dtype).clone()
+
+    # --- data-parallel averaging ------------------------------------------------------------------------------------
+    def _avg(self) -> SparseAveragingState:
+        if self.averaging is None:
+            raise ValueError("averaging.rule is 'none': this run does not average replicas")
+        return self.averaging
+
+    def averaging_begin(self, round_no: int) -> list[torch.Tensor]:
+        """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""
+        return self._avg().begin(round_no, self._params)
+
+    def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, group_size: int | None = None) -> None:
+        """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input."""
+        self._avg().finish(round_no, mean, self._params, self.local_step, group_size)
+
+    def averaging_abort(self, round_no: int) -> None:
+        """The round failed: forget its snapshot; weights untouched."""
+        self._avg().abort(round_no)
+
+    # --- state ------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Weights, optimiser state, averaging EMA state and counters (copies; pending micro-batches excluded)."""
+        return {
+            "format": STATE_FORMAT,
+            "run_id": self.run.run_id,
+            "stage": self.stage,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "averaging": None if self.averaging is None else self.averaging.state_dict(),
+            "local_step": self.local_step,
+            "accumulated": self.accumulated,
+            "grads": self.grads() if self.accumulated else None,
+            "steps_skipped": self.steps_skipped,
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore a state_dict of the same run and stage; pending micro-batches and stashes are dropped."""
+        if d.get("format") != STATE_FORMAT:
+            raise ValueError(f"state format {d.get('format')!r} is not {STATE_FORMAT}; written by another version")
+        if d.get("run_id") != self.run.run_id or d.get("stage") != self.stage:
+            raise ValueError(f"state is for run {d.get('run_id')} stage {d.get('stage')}, "
+                             f"this worker is run {self.run.run_id} stage {self.stage}")
+        self.model.load_state_dict(d["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(d["optimizer"]))
+        if self.averaging is not None and d["averaging"] is not None:
+            self.averaging.load_state_dict(d["averaging"])
+        self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
+        self.steps_skipped = int(d["steps_skipped"])
+        if d["grads"] is not None:
+            self.set_grads(d["grads"])
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._pending.clear()
+        self._stash.clear()
+        self._refs.clear()
