@@ -1,0 +1,202 @@
+"""Round trips, error bounds, compression ratios and validation of protocol.codecs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from protocol.codecs import CODECS, ErrorFeedback, decode, decode_async, encode, encode_async, roundtrip
+from protocol.envelope import TensorEnvelope
+from protocol.errors import ProtocolError, ValidationError
+from protocol.validation import TensorSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx.float() - exact.float()).norm() / exact.float().norm())
+
+
+@pytest.fixture
+def gaussian() -> torch.Tensor:
+    return torch.randn(8, 128, 128, generator=torch.Generator().manual_seed(0))
+
+
+# (codec, bound on relative L2 error for Gaussian data)
+BOUNDS = [("none", 0.0), ("fp16", 1e-3), ("bf16", 5e-3), ("int8", 0.01), ("int4", 0.10), ("int8q", 0.05)]
+
+
+@pytest.mark.parametrize(("codec", "bound"), BOUNDS)
+def test_roundtrip_error_bound(codec: str, bound: float, gaussian: torch.Tensor) -> None:
+    out = roundtrip(gaussian, codec)
+    assert out.shape == gaussian.shape and out.dtype == gaussian.dtype
+    assert rel_error(out, gaussian) <= bound
+    if codec == "none":
+        assert torch.equal(out, gaussian)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_roundtrip_keeps_dtype(codec: str, dtype: torch.dtype, gaussian: torch.Tensor) -> None:
+    x = gaussian[:2].to(dtype)
+    out = roundtrip(x, codec)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_error(out, x) <= 0.1
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (127,), (129,), (65, 3), (0,), (2, 0, 5)])
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4", "topk:0.5", "int8q"])
+def test_odd_shapes(codec: str, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    out = roundtrip(x, codec)
+    assert out.shape == x.shape
+    if x.numel() and codec != "topk:0.5":
+        assert rel_error(out, x) <= 0.15
+
+
+def test_quantizers_exact_on_block_max_and_zero() -> None:
+    x = torch.zeros(256)
+    x[5], x[100], x[200] = 3.0, -7.5, 0.25
+    for codec in ("int8", "int4"):
+        out = roundtrip(x, codec)
+        assert out[5] == pytest.approx(3.0, rel=1e-2) and out[100] == pytest.approx(-7.5, rel=1e-2)
+        assert out[x == 0].abs().max() == 0
+
+
+def test_integer_tensors_need_none() -> None:
+    ids = torch.randint(0, 50_000, (4, 256))
+    assert torch.equal(roundtrip(ids, "none"), ids)
+    with pytest.raises(ValueError, match="floating-point"):
+        encode(ids, "int8")
+
+
+@pytest.mark.parametrize(("codec", "min_ratio"), [("fp16", 1.99), ("bf16", 1.99), ("int8", 3.9), ("int4", 7.5)])
+def test_compression_ratio_with_headers(codec: str, min_ratio: float, gaussian: torch.Tensor) -> None:
+    env = encode(gaussian, codec)
+    assert gaussian.numel() * 4 / env.wire_bytes >= min_ratio
+
+
+def test_unknown_codec_names() -> None:
+    for bad in ("int3", "topk:0", "topk:1.5", "topk:abc", ""):
+        with pytest.raises(ValueError, match="codec|fraction"):
+            encode(torch.ones(3), bad)
+
+
+def test_quantizing_nan_is_refused() -> None:
+    with pytest.raises(ValueError, match="NaN"):
+        encode(torch.tensor([1.0, float("nan")]), "int8")
+
+
+def test_topk_keeps_largest() -> None:
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, 0.0, -0.3, 0.05, 1.0])
+    out = roundtrip(x, "topk:0.25")
+    assert torch.equal(out, torch.tensor([0.0, -5.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_error_feedback_sum_converges() -> None:
+    """Sum of what TopK+EF sent over many steps approaches the true sum; without EF it does not."""
+    gen = torch.Generator().manual_seed(2)
+    deltas = [torch.randn(4096, generator=gen) * (1 + torch.rand(4096, generator=gen)) for _ in range(200)]
+    truth = torch.stack(deltas).sum(0)
+    feedback = ErrorFeedback("topk:0.05")
+    sent_ef = torch.zeros(4096)
+    sent_plain = torch.zeros(4096)
+    errors = []
+    for step, d in enumerate(deltas):
+        sent_ef += decode(feedback.encode("w", d))
+        sent_plain += roundtrip(d, "topk:0.05")
+        if step in (19, 199):  # error after 20 and after 200 steps
+            errors.append(rel_error(sent_ef, torch.stack(deltas[: step + 1]).sum(0)))
+    # what was sent plus what is still held back is exactly the truth
+    assert torch.allclose(sent_ef + feedback.residual("w"), truth, atol=1e-3)
+    assert errors[1] < errors[0] and errors[1] < 0.35
+    assert rel_error(sent_plain, truth) > 2 * errors[1]  # without feedback the dropped mass is lost for good
+    feedback.reset("w")
+    assert feedback.residual("w") is None
+
+
+def test_error_feedback_shape_change_is_an_error() -> None:
+    feedback = ErrorFeedback("int8")
+    feedback.encode(0, torch.ones(4))
+    with pytest.raises(ValueError, match="changed shape"):
+        feedback.encode(0, torch.ones(5))
+
+
+def _env(**kw: object) -> TensorEnvelope:
+    base = dict(codec=0, dtype="float32", shape=(2, 2), data=bytes(16))
+    base.update(kw)
+    return TensorEnvelope(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "spec"),
+    [
+        (_env(codec=99), "x.codec", None),
+        (_env(dtype="complex64"), "x.dtype", None),
+        (_env(shape=(2, -2)), "x.shape", None),
+        (_env(shape=[2, 2]), "x.shape", None),
+        (_env(data=bytes(15)), "x.data", None),
+        (_env(shape=(2, 3)), "x.shape", TensorSpec((2, 2), torch.float32)),
+        (_env(dtype="float16", data=bytes(8)), "x.dtype", TensorSpec((2, 2), torch.float32)),
+        (_env(codec=3, dtype="int64", data=bytes(32)), "x.codec", None),
+        (_env(shape=(2**20, 2**20), data=b""), "x.shape", None),
+        (_env(codec=5, data=(7).to_bytes(4, "little") + bytes(4)), "x.data", None),
+        (_env(codec=5, data=bytes(16)), "x.data", None),
+    ],
+)
+def test_decode_rejects_with_field_and_peer(env: TensorEnvelope, field: str, spec: TensorSpec | None) -> None:
+    with pytest.raises(ValidationError) as info:
+        decode(env, spec, peer="QmEvil", field="x")
+    assert info.value.field == field and info.value.peer == "QmEvil"
+    assert "QmEvil" in str(info.value) and field in str(info.value)
+
+
+def test_decode_rejects_non_finite_and_bounds() -> None:
+    bad = encode(torch.tensor([1.0, float("inf")]), "none")
+    with pytest.raises(ValidationError, match="NaN or infinite"):
+        decode(bad, peer="p")
+    x = encode(torch.full((4,), 3.0), "int8")
+    assert decode(x, TensorSpec((4,), torch.float32, max_abs=3.1, max_norm=6.1)).sum() == pytest.approx(12, rel=1e-2)
+    with pytest.raises(ValidationError, match="max \\|value\\|"):
+        decode(x, TensorSpec((4,), torch.float32, max_abs=2.0))
+    with pytest.raises(ValidationError, match="L2 norm"):
+        decode(x, TensorSpec((-1,), torch.float32, max_norm=5.0))
+
+
+def test_wildcard_spec_dimension() -> None:
+    spec = TensorSpec((-1, 4), torch.float32)
+    assert decode(encode(torch.ones(3, 4), "fp16"), spec).shape == (3, 4)
+    with pytest.raises(ValidationError):
+        decode(encode(torch.ones(3, 5), "fp16"), spec)
+    with pytest.raises(ValidationError, match="exceed"):
+        decode(encode(torch.ones(300, 4), "none"), spec, max_elements=1000)
+
+
+def test_spec_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        TensorSpec((2, -3), torch.float32)
+    with pytest.raises(ValueError):
+        TensorSpec((2,), torch.complex64)
+    with pytest.raises(ValueError):
+        TensorSpec((2,), torch.int64, max_abs=1.0)
+
+
+def test_async_helpers_match_sync(gaussian: torch.Tensor) -> None:
+    async def main() -> None:
+        big = gaussian.repeat(4, 1, 1)  # 2 MiB: goes through the executor
+        for t in (gaussian[0, 0], big):
+            env = await encode_async(t, "int8")
+            assert env == encode(t, "int8")
+            assert torch.equal(await decode_async(env, peer="p"), decode(env))
+        with pytest.raises(ProtocolError):
+            await decode_async(_env(codec=99), peer="p")
+
+    asyncio.run(main())
+
+
+def test_registry_ids_are_unique_and_stable() -> None:
+    assert {name: c.id for name, c in CODECS.items()} == {
+        "none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5, "int8q": 6,
+    }  # fmt: skip
