@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -99,3 +101,201 @@ def test_evaluate_matches_training_loss_without_stepping():
     loss = run_pipeline([w0, w1], 0, x, y)
     assert ev == pytest.approx(loss, abs=1e-6)
     assert w0.version == 0
+
+
+def _grad_at(worker: StageWorker, weights: list[torch.Tensor], x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """Reference: d(sum(out * g))/dW of a fresh copy of the stage's module at ``weights``."""
+    ref = copy.deepcopy(worker.model)
+    with torch.no_grad():
+        for p, w in zip(ref.parameters(), weights, strict=True):
+            p.copy_(w)
+    ref.zero_grad()
+    (ref(x) * g).sum().backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+@pytest.mark.parametrize("stashing", [True, False])
+def test_backward_uses_stashed_or_latest_weights(stashing):
+    run = tiny(2, optim={"weight_stashing": stashing, "lr": 1e-2})
+    w0 = StageWorker(run, 0, auto_step=False)
+    (x0, _), (x1, _) = batch(0), batch(1)
+    v0 = [p.detach().clone() for p in w0.parameters()]
+    w0.forward(0, x0)
+    w0.forward(1, x1)  # both forwarded at version 0
+    g = torch.randn(2, 8, 16)
+    w0.backward(0, g)
+    w0.optimizer_step()  # version 1: weights change while micro-batch 1 is still pending
+    v1 = [p.detach().clone() for p in w0.parameters()]
+    assert w0.version == 1 and not all(torch.equal(a, b) for a, b in zip(v0, v1, strict=True))
+    assert w0.stashed_versions() == ([0] if stashing else [])
+    w0.backward(1, g)
+    want = _grad_at(w0, v0 if stashing else v1, x1, g)
+    for a, b in zip(w0.grads(), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert w0.stashed_versions() == []  # freed with the last micro-batch of version 0
+    assert all(torch.equal(p, b) for p, b in zip(w0.parameters(), v1, strict=True))  # live weights untouched
+    w0.optimizer_step()
+    assert w0.version == 2
+
+
+def test_stash_freed_on_drop_and_not_made_without_references():
+    run = tiny(2, optim={"weight_stashing": True})
+    w0 = StageWorker(run, 0, auto_step=False)
+    x, _ = batch()
+    w0.optimizer_step()
+    assert w0.stashed_versions() == []  # nothing pending: no copy needed
+    w0.forward(7, x)
+    w0.optimizer_step()
+    assert w0.stashed_versions() == [1]
+    w0.drop(7)
+    assert w0.stashed_versions() == [] and w0.pending() == 0
+
+
+def test_averaging_changes_newest_version_weights():
+    """Like AsyncMesh's insert_to_queue after interpolation: backward of a micro-batch forwarded before averaging
+    (same version) runs at the post-averaging weights."""
+    run = tiny(2, optim={"weight_stashing": True}, averaging={"rule": "avg", "fraction": 0.5})
+    w0 = StageWorker(run, 0, auto_step=False)
+    x, _ = batch()
+    w0.forward(0, x)
+    values = w0.averaging_begin(0)
+    w0.averaging_finish(0, [v * 0 + 0.5 for v in values])
+    post = [p.detach().clone() for p in w0.parameters()]
+    w0.optimizer_step()  # stash of version 0 is copied now, from the post-averaging weights
+    g = torch.randn(2, 8, 16)
+    w0.backward(0, g)
+    for a, b in zip(w0.grads(), _grad_at(w0, post, x, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_averaging_hooks_apply_rule_and_abort_leaves_weights():
+    run = tiny(2, averaging={"rule": "delta", "fraction": 0.25, "lam": 1.0})
+    w = StageWorker(run, 1, auto_step=False)
+    idx = w.averaging.partitioner.indices(3)
+    before = [p.detach().clone() for p in w.parameters()]
+    values = w.averaging_begin(3)
+    assert [v.shape for v in values] == [i.shape for i in idx]
+    assert all(torch.equal(v, b.reshape(-1)[i]) for v, b, i in zip(values, before, idx, strict=True))
+    w.averaging_abort(3)
+    assert all(torch.equal(p, b) for p, b in zip(w.parameters(), before, strict=True))
+    w.averaging_begin(3)
+    w.set_grads([torch.ones_like(p) for p in w.parameters()])
+    w.optimizer_step()
+    stepped = [p.detach().clone() for p in w.parameters()]
+    mean = [torch.full_like(v, 0.25) for v in values]
+    w.averaging_finish(3, mean)
+    for p, b, s, i in zip(w.parameters(), before, stepped, idx, strict=True):
+        expect = s.reshape(-1).clone()
+        expect[i] = 0.25 + (s.reshape(-1)[i] - b.reshape(-1)[i])  # a + lam * drift
+        torch.testing.assert_close(p.detach().reshape(-1), expect)
+    none = StageWorker(tiny(2, averaging={"rule": "none"}), 0)
+    with pytest.raises(ValueError, match="rule is 'none'"):
+        none.averaging_begin(0)
+
+
+def test_accumulation_sums_gradients_and_steps_once():
+    run = tiny(2, optim={"accumulate": 3, "lr": 1e-2})
+    acc = StageWorker(run, 1)  # auto_step with accumulate=3
+    ref = StageWorker(run, 1, auto_step=False)
+    batches = [(torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(i)), batch(i)[1]) for i in range(3)]
+    for i, (h, y) in enumerate(batches):
+        acc.forward_loss(i, h, y)
+        assert acc.version == (1 if i == 2 else 0)
+    for i, (h, y) in enumerate(batches):
+        ref.forward_loss(i, h, y)  # sums into .grad (see the next test)
+    ref.optimizer_step()
+    assert acc.version == ref.version == 1
+    for a, b in zip(acc.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    states = [s["step"].item() for s in acc.optimizer.state_dict()["state"].values()]
+    assert states and all(s == 1.0 for s in states)  # optimiser state advanced once for 3 gradients
+
+
+def test_accumulated_gradient_is_sum_of_individual_ones():
+    run = tiny(2)
+    w = StageWorker(run, 1, auto_step=False)
+    parts = []
+    for i in range(2):
+        one = StageWorker(run, 1, auto_step=False)
+        h, y = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(i)), batch(i)[1]
+        one.forward_loss(i, h, y)
+        w.forward_loss(i, h, y)
+        parts.append(one.grads())
+    for got, a, b in zip(w.grads(), *parts, strict=True):
+        torch.testing.assert_close(got, a + b)
+
+
+def test_lr_schedule_and_nonfinite_step_skipped():
+    run = tiny(2, optim={"warmup_steps": 4, "lr": 1e-2})
+    w = StageWorker(run, 1, auto_step=False)
+    w.set_grads([torch.ones_like(p) for p in w.parameters()])
+    w.optimizer_step()
+    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    before = [p.detach().clone() for p in w.parameters()]
+    w.set_grads([torch.full_like(p, float("nan")) for p in w.parameters()])
+    w.optimizer_step()
+    assert w.steps_skipped == 1 and w.version == 1
+    assert all(torch.equal(p, b) for p, b in zip(w.parameters(), before, strict=True))
+    with pytest.raises(ValueError, match="expected"):
+        w.set_grads([torch.zeros(1) for _ in w.parameters()])
+    with pytest.raises(ValueError, match="tensors"):
+        w.set_grads([])
+
+
+def test_grad_clipping_is_per_stage():
+    run = tiny(2, optim={"grad_clip": 1.0})
+    w = StageWorker(run, 1, auto_step=False)
+    w.set_grads([torch.full_like(p, 10.0) for p in w.parameters()])
+    n = sum(p.numel() for p in w.parameters())
+    w.optimizer_step()
+    assert w.last_grad_norm == pytest.approx(10.0 * n**0.5, rel=1e-5)
+
+
+def test_dropout_recompute_reproduces_the_forward_masks():
+    run = tiny(2, model={"dropout": 0.3})
+    w0 = StageWorker(run, 0, auto_step=False)
+    x, _ = batch()
+    g = torch.randn(2, 8, 16)
+    ref = copy.deepcopy(w0.model)
+    torch.manual_seed(11)
+    y = w0.forward(0, x)
+    torch.manual_seed(11)
+    out = ref(x)
+    torch.testing.assert_close(y, out.detach())
+    (out * g).sum().backward()
+    torch.manual_seed(99)  # the RNG moved on; backward must still use the forward's masks
+    w0.backward(0, g)
+    for a, p in zip(w0.grads(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def _train(workers: list[StageWorker], start: int, n: int) -> list[float]:
+    return [run_pipeline(workers, mb, *batch(mb)) for mb in range(start, start + n)]
+
+
+def _avg_round(workers: list[StageWorker], r: int) -> None:
+    for w in workers:
+        v = w.averaging_begin(r)
+        w.averaging_finish(r, [t * 0.5 for t in v])
+
+
+def test_state_dict_round_trips_exactly():
+    run = tiny(2, averaging={"rule": "ema", "fraction": 0.5}, optim={"accumulate": 2})
+    a = [StageWorker(run, s) for s in range(2)]
+    _train(a, 0, 5)  # leaves one gradient accumulated
+    _avg_round(a, 0)
+    assert a[0].accumulated == 1
+    b = [StageWorker(run, s) for s in range(2)]
+    for src, dst in zip(a, b, strict=True):
+        dst.load_state_dict(src.state_dict())
+        assert dst.version == src.version and dst.accumulated == src.accumulated
+        assert torch.equal(dst.averaging.ema[0], src.averaging.ema[0])
+    la, lb = _train(a, 5, 4), _train(b, 5, 4)
+    _avg_round(a, 1)
+    _avg_round(b, 1)
+    assert la == lb
+    for wa, wb in zip(a, b, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(wa.parameters(), wb.parameters(), strict=True))
+    other = StageWorker(tiny(2, seed=5), 0)
+    with pytest.raises(ValueError, match="state is for run"):
+        other.load_state_dict(a[0].state_dict())

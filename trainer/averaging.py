@@ -58,22 +58,28 @@ class Partitioner:
         self.seed, self.stage = seed, stage
         self.numels = [math.prod(s) for s in shapes]
         self.n = max(1, math.ceil(1.0 / fraction - 1e-9))
-        self._cycle = -1
-        self._perms: list[torch.Tensor] = []
+        self._cache: dict[int, list[torch.Tensor]] = {}  # cycle -> int32 permutations (4 bytes per weight)
 
-    def _perm(self, j: int, cycle: int) -> torch.Tensor:
-        gen = torch.Generator(device="cpu").manual_seed(_seed(self.seed, self.stage, j, cycle))
-        return torch.randperm(self.numels[j], generator=gen)
+    def _perms(self, cycle: int) -> list[torch.Tensor]:
+        perms = self._cache.get(cycle)
+        if perms is None:
+            perms = []
+            for j, numel in enumerate(self.numels):
+                gen = torch.Generator(device="cpu").manual_seed(_seed(self.seed, self.stage, j, cycle))
+                perms.append(torch.randperm(numel, generator=gen, dtype=torch.int32))
+            # rounds in flight may straddle a cycle boundary: keep the two most recent cycles
+            self._cache = {c: p for c, p in self._cache.items() if c == cycle - 1}
+            self._cache[cycle] = perms
+        return perms
 
     def indices(self, round_no: int) -> list[torch.Tensor]:
         """Flat LongTensor indices (sorted) of round ``round_no``'s partition, one per parameter."""
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
+        if self.n == 1:
+            return [torch.arange(numel) for numel in self.numels]
         cycle, k = divmod(round_no, self.n)
-        if cycle != self._cycle:  # cache one cycle: rounds usually advance in order
-            self._perms = [self._perm(j, cycle) for j in range(len(self.numels))]
-            self._cycle = cycle
-        return [torch.sort(perm[k :: self.n]).values for perm in self._perms]
+        return [torch.sort(perm[k :: self.n].long()).values for perm in self._perms(cycle)]
 
 
 def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
@@ -194,7 +200,9 @@ def wagma_group(replica: int, phase: int, n_replicas: int, group_size: int) -> l
     ``replica`` only in digit f. For G a power of two this is the released code's XOR butterfly (partners
     ``replica ^ (m << f*log2 G)``). Groups are disjoint and symmetric, and after L phases every replica has mixed
     with every other. When R is not a power of G the index space is padded to G^L and indices >= R are left out, so
-    some groups are smaller than G (possibly just the replica itself); the union over L phases stays connected.
+    some groups are smaller than G (possibly just the replica itself); any 2L consecutive phases still mix every
+    replica into every other (move down the digits that decrease in the first L phases, then up the rest; all
+    intermediate indices stay below max(i, j) < R), and the averaging divisor uses the actual group size.
     """
     if not 0 <= replica < n_replicas:
         raise ValueError(f"replica must be in [0, {n_replicas}), got {replica}")

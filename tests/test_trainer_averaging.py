@@ -1,0 +1,193 @@
+"""Averaging math against hand-computed values: partitions, avg/delta/ema rules, mu schedule, WAGMA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.averaging import (
+    AveragingError,
+    Partitioner,
+    SparseAveragingState,
+    global_average,
+    mu_at,
+    wagma_apply,
+    wagma_average,
+    wagma_group,
+    wagma_is_global,
+    wagma_n_fields,
+)
+from trainer.config import AveragingConfig
+
+
+def test_partitions_disjoint_cover_and_agree():
+    shapes = [(7, 5), (3,), (1,)]
+    a, b = Partitioner(0, 1, shapes, 0.25), Partitioner(0, 1, shapes, 0.25)
+    assert a.n == 4
+    for cycle in range(2):
+        parts = [a.indices(cycle * 4 + k) for k in range(4)]
+        for j, numel in enumerate((35, 3, 1)):
+            joined = torch.cat([p[j] for p in parts])
+            assert sorted(joined.tolist()) == list(range(numel))  # disjoint and covering
+            assert max(len(p[j]) for p in parts) - min(len(p[j]) for p in parts) <= 1
+    from_b = {r: b.indices(r) for r in reversed(range(9))}  # another replica, asking in another order
+    for r in range(9):
+        assert all(torch.equal(x, y) for x, y in zip(a.indices(r), from_b[r], strict=True))
+    other_stage, other_seed = Partitioner(0, 2, shapes, 0.25), Partitioner(1, 1, shapes, 0.25)
+    assert not torch.equal(a.indices(0)[0], other_stage.indices(0)[0])
+    assert not torch.equal(a.indices(0)[0], other_seed.indices(0)[0])
+    assert not torch.equal(a.indices(0)[0], a.indices(4)[0])  # redrawn each cycle
+    assert Partitioner(0, 0, [(3,)], 0.05).n == 20 and Partitioner(0, 0, [(3,)], 0.3).n == 4
+    assert Partitioner(0, 0, [(2, 2)], 1.0).indices(5)[0].tolist() == [0, 1, 2, 3]
+
+
+def _state(rule: str, **kw) -> tuple[SparseAveragingState, list[torch.Tensor]]:
+    cfg = AveragingConfig(rule=rule, fraction=1.0, **kw)
+    w = [torch.tensor([1.0, 2.0, 3.0, 4.0])]
+    return SparseAveragingState(cfg, total_steps=100, seed=0, stage=0, params=w), w
+
+
+def _drift_and_finish(state, w, round_no, drift, mean, step=0):
+    sent = state.begin(round_no, w)
+    w[0] += torch.tensor(drift)
+    state.finish(round_no, [torch.tensor(mean)], w, local_step=step)
+    return sent
+
+
+def test_rule_avg():
+    state, w = _state("avg")
+    sent = _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, 0.0], [10.0, 10.0, 10.0, 10.0])
+    assert sent[0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert w[0].tolist() == [10.0, 10.0, 10.0, 10.0]
+
+
+def test_rule_delta():
+    state, w = _state("delta", lam=0.5)
+    _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, -4.0], [10.0, 10.0, 10.0, 10.0])
+    assert w[0].tolist() == [10.5, 10.0, 11.0, 8.0]
+
+
+def test_rule_ema_two_rounds():
+    state, w = _state("ema", lam=1.0, mu_start=0.5, mu_warmup_steps=10)
+    _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, 0.0], [10.0, 10.0, 10.0, 10.0])
+    # e = 0.5*0 + 0.5*drift = [0.5, 0, 1, 0]; W = a + e
+    assert state.ema[0].tolist() == [0.5, 0.0, 1.0, 0.0]
+    assert w[0].tolist() == [10.5, 10.0, 11.0, 10.0]
+    _drift_and_finish(state, w, 1, [1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0])
+    # e = 0.5*[0.5, 0, 1, 0] + 0.5*[1, 2, 0, 0] = [0.75, 1, 0.5, 0]
+    assert state.ema[0].tolist() == [0.75, 1.0, 0.5, 0.0]
+    assert w[0].tolist() == [0.75, 1.0, 0.5, 0.0]
+
+
+def test_ema_sparse_partition_touches_only_its_coordinates():
+    cfg = AveragingConfig(rule="ema", fraction=0.5, mu_start=0.5, mu_warmup_steps=10)
+    w = [torch.arange(6.0)]
+    state = SparseAveragingState(cfg, 100, seed=3, stage=0, params=w)
+    idx = state.partitioner.indices(0)[0]
+    before = w[0].clone()
+    sent = state.begin(0, w)
+    assert torch.equal(sent[0], before[idx])
+    w[0] += 1.0  # local step drifts every coordinate by 1
+    state.finish(0, [torch.full((3,), -5.0)], w, local_step=0)
+    untouched = torch.ones(6, dtype=torch.bool)
+    untouched[idx] = False
+    assert torch.equal(w[0][untouched], before[untouched] + 1.0)
+    assert torch.equal(w[0][idx], torch.full((3,), -4.5))  # a + 0.5 * drift
+    assert torch.equal(state.ema[0][untouched], torch.zeros(3))
+
+
+def test_mu_schedule_hand_values():
+    cfg = AveragingConfig(mu_start=0.5, mu_end=0.99, mu_warmup_steps=10)
+    assert mu_at(cfg, 0, 21) == 0.5 and mu_at(cfg, 9, 21) == 0.5
+    assert mu_at(cfg, 10, 21) == pytest.approx(0.5)  # t = 0
+    assert mu_at(cfg, 15, 21) == pytest.approx(0.745)  # t = 0.5: 0.5 + 0.49 * 0.5
+    assert mu_at(cfg, 12, 21) == pytest.approx(0.5 + 0.49 * (1 - math.cos(math.pi * 0.2)) / 2)
+    assert mu_at(cfg, 20, 21) == pytest.approx(0.99) and mu_at(cfg, 500, 21) == pytest.approx(0.99)
+    assert mu_at(cfg, 10, 5) == 0.99  # schedule shorter than the warm-up
+
+
+def test_ema_uses_mu_of_the_local_step():
+    state, w = _state("ema", lam=1.0, mu_start=0.5, mu_end=0.9, mu_warmup_steps=0)
+    mu = mu_at(state.cfg, 50, 100)
+    _drift_and_finish(state, w, 0, [2.0, 0.0, 0.0, 0.0], [0.0] * 4, step=50)
+    assert state.ema[0][0].item() == pytest.approx((1 - mu) * 2.0)
+
+
+def test_finish_rejects_bad_input_and_leaves_weights():
+    state, w = _state("avg")
+    state.begin(0, w)
+    before = w[0].clone()
+    with pytest.raises(AveragingError, match="shape"):
+        state.finish(0, [torch.zeros(3)], w, 0)
+    with pytest.raises(AveragingError, match="NaN"):
+        state.finish(0, [torch.tensor([1.0, float("nan"), 0.0, 0.0])], w, 0)
+    with pytest.raises(AveragingError, match="2 tensors"):
+        state.finish(0, [torch.zeros(4), torch.zeros(4)], w, 0)
+    assert torch.equal(w[0], before)
+    with pytest.raises(AveragingError, match="already begun"):
+        state.begin(0, w)
+    state.abort(0)
+    with pytest.raises(AveragingError, match="never begun"):
+        state.finish(0, [torch.zeros(4)], w, 0)
+    state.abort(0)  # aborting an unknown round is harmless
+
+
+def test_wagma_groups_power_of_g():
+    assert wagma_n_fields(8, 2) == 3 and wagma_n_fields(16, 4) == 2 and wagma_n_fields(1, 2) == 1
+    assert wagma_group(5, 0, 8, 2) == [4, 5]
+    assert wagma_group(5, 1, 8, 2) == [5, 7]
+    assert wagma_group(5, 2, 8, 2) == [1, 5]
+    assert wagma_group(5, 3, 8, 2) == [4, 5]  # phases cycle
+    assert wagma_group(6, 0, 16, 4) == [4, 5, 6, 7]
+    assert wagma_group(6, 1, 16, 4) == [2, 6, 10, 14]
+    for G, R in ((2, 8), (4, 16)):  # XOR butterfly of the released code for G a power of two
+        bits = G.bit_length() - 1
+        for i in range(R):
+            for t in range(wagma_n_fields(R, G)):
+                assert wagma_group(i, t, R, G) == sorted(i ^ (m << (t * bits)) for m in range(G))
+
+
+@pytest.mark.parametrize("R,G", [(6, 2), (5, 3), (10, 4), (3, 2), (8, 2)])
+def test_wagma_groups_partition_and_mix(R, G):
+    L = wagma_n_fields(R, G)
+    reach = {i: {i} for i in range(R)}
+    full_mix = L if G**L == R else 2 * L  # padded index spaces need a second pass over the fields
+    for t in range(1, 1 + full_mix):  # any window of phases works; start off a cycle boundary
+        groups = {tuple(wagma_group(i, t, R, G)) for i in range(R)}
+        members = sorted(m for g in groups for m in g)
+        assert members == list(range(R))  # disjoint, covering
+        assert all(i in wagma_group(i, t, R, G) and len(g) <= G for g in groups for i in g)
+        reach = {i: set().union(*(reach[m] for m in wagma_group(i, t, R, G))) for i in range(R)}
+    assert all(reach[i] == set(range(R)) for i in range(R))  # every model influenced every other
+    assert wagma_group(5, 1, 6, 2) == [5]  # padded index 7 does not exist
+
+
+def test_wagma_average_and_global():
+    own = torch.tensor([3.0, 0.0])
+    published = [torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0])]
+    assert wagma_average(own, published).tolist() == [2.0, 1.0]  # (1+2+3)/3, (3+0+0)/3
+    assert wagma_apply(own, global_average(published), 2).tolist() == [2.0, 1.0]
+    assert global_average(published).tolist() == [1.5, 1.5]
+    assert [s for s in range(25) if wagma_is_global(s, 11)] == [10, 21]
+
+
+def test_wagma_rule_through_state():
+    state, w = _state("wagma", wagma_group_size=2, wagma_global_every=3)
+    state.begin(0, w)
+    state.finish(0, [torch.tensor([4.0, 4.0, 4.0, 4.0])], w, 0)
+    assert w[0].tolist() == pytest.approx([3.0, 10 / 3, 11 / 3, 4.0])  # (2*4 + w)/3
+    state.begin(2, w)
+    state.finish(2, [torch.zeros(4)], w, 0)  # round 2 is global (every 3): overwrite with the global mean
+    assert w[0].tolist() == [0.0] * 4
+
+
+def test_state_dict_roundtrip():
+    state, w = _state("ema")
+    _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, 0.0], [0.0] * 4)
+    other, _ = _state("ema")
+    other.load_state_dict(state.state_dict())
+    assert torch.equal(other.ema[0], state.ema[0])
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict({"ema": [torch.zeros(5)]})
