@@ -45,13 +45,16 @@ def test_build_optimizer_types_and_groups():
     w, b = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3))
     nadam = build_optimizer([w, b], OptimConfig(weight_stashing=False), stage=0, n_stages=3)
     assert isinstance(nadam, torch.optim.NAdam)
-    decay, no_decay = nadam.param_groups
-    assert decay["params"] == [w] and decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    assert decay["betas"] == (0.99, 0.999) and decay["decoupled_weight_decay"] and decay["momentum_decay"] == 0.004
+    (group,) = nadam.param_groups  # decay on every parameter, as the AsyncPP code does
+    assert group["params"] == [w, b] and group["weight_decay"] == 0.01
+    assert group["betas"] == (0.99, 0.999) and group["decoupled_weight_decay"] and group["momentum_decay"] == 0.004
     last = build_optimizer([w, b], OptimConfig(weight_stashing=False), stage=2, n_stages=3)
     assert last.param_groups[0]["betas"] == (0.9, 0.999)
     adamw = build_optimizer([w, b], OptimConfig(optimizer="adamw", beta1=0.9), stage=0, n_stages=1)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"] == (0.9, 0.999)
+    assert adamw.param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(ValueError, match="no trainable"):
+        build_optimizer([], OptimConfig(), 0, 1)
 
 
 def test_clip_grad_norm():

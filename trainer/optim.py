@@ -3,8 +3,8 @@
 'nadam' is the AsyncPP look-ahead: ``torch.optim.NAdam`` with decoupled weight decay and beta1 0.99, whose
 (1 - mu_t)-discounted gradient term and mu_{t+1} look-ahead are exactly the paper's Nesterov correction for stale
 gradients (see DESIGN.md); ``momentum_decay`` is kept as its built-in momentum warm-up. 'adamw' is the synchronous
-baseline's optimiser. Weight decay applies to matrices and embeddings only (nanoGPT's grouping), never to biases or
-LayerNorm parameters.
+baseline's optimiser. Weight decay applies to every parameter of the stage, as the AsyncPP/AsyncMesh code does
+(``NAdamWithWeightStashing(r.master_parameters, ...)``), not nanoGPT's matrices-only grouping.
 
 Without weight stashing the paper's No-WS variant uses a stage-dependent beta1: ``nows_beta1_first`` at stage 0 (the
 largest delay), linearly down to ``nows_beta1_last`` at the last stage (no delay).
@@ -52,23 +52,17 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimConfig, stage: int, n_stages: int
 ) -> torch.optim.Optimizer:
-    """The stage's optimiser: decay on tensors with >= 2 dims, none on biases/norms; the caller sets lr per step."""
+    """The stage's optimiser over all its trainable parameters; the caller sets the scheduled lr before each step."""
     params = [p for p in params if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
-    if not groups:
+    if not params:
         raise ValueError("build_optimizer got no trainable parameters")
     betas = (stage_beta1(cfg, stage, n_stages), cfg.beta2)
-    lr = lr_at(cfg, 0)
+    lr, wd = lr_at(cfg, 0), cfg.weight_decay
     if cfg.optimizer == "nadam":
-        return torch.optim.NAdam(
-            groups, lr=lr, betas=betas, eps=cfg.eps, momentum_decay=cfg.momentum_decay, decoupled_weight_decay=True
-        )
+        return torch.optim.NAdam(params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=wd,
+                                 momentum_decay=cfg.momentum_decay, decoupled_weight_decay=True)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=wd)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'nadam' or 'adamw'")
 
 
