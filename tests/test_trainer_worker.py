@@ -299,3 +299,39 @@ def test_state_dict_round_trips_exactly():
     other = StageWorker(tiny(2, seed=5), 0)
     with pytest.raises(ValueError, match="state is for run"):
         other.load_state_dict(a[0].state_dict())
+
+
+def test_load_state_dict_rejects_bad_states_and_leaves_worker_intact():
+    run = tiny(2, averaging={"rule": "ema", "fraction": 0.5})
+    src, dst = StageWorker(run, 1), StageWorker(run, 1, seed=9)
+    src.forward_loss(0, torch.randn(2, 8, 16), batch()[1])
+    good = src.state_dict()
+    before = copy.deepcopy(dst.state_dict())
+
+    def bad(mutate) -> dict:
+        d = copy.deepcopy(good)
+        mutate(d)
+        return d
+
+    key = next(iter(good["model"]))
+    cases = {
+        "NaN": bad(lambda d: d["model"][key].view(-1).__setitem__(0, float("nan"))),
+        "shape": bad(lambda d: d["model"].__setitem__(key, torch.zeros(3))),
+        "do not match": bad(lambda d: d["model"].pop(key)),
+        "unknown parameter": bad(lambda d: d["optimizer"]["state"].__setitem__(999, {})),
+        "non-negative int": bad(lambda d: d.__setitem__("local_step", -1)),
+        "lacks": bad(lambda d: d.pop("grads")),
+        "EMA": bad(lambda d: d["averaging"].__setitem__("ema", [])),
+        r"optimizer\[0\]\[exp_avg\]": bad(lambda d: d["optimizer"]["state"][0].__setitem__("exp_avg", torch.ones(2))),
+    }
+    for match, state in cases.items():
+        with pytest.raises((ValueError, TypeError), match=match):
+            dst.load_state_dict(state)
+    after = dst.state_dict()
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+    assert after["local_step"] == before["local_step"] == 0
+    # hyper-parameters are this run's own, whatever the donor says
+    hostile = bad(lambda d: d["optimizer"]["param_groups"][0].__setitem__("weight_decay", 100.0))
+    dst.load_state_dict(hostile)
+    assert dst.optimizer.param_groups[0]["weight_decay"] == run.optim.weight_decay
+    assert dst.local_step == 1 and torch.equal(dst.parameters()[0], src.parameters()[0])

@@ -321,14 +321,16 @@ class StageWorker:
         }
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore a state_dict of the same run and stage; pending micro-batches and stashes are dropped."""
-        if d.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {d.get('format')!r} is not {STATE_FORMAT}; written by another version")
-        if d.get("run_id") != self.run.run_id or d.get("stage") != self.stage:
-            raise ValueError(f"state is for run {d.get('run_id')} stage {d.get('stage')}, "
-                             f"this worker is run {self.run.run_id} stage {self.stage}")
+        """Restore a state_dict of the same run and stage; pending micro-batches and stashes are dropped.
+
+        The state may come from a stranger (state sync), so everything is checked before anything is touched: keys,
+        shapes, dtypes, finite values, counters. The optimiser's hyper-parameters are this run's own; only its
+        per-parameter state is taken from ``d``. Raises ValueError/TypeError and leaves the worker as it was.
+        """
+        self._check_state(d)
         self.model.load_state_dict(d["model"])
-        self.optimizer.load_state_dict(copy.deepcopy(d["optimizer"]))
+        own_groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": copy.deepcopy(d["optimizer"]["state"]), "param_groups": own_groups})
         if self.averaging is not None and d["averaging"] is not None:
             self.averaging.load_state_dict(d["averaging"])
         self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
@@ -340,3 +342,57 @@ class StageWorker:
         self._pending.clear()
         self._stash.clear()
         self._refs.clear()
+
+    def _check_state(self, d: dict) -> None:
+        if not isinstance(d, dict):
+            raise TypeError(f"state must be a dict from StageWorker.state_dict(), got {type(d).__name__}")
+        missing = {"format", "run_id", "stage", "model", "optimizer", "averaging", "local_step", "accumulated",
+                   "grads", "steps_skipped"} - set(d)
+        if missing:
+            raise ValueError(f"state lacks {sorted(missing)}; it was not written by StageWorker.state_dict()")
+        if d["format"] != STATE_FORMAT:
+            raise ValueError(f"state format {d['format']!r} is not {STATE_FORMAT}; written by another version")
+        if d["run_id"] != self.run.run_id or d["stage"] != self.stage:
+            raise ValueError(f"state is for run {d['run_id']} stage {d['stage']}, "
+                             f"this worker is run {self.run.run_id} stage {self.stage}")
+        own = self.model.state_dict()
+        model = d["model"]
+        if not isinstance(model, dict) or set(model) != set(own):
+            raise ValueError("state's model tensors do not match this stage's parameters")
+        for k, ref in own.items():
+            _check_tensor(f"model[{k}]", model[k], ref.shape)
+        opt = d["optimizer"]
+        if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict):
+            raise ValueError("state's optimizer entry must be a torch optimizer state_dict")
+        for idx, entry in opt["state"].items():
+            if not isinstance(idx, int) or not 0 <= idx < len(self._params) or not isinstance(entry, dict):
+                raise ValueError(f"state's optimizer holds an entry for unknown parameter {idx!r}")
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    shape = self._params[idx].shape if value.dim() else torch.Size([])
+                    _check_tensor(f"optimizer[{idx}][{name}]", value, shape)
+        for name in ("local_step", "accumulated", "steps_skipped"):
+            if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 0:
+                raise ValueError(f"state's {name} must be a non-negative int, got {d[name]!r}")
+        if d["accumulated"] >= self.run.optim.accumulate and self.auto_step:
+            raise ValueError(f"state's accumulated ({d['accumulated']}) must be < optim.accumulate")
+        if d["grads"] is not None:
+            if not isinstance(d["grads"], list) or len(d["grads"]) != len(self._params):
+                raise ValueError("state's grads do not match this stage's parameters")
+            for j, (g, p) in enumerate(zip(d["grads"], self._params, strict=True)):
+                _check_tensor(f"grads[{j}]", g, p.shape)
+        if self.averaging is not None and d["averaging"] is not None:
+            ema = d["averaging"].get("ema") if isinstance(d["averaging"], dict) else None
+            if not isinstance(ema, list) or len(ema) != len(self.averaging.ema):
+                raise ValueError("state's averaging EMA does not match this run's averaging rule and stage")
+            for j, (e, ref) in enumerate(zip(ema, self.averaging.ema, strict=True)):
+                _check_tensor(f"averaging.ema[{j}]", e, ref.shape)
+
+
+def _check_tensor(name: str, t: object, shape: torch.Size) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"state's {name} must be a tensor, got {type(t).__name__}")
+    if t.shape != shape:
+        raise ValueError(f"state's {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise ValueError(f"state's {name} holds NaN or Inf; refusing to load it")
