@@ -335,3 +335,40 @@ def test_load_state_dict_rejects_bad_states_and_leaves_worker_intact():
     dst.load_state_dict(hostile)
     assert dst.optimizer.param_groups[0]["weight_decay"] == run.optim.weight_decay
     assert dst.local_step == 1 and torch.equal(dst.parameters()[0], src.parameters()[0])
+
+
+def test_middle_stage_stashing_gradient_wrt_input_and_weights():
+    run = tiny(3, model={"n_layer": 3}, optim={"weight_stashing": True, "lr": 1e-2})
+    w = StageWorker(run, 1, auto_step=False)
+    h = torch.randn(2, 8, 16)
+    v0 = [p.detach().clone() for p in w.parameters()]
+    w.forward(0, h)
+    w.set_grads([torch.ones_like(p) for p in w.parameters()])
+    w.optimizer_step()
+    g = torch.randn(2, 8, 16)
+    grad_h = w.backward(0, g)
+    ref = copy.deepcopy(w.model)
+    with torch.no_grad():
+        for p, v in zip(ref.parameters(), v0, strict=True):
+            p.copy_(v)
+    hh = h.clone().requires_grad_(True)
+    (ref(hh) * g).sum().backward()
+    torch.testing.assert_close(grad_h, hh.grad, rtol=1e-5, atol=1e-7)
+    for a, p in zip(w.grads(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_matches_cpu():
+    run = tiny(2)
+    cpu = [StageWorker(run, s, auto_step=False) for s in range(2)]
+    gpu = [StageWorker(run, s, device="cuda", auto_step=False) for s in range(2)]
+    assert all(p.is_cuda for w in gpu for p in w.parameters())
+    x, y = batch()
+    assert run_pipeline(gpu, 0, x, y) == pytest.approx(run_pipeline(cpu, 0, x, y), abs=1e-4)
+    for wc, wg in zip(cpu, gpu, strict=True):
+        for a, b in zip(wc.grads(), wg.grads(), strict=True):
+            torch.testing.assert_close(a, b.cpu(), rtol=1e-3, atol=1e-5)
+        v = wg.averaging_begin(0)
+        wg.averaging_finish(0, [t.cpu() for t in v])
+        wg.optimizer_step()
