@@ -1,0 +1,56 @@
+# asyncmesh-peer: a volunteer peer daemon on a CUDA GPU.
+#
+#   docker build -t asyncmesh .
+#   docker run --gpus all -d --name asyncmesh --restart unless-stopped --stop-timeout 90 \
+#       -p 31337:31337 -v asyncmesh-data:/data asyncmesh \
+#       join --stage auto --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+#
+# See docs/docker.md (ports, the announce address behind NAT, health checks, graceful stops).
+
+# Pinned: CUDA 12.8 runtime + cuDNN 9 + PyTorch 2.7.1 (Python 3.11). Needs an NVIDIA driver >= 570 on the host.
+FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ASYNCMESH_HOME=/data
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /app
+
+# 1. Dependencies first, from the manifest alone, so that editing the source does not re-download them.
+#    torch is already in the base image and satisfies the manifest's "torch>=..." without a download.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# 2. The source, installed without touching the dependencies again.
+COPY README.md ./
+COPY protocol ./protocol
+COPY trainer ./trainer
+COPY peer ./peer
+RUN pip install --no-cache-dir --no-deps . \
+    && python -c "import peer.cli, protocol, trainer"
+
+# 3. An unprivileged user owning only the data volume (identity key and checkpoints live in $ASYNCMESH_HOME).
+RUN groupadd --gid 10001 peer \
+    && useradd --no-log-init --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin peer \
+    && mkdir -p /data \
+    && chown 10001:10001 /data
+USER 10001:10001
+VOLUME ["/data"]
+
+# 31337: libp2p (publish it, and announce the public address when behind NAT); 9464: /status and /metrics.
+EXPOSE 31337/tcp 9464/tcp
+
+# SIGTERM drains in-flight micro-batches, writes a final checkpoint and withdraws the DHT record: give it time with
+# `docker run --stop-timeout 90` / compose `stop_grace_period: 90s` (Docker's default of 10 s cuts the drain short).
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
+    CMD ["asyncmesh-peer", "status", "--quiet", "--port", "9464"]
+
+ENTRYPOINT ["asyncmesh-peer"]
+CMD ["join", "--stage", "auto", "--host-maddrs", "/ip4/0.0.0.0/tcp/31337", "--checkpoint-dir", "/data/checkpoints", \
+     "--metrics-port", "9464", "--no-tui"]
