@@ -84,3 +84,19 @@ def test_val_batches_fixed_and_cover_the_split():
     assert len(v1) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2, strict=True))
     assert v1[0][0][0, 0].item() == 0  # first window starts at the beginning
     assert v1[-1][1][-1, -1].item() == corpus.val[-1]  # last window ends at the end
+
+
+def test_bin_shards_hash_split_capped_and_single_shard_memmapped(tmp_path):
+    for i in range(30):
+        np.full(1000, i, dtype=np.uint16).tofile(tmp_path / f"shard{i:02d}.bin")
+    corpus = load_corpus(DataConfig(source=str(tmp_path), bin_vocab_size=256, max_bytes=40_000, val_fraction=0.2), 256)
+    assert len(corpus.train) == 16_000 and len(corpus.val) == 4_000  # cap 20k tokens split 80/20
+    assert set(np.unique(corpus.train)).isdisjoint(np.unique(corpus.val))  # whole shards on one side
+    single = tmp_path / "one" / "big.bin"
+    single.parent.mkdir()
+    (np.arange(30_000) % 256).astype(np.uint16).tofile(single)
+    one = load_corpus(DataConfig(source=str(single), bin_vocab_size=256, max_bytes=100, val_fraction=0.1), 256)
+    assert isinstance(one.train, np.memmap) and len(one.train) == 27_000 and len(one.val) == 3_000  # no cap
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 3)
+    with pytest.raises(DataError, match="odd number of bytes"):
+        load_corpus(DataConfig(source=str(tmp_path / "odd.bin"), bin_vocab_size=256), 256)

@@ -10,8 +10,9 @@ different stdlib sources; a swarm that needs bit-identical data across machines 
 ``data.source = PATH``: a text file or a folder of text files (recursively; extensions ``TEXT_SUFFIXES``; bytes used
 as-is, vocab 256), or pre-tokenized uint16 ``.bin`` shards (nanoGPT format, read with ``np.memmap``; their vocab size
 is declared by ``data.bin_vocab_size`` and checked against the tokens). A folder holding ``train.bin`` and
-``val.bin`` uses them as the two splits; other shards are split by file hash like text. When the hash split leaves
-one side empty (a single file), the last ``val_fraction`` of the tokens becomes the validation split.
+``val.bin`` uses them as the two splits, memory-mapped and uncapped; a single shard is memory-mapped and uncapped too;
+several other shards are split by file hash like text and concatenated in memory up to ``max_bytes``. When the hash
+split leaves one side empty (a single file), the last ``val_fraction`` of the tokens becomes the validation split.
 """
 
 from __future__ import annotations
@@ -107,11 +108,19 @@ def _memmap(path: Path) -> np.ndarray:
 
 
 def _concat_bins(paths: list[Path], cap_tokens: int) -> np.ndarray:
+    """One shard stays memory-mapped (a slice of a memmap is free); several are concatenated in memory, in order,
+    stopping at ``cap_tokens`` (0: no cap)."""
     arrays = [_memmap(p) for p in paths]
-    if len(arrays) == 1 and not cap_tokens:
-        return arrays[0]
-    out = np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
-    return out[:cap_tokens] if cap_tokens else out
+    if len(arrays) == 1:
+        return arrays[0][:cap_tokens] if cap_tokens else arrays[0]
+    parts, total = [], 0
+    for a in arrays:
+        take = a if not cap_tokens else a[: cap_tokens - total]
+        parts.append(np.asarray(take))
+        total += len(take)
+        if cap_tokens and total >= cap_tokens:
+            break
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
 
 
 def _load_bins(root: Path, cfg: DataConfig, files: list[tuple[str, Path]], vocab_size: int) -> Corpus:
@@ -120,7 +129,7 @@ def _load_bins(root: Path, cfg: DataConfig, files: list[tuple[str, Path]], vocab
     if cfg.bin_vocab_size != vocab_size:
         raise DataError(f"data.bin_vocab_size ({cfg.bin_vocab_size}) must equal model.vocab_size ({vocab_size})")
     names = {rel: p for rel, p in files}
-    cap = cfg.max_bytes // 2
+    cap = cfg.max_bytes // 2 if len(files) > 1 else 0  # a lone memory-mapped shard costs no memory: no cap
     if "train.bin" in names and "val.bin" in names:
         corpus = Corpus(_concat_bins([names["train.bin"]], 0), _concat_bins([names["val.bin"]], 0))
     else:
