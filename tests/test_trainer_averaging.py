@@ -191,3 +191,15 @@ def test_state_dict_roundtrip():
     assert torch.equal(other.ema[0], state.ema[0])
     with pytest.raises(ValueError, match="does not match"):
         other.load_state_dict({"ema": [torch.zeros(5)]})
+
+
+def test_finish_rejects_bad_group_size_and_non_tensors():
+    state, w = _state("wagma")
+    state.begin(0, w)
+    with pytest.raises(AveragingError, match="group_size"):
+        state.finish(0, [torch.zeros(4)], w, 0, group_size=0)
+    with pytest.raises(AveragingError, match="float tensor"):
+        state.finish(0, [[0.0] * 4], w, 0)
+    with pytest.raises(AveragingError, match="float tensor"):
+        state.finish(0, [torch.zeros(4, dtype=torch.long)], w, 0)
+    assert w[0].tolist() == [1.0, 2.0, 3.0, 4.0]

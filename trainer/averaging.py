@@ -96,7 +96,7 @@ def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
 @dataclass
 class _Snapshot:
     indices: list[torch.Tensor]
-    values: list[torch.Tensor]
+    values: list[torch.Tensor] | None  # W_then[S]; None for rules that ignore the drift ('avg', 'wagma')
 
 
 class SparseAveragingState:
@@ -120,8 +120,9 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
         idx = [i.to(p.device) for i, p in zip(self.partitioner.indices(round_no), params, strict=True)]
         values = [p.detach().reshape(-1)[i].clone() for p, i in zip(params, idx, strict=True)]
-        self.snapshots[round_no] = _Snapshot(idx, values)
-        return [v.clone() for v in values]
+        needs_drift = self.cfg.rule in ("delta", "ema")
+        self.snapshots[round_no] = _Snapshot(idx, values if needs_drift else None)
+        return [v.clone() for v in values] if needs_drift else values
 
     def abort(self, round_no: int) -> None:
         """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
@@ -140,7 +141,11 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
         if len(mean) != len(snap.indices):
             raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(snap.indices)}")
+        if group_size is not None and group_size < 1:
+            raise AveragingError(f"round {round_no}: group_size must be >= 1, got {group_size}")
         for j, (m, i) in enumerate(zip(mean, snap.indices, strict=True)):
+            if not isinstance(m, torch.Tensor) or not m.is_floating_point():
+                raise AveragingError(f"round {round_no}: tensor {j} must be a float tensor, got {type(m).__name__}")
             if m.shape != i.shape:
                 raise AveragingError(f"round {round_no}: tensor {j} has shape {tuple(m.shape)}, "
                                      f"expected {tuple(i.shape)}")
@@ -149,16 +154,17 @@ class SparseAveragingState:
         del self.snapshots[round_no]
         rule, lam = self.cfg.rule, self.cfg.lam
         mu = mu_at(self.cfg, local_step, self.total_steps)
+        then = snap.values
         for j, (p, i) in enumerate(zip(params, snap.indices, strict=True)):
             flat = p.data.view(-1)
             a = mean[j].to(device=p.device, dtype=p.dtype)
             if rule == "avg":
                 new = a
-            elif rule == "delta":
-                new = a + lam * (flat[i] - snap.values[j])
-            elif rule == "ema":
+            elif rule == "delta" and then is not None:
+                new = a + lam * (flat[i] - then[j])
+            elif rule == "ema" and then is not None:
                 e = self.ema[j].view(-1)
-                e[i] = mu * e[i] + (1.0 - mu) * (flat[i] - snap.values[j])
+                e[i] = mu * e[i] + (1.0 - mu) * (flat[i] - then[j])
                 new = a + lam * e[i]
             elif rule == "wagma" and wagma_is_global(round_no, self.cfg.wagma_global_every):
                 new = a
