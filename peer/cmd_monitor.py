@@ -3,8 +3,8 @@
 It joins the DHT as a client (it serves nothing and stores nothing), reads the run's peer records with
 ``peer.dht_records.fetch_swarm`` every ``--interval`` seconds and shows, per stage, the peers serving it with their
 state, throughput, queue, state version and loss; which stages are covered; the bottleneck stage (the least announced
-throughput: adding a peer there speeds up the whole swarm); the swarm's tokens/s (completed by the last stage) and
-its mean training loss. ``--once --json`` prints one JSON document for scripts.
+throughput: adding a peer there speeds up the whole swarm); the swarm's tokens/s (those of stage 0, where each token
+enters the pipeline) and its mean training loss. ``--once --json`` prints one JSON document for scripts.
 
 Records are keyed by the run id, so monitor must be given the same run file as the peers (``--run``; the embedded
 default otherwise); with the wrong one it finds nobody and says so.
@@ -60,7 +60,7 @@ def swarm_view(records: dict[str, Any], n_stages: int, run_id: str) -> dict[str,
     strays = sorted((r for r in records.values() if not 0 <= r.stage < n_stages), key=lambda r: r.peer_id)
     covered = [s["stage"] for s in stages if s["n_training"] > 0]
     bottleneck = min(stages, key=lambda s: (s["throughput"], s["stage"]))["stage"] if stages else None
-    last = stages[-1] if stages else None
+    last = stages[-1] if stages else None  # the loss is computed there
     return {
         "run_id": run_id,
         "time": time.time(),
@@ -69,7 +69,8 @@ def swarm_view(records: dict[str, Any], n_stages: int, run_id: str) -> dict[str,
         "coverage": len(covered) / n_stages if n_stages else 0.0,
         "missing_stages": [s["stage"] for s in stages if s["n_training"] == 0],
         "bottleneck_stage": bottleneck,
-        "swarm_tokens_per_s": last["tokens_per_s"] if last and len(covered) == n_stages else 0.0,
+        # each token enters the pipeline once, at stage 0; with a stage missing nothing completes
+        "swarm_tokens_per_s": stages[0]["tokens_per_s"] if stages and len(covered) == n_stages else 0.0,
         "loss": last["loss"] if last else None,
         "stages": stages,
         "other_stages": [_record_dict(r) for r in strays],

@@ -101,13 +101,9 @@ def _loss(x: float | None) -> str:
 
 
 def swarm_tokens_per_s(snaps: Sequence[Snapshot]) -> float:
-    """Swarm throughput: tokens/s completed by the last stage (every stage sees each token, so summing all
-    peers would count a token once per stage)."""
-    live = [s for s in snaps if "error" not in s and s.get("stage") is not None]
-    if not live:
-        return 0.0
-    last = max([s["n_stages"] - 1 for s in live if s.get("n_stages")] or [max(s["stage"] for s in live)])
-    return sum(s.get("tokens_per_s", 0.0) for s in live if s["stage"] == last)
+    """Swarm throughput: the tokens/s of the stage-0 peers. Every stage counts each token it processes, so summing
+    all peers would count a token once per stage; stage 0 counts it when its backward pass has come back."""
+    return sum(s.get("tokens_per_s", 0.0) for s in snaps if "error" not in s and s.get("stage") == 0)
 
 
 # ---- the dashboard --------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_swarm_view_finds_coverage_bottleneck_and_throughput() -> None:
     assert [p["peer_id"] for p in view["stages"][1]["peers"]] == ["c", "d", "e"]
     assert view["stages"][1]["throughput"] == 5.0  # the joining peer serves nothing yet
     assert view["bottleneck_stage"] == 1
-    assert view["swarm_tokens_per_s"] == pytest.approx(500.0)
+    assert view["swarm_tokens_per_s"] == pytest.approx(900.0)  # stage 0: 500 + 400
     assert view["loss"] == pytest.approx(4.5)
     assert [p["peer_id"] for p in view["other_stages"]] == ["z"]
     missing = swarm_view({"a": records["a"]}, 3, "run1")
@@ -43,7 +43,7 @@ def test_swarm_view_finds_coverage_bottleneck_and_throughput() -> None:
     console.print(render(view))
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 80
-    assert "1 slowest" in text and "coverage 100%" in text and "500 tok/s" in text
+    assert "1 slowest" in text and "coverage 100%" in text and "900 tok/s" in text
     console.print(render(missing))
     assert "MISSING" in console.export_text()
 
