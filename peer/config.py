@@ -86,8 +86,12 @@ class PeerConfig:
     """Dial-back timeout of the reachability self-check."""
     summary_json: Path | None = None
     """Write a JSON summary (tokens/s, losses, counters) here on exit."""
+    maddrs_file: Path | None = None
+    """Write this peer's multiaddrs here (one a line) once it is listening (launchers and tests read it)."""
     metrics_port: int | None = None
     """Serve the status endpoint on this port (None disables)."""
+    torch_threads: int = 0
+    """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
 
@@ -98,15 +102,16 @@ class PeerConfig:
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
-        if self.summary_json is not None:
-            object.__setattr__(self, "summary_json", Path(self.summary_json))
+        for name in ("summary_json", "maddrs_file"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"--stage must be 'auto' or a non-negative integer, got {self.stage}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("max_steps", "max_inflight"):
+        for name in ("max_steps", "max_inflight", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("sync_microbatches", "max_queue", "hop_retries"):

@@ -1,0 +1,158 @@
+"""In-process pipeline: two PipelineStage objects wired by a fake transport that packs and unpacks every message.
+
+Exercises the daemon's forward/backward handlers, the compute queue, retries, drops and re-queues, and evaluation
+with real StageWorkers, without processes or sockets (those are the swarm tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.dht_records import PeerRecord
+from peer.driver import Stage0Driver
+from peer.metrics import PeerMetrics
+from peer.pipeline import PipelineStage
+from peer.routing import Router
+from protocol.codecs import encode
+from protocol.messages import Ack, Error, Forward, pack, unpack
+from trainer.config import RunConfig
+from trainer.data import BatchStream, load_corpus, val_batches
+from trainer.worker import StageWorker
+
+RUN = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+
+
+class Net:
+    """Delivers messages between in-process stages, through pack/unpack, with optional failures."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, PipelineStage] = {}
+        self.dead: set[str] = set()
+
+    def sender(self, me: str):
+        async def send(peer: str, name: str, msg):
+            if peer in self.dead:
+                raise ConnectionError(f"{peer} is gone")
+            target = self.stages[peer]
+            handler = target.rpc_forward if name == "forward" else target.rpc_backward
+            return unpack(pack(await handler(unpack(pack(msg)), me)))
+        return send
+
+
+def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig):
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    async def compute(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
+               for s, ids in enumerate(ids_by_stage) for pid in ids}
+    for s, ids in enumerate(ids_by_stage):
+        for pid in ids:
+            worker = StageWorker(RUN, s)
+            net.stages[pid] = PipelineStage(run=RUN, stage=s, worker=worker, compute=compute, send=net.sender(pid),
+                                            swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+                                            metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+    return pool
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(RUN.data, RUN.model.vocab_size)
+
+
+async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: float = 120.0) -> Stage0Driver:
+    pipe0 = net.stages["a0"]
+    stop = asyncio.Event()
+    driver = Stage0Driver(pipe=pipe0, stream=BatchStream(corpus.train, 32, 8, seed=1),
+                          val=val_batches(corpus, 32, 8, 2), inflight=3, stop=stop, max_steps=steps,
+                          metrics=pipe0.metrics)
+    serving = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
+    serving.append(asyncio.get_running_loop().call_later(run_for, stop.set))
+    try:
+        await driver.run_async()
+        if not stop.is_set():
+            await driver.evaluate()
+    finally:
+        for t in serving:
+            t.cancel()
+    return driver
+
+
+@pytest.mark.timeout(150)
+def test_two_stage_pipeline_trains_and_evaluates(corpus):
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    pool = build(net, [["a0"], ["b1", "c1"]], cfg)
+    driver = asyncio.run(_run_driver(net, corpus, cfg, steps=60))
+    pool.shutdown()
+    assert net.stages["a0"].worker.local_step >= 60
+    steps1 = net.stages["b1"].worker.local_step + net.stages["c1"].worker.local_step
+    assert steps1 >= 60 and net.stages["b1"].worker.local_step > 5 and net.stages["c1"].worker.local_step > 5
+    first, last = sum(driver.losses[:5]) / 5, sum(driver.losses[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert driver.val_losses and driver.val_losses[-1] < first
+    assert not net.stages["a0"].pending and not net.stages["b1"].pending
+
+
+@pytest.mark.timeout(150)
+def test_dead_hop_is_retried_elsewhere_and_broken_route_requeues(corpus):
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0, hop_retries=2, ban_base_s=60.0)
+    pool = build(net, [["a0"], ["b1", "dead1"]], cfg)
+    net.dead.add("dead1")
+    asyncio.run(_run_driver(net, corpus, cfg, steps=10))
+    m0 = net.stages["a0"].metrics.snapshot()["counters"]
+    assert net.stages["b1"].worker.local_step >= 10
+    assert m0.get("retries", 0) >= 1  # the dead peer was tried, banned, and b1 took over
+    assert m0.get("microbatches_dropped", 0) == 0
+    # now the whole stage is gone: micro-batches are dropped and their samples re-queued, nothing is lost
+    net.dead.add("b1")
+    driver2 = asyncio.run(_run_driver(net, corpus, cfg, steps=10_000, run_for=3.0))
+    pool.shutdown()
+    m0 = net.stages["a0"].metrics.snapshot()["counters"]
+    assert m0["microbatches_dropped"] >= 1 and m0["microbatches_requeued"] == m0["microbatches_dropped"]
+    assert driver2.tokens == 0 and net.stages["a0"].worker.pending() == 0
+
+
+def test_handlers_reject_bad_input_with_codes(corpus):
+    net = Net()
+    cfg = PeerConfig()
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    stage1 = net.stages["b1"]
+    x = torch.randn(8, 32, 32)
+    y = torch.randint(0, 256, (8, 32))
+
+    def fwd(**kw):
+        base = dict(run_id=RUN.run_id, mb_id=1, route=["a0"], activations=encode(x, "int8"),
+                    targets=encode(y, "none"), is_eval=False, sent_at=1.0)
+        base.update(kw)
+        return Forward(**base)
+
+    async def go():
+        out = {}
+        out["run"] = await stage1.rpc_forward(fwd(run_id="other"), "a0")
+        out["route"] = await stage1.rpc_forward(fwd(route=["zz"]), "a0")
+        out["shape"] = await stage1.rpc_forward(fwd(activations=encode(torch.randn(8, 32, 16), "int8")), "a0")
+        out["nan"] = await stage1.rpc_forward(fwd(activations=encode(torch.full((8, 32, 32), float("nan")),
+                                                                      "none")), "a0")
+        out["vocab"] = await stage1.rpc_forward(fwd(targets=encode(torch.full((8, 32), 999), "none")), "a0")
+        out["ok"] = await stage1.rpc_forward(fwd(), "a0")
+        out["dup"] = await stage1.rpc_forward(fwd(), "a0")
+        return out
+
+    out = asyncio.run(go())
+    pool.shutdown()
+    assert isinstance(out["ok"], Ack)
+    for k in ("run", "route", "shape", "nan", "vocab", "dup"):
+        assert isinstance(out[k], Error), k
+    counters = stage1.metrics.snapshot()["counters"]
+    assert counters["rejected:wrong_run"] == 1 and counters["rejected:bad_tensor"] == 2
