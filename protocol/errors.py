@@ -17,6 +17,8 @@ __all__ = [
     "ValidationError",
     "VersionMismatch",
     "RemoteError",
+    "RateLimited",
+    "PeerUnreachable",
     "error_code_for",
 ]
 
@@ -89,12 +91,22 @@ class RemoteError(ProtocolError):
         super().__init__(f"remote peer replied {name}: {message}")
 
 
+class RateLimited(ProtocolError):
+    """A peer sent more bytes than its budget at this receiver allows; answered with RATE_LIMITED."""
+
+
+class PeerUnreachable(ProtocolError):
+    """A stream to the peer could not be opened (no route, the peer is gone, or it does not serve that handler)."""
+
+
 def error_code_for(exc: BaseException) -> ErrorCode:
     """The code a receiver should answer with when reading or handling a request raised `exc`."""
     if isinstance(exc, FrameTooLarge):
         return ErrorCode.TOO_LARGE
     if isinstance(exc, VersionMismatch):
         return ErrorCode.VERSION_MISMATCH
+    if isinstance(exc, RateLimited):
+        return ErrorCode.RATE_LIMITED
     if isinstance(exc, MalformedMessage | ValidationError):
         return ErrorCode.BAD_REQUEST
     if isinstance(exc, TimeoutError):

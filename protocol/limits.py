@@ -1,0 +1,93 @@
+"""Receiver limits for RPC streams and the per-peer byte budgets that enforce them.
+
+Every number a stranger could use to make us read, buffer or wait lives in `RpcLimits`; `PeerBudgets` is a token
+bucket per peer id so one peer cannot take more than its share of our download and memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+
+from protocol.errors import RateLimited
+
+__all__ = ["RpcLimits", "PeerBudgets"]
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RpcLimits:
+    """Sizes, budgets and timeouts of one RPC endpoint (both sides use them: the server to refuse, the client to
+    frame its requests and bound replies). Defaults fit activations of a few MiB and 64 MiB state chunks."""
+
+    #: largest frame body accepted; bigger announcements are refused before their body is read
+    max_frame_bytes: int = 4 * MiB
+    #: frame body size used when sending (must not exceed the receiver's max_frame_bytes)
+    send_frame_bytes: int = 1 * MiB
+    #: largest whole message (all frames, headers included) accepted in one request or reply
+    max_message_bytes: int = 256 * MiB
+    #: sustained bytes per second one peer may send us; beyond it requests get RATE_LIMITED
+    per_peer_bytes_per_s: float = 128 * MiB
+    #: burst one peer may send at once (None: max_message_bytes, so one maximal message always fits a full bucket)
+    per_peer_burst_bytes: int | None = None
+    #: concurrent request streams one peer may hold open at this server; more get a Busy reply
+    max_streams_per_peer: int = 16
+    #: request bytes buffered across all peers at once; beyond it new frames get a Busy reply (bounds our memory)
+    max_inflight_bytes: int = 1024 * MiB
+    #: seconds a peer has to deliver a whole request once its stream opened
+    read_timeout_s: float = 60.0
+    #: seconds a handler may run before the caller gets TIMEOUT
+    handler_timeout_s: float = 120.0
+    #: seconds to write a reply before giving up on the caller
+    write_timeout_s: float = 60.0
+    #: seconds the server keeps draining a refused request after replying, so the reply is not reset in flight
+    linger_s: float = 2.0
+    #: retry_after_s sent in Busy replies when the server itself is saturated
+    busy_retry_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "send_frame_bytes", "max_message_bytes", "max_streams_per_peer",
+                     "max_inflight_bytes"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"RpcLimits.{name} must be a positive int, got {value!r}")
+        for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.busy_retry_s < 0 or self.linger_s < 0:
+            raise ValueError("RpcLimits.busy_retry_s and linger_s must be >= 0")
+        if self.send_frame_bytes > self.max_frame_bytes:
+            raise ValueError("RpcLimits.send_frame_bytes must not exceed max_frame_bytes (peers would refuse frames)")
+        if self.max_frame_bytes > self.max_message_bytes:
+            raise ValueError("RpcLimits.max_frame_bytes must not exceed max_message_bytes")
+        if self.per_peer_burst_bytes is not None and self.per_peer_burst_bytes < self.max_frame_bytes:
+            raise ValueError("RpcLimits.per_peer_burst_bytes must be None or >= max_frame_bytes (or no frame fits)")
+
+    @property
+    def burst_bytes(self) -> int:
+        return self.per_peer_burst_bytes if self.per_peer_burst_bytes is not None else self.max_message_bytes
+
+
+class PeerBudgets:
+    """Token bucket of bytes per peer: `rate` bytes/s refill up to `burst`; `take` raises RateLimited when empty.
+
+    Remembers at most `max_peers` peers (least recently seen are forgotten, which only ever favours them).
+    """
+
+    def __init__(self, rate: float, burst: int, *, max_peers: int = 4096, clock=time.monotonic) -> None:
+        self.rate, self.burst, self.max_peers, self._clock = rate, burst, max_peers, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, last refill time)
+
+    def take(self, peer: str, n: int) -> None:
+        now = self._clock()
+        tokens, last = self._buckets.pop(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if n > tokens:
+            self._buckets[peer] = (tokens, now)
+            wait = (n - tokens) / self.rate
+            raise RateLimited(f"peer {peer} exceeded its budget of {self.rate:.0f} B/s; retry in {wait:.1f} s")
+        self._buckets[peer] = (tokens - n, now)
+        while len(self._buckets) > self.max_peers:
+            self._buckets.popitem(last=False)

@@ -1,0 +1,230 @@
+"""Protocol messages: frozen dataclasses, packed as msgpack with strict types and a version.
+
+Why msgpack rather than protobuf: our messages are a handful of small, flat records plus large opaque tensor
+payloads. msgpack carries `bytes` as-is (no base64, no varint re-encoding of the payload), needs no generated code or
+schema compiler in the build, and its unpacker takes hard limits on string/bin/array/map sizes, which we set from the
+frame that was admitted. Type strictness, which protobuf would give, comes from the checkers in protocol.schema that
+every message runs in __post_init__, both when we build a message and when we unpack one.
+
+Wire form of every message: msgpack array `[protocol_version, kind, [field, ...]]`, fields in declaration order,
+tensors as `[codec_id, dtype, shape, data]`. A message of another version is refused with VersionMismatch, which says
+which versions each side speaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import msgpack
+
+from protocol import schema as s
+from protocol.envelope import TensorEnvelope
+from protocol.errors import ErrorCode, MalformedMessage, VersionMismatch
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "Message",
+    "Hello",
+    "Forward",
+    "Backward",
+    "Ack",
+    "Busy",
+    "Error",
+    "AveragingPart",
+    "StateRequest",
+    "StateChunk",
+    "pack",
+    "unpack",
+    "MESSAGE_KINDS",
+]
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+
+_stage = s.integer(0, 1023)
+_count = s.integer(0, 2**63 - 1)
+_route = s.sequence(s.text(), 64)
+_tensors = s.sequence(s.envelope, 4096)
+
+
+class Message:
+    """Base of all messages. Subclasses are frozen dataclasses with a KIND id and a per-field SCHEMA."""
+
+    KIND: ClassVar[int]
+    SCHEMA: ClassVar[dict[str, s.Check]]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = self.SCHEMA[f.name](getattr(self, f.name), f"{type(self).__name__}.{f.name}")
+            object.__setattr__(self, f.name, value)
+
+
+def _message(kind: int, **schema: s.Check) -> Any:
+    def wrap(cls: type) -> type:
+        cls = dataclasses.dataclass(frozen=True, kw_only=False)(cls)
+        cls.KIND, cls.SCHEMA = kind, schema
+        assert [f.name for f in dataclasses.fields(cls)] == list(schema), cls
+        return cls
+
+    return wrap
+
+
+@_message(1, protocol_version=s.integer(0, 2**31), run_id=s.text(), stage=_stage, peer_id=s.text(),
+          capabilities=s.sequence(s.text(64), 32))  # fmt: skip
+class Hello(Message):
+    """Peer introduction: which protocol version, run, stage it serves, and optional capabilities."""
+
+    protocol_version: int
+    run_id: str
+    stage: int
+    peer_id: str
+    capabilities: list[str]
+
+
+@_message(2, run_id=s.text(), mb_id=_count, route=_route, activations=s.envelope, targets=s.optional(s.envelope),
+          is_eval=s.boolean, sent_at=s.real(0, 1e12))  # fmt: skip
+class Forward(Message):
+    """Activations of micro-batch `mb_id` for the next stage; `route` lists the peer ids it went through so far."""
+
+    run_id: str
+    mb_id: int
+    route: list[str]
+    activations: TensorEnvelope
+    targets: TensorEnvelope | None
+    is_eval: bool
+    sent_at: float
+
+
+@_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
+          loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean)  # fmt: skip
+class Backward(Message):
+    """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed."""
+
+    run_id: str
+    mb_id: int
+    route: list[str]
+    gradient: TensorEnvelope | None
+    loss: float | None
+    is_eval: bool
+
+
+@_message(4)
+class Ack(Message):
+    """Request accepted; nothing else to say."""
+
+
+@_message(5, retry_after_s=s.real(0, 3600))
+class Busy(Message):
+    """The receiver is saturated; retry another peer, or this one after `retry_after_s` seconds."""
+
+    retry_after_s: float
+
+
+def _error_code(v: Any, where: str) -> ErrorCode:
+    if isinstance(v, ErrorCode):
+        return v
+    try:
+        return ErrorCode(s.integer(0, 255)(v, where))
+    except ValueError:
+        raise s.SchemaError(f"{where} must be one of {[int(c) for c in ErrorCode]}, got {v!r}") from None
+
+
+@_message(6, code=_error_code, message=s.text(s.MAX_TEXT))
+class Error(Message):
+    """The request failed: a code the caller can act on and a sentence for the logs."""
+
+    code: ErrorCode
+    message: str
+
+
+@_message(7, run_id=s.text(), stage=_stage, round_no=_count, sender=s.text(), tensors=_tensors,
+          weight=s.real(0, 1e6, lo_open=True))  # fmt: skip
+class AveragingPart(Message):
+    """One replica's values of the round's partition, one flat tensor per parameter, with its averaging weight.
+
+    The schema only bounds `weight` to (0, 1e6]; receivers must still apply their own policy (e.g. clamp to 1).
+    """
+
+    run_id: str
+    stage: int
+    round_no: int
+    sender: str
+    tensors: list[TensorEnvelope]
+    weight: float
+
+
+@_message(8, run_id=s.text(), stage=_stage, chunk=s.integer(0, 2**20))
+class StateRequest(Message):
+    """Ask a same-stage peer for chunk `chunk` of its current state."""
+
+    run_id: str
+    stage: int
+    chunk: int
+
+
+@_message(9, run_id=s.text(), stage=_stage, version=_count, chunk=s.integer(0, 2**20), n_chunks=s.integer(1, 2**20),
+          meta=s.mapping(s.scalar, 256), tensors=s.mapping(s.envelope, 4096))  # fmt: skip
+class StateChunk(Message):
+    """Chunk `chunk` of `n_chunks` of a stage's state at `version` (local_step): named tensors and scalar meta."""
+
+    run_id: str
+    stage: int
+    version: int
+    chunk: int
+    n_chunks: int
+    meta: dict[str, int | float | str | bool]
+    tensors: dict[str, TensorEnvelope]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk >= self.n_chunks:
+            raise s.SchemaError(f"StateChunk.chunk {self.chunk} must be below n_chunks {self.n_chunks}")
+
+
+MESSAGE_KINDS: dict[int, type[Message]] = {
+    cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk)
+}
+
+
+def pack(msg: Message) -> bytes:
+    """Serialise a message (its fields were checked when it was built)."""
+    if not isinstance(msg, Message):
+        raise TypeError(f"pack expects a protocol message, got {type(msg).__name__}")
+    fields = [s.to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
+    return msgpack.packb([PROTOCOL_VERSION, msg.KIND, fields], use_bin_type=True)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise MalformedMessage(f"msgpack extension type {code} is not part of the protocol")
+
+
+def unpack(data: bytes) -> Message:
+    """Parse and check a message; raises MalformedMessage or VersionMismatch, never anything else."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MalformedMessage(f"expected bytes, got {type(data).__name__}")
+    n = len(data)
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext, timestamp=0,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0,
+        )  # fmt: skip
+    except MalformedMessage:
+        raise
+    except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, StackError, ValueError...)
+        raise MalformedMessage(f"not a msgpack message: {type(e).__name__}: {e}") from None
+    if type(obj) is not list or len(obj) != 3 or type(obj[0]) is not int:
+        raise MalformedMessage("a message must be the array [protocol_version, kind, fields]")
+    version, kind, fields = obj
+    if version not in SUPPORTED_VERSIONS:
+        raise VersionMismatch(version, SUPPORTED_VERSIONS)
+    cls = MESSAGE_KINDS.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise MalformedMessage(f"unknown message kind {kind!r}; known kinds: {sorted(MESSAGE_KINDS)}")
+    if type(fields) is not list or len(fields) != len(cls.SCHEMA):
+        raise MalformedMessage(f"{cls.__name__} needs {len(cls.SCHEMA)} fields: {', '.join(cls.SCHEMA)}")
+    try:
+        return cls(*fields)
+    except s.SchemaError as e:
+        raise MalformedMessage(str(e)) from None

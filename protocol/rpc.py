@@ -1,0 +1,224 @@
+"""Request/response RPC over hivemind P2P binary streams, with our framing and limits.
+
+One stream per call: the caller opens a libp2p stream to `asyncmesh.<name>`, writes one framed message, reads one
+framed reply. The server checks every frame header against `RpcLimits` and the sender's byte budget before reading
+its body, and *always* answers: a refused or failed request gets an `Error` (or `Busy`) reply as soon as the problem
+is known, never silence. hivemind's own protobuf streams read a length with no bound and its unary calls drop
+messages over ~4 MiB silently (DESIGN.md), which is why this module exists.
+
+    server = RpcServer(p2p, RpcLimits())
+    await server.add_handler("forward", on_forward)          # async (msg, peer_id: str) -> Message
+    reply = await call(p2p, peer_id, "forward", msg, timeout=10.0)   # raises RemoteError on Error replies
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, ProtocolError, RemoteError, error_code_for
+from protocol.framing import HEADER, StreamEnded, read_message, write_message
+from protocol.limits import PeerBudgets, RpcLimits
+from protocol.messages import Busy, Error, Message, pack, unpack
+
+__all__ = ["RpcServer", "call", "Handler", "PROTOCOL_PREFIX"]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Message, str], Awaitable[Message]]
+#: libp2p protocol names are PROTOCOL_PREFIX + handler name (unversioned: versions are negotiated in messages)
+PROTOCOL_PREFIX = "asyncmesh."
+
+
+class _Saturated(Exception):
+    """Internal: this server has no room for the request right now; answered with Busy."""
+
+
+class RpcServer:
+    """Serves named handlers on a hivemind P2P instance.
+
+    Args:
+        p2p: a started hivemind.P2P (e.g. `dht.replicate_p2p()` or `P2P.create()`).
+        limits: sizes, budgets and timeouts; the defaults suit activations and 64 MiB state chunks.
+
+    `rejected` counts refused or failed requests by reason (the lower-case ErrorCode name, or 'busy'); `served`
+    counts handled requests by handler name; `bytes_in` / `bytes_out` count payload bytes.
+    """
+
+    def __init__(self, p2p: P2P, limits: RpcLimits | None = None) -> None:
+        self.p2p = p2p
+        self.limits = limits or RpcLimits()
+        self.rejected: Counter[str] = Counter()
+        self.served: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._budgets = PeerBudgets(self.limits.per_peer_bytes_per_s, self.limits.burst_bytes)
+        self._streams: Counter[str] = Counter()
+        self._inflight = 0
+        self._names: list[str] = []
+
+    async def add_handler(self, name: str, fn: Handler) -> None:
+        """Serve `fn` under `name`; `fn(msg, peer_id)` returns the reply (an Error or Busy message is fine too)."""
+
+        async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, fn, stream_info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve)
+        self._names.append(name)
+
+    async def shutdown(self) -> None:
+        """Stop serving every handler this server added (streams in progress finish on their own)."""
+        for name in self._names:
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_binary_stream_handler(PROTOCOL_PREFIX + name)
+        self._names.clear()
+
+    async def _serve(
+        self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        limits = self.limits
+        buffered = 0
+
+        def admit(n: int) -> None:
+            nonlocal buffered
+            if self._inflight + n > limits.max_inflight_bytes:
+                raise _Saturated(f"{self._inflight} request bytes already buffered")
+            self._budgets.take(peer, n)
+            self._inflight += n
+            buffered += n
+
+        try:
+            if self._streams[peer] >= limits.max_streams_per_peer:
+                raise _Saturated(f"peer {peer} already has {self._streams[peer]} open streams")
+            self._streams[peer] += 1
+            try:
+                try:
+                    async with asyncio.timeout(limits.read_timeout_s):
+                        data = await read_message(
+                            reader, max_frame_bytes=limits.max_frame_bytes,
+                            max_message_bytes=limits.max_message_bytes, admit=admit,
+                        )  # fmt: skip
+                except TimeoutError:
+                    raise TimeoutError(f"request not received within {limits.read_timeout_s} s") from None
+                self.bytes_in += len(data)
+                msg = unpack(data)
+                del data
+                deadline = asyncio.timeout(limits.handler_timeout_s)
+                try:
+                    async with deadline:
+                        reply = await fn(msg, peer)
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise  # the handler's own timeout: an internal failure, reported as TIMEOUT all the same
+                    raise TimeoutError(f"handler {name} took longer than {limits.handler_timeout_s} s") from None
+                if not isinstance(reply, Message):
+                    raise TypeError(f"handler {name} returned {type(reply).__name__}, not a protocol Message")
+                self.served[name] += 1
+            finally:
+                self._streams[peer] -= 1
+                if not self._streams[peer]:
+                    del self._streams[peer]
+                self._inflight -= buffered
+        except asyncio.CancelledError:
+            writer.close()
+            raise
+        except _Saturated as e:
+            self.rejected["busy"] += 1
+            logger.debug("busy, refusing %s from %s: %s", name, peer, e)
+            reply = Busy(retry_after_s=limits.busy_retry_s)
+        except ProtocolError as e:
+            code = error_code_for(e)
+            self.rejected[code.name.lower()] += 1
+            logger.debug("refused %s from %s: %s", name, peer, e)
+            reply = Error(code, str(e)[:4000])
+        except TimeoutError as e:
+            self.rejected["timeout"] += 1
+            logger.debug("timeout on %s from %s: %s", name, peer, e)
+            reply = Error(ErrorCode.TIMEOUT, str(e))
+        except Exception as e:
+            self.rejected["internal"] += 1
+            logger.warning("handler %s failed on a request from %s", name, peer, exc_info=True)
+            reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
+        try:
+            payload = pack(reply)
+            async with asyncio.timeout(limits.write_timeout_s):
+                await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
+                self.bytes_out += len(payload)
+                if writer.can_write_eof():
+                    writer.write_eof()
+            # A refused sender may still be writing its request. Closing now would reset the stream and could
+            # destroy our reply in flight, so discard what arrives until the caller hangs up (bounded in time and
+            # bytes; a caller reading our reply hangs up at once).
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(limits.linger_s):
+                    discarded = 0
+                    while discarded < limits.max_frame_bytes and (chunk := await reader.read(65536)):
+                        discarded += len(chunk)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.rejected["reply_failed"] += 1
+            logger.debug("could not reply to %s on %s: %s", peer, name, e)
+        finally:
+            writer.close()
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Retrieve a finished send task's exception: after the reply arrived, a failed send is expected, not news."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def call(
+    p2p: P2P,
+    peer_id: PeerID | str,
+    name: str,
+    msg: Message,
+    *,
+    timeout: float,
+    limits: RpcLimits | None = None,
+) -> Message:
+    """Send `msg` to handler `name` of `peer_id` and return the reply.
+
+    Raises RemoteError for Error replies, TimeoutError after `timeout` seconds in total, PeerUnreachable when no
+    stream can be opened, FrameTooLarge when `msg` exceeds our own max_message_bytes (nothing is sent), and other
+    ProtocolErrors for bad replies. A Busy reply is returned, not raised: the caller decides where to retry.
+    """
+    limits = limits or RpcLimits()
+    if isinstance(peer_id, str):
+        peer_id = PeerID.from_base58(peer_id)
+    data = pack(msg)
+    n_frames = max(1, -(-len(data) // limits.send_frame_bytes))
+    if len(data) + n_frames * HEADER.size > limits.max_message_bytes:
+        raise FrameTooLarge(len(data), limits.max_message_bytes, f"{type(msg).__name__} request")
+    async with asyncio.timeout(timeout):
+        try:
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROTOCOL_PREFIX + name)
+        except Exception as e:  # hivemind raises P2PDaemonError/P2PHandlerError/ConnectionError here
+            raise PeerUnreachable(f"cannot open stream {name!r} to {peer_id}: {e}") from e
+        try:
+            # write and read at once: the server may refuse after the first header and reply while we still send
+            sending = asyncio.create_task(write_message(writer, data, frame_bytes=limits.send_frame_bytes))
+            try:
+                reply_bytes = await read_message(
+                    reader, max_frame_bytes=limits.max_frame_bytes, max_message_bytes=limits.max_message_bytes
+                )
+            except StreamEnded as e:
+                raise PeerUnreachable(f"peer {peer_id} closed stream {name!r} without a complete reply: {e}") from e
+            finally:
+                if sending.done():
+                    _consume(sending)
+                else:
+                    sending.cancel()
+                    sending.add_done_callback(_consume)
+        finally:
+            writer.close()
+    reply = unpack(reply_bytes)
+    if isinstance(reply, Error):
+        raise RemoteError(reply.code, reply.message)
+    return reply

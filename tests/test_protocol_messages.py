@@ -1,0 +1,228 @@
+"""Messages (strict msgpack schemas, versions), framing on in-memory streams, limits and byte budgets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+
+from protocol.codecs import encode
+from protocol.errors import ErrorCode, FrameTooLarge, MalformedMessage, RateLimited, VersionMismatch
+from protocol.framing import HEADER, StreamEnded, frame_header, read_message, write_message
+from protocol.limits import PeerBudgets, RpcLimits
+from protocol.messages import (
+    MESSAGE_KINDS,
+    PROTOCOL_VERSION,
+    Ack,
+    AveragingPart,
+    Backward,
+    Busy,
+    Error,
+    Forward,
+    Hello,
+    StateChunk,
+    StateRequest,
+    pack,
+    unpack,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+ENV = encode(torch.randn(2, 3), "int8")
+SAMPLES = [
+    Hello(PROTOCOL_VERSION, "run-abc", 2, "QmPeer", ["int8", "int4"]),
+    Forward("run", 17, ["QmA", "QmB"], ENV, encode(torch.arange(6), "none"), False, 1700000000.5),
+    Forward("run", 18, [], ENV, None, True, 0.0),
+    Backward("run", 17, ["QmA"], ENV, 3.25, False),
+    Backward("run", 18, ["QmA"], None, None, True),
+    Ack(),
+    Busy(0.5),
+    Error(ErrorCode.WRONG_STAGE, "I serve stage 1"),
+    AveragingPart("run", 1, 40, "QmA", [ENV, ENV], 1.0),
+    StateRequest("run", 1, 3),
+    StateChunk("run", 1, 1234, 0, 2, {"step": 5, "lr": 1e-3, "name": "x", "stash": True}, {"w.0": ENV}),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_pack_unpack_roundtrip(msg) -> None:
+    assert unpack(pack(msg)) == msg
+
+
+def test_every_kind_is_sampled() -> None:
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_KINDS.values())
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: Hello(1, "run", True, "p", []), "Hello.stage"),
+        (lambda: Hello(1, "run", 0, "p", "int8"), "Hello.capabilities"),
+        (lambda: Forward("run", -1, [], ENV, None, False, 0.0), "Forward.mb_id"),
+        (lambda: Forward("run", 1, [], ENV, None, 0, 0.0), "Forward.is_eval"),
+        (lambda: Forward("run", 1, [], b"raw", None, False, 0.0), "Forward.activations"),
+        (lambda: Backward("run", 1, [], None, float("nan"), False), "Backward.loss"),
+        (lambda: Busy(float("inf")), "Busy.retry_after_s"),
+        (lambda: Error(99, "x"), "Error.code"),
+        (lambda: AveragingPart("run", 0, 0, "p", [ENV], -0.999), "AveragingPart.weight"),
+        (lambda: AveragingPart("run", 0, 0, "p", [ENV], 0.0), "AveragingPart.weight"),
+        (lambda: StateChunk("run", 0, 0, 2, 2, {}, {}), "chunk 2 must be below"),
+        (lambda: StateChunk("run", 0, 0, 0, 1, {"x": [1]}, {}), "StateChunk.meta"),
+        (lambda: StateRequest("r" * 300, 0, 0), "StateRequest.run_id"),
+    ],
+)
+def test_strict_types_at_construction(build, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def _raw(version: object, kind: object, fields: object) -> bytes:
+    return msgpack.packb([version, kind, fields], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",
+        _raw(1, 1, [1, "run", 0, "p"]),  # missing a field
+        _raw(1, 1, [1, "run", 0, "p", [], "extra"]),
+        _raw(1, 42, []),
+        _raw(1, "Hello", []),
+        _raw(1, 4, {}),
+        msgpack.packb({"v": 1}),
+        _raw(1, 5, [True]),  # bool is not a number here
+        _raw(1, 2, ["run", 1, [], [3, "float32", [2], b"12345678"], None, False, "now"]),
+        _raw(1, 2, ["run", 1, [], [3, "float32", [-2], b""], None, False, 0.0]),
+        _raw(1, 2, ["run", 1, [], [3, "float32", [2], "text"], None, False, 0.0]),
+        _raw(1, 9, ["run", 0, 0, 0, 1, {1: 2}, {}]),
+        pack(Ack()) + b"\x00",  # trailing bytes
+        msgpack.packb([1, 4, [msgpack.ExtType(5, b"x")]]),
+    ],
+)
+def test_unpack_rejects_malformed(data: bytes) -> None:
+    with pytest.raises(MalformedMessage):
+        unpack(data)
+
+
+def test_version_mismatch_says_which_versions() -> None:
+    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 1"):
+        unpack(_raw(7, 4, []))
+    with pytest.raises(VersionMismatch):
+        unpack(_raw(7, "garbage", "fields"))  # the version is checked first
+
+
+def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+class _Sink:
+    """Minimal StreamWriter stand-in collecting what is written."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_framing_roundtrip_many_frames() -> None:
+    async def main() -> None:
+        payload = bytes(range(256)) * 1000
+        sink = _Sink()
+        await write_message(sink, payload, frame_bytes=1000)  # type: ignore[arg-type]
+        assert len(sink.data) == len(payload) + 256 * HEADER.size
+        got = await read_message(_reader(bytes(sink.data)), max_frame_bytes=1000, max_message_bytes=10**6)
+        assert got == payload
+        sink = _Sink()
+        await write_message(sink, b"", frame_bytes=10)  # type: ignore[arg-type]
+        assert await read_message(_reader(bytes(sink.data)), max_frame_bytes=10, max_message_bytes=100) == b""
+
+    asyncio.run(main())
+
+
+def test_framing_refuses_before_reading_body() -> None:
+    async def main() -> None:
+        reader = _reader(frame_header(2**40, end=True), eof=False)  # no body, and the stream stays open
+        with pytest.raises(FrameTooLarge, match="1099511627776"):
+            await asyncio.wait_for(read_message(reader, max_frame_bytes=2**20, max_message_bytes=2**30), 1.0)
+        many = b"".join(frame_header(10, end=False) + bytes(10) for _ in range(20))
+        with pytest.raises(FrameTooLarge, match="message"):
+            await read_message(_reader(many), max_frame_bytes=100, max_message_bytes=300)
+        empties = frame_header(0, end=False) * 10**4  # empty frames still count their headers
+        with pytest.raises(FrameTooLarge):
+            await read_message(_reader(empties), max_frame_bytes=100, max_message_bytes=1000)
+        refused = []
+
+        def admit(n: int) -> None:
+            refused.append(n)
+            raise RateLimited("no budget")
+
+        with pytest.raises(RateLimited):
+            await read_message(_reader(frame_header(50, end=True)), max_frame_bytes=100, max_message_bytes=1000,
+                               admit=admit)  # fmt: skip
+        assert refused == [50]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"XX\x01\x01" + bytes(8),  # magic
+        b"AM\x02\x01" + bytes(8),  # framing version
+        b"AM\x01\x03" + bytes(8),  # reserved flag bit
+        b"AM\x01",  # truncated header
+        frame_header(5, end=True),  # truncated body
+    ],
+)
+def test_framing_rejects_bad_headers_and_truncation(data: bytes) -> None:
+    async def main() -> None:
+        with pytest.raises(MalformedMessage):
+            await read_message(_reader(data), max_frame_bytes=100, max_message_bytes=1000)
+
+    asyncio.run(main())
+
+
+def test_stream_ended_is_malformed() -> None:
+    assert issubclass(StreamEnded, MalformedMessage)
+
+
+def test_peer_budgets_refill() -> None:
+    now = [0.0]
+    budgets = PeerBudgets(rate=100.0, burst=1000, max_peers=2, clock=lambda: now[0])
+    budgets.take("a", 1000)
+    with pytest.raises(RateLimited, match="peer a"):
+        budgets.take("a", 1)
+    budgets.take("b", 1000)  # budgets are per peer
+    now[0] = 5.0
+    budgets.take("a", 500)
+    with pytest.raises(RateLimited):
+        budgets.take("a", 100)
+    budgets.take("c", 10)
+    assert len(budgets._buckets) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_frame_bytes": 0},
+        {"send_frame_bytes": 8 * 2**20},
+        {"max_message_bytes": 2**20},
+        {"read_timeout_s": 0},
+        {"per_peer_burst_bytes": 10},
+        {"busy_retry_s": -1},
+    ],
+)
+def test_limits_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="RpcLimits"):
+        RpcLimits(**kwargs)

@@ -1,0 +1,208 @@
+"""Two real hivemind peers on loopback talking through protocol.rpc: big tensors, refusals, error replies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from protocol.codecs import decode, encode
+from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, RemoteError, ValidationError
+from protocol.framing import HEADER, frame_header, read_message
+from protocol.limits import RpcLimits
+from protocol.messages import Ack, Busy, Error, Hello, StateChunk, StateRequest, pack, unpack
+from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call
+from protocol.validation import TensorSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 2**20
+BIG = torch.randn(16 * MiB, generator=torch.Generator().manual_seed(0))  # 64 MiB of fp32
+
+
+async def _pair() -> tuple[P2P, P2P]:
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return server, client
+
+
+def run(coro_fn) -> None:
+    """Run an async test body with two fresh peers, shut down even on failure."""
+
+    async def main() -> None:
+        server, client = await _pair()
+        try:
+            await coro_fn(server, client)
+        finally:
+            await asyncio.gather(client.shutdown(), server.shutdown(), return_exceptions=True)
+
+    asyncio.run(main())
+
+
+async def _state_server(server_p2p: P2P, limits: RpcLimits, codec: str) -> RpcServer:
+    rpc = RpcServer(server_p2p, limits)
+
+    async def on_state(msg: StateRequest, peer: str) -> StateChunk:
+        assert isinstance(msg, StateRequest)
+        env = await asyncio.get_running_loop().run_in_executor(None, encode, BIG, codec)
+        return StateChunk(msg.run_id, msg.stage, 7, msg.chunk, 1, {"codec": codec}, {"w": env})
+
+    async def on_upload(msg: StateChunk, peer: str) -> Ack:
+        got = decode(msg.tensors["w"], TensorSpec(tuple(BIG.shape), torch.float32), peer=peer, field="w")
+        if not torch.equal(got, BIG):
+            return Error(ErrorCode.BAD_REQUEST, "upload differs")
+        return Ack()
+
+    await rpc.add_handler("state", on_state)
+    await rpc.add_handler("upload", on_upload)
+    return rpc
+
+
+@pytest.mark.parametrize(("codec", "bound"), [("none", 0.0), ("int8", 0.01)])
+def test_64mib_tensor_roundtrip(codec: str, bound: float) -> None:
+    async def body(server: P2P, client: P2P) -> None:
+        limits = RpcLimits(max_message_bytes=80 * MiB)
+        await _state_server(server, limits, codec)
+        reply = await call(client, server.peer_id, "state", StateRequest("run", 0, 0), timeout=60, limits=limits)
+        assert isinstance(reply, StateChunk) and reply.version == 7
+        got = decode(reply.tensors["w"], TensorSpec(tuple(BIG.shape), torch.float32), peer="server", field="w")
+        if codec == "none":
+            assert torch.equal(got, BIG)
+            # and the other direction, as a request spanning 64 frames
+            up = StateChunk("run", 0, 7, 0, 1, {}, {"w": encode(BIG, "none")})
+            assert isinstance(await call(client, server.peer_id, "upload", up, timeout=60, limits=limits), Ack)
+        else:
+            assert float((got - BIG).norm() / BIG.norm()) <= bound
+
+    run(body)
+
+
+def test_oversized_frame_refused_fast_without_reading_body() -> None:
+    async def body(server: P2P, client: P2P) -> None:
+        rpc = await _state_server(server, RpcLimits(), "none")
+        for announced in (2**40, RpcLimits().max_frame_bytes + 1):
+            _, reader, writer = await client.call_binary_stream_handler(server.peer_id, PROTOCOL_PREFIX + "state")
+            start = time.perf_counter()
+            writer.write(frame_header(announced, end=True) + b"x" * 1000)  # the body never comes
+            await writer.drain()
+            reply = unpack(await read_message(reader, max_frame_bytes=MiB, max_message_bytes=MiB))
+            elapsed = time.perf_counter() - start
+            writer.close()
+            assert isinstance(reply, Error) and reply.code == ErrorCode.TOO_LARGE, reply
+            assert str(announced) in reply.message
+            assert elapsed < 1.0
+        assert rpc.rejected["too_large"] == 2
+
+    run(body)
+
+
+def test_message_limit_over_many_frames_and_local_refusal() -> None:
+    async def body(server: P2P, client: P2P) -> None:
+        rpc = await _state_server(server, RpcLimits(max_message_bytes=8 * MiB), "none")
+        big_request = StateChunk("run", 0, 1, 0, 1, {}, {"w": encode(BIG[: 3 * MiB], "none")})  # 12 MiB in frames
+        with pytest.raises(RemoteError) as info:
+            await call(client, server.peer_id, "upload", big_request, timeout=10, limits=RpcLimits())
+        assert info.value.code == ErrorCode.TOO_LARGE
+        # our own limit refuses before sending anything
+        with pytest.raises(FrameTooLarge):
+            await call(client, server.peer_id, "upload", big_request, timeout=10,
+                       limits=RpcLimits(max_message_bytes=8 * MiB))  # fmt: skip
+        assert rpc.rejected["too_large"] == 1
+
+    run(body)
+
+
+def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
+    async def body(server: P2P, client: P2P) -> None:
+        limits = RpcLimits(read_timeout_s=0.5, handler_timeout_s=0.5)
+        rpc = RpcServer(server, limits)
+
+        async def echo(msg, peer: str):
+            if isinstance(msg, Hello) and msg.stage == 1:
+                raise KeyError("boom")
+            if isinstance(msg, Hello) and msg.stage == 2:
+                await asyncio.sleep(5)
+            if isinstance(msg, Hello) and msg.stage == 3:
+                decode(encode(torch.tensor([float("nan")]), "none"), peer=peer, field="activations")
+            return msg
+
+        await rpc.add_handler("echo", echo)
+        hello = Hello(1, "run", 0, "me", [])
+        assert await call(client, server.peer_id, "echo", hello, timeout=10) == hello
+
+        async def raw(payload: bytes) -> Error:
+            _, reader, writer = await client.call_binary_stream_handler(server.peer_id, PROTOCOL_PREFIX + "echo")
+            try:
+                writer.write(payload)
+                await writer.drain()
+                return unpack(await read_message(reader, max_frame_bytes=MiB, max_message_bytes=MiB))
+            finally:
+                writer.close()
+
+        junk = b"\xc1\xc1 not msgpack"
+        assert (await raw(frame_header(len(junk), end=True) + junk)).code == ErrorCode.BAD_REQUEST
+        assert (await raw(b"GET / HTTP/1.1\r\n\r\n")).code == ErrorCode.BAD_REQUEST
+        future = pack(hello).replace(b"\x93\x01", b"\x93\x09", 1)  # [version 9, kind, fields]
+        reply = await raw(frame_header(len(future), end=True) + future)
+        assert reply.code == ErrorCode.VERSION_MISMATCH and "1" in reply.message and "9" in reply.message
+        assert (await raw(frame_header(100, end=True) + b"short")).code == ErrorCode.TIMEOUT
+
+        for stage, code in ((1, ErrorCode.INTERNAL), (2, ErrorCode.TIMEOUT), (3, ErrorCode.BAD_REQUEST)):
+            with pytest.raises(RemoteError) as info:
+                await call(client, server.peer_id, "echo", Hello(1, "run", stage, "me", []), timeout=10)
+            assert info.value.code == code
+        assert "NaN" in info.value.message and "activations" in info.value.message
+        assert rpc.rejected == {"bad_request": 3, "version_mismatch": 1, "timeout": 2, "internal": 1}
+
+        with pytest.raises(PeerUnreachable):
+            await call(client, server.peer_id, "no_such_handler", hello, timeout=10)
+        with pytest.raises(TimeoutError):
+            await call(client, server.peer_id, "echo", Hello(1, "run", 2, "me", []), timeout=0.2)
+
+    run(body)
+
+
+def test_per_peer_budget_and_stream_limit() -> None:
+    async def body(server: P2P, client: P2P) -> None:
+        limits = RpcLimits(per_peer_bytes_per_s=1 * MiB, per_peer_burst_bytes=4 * MiB, max_streams_per_peer=2)
+        rpc = RpcServer(server, limits)
+        release = asyncio.Event()
+
+        async def slow(msg, peer: str):
+            await release.wait()
+            return Ack()
+
+        await rpc.add_handler("slow", slow)
+        await rpc.add_handler("sink", lambda msg, peer: _ack())
+        payload = StateChunk("run", 0, 1, 0, 1, {}, {"w": encode(BIG[: MiB // 2], "none")})  # 2 MiB
+        assert isinstance(await call(client, server.peer_id, "sink", payload, timeout=10, limits=limits), Ack)
+        with pytest.raises(RemoteError) as info:  # 2 + 2 + 2 MiB within a second > 4 MiB burst
+            for _ in range(2):
+                await call(client, server.peer_id, "sink", payload, timeout=10, limits=limits)
+        assert info.value.code == ErrorCode.RATE_LIMITED
+
+        hello = Hello(1, "run", 0, "me", [])
+        pending = [asyncio.create_task(call(client, server.peer_id, "slow", hello, timeout=10)) for _ in range(2)]
+        await asyncio.sleep(0.5)
+        assert isinstance(await call(client, server.peer_id, "slow", hello, timeout=10), Busy)
+        release.set()
+        assert all(isinstance(r, Ack) for r in await asyncio.gather(*pending))
+        assert rpc.rejected["rate_limited"] == 1 and rpc.rejected["busy"] == 1
+
+    run(body)
+
+
+async def _ack() -> Ack:
+    return Ack()
+
+
+def test_header_is_twelve_bytes() -> None:
+    assert HEADER.size == 12 and frame_header(5, end=True)[:2] == b"AM"
+
+
+def test_validation_error_names_peer() -> None:
+    with pytest.raises(ValidationError, match="QmPeer"):
+        decode(encode(torch.ones(2), "none"), TensorSpec((3,), torch.float32), peer="QmPeer")
