@@ -1,0 +1,107 @@
+"""The simulator's event schedule: exact per-stage delays, averaging hooks, replica combination, same samples."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from trainer.data import load_corpus, val_batches
+from trainer.sim_methods import METHODS
+from trainer.sim_presets import preset, with_overrides
+from trainer.simulator import SimConfig, _Run, run_method
+from trainer.worker import StageWorker
+
+
+def tiny(stages: int = 2, steps: int = 16, **kw) -> SimConfig:
+    sim = with_overrides(preset("smoke"), stages=stages, steps=steps, eval_every=8, **kw)
+    import dataclasses
+
+    return dataclasses.replace(sim, eval_batches=1)
+
+
+def build(sim: SimConfig, method: str, tau: int | None = None) -> _Run:
+    corpus = load_corpus(sim.run.data, sim.run.model.vocab_size)
+    val = val_batches(corpus, sim.run.model.block_size, sim.run.data.batch_size, 1)
+    return _Run(sim, METHODS[method], sim.tau if tau is None else tau, corpus, val)
+
+
+@pytest.mark.timeout(60)
+def test_async_delay_of_stage_s_is_k_minus_1_minus_s(monkeypatch):
+    seen: dict[int, list[int]] = defaultdict(list)
+    original = StageWorker.backward
+
+    def spy(self, mb_id, grad):
+        seen[self.stage].append(self.local_step - self._pending[mb_id].version)
+        return original(self, mb_id, grad)
+
+    monkeypatch.setattr(StageWorker, "backward", spy)
+    k, n = 4, 24
+    state = build(tiny(stages=k, steps=n), "asyncpp")
+    state.run_async()
+    for s in range(k - 1):
+        delays = seen[s]
+        assert len(delays) == n * state.R
+        tau_s = k - 1 - s
+        assert max(delays) == tau_s
+        # after the fill (the first tau_s micro-batches) every backward is exactly tau_s steps stale
+        per_replica = delays[::state.R]
+        assert per_replica[tau_s:] == [tau_s] * (n - tau_s)
+    assert all(w.local_step == n for row in state.w for w in row)  # one step per micro-batch, every stage
+    assert all(w.pending() == 0 for row in state.w for w in row)  # drained
+
+
+@pytest.mark.timeout(60)
+def test_sparse_averaging_rounds_are_applied_tau_steps_late():
+    n, tau = 16, 3
+    state = build(tiny(steps=n, tau=tau), "asyncmesh")
+    finished: list[tuple[int, int, int]] = []  # (stage, round, local_step at finish)
+    for row in state.w:
+        for w in row:
+            original = w.averaging_finish
+
+            def spy(rn, mean, *, group_size=None, w=w, original=original):
+                finished.append((w.stage, rn, w.local_step))
+                return original(rn, mean, group_size=group_size)
+
+            w.averaging_finish = spy
+    state.run_async()
+    assert state.rounds_applied == state.K * (n - tau)
+    for _stage, rn, step in finished:
+        assert step == rn + 1 + tau  # round rn began after local step rn + 1, applied tau steps later
+
+
+@pytest.mark.timeout(60)
+def test_full_averaging_and_gradient_averaging_keep_replicas_identical():
+    for method in ("full-avg", "asyncpp", "fullsync"):
+        state = build(tiny(steps=8), method)
+        state.run_sync() if method == "fullsync" else state.run_async()
+        for s in range(state.K):
+            a, b = state.w[0][s].parameters(), state.w[1][s].parameters()
+            assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True)), (method, s)
+    state = build(tiny(steps=8), "asyncmesh")  # sparse averaging: replicas differ (different data)
+    state.run_async()
+    a, b = state.w[0][0].parameters(), state.w[1][0].parameters()
+    assert not all(torch.allclose(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_two_methods_see_identical_token_batches():
+    sim = tiny(steps=8)
+    sync = run_method(sim, "fullsync", "fullsync", sim.tau)
+    mesh = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
+    assert sync["data_digests"] == mesh["data_digests"]
+    assert len(set(sync["data_digests"])) == 2  # ...and the two replicas read different shards
+    assert sync["samples"] == mesh["samples"] == 8 * 2 * sim.run.data.batch_size
+
+
+def test_tau_variants_name_each_run():
+    sim = with_overrides(preset("stress"), taus=(10, 50), methods=("fullsync", "asyncmesh", "full-avg"))
+    assert sim.variants() == [("fullsync", "fullsync", 10), ("asyncmesh@tau10", "asyncmesh", 10),
+                              ("asyncmesh@tau50", "asyncmesh", 50), ("full-avg", "full-avg", 10)]
+
+
+def test_steps_must_divide_evenly_for_equal_samples():
+    with pytest.raises(ValueError, match="same samples"):
+        with_overrides(preset("smoke"), steps=10)  # micro_batches is 4

@@ -1,0 +1,48 @@
+"""The smoke preset end to end through the CLI: every method runs, writes its outputs, and learns."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from peer.cli import main
+
+
+@pytest.mark.timeout(150)
+def test_smoke_preset_writes_outputs_and_every_method_learns(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--preset", "smoke", "--out", str(out)]) == 0
+    for name in ("results.json", "curves.csv", "curves.png", "table.md"):
+        assert (out / name).stat().st_size > 0, name
+    doc = json.loads((out / "results.json").read_text())
+    methods = doc["methods"]
+    assert set(methods) == {"fullsync", "naive-async", "asyncpp", "asyncpp-nows", "asyncmesh", "async-sparta",
+                            "delta", "full-avg", "wagma", "accum"}
+    assert doc["config"]["preset"] == "smoke"
+    for name, m in methods.items():
+        assert m["final_val_loss"] < m["first_val_loss"] - 0.05, f"{name} did not learn: {m}"
+        assert m["final_val_loss"] < 5.0, name  # log(256) = 5.55 is a uniform guess
+    assert len({m["samples"] for m in methods.values()}) == 1  # equal samples
+    assert len({tuple(m["data_digests"]) for m in methods.values()}) == 1  # ... and the very same token batches
+    assert methods["fullsync"]["ratio_to_fullsync"] == pytest.approx(1.0)
+    assert methods["fullsync"]["updates"] * 4 == methods["asyncpp"]["updates"]  # M = 4 micro-batches per step
+    assert methods["accum"]["updates"] * 2 == methods["asyncpp"]["updates"]  # A = 2
+    assert all(m["wallclock_s"] > 0 for m in methods.values())
+    with open(out / "curves.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == set(methods)
+    assert "| asyncmesh |" in (out / "table.md").read_text()
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "asyncmesh" in printed
+
+
+def test_cli_rejects_bad_tau_with_a_message(tmp_path, capsys):
+    assert main(["simulate", "--preset", "smoke", "--out", str(tmp_path), "--tau", "x"]) == 2
+    assert "--tau takes integers" in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_methods(tmp_path, capsys):
+    assert main(["simulate", "--out", str(tmp_path), "--methods", "fullsync,nope"]) == 2
+    assert "nope" in capsys.readouterr().err

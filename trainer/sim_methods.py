@@ -1,0 +1,112 @@
+"""The methods the simulator compares, each a (schedule, replica-combination, run overrides) triple.
+
+Every method trains the same model from the same seeded init on the same per-replica token streams; only the
+schedule, the optimiser and the data-parallel rule differ. Choices the papers leave open, stated here once:
+
+* **fullsync** — GPipe with ``M`` micro-batches and a flush per step; gradients summed over the ``M`` micro-batches,
+  averaged over the replicas every step (one shared model); AdamW, beta1 0.9. It makes ``M x`` fewer optimiser steps
+  than the asynchronous methods for the same samples, exactly as the papers' GPipe baseline does, so its warm-up and
+  schedule length are counted in its own steps (``warmup / M``, ``steps / M``).
+* **naive-async** — the asynchronous 1F1B pipeline with no delay correction at all: AdamW, beta1 0.9 on every stage,
+  no weight stashing (backward through the latest weights), no look-ahead.
+* **asyncpp** — AsyncPP: NAdam beta1 0.99 (the Nesterov look-ahead) with weight stashing.
+* **asyncpp-nows** — AsyncPP without stashing, stage-dependent beta1 (0.99 at stage 0 down to 0.9 at the last).
+* For these pure pipeline methods (and **accum**) the replicas are combined by **synchronous gradient averaging**
+  every optimiser step (PipeDream's hybrid with DDP): replicas stay identical, so the asynchrony measured is the
+  pipeline's alone. (Parameter averaging with p = 1, tau = 0 is the separate method full-avg.)
+* **asyncmesh** — asyncpp + sparse averaging of p = 5 % of each stage's weights per step, applied tau steps late with
+  the EMA drift correction (rule 'ema'). **async-sparta** (rule 'avg', stale overwrite) and **delta** (rule 'delta',
+  a + lam * drift) differ from it only in the rule; **full-avg** averages all weights every step with no delay.
+* **wagma** — asyncpp + WAGMA group model averaging: each step every replica publishes its weights, and tau steps
+  later averages its current weights with its group's published ones, w <- (G mean + w) / (G + 1); every
+  ``wagma_global_every`` steps a synchronous global average (applied at once) bounds the staleness.
+* **accum** — Aji & Heafield: AdamW (beta1 0.9) with weight stashing (the gradient is computed at the weights the
+  forward saw, as a parameter server's stale fetch), each stage summing ``A`` asynchronous gradients before one
+  optimiser step; replicas combined by gradient averaging at each applied step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainer.config import RunConfig
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How one method trains: schedule ('sync' GPipe or 'async' 1F1B) and replica combination ('grad', 'avg',
+    'wagma'); ``configure(run, sim)`` returns the method's run config from the simulation's base run."""
+
+    name: str
+    schedule: str
+    combine: str
+    configure: Callable[[RunConfig, object], RunConfig]
+    summary: str
+
+
+def _pipeline_only(run: RunConfig, **optim: object) -> RunConfig:
+    return run.replace(optim=optim, averaging={"rule": "none"})
+
+
+def _fullsync(run: RunConfig, sim) -> RunConfig:
+    m = sim.micro_batches
+    return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=False, accumulate=1,
+                          warmup_steps=run.optim.warmup_steps // m, total_steps=max(1, run.optim.total_steps // m))
+
+
+def _naive(run: RunConfig, sim) -> RunConfig:
+    return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=False, accumulate=1,
+                          nows_beta1_first=0.9, nows_beta1_last=0.9)
+
+
+def _asyncpp(run: RunConfig, sim) -> RunConfig:
+    return _pipeline_only(run, optimizer="nadam", beta1=0.99, weight_stashing=True, accumulate=1)
+
+
+def _asyncpp_nows(run: RunConfig, sim) -> RunConfig:
+    return _pipeline_only(run, optimizer="nadam", weight_stashing=False, accumulate=1,
+                          nows_beta1_first=0.99, nows_beta1_last=0.9)
+
+
+def _sparse(rule: str, *, full: bool = False) -> Callable[[RunConfig, object], RunConfig]:
+    def configure(run: RunConfig, sim) -> RunConfig:
+        run = run.replace(optim={"optimizer": "nadam", "beta1": 0.99, "weight_stashing": True, "accumulate": 1})
+        return run.replace(averaging={"rule": rule, "fraction": 1.0 if full else sim.fraction,
+                                      "delay_steps": 0 if full else sim.tau, "every_steps": 1})
+    return configure
+
+
+def _accum(run: RunConfig, sim) -> RunConfig:
+    a = sim.accumulate
+    return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=True, accumulate=a,
+                          warmup_steps=run.optim.warmup_steps // a, total_steps=max(1, run.optim.total_steps // a))
+
+
+METHODS: dict[str, MethodSpec] = {m.name: m for m in (
+    MethodSpec("fullsync", "sync", "grad", _fullsync, "GPipe M micro-batches + flush, gradient all-reduce, AdamW 0.9"),
+    MethodSpec("naive-async", "async", "grad", _naive, "async 1F1B, AdamW 0.9, no stashing, no look-ahead"),
+    MethodSpec("asyncpp", "async", "grad", _asyncpp, "async 1F1B, NAdam 0.99 + weight stashing"),
+    MethodSpec("asyncpp-nows", "async", "grad", _asyncpp_nows, "async 1F1B, NAdam, no stashing, beta1 0.99->0.9"),
+    MethodSpec("asyncmesh", "async", "avg", _sparse("ema"), "asyncpp + sparse averaging, EMA drift correction"),
+    MethodSpec("async-sparta", "async", "avg", _sparse("avg"), "asyncpp + sparse averaging, stale overwrite"),
+    MethodSpec("delta", "async", "avg", _sparse("delta"), "asyncpp + sparse averaging, a + lambda * drift"),
+    MethodSpec("full-avg", "async", "avg", _sparse("avg", full=True), "asyncpp + full averaging every step, tau 0"),
+    MethodSpec("wagma", "async", "wagma", _sparse("wagma"), "asyncpp + WAGMA group averaging, global every 11"),
+    MethodSpec("accum", "async", "grad", _accum, "async 1F1B, AdamW 0.9 + stashing, sum A gradients per step"),
+)}
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """'all' or a comma-separated list of method names; raises ValueError naming the unknown ones."""
+    if text.strip() == "all":
+        return method_names()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"unknown method(s) {unknown or [text]}; choose from {', '.join(METHODS)} or 'all'")
+    return names
