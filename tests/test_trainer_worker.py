@@ -70,6 +70,8 @@ def test_input_validation_errors():
     w0, w1 = StageWorker(run, 0), StageWorker(run, 1)
     with pytest.raises(ValueError, match="integer token ids"):
         w0.forward(0, torch.zeros(2, 8, 16))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        w0.forward(0, torch.full((2, 8), 256))
     with pytest.raises(ValueError, match="block_size"):
         w0.forward(0, torch.zeros(2, 9, dtype=torch.long))
     with pytest.raises(ValueError, match=r"float activations \[B, T, 16\]"):

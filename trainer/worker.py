@@ -113,6 +113,8 @@ class StageWorker:
         if self.is_first:
             if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
                 raise ValueError(f"stage 0 takes integer token ids [B, T], got {x.dtype} {tuple(x.shape)}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= cfg.vocab_size):  # CUDA would assert, not raise
+                raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got [{int(x.min())}, {int(x.max())}]")
             x = x.to(self.device, torch.long)
         else:
             if x.dim() != 3 or x.shape[-1] != cfg.n_embd or not x.is_floating_point():
