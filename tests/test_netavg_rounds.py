@@ -1,0 +1,328 @@
+"""Averaging rounds: pure scheduling functions, and whole rounds among in-process peers over an in-memory transport.
+
+The in-memory transport passes messages through the real protocol codec (pack/unpack) and turns Error replies into
+RemoteError as protocol.rpc does, so everything but the sockets is the production path. Real hivemind P2P peers are
+in test_netavg_p2p.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+import torch
+
+from peer.averaging import (
+    AveragingLoop,
+    NetAveragingConfig,
+    SyncAverager,
+    admissible,
+    equal_mean,
+    next_round,
+    round_deadline,
+    same_stage_peers,
+)
+from peer.dht_records import PeerRecord
+from peer.metrics import PeerMetrics
+from protocol.codecs import encode
+from protocol.errors import RemoteError
+from protocol.messages import AveragingPart, Error
+from trainer.config import RunConfig
+
+RUN = RunConfig.default()
+SHAPES = [(3000,), (37,), (5,)]
+FAST = NetAveragingConfig(period_s=1.0, collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2)
+
+
+def aio(fn):
+    """Run an async test function in a fresh event loop (no pytest asyncio plugin is installed)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+class MemTransport:
+    """In-memory RPC between peers of one test; ``down`` peers neither answer nor can be reached."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[tuple[str, str], object] = {}
+        self.down: set[str] = set()
+
+    def for_peer(self, me: str) -> _PeerTransport:
+        return _PeerTransport(self, me)
+
+
+class _PeerTransport:
+    def __init__(self, net: MemTransport, me: str) -> None:
+        self.net, self.me = net, me
+
+    async def add_handler(self, name, fn) -> None:
+        self.net.handlers[(self.me, name)] = fn
+
+    async def call(self, peer_id, name, msg, *, timeout):
+        async def go():
+            if peer_id in self.net.down or self.me in self.net.down:
+                await asyncio.sleep(3600)
+            handler = self.net.handlers.get((peer_id, name))
+            if handler is None:
+                raise ConnectionError(f"{peer_id} does not serve {name}")
+            reply = await handler(_wire(msg), self.me)
+            if isinstance(reply, Error):
+                raise RemoteError(reply.code, reply.message)
+            return _wire(reply)
+
+        return await asyncio.wait_for(go(), timeout)
+
+
+def _wire(msg):
+    try:
+        from protocol.messages import pack, unpack
+    except ImportError:  # the message codec is not there yet: pass objects through
+        return msg
+    return unpack(pack(msg))
+
+
+class FakeWorker:
+    """The averaging hooks of StageWorker over fixed per-peer values; records what reaches it."""
+
+    def __init__(self, seed: int) -> None:
+        # replicas share the seeded init and drift apart a little, as honest ones do
+        base, g = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(seed)
+        self.values = [torch.randn(s, generator=base) + 0.1 * torch.randn(s, generator=g) for s in SHAPES]
+        self.local_step = 0
+        self.begun: set[int] = set()
+        self.finished: dict[int, list[torch.Tensor]] = {}
+        self.aborted: list[int] = []
+
+    def averaging_begin(self, r: int) -> list[torch.Tensor]:
+        self.begun.add(r)
+        return [v.clone() for v in self.values]
+
+    def averaging_finish(self, r: int, mean: list[torch.Tensor]) -> None:
+        assert r in self.begun
+        self.begun.discard(r)
+        self.finished[r] = mean
+
+    def averaging_abort(self, r: int) -> None:
+        self.begun.discard(r)
+        self.aborted.append(r)
+
+
+def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str], config=FAST, run=RUN):
+    metrics = PeerMetrics(name, 0)
+
+    async def worker_call(fn):
+        worker.local_step += 1  # the compute thread makes progress between calls: tau must see it
+        return fn(worker)
+
+    async def fetch_peers():
+        return [p for p in peers if p != name]
+
+    loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
+                         metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
+                         me=name)
+    return loop, metrics
+
+
+async def _run_rounds(loops, seconds: float) -> None:
+    for loop in loops:
+        await loop.start()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        for loop in loops:
+            await loop.stop()
+
+
+# ---- pure functions ------------------------------------------------------------------------------------------------
+def test_round_clock_and_admission():
+    cfg = NetAveragingConfig(period_s=10.0, collect_fraction=0.5, clock_skew_s=1.0)
+    assert next_round(100.0, 10.0) == 10 and next_round(100.5, 10.0) == 11
+    assert round_deadline(10, cfg, run_timeout_s=30.0) == 105.0
+    assert round_deadline(10, cfg, run_timeout_s=2.0) == 102.0  # the run's timeout caps the window
+    assert admissible(10, 100.1, cfg, 30.0) is None
+    assert admissible(11, 109.5, cfg, 30.0) is None  # a slightly fast clock on the sender's side
+    assert admissible(11, 108.0, cfg, 30.0) == "future_round"
+    assert admissible(10, 105.0, cfg, 30.0) == "stale_round"
+    with pytest.raises(ValueError, match="collect_fraction"):
+        NetAveragingConfig(collect_fraction=1.0)
+
+
+def test_same_stage_peers_and_equal_mean_are_order_independent():
+    def rec(pid, stage, state="training"):
+        return PeerRecord(peer_id=pid, stage=stage, throughput=1.0, queue=0, version=0, state=state)
+
+    records = {p.peer_id: p for p in [rec("b", 0), rec("a", 0), rec("me", 0), rec("c", 1), rec("d", 0, "joining")]}
+    assert same_stage_peers(records, 0, "me") == ["a", "b"]
+    x = [[torch.randn(100) for _ in range(2)] for _ in range(3)]
+    m1 = equal_mean("p1", x[0], {"p2": x[1], "p3": x[2]})
+    m2 = equal_mean("p3", x[2], {"p2": x[1], "p1": x[0]})
+    for a, b, j in zip(m1, m2, range(2), strict=True):
+        assert torch.equal(a, b)  # bit-identical whoever computes it
+        torch.testing.assert_close(a, (x[0][j] + x[1][j] + x[2][j]) / 3)
+
+
+# ---- whole rounds --------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+@aio
+async def test_three_peers_average_to_the_mean_within_int8_error_and_agree_bitwise():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    workers = [FakeWorker(i) for i in range(3)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    common = set.intersection(*(set(w.finished) for w in workers))
+    assert common, "no round completed on every peer"
+    for r in common:
+        for j, shape in enumerate(SHAPES):
+            true_mean = sum(w.values[j] for w in workers) / 3
+            step = max(float(w.values[j].abs().max()) for w in workers) / 127  # int8 absmax step, worst case
+            for w in workers:
+                assert w.finished[r][j].shape == shape
+                assert float((w.finished[r][j] - true_mean).abs().max()) <= step
+            assert torch.equal(workers[0].finished[r][j], workers[1].finished[r][j])
+            assert torch.equal(workers[0].finished[r][j], workers[2].finished[r][j])
+    for _, metrics in peers:
+        snap = metrics.snapshot()
+        assert metrics.avg_group_size == 3 and metrics.avg_tau is not None and metrics.avg_tau >= 1
+        assert snap["counters"].get("averaging_rounds_ok", 0) >= 1
+        assert not any(k.startswith("rejected:") for k in snap["counters"])
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_malicious_parts_are_rejected_counted_and_do_not_reach_honest_weights():
+    net, names = MemTransport(), ["p0", "p1"]
+    workers = [FakeWorker(0), FakeWorker(1)]
+    # the attacker is in the honest peers' view (it announced itself), so they keep the round open for it
+    peers = [_make_peer(net, n, w, names + ["evil"]) for n, w in zip(names, workers, strict=True)]
+    sent: list[str] = []
+
+    async def attack():
+        # wait until round r is open on the honest peers, then send each kind of poison once per honest peer
+        r = next_round(time.time(), FAST.period_s)
+        await asyncio.sleep(max(0.0, r * FAST.period_s - time.time()) + 0.05)
+        good = [torch.zeros(s) for s in SHAPES]
+        poisons = {
+            "nonfinite": [torch.full(SHAPES[0], float("nan")), *good[1:]],
+            "shape": [torch.zeros(SHAPES[0][0] + 1), *good[1:]],
+            "too_far": [torch.full(SHAPES[0], 1e6), *good[1:]],
+            "tensor_count": good[:2],
+        }
+        transport = net.for_peer("evil")
+        for kind, tensors in poisons.items():
+            codec = "none" if kind == "nonfinite" else "int8"
+            part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender="evil",
+                                 tensors=[encode(t, codec) for t in tensors], weight=1e6)
+            for target in names:
+                with pytest.raises(RemoteError):
+                    await transport.call(target, "avg_part", part, timeout=1.0)
+            sent.append(kind)
+        spoofed = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender="p1",
+                                tensors=[encode(t, "int8") for t in good], weight=1.0)
+        with pytest.raises(RemoteError):
+            await transport.call("p0", "avg_part", spoofed, timeout=1.0)
+        return r
+
+    attack_task = asyncio.create_task(attack())
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    attacked = await attack_task
+    assert sent == ["nonfinite", "shape", "too_far", "tensor_count"]
+    for _, metrics in peers:
+        counters = metrics.snapshot()["counters"]
+        for kind in sent:
+            assert counters.get(f"rejected:avg_{kind}") == 1, counters
+    assert peers[0][1].snapshot()["counters"].get("rejected:avg_sender_mismatch") == 1
+    assert attacked in workers[0].finished, "the attacked round must still complete among the honest peers"
+    for j in range(len(SHAPES)):
+        honest = (workers[0].values[j] + workers[1].values[j]) / 2
+        step = max(float(w.values[j].abs().max()) for w in workers) / 127
+        for w in workers:
+            for mean in w.finished.values():
+                assert float((mean[j] - honest).abs().max()) <= step
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_vanished_peer_costs_only_its_contribution_and_a_lone_survivor_aborts_cleanly():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    workers = [FakeWorker(i) for i in range(3)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    net.down.add("p2")  # p2 is in everyone's view but is gone: it neither answers nor reaches anyone
+    await _run_rounds([lp for lp, _ in peers[:2]], 1.8)
+    common = set(workers[0].finished) & set(workers[1].finished)
+    assert common
+    for r in common:
+        for j in range(len(SHAPES)):
+            assert torch.equal(workers[0].finished[r][j], workers[1].finished[r][j])
+            step = max(float(w.values[j].abs().max()) for w in workers[:2]) / 127
+            honest = (workers[0].values[j] + workers[1].values[j]) / 2
+            assert float((workers[0].finished[r][j] - honest).abs().max()) <= step
+    assert peers[0][1].avg_group_size == 2
+
+    # now p1 is gone too: p0 is alone with two dead peers in its view; every round it begins is aborted
+    lone = FakeWorker(0)
+    loop, metrics = _make_peer(net, "p0", lone, names, config=FAST)
+    net.down.add("p1")
+    await _run_rounds([loop], 1.8)
+    assert lone.finished == {} and lone.aborted and not lone.begun
+    assert metrics.snapshot()["counters"].get("averaging_rounds_failed", 0) >= 1
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_parts_for_a_stale_or_far_future_round_are_refused_with_a_clock_hint():
+    net = MemTransport()
+    worker = FakeWorker(0)
+    loop, metrics = _make_peer(net, "p0", worker, ["p0"])
+    await loop.start()
+    try:
+        now_round = int(time.time() // FAST.period_s)
+        for r in (now_round - 5, now_round + 5):
+            part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender="x",
+                                 tensors=[encode(torch.zeros(s), "int8") for s in SHAPES], weight=1.0)
+            with pytest.raises(RemoteError, match="clocks"):
+                await net.for_peer("x").call("p0", "avg_part", part, timeout=1.0)
+        wrong_run = AveragingPart(run_id="0" * 16, stage=0, round_no=now_round, sender="x", tensors=[], weight=1.0)
+        with pytest.raises(RemoteError):
+            await net.for_peer("x").call("p0", "avg_part", wrong_run, timeout=1.0)
+        assert metrics.snapshot()["counters"].get("rejected:avg_wrong_run") == 1
+    finally:
+        await loop.stop()
+    assert worker.finished == {} and worker.begun == set()
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_sync_average_is_an_exact_barrier_and_survives_a_missing_replica():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    cfg = NetAveragingConfig(sync_timeout_s=1.0)
+    avgs = []
+    for n in names:
+        s = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=PeerMetrics(n, 0), config=cfg,
+                         transport=net.for_peer(n), me=n)
+        await s.start()
+        avgs.append(s)
+    grads = [[torch.randn(4, 5), torch.randn(7)] for _ in names]
+
+    async def late(i, delay):
+        await asyncio.sleep(delay)
+        return await avgs[i].all_average(0, grads[i], names)
+
+    results = await asyncio.gather(late(0, 0.0), late(1, 0.2), late(2, 0.4))
+    for mean, n in results:
+        assert n == 3
+        for j in range(2):
+            assert mean[j].shape == grads[0][j].shape
+            torch.testing.assert_close(mean[j], sum(g[j] for g in grads) / 3)
+            assert torch.equal(mean[j], results[0][0][j])
+    # step 1: p2 never arrives; the others wait sync_timeout_s and average what they have
+    results = await asyncio.gather(*(avgs[i].all_average(1, grads[i], names) for i in range(2)))
+    for mean, n in results:
+        assert n == 2
+        torch.testing.assert_close(mean[1], (grads[0][1] + grads[1][1]) / 2)
+    assert avgs[0].metrics.snapshot()["counters"].get("sync_average_incomplete") == 1
