@@ -1,0 +1,137 @@
+"""State sync between real hivemind P2P peers on 127.0.0.1: exact transfer, a donor dying mid-transfer, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from peer.metrics import PeerMetrics
+from peer.state_sync import StateServer, StateSyncConfig, load_state_from_peers
+from protocol.rpc import RpcServer
+from trainer.config import RunConfig
+from trainer.worker import StageWorker
+
+pytestmark = pytest.mark.timeout(90)
+
+RUN = RunConfig.default()
+SMALL_CHUNKS = StateSyncConfig(chunk_bytes=128 * 1024, chunk_timeout_s=3.0, chunk_retries=0)
+
+
+def _trained_worker(seed: int, steps: int) -> StageWorker:
+    """A stage-0 worker with optimiser state and counters, different for each seed."""
+    torch.manual_seed(0)
+    w = StageWorker(RUN, 0)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+        w.optimizer_step()
+    return w
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+class Node:
+    def __init__(self, p2p: P2P, worker: StageWorker, run: RunConfig = RUN) -> None:
+        self.p2p, self.worker, self.id = p2p, worker, p2p.peer_id.to_base58()
+        self.metrics = PeerMetrics(self.id, 0)
+        self.executor = ThreadPoolExecutor(1)
+        self.server = StateServer(p2p=p2p, rpc_server=RpcServer(p2p), run=run, stage=0,
+                                  worker_call=self.worker_call, metrics=self.metrics, config=SMALL_CHUNKS)
+
+    async def worker_call(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.worker)
+
+
+async def _nodes(workers: list[StageWorker]) -> list[Node]:
+    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = await first.get_visible_maddrs()
+    rest = await asyncio.gather(*(P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                                  for _ in workers[1:]))
+    nodes = [Node(p, w) for p, w in zip([first, *rest], workers, strict=True)]
+    for n in nodes:
+        await n.server.start()
+    return nodes
+
+
+async def _shutdown(nodes: list[Node]) -> None:
+    await asyncio.gather(*(n.p2p.shutdown() for n in nodes), return_exceptions=True)
+    for n in nodes:
+        n.executor.shutdown(wait=False)
+
+
+def test_joiner_gets_the_exact_state_from_the_second_donor_when_the_first_dies_mid_transfer():
+    async def main():
+        joiner_worker = StageWorker(RUN, 0)
+        reference = joiner_worker.state_dict()
+        dying, good, joiner = await _nodes([_trained_worker(1, 2), _trained_worker(2, 3), joiner_worker])
+        dying.server.ready = good.server.ready = True
+        loop = asyncio.get_running_loop()
+        served: list[int] = []
+        build = dying.server._build
+
+        def build_then_die(snap, chunk):  # the first donor's process dies while serving chunk 3
+            served.append(chunk)
+            if chunk == 3:
+                asyncio.run_coroutine_threadsafe(dying.p2p.shutdown(), loop).result(timeout=10)
+                time.sleep(0.2)
+            return build(snap, chunk)
+
+        dying.server._build = build_then_die
+        try:
+            t0 = time.monotonic()
+            state = await load_state_from_peers(p2p=joiner.p2p, run=RUN, stage=0, metrics=joiner.metrics,
+                                                reference=reference, donors=[dying.id, good.id],
+                                                config=SMALL_CHUNKS)
+            elapsed = time.monotonic() - t0
+        finally:
+            await _shutdown([dying, good, joiner])
+        assert served[:4] == [0, 1, 2, 3]
+        assert state is not None
+        assert _same(state, good.worker.state_dict()), "the state must be the good donor's, byte for byte"
+        counters = joiner.metrics.snapshot()["counters"]
+        assert counters.get("state_sync_donor_failed") == 1 and counters.get("state_sync_ok") == 1
+        assert good.metrics.snapshot()["counters"]["state_chunks_served"] > 4  # several chunks really were used
+        joiner_worker.load_state_dict(state)
+        assert joiner_worker.local_step == 3
+        for p, q in zip(joiner_worker.parameters(), good.worker.parameters(), strict=True):
+            assert torch.equal(p, q)
+        assert elapsed < 30
+
+    asyncio.run(main())
+
+
+def test_donors_that_are_not_ready_or_of_another_run_give_none_and_a_ready_one_serves():
+    async def main():
+        donor, joiner = await _nodes([_trained_worker(1, 1), StageWorker(RUN, 0)])
+        other_run = RUN.replace(seed=RUN.seed + 1)
+        try:
+            kwargs = dict(p2p=joiner.p2p, stage=0, metrics=joiner.metrics, donors=[donor.id], config=SMALL_CHUNKS)
+            assert await load_state_from_peers(run=RUN, **kwargs) is None  # donor still loading its own state
+            donor.server.ready = True
+            assert await load_state_from_peers(run=other_run, **kwargs) is None  # wrong run: refused
+            wrong_shape = joiner.worker.state_dict()
+            wrong_shape["model"] = dict(wrong_shape["model"])
+            name = next(iter(wrong_shape["model"]))
+            wrong_shape["model"][name] = torch.zeros(3)
+            assert await load_state_from_peers(run=RUN, reference=wrong_shape, **kwargs) is None
+            state = await load_state_from_peers(run=RUN, reference=joiner.worker.state_dict(), **kwargs)
+        finally:
+            await _shutdown([donor, joiner])
+        assert state is not None and _same(state, donor.worker.state_dict())
+        assert joiner.metrics.snapshot()["counters"]["state_sync_donor_failed"] == 3
+        assert donor.metrics.snapshot()["counters"].get("rejected:state_wrong_run") == 1
+
+    asyncio.run(main())
