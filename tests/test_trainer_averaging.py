@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from trainer.averaging import (
     Partitioner,
     SparseAveragingState,
     global_average,
+    keyed_permutation,
     mu_at,
     wagma_apply,
     wagma_average,
@@ -203,3 +205,16 @@ def test_finish_rejects_bad_group_size_and_non_tensors():
     with pytest.raises(AveragingError, match="float tensor"):
         state.finish(0, [torch.zeros(4, dtype=torch.long)], w, 0)
     assert w[0].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_keyed_permutation_is_a_permutation_and_pinned():
+    for n in [1, 2, 3, 7, 16, 17, 255, 1000, 4097]:
+        perm = keyed_permutation(n, key=n)
+        assert np.array_equal(np.sort(perm), np.arange(n))
+    assert not np.array_equal(keyed_permutation(1000, 1), keyed_permutation(1000, 2))
+    # Wire-compatibility pin: replicas must agree on partitions across machines and releases. If this changes,
+    # peers running the old and the new code would average different coordinates: bump the protocol version.
+    assert keyed_permutation(10, 0).tolist() == [0, 3, 8, 2, 6, 9, 5, 7, 1, 4]
+    assert keyed_permutation(10, 1).tolist() == [0, 3, 4, 2, 6, 5, 1, 9, 7, 8]
+    with pytest.raises(ValueError):
+        keyed_permutation(0, 1)

@@ -2,8 +2,9 @@
 
 AsyncMesh (DESIGN.md "Data-parallel axis", ALGORITHMS.md §1.3, §6B). Per parameter tensor, coordinates are randomly
 permuted into n = ceil(1/p) disjoint partitions, cycled one per round and redrawn after each cycle. The permutation
-of cycle c for parameter j of stage s is drawn from a generator seeded by (run seed, s, j, c) only, so every replica
-computes the same partitions and no mask crosses the wire. Round r uses partition r % n of cycle r // n.
+of cycle c for parameter j of stage s is keyed by (run seed, s, j, c) only and computed with explicit integer
+arithmetic (``keyed_permutation``), so every replica computes the same partitions, whatever its library versions, and
+no mask crosses the wire. Round r uses partition r % n of cycle r // n.
 
 A round on partition S: the replicas' mean a = mean_j W_j[S] arrives some local steps after this replica snapshotted
 W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] - W_then:
@@ -26,6 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer.config import AveragingConfig
@@ -42,8 +44,52 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array (wrapping integer arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_CHUNK = 1 << 22  # elements per vectorised pass: bounds the temporaries to a few tens of MiB
+
+
+def keyed_permutation(n: int, key: int) -> np.ndarray:
+    """pi(0), ..., pi(n-1): a pseudo-random permutation of range(n) fixed by ``key`` (uint64 array).
+
+    A 4-round balanced Feistel network on 2h >= log2(n) bits with cycle-walking back into [0, n). It is explicit
+    integer arithmetic, so every replica computes the same permutation whatever its platform or numpy/torch version
+    (``torch.randperm``'s stream is not promised to stay the same across releases, and a replica that disagreed on
+    the partition would silently average the wrong coordinates). O(n) time, no sort.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
+    round_keys = [np.uint64(_seed("feistel", key, i)) for i in range(4)]
+
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> shift, x & mask
+        for k in round_keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << shift) | right
+
+    out = np.empty(n, dtype=np.uint64)
+    for start in range(0, n, _CHUNK):
+        y = feistel(np.arange(start, min(n, start + _CHUNK), dtype=np.uint64))
+        walk = np.flatnonzero(y >= n)
+        while walk.size:  # the domain is < 4n, so a few steps put every element back into range
+            y[walk] = feistel(y[walk])
+            walk = walk[y[walk] >= n]
+        out[start : start + len(y)] = y
+    return out
+
+
 class Partitioner:
     """Per-parameter index sets of each round, identical on every replica of a stage.
+
+    Coordinate i of parameter j belongs to partition pi(i) mod n of a cycle, pi = keyed_permutation keyed by
+    (seed, stage, j, cycle): the n partitions are disjoint, cover the tensor and differ in size by at most one.
 
     Args:
         seed: the run seed.
@@ -58,28 +104,27 @@ class Partitioner:
         self.seed, self.stage = seed, stage
         self.numels = [math.prod(s) for s in shapes]
         self.n = max(1, math.ceil(1.0 / fraction - 1e-9))
-        self._cache: dict[int, list[torch.Tensor]] = {}  # cycle -> int32 permutations (4 bytes per weight)
+        self._dtype = np.uint16 if self.n <= np.iinfo(np.uint16).max else np.uint32
+        self._cache: dict[int, list[np.ndarray]] = {}  # cycle -> partition id of every coordinate (2 bytes each)
 
-    def _perms(self, cycle: int) -> list[torch.Tensor]:
-        perms = self._cache.get(cycle)
-        if perms is None:
-            perms = []
-            for j, numel in enumerate(self.numels):
-                gen = torch.Generator(device="cpu").manual_seed(_seed(self.seed, self.stage, j, cycle))
-                perms.append(torch.randperm(numel, generator=gen, dtype=torch.int32))
+    def _parts(self, cycle: int) -> list[np.ndarray]:
+        parts = self._cache.get(cycle)
+        if parts is None:
+            parts = [(keyed_permutation(numel, _seed(self.seed, self.stage, j, cycle)) % np.uint64(self.n))
+                     .astype(self._dtype) for j, numel in enumerate(self.numels)]
             # rounds in flight may straddle a cycle boundary: keep the two most recent cycles
             self._cache = {c: p for c, p in self._cache.items() if c == cycle - 1}
-            self._cache[cycle] = perms
-        return perms
+            self._cache[cycle] = parts
+        return parts
 
     def indices(self, round_no: int) -> list[torch.Tensor]:
-        """Flat LongTensor indices (sorted) of round ``round_no``'s partition, one per parameter."""
+        """Flat LongTensor indices (ascending) of round ``round_no``'s partition, one per parameter."""
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
         if self.n == 1:
             return [torch.arange(numel) for numel in self.numels]
         cycle, k = divmod(round_no, self.n)
-        return [torch.sort(perm[k :: self.n].long()).values for perm in self._perms(cycle)]
+        return [torch.from_numpy(np.flatnonzero(part == k)).long() for part in self._parts(cycle)]
 
 
 def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
