@@ -99,7 +99,12 @@ def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: in
 
 
 class GPT(nn.Module):
-    """The whole decoder; used for tests, the synchronous single-process reference and evaluation."""
+    """The whole decoder; used for tests, the synchronous single-process reference and evaluation.
+
+    Args:
+        cfg: the run's model section (layers, width, heads, context, vocab, dropout).
+        seed: init seed; the same seed gives the same weights as the stages built by ``build_stage``.
+    """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
@@ -128,6 +133,11 @@ class StageModule(nn.Module):
     ``forward`` maps the stage's input to its output: tokens [B, T] (first stage) or activations [B, T, C] to
     activations [B, T, C], or logits [B, T, vocab] on the last stage; ``loss`` turns logits and targets into the mean
     token cross-entropy.
+
+    Args:
+        run: the run config; its ``n_stages``/``layers_per_stage`` decide which blocks this stage holds.
+        stage: 0 <= stage < run.n_stages.
+        seed: init seed (default ``run.seed``); replicas of a swarm must share it.
     """
 
     def __init__(self, run: RunConfig, stage: int, seed: int | None = None) -> None:
