@@ -73,8 +73,11 @@ def _read_capped(files: list[Path], cap: int) -> bytes:
     parts, total = [], 0
     for p in files:
         remaining = cap - total if cap else -1
-        with open(p, "rb") as f:
-            chunk = f.read(remaining) if cap else f.read()
+        try:
+            with open(p, "rb") as f:
+                chunk = f.read(remaining) if cap else f.read()
+        except OSError as e:
+            raise DataError(f"cannot read {p}: {e}; fix its permissions or remove it from the data folder") from e
         parts.append(chunk)
         total += len(chunk)
         if cap and total >= cap:
