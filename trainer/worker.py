@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
+_Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]  # output -> (backprop target, its gradient)
 
 
 @dataclass
@@ -203,7 +204,7 @@ class StageWorker:
         self._contributed()
         return box[0], grad_x
 
-    def _backprop(self, x: torch.Tensor, weights: list[torch.Tensor] | None, head) -> torch.Tensor | None:
+    def _backprop(self, x: torch.Tensor, weights: list[torch.Tensor] | None, head: _Head) -> torch.Tensor | None:
         """Forward with autograd (at ``weights`` or the live ones), backprop, add into .grad; returns grad wrt x."""
         if weights is None:
             params = self._params
