@@ -26,7 +26,7 @@ from protocol.framing import HEADER, StreamEnded, read_message, write_message
 from protocol.limits import PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, unpack
 
-__all__ = ["RpcServer", "call", "Handler", "PROTOCOL_PREFIX"]
+__all__ = ["RpcServer", "RpcLimits", "call", "Handler", "PROTOCOL_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
