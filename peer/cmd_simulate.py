@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="methods trained in parallel processes (1 thread each); use only on an idle machine")
     parser.add_argument("--no-wallclock", action="store_true", help="skip the wall-clock model")
+    parser.add_argument("--wallclock-only", action="store_true",
+                        help="train nothing: measure the preset's compute and write the speedup tables "
+                        "(wallclock.md, wallclock.json) for 10/50/100 ms links")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every evaluation")
 
 
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     sim = build_config(args)
+    if args.wallclock_only:
+        return _wallclock_only(sim, args.out)
     variants = sim.variants()
     print(f"simulate {sim.preset}: {sim.run.n_stages} stages x {sim.n_replicas} replicas, {sim.steps} steps, "
           f"{len(variants)} runs -> {args.out}", flush=True)
@@ -103,6 +108,24 @@ def run(args: argparse.Namespace) -> int:
     print((args.out / "table.md").read_text(), end="")
     if report is not None:
         print(report.speedup_markdown(), end="")
+    return 0
+
+
+def _wallclock_only(sim, out: Path) -> int:
+    import json
+
+    from trainer.sim_timing import WallclockReport, gpu_like_rows, speedup_markdown
+
+    report = WallclockReport.measure(sim)
+    rows = report.speedup_rows() + gpu_like_rows(sim.n_replicas, sim.micro_batches, sim.fraction, sim.tau)
+    out.mkdir(parents=True, exist_ok=True)
+    text = speedup_markdown(rows)
+    (out / "wallclock.md").write_text(text)
+    (out / "wallclock.json").write_text(json.dumps(
+        {"fwd_s": report.fwd_s, "bwd_s": report.bwd_s, "stage_params": report.params, "rows": rows}, indent=2) + "\n")
+    print(f"measured per-stage compute (s): forward {[round(v, 4) for v in report.fwd_s]}, "
+          f"backward+step {[round(v, 4) for v in report.bwd_s]}")
+    print(text, end="")
     return 0
 
 

@@ -93,3 +93,17 @@ def test_invalid_meshes_are_rejected_with_a_reason():
     with pytest.raises(ValueError, match="inflight"):
         simulate_async(mesh(1), inflight=0)
     assert math.isinf(mesh(1).dp_bw)
+
+
+def test_wallclock_only_cli_writes_the_speedup_tables(tmp_path, capsys):
+    import json
+
+    from peer.cli import main
+
+    assert main(["simulate", "--preset", "smoke", "--wallclock-only", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "wallclock.json").read_text())
+    assert all(f > 0 for f in doc["fwd_s"]) and all(b > 0 for b in doc["bwd_s"])
+    assert {r["latency_ms"] for r in doc["rows"]} == {10, 50, 100}
+    for r in doc["rows"]:  # latency hurts the flushed schedule more than the asynchronous one
+        assert r["speedup"] > 1.0
+    assert "| latency (ms) |" in (tmp_path / "wallclock.md").read_text()

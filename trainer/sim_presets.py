@@ -48,11 +48,10 @@ def preset(name: str) -> SimConfig:
                          n_replicas=2, steps=3000, micro_batches=4, tau=10, fraction=0.05, accumulate=4,
                          eval_every=250, eval_batches=8, methods=_paper_order())
     if name == "stress":
-        return SimConfig(preset="stress", run=_run(8, 8, 64, 4, 64, 8, 1e-3, 100, 1500, 8_000_000, 500),
-                         n_replicas=2, steps=1500, micro_batches=4, tau=10, taus=(10, 50), fraction=0.05,
-                         accumulate=4, eval_every=250, eval_batches=8,
-                         methods=("fullsync", "naive-async", "asyncpp", "asyncpp-nows", "asyncmesh", "async-sparta",
-                                  "delta"))
+        return SimConfig(preset="stress", run=_run(8, 8, 64, 4, 64, 8, 1e-3, 100, 1000, 8_000_000, 300),
+                         n_replicas=2, steps=1000, micro_batches=4, tau=10, taus=(10, 50), fraction=0.05,
+                         accumulate=4, eval_every=200, eval_batches=8,
+                         methods=("fullsync", "naive-async", "asyncpp", "asyncmesh", "async-sparta", "delta"))
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 

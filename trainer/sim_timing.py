@@ -39,8 +39,12 @@ GPU_LIKE = {
 }
 
 
-def measure_stage_times(run: RunConfig, *, repeats: int = 8, warmup: int = 2) -> tuple[list[float], list[float]]:
-    """Median forward and backward(+step) seconds per micro-batch of every stage of ``run`` on this machine."""
+def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Forward and backward(+step) seconds per micro-batch of every stage of ``run`` on this machine.
+
+    CPU time of this (single-threaded) process, so other processes sharing the machine do not inflate it; the minimum
+    over ``repeats`` micro-batches.
+    """
     from trainer.worker import StageWorker
 
     torch.set_num_threads(1)
@@ -55,26 +59,22 @@ def measure_stage_times(run: RunConfig, *, repeats: int = 8, warmup: int = 2) ->
         h, inputs = x, []
         for s in range(k - 1):
             inputs.append(h)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             h = workers[s].forward(i, h)
-            fwd[s].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            fwd[s].append(time.process_time() - t0)
+        t0 = time.process_time()
         workers[-1].evaluate(h, y)
-        f_last = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        f_last = time.process_time() - t0
+        t0 = time.process_time()
         _, g = workers[-1].forward_loss(i, h, y)
         fwd[-1].append(f_last)
-        bwd[-1].append(max(0.0, time.perf_counter() - t0 - f_last))
+        bwd[-1].append(max(0.0, time.process_time() - t0 - f_last))
         for s in range(k - 2, -1, -1):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             g = workers[s].backward(i, g)
-            bwd[s].append(time.perf_counter() - t0)
+            bwd[s].append(time.process_time() - t0)
 
-    def med(v: list[float]) -> float:
-        v = sorted(v[warmup:])
-        return v[len(v) // 2]
-
-    return [med(v) for v in fwd], [med(v) for v in bwd]
+    return [min(v[warmup:]) for v in fwd], [min(v[warmup:]) for v in bwd]
 
 
 def stage_param_counts(run: RunConfig) -> list[int]:
@@ -128,7 +128,7 @@ class WallclockReport:
         methods = {r["name"]: self.per_microbatch(r["method"], r["tau"] or 0, mesh) * self.sim.steps for r in results}
         return {
             "assumptions": {
-                "compute": "measured on this CPU, median of 8 micro-batches, 1 thread",
+                "compute": "measured on this CPU, process CPU time, minimum over 12 micro-batches, 1 thread",
                 "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "stage_params": self.params,
                 "latency_s": DEFAULT_LATENCY_MS / 1e3, "bandwidth_bytes_per_s": DEFAULT_BANDWIDTH,
                 "activations": "int8", "inflight": mesh.n_stages,
@@ -172,6 +172,13 @@ def speedup_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{r['asyncmesh_s_per_mb']:.4f} | {r['speedup']:.2f}x | {r['wide_window']} | "
                      f"{r['asyncmesh_wide_s_per_mb']:.4f} | {r['speedup_wide']:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def gpu_like_rows(n_replicas: int, micro_batches: int, fraction: float, tau: int,
+                  stages: tuple[int, ...] = (4, 8)) -> list[dict[str, Any]]:
+    """Speedup rows of the stated GPU-like mesh (``GPU_LIKE``) for each depth and latency."""
+    return [speedup_row(f"{k}x{n_replicas} GPU-like 163M (stated)", gpu_like_mesh(k, n_replicas, lat / 1e3),
+                        micro_batches, fraction, tau, lat) for k in stages for lat in LATENCIES_MS]
 
 
 def gpu_like_mesh(n_stages: int, n_replicas: int, latency_s: float) -> MeshTiming:

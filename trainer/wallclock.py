@@ -248,13 +248,16 @@ def simulate_sync(mesh: MeshTiming, *, micro_batches: int, steps: int = 4,
     return ScheduleResult(per_step / m, total, steps * m, detail={"step_s": per_step})
 
 
-def simulate_async(mesh: MeshTiming, *, inflight: int, microbatches: int = 400, avg_fraction: float = 0.0,
+def simulate_async(mesh: MeshTiming, *, inflight: int, microbatches: int | None = None, avg_fraction: float = 0.0,
                    avg_bytes_per_param: float = 1.0, max_pending_rounds: int = 10) -> ScheduleResult:
     """PipeDream 1F1B with an in-flight window, a step after every backward, and background sparse averaging.
 
     ``avg_fraction`` 0 disables averaging. ``max_pending_rounds`` is how many averaging rounds a stage tolerates in
-    flight (tau in the convergence simulator) before it waits for one to finish.
+    flight (tau in the convergence simulator) before it waits for one to finish. ``microbatches`` defaults to
+    ``max(400, 10 * inflight)`` so the measured middle half lies well past the fill of a wide window.
     """
+    if microbatches is None:
+        microbatches = max(400, 10 * inflight)
     if inflight < 1 or microbatches < 4:
         raise ValueError("inflight must be >= 1 and microbatches >= 4")
     if not 0.0 <= avg_fraction <= 1.0 or max_pending_rounds < 0:
