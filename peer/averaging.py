@@ -28,12 +28,13 @@ and buys: every contribution is validated by the peer that uses it (exact shape,
 own values; weights chosen by the receiver), there is no reducer to trust, and a peer that vanishes removes exactly
 its own contribution: survivors average whole, validated parts, bit-identically when they hold the same set. They can
 hold different sets only if the peer vanished between answering one survivor and another; each then applies a valid
-mean of a subset, and the next rounds mix the difference away, as in gossip averaging. For large groups (tens of
-replicas) the WAGMA rule bounds the group instead.
+mean of a subset, and the next rounds mix the difference away, as in gossip averaging. For many replicas the 'wagma'
+rule bounds the group: each round averages with a rotating group of the reachable peers (``wagma_partners``), and
+every ``wagma_global_every``-th round with all of them.
 
-**Blocking full average** (``SyncAverager``, for ``--mode sync``): a barrier among the stage's replicas per step,
-keyed by the step number, over the same exchange with an exact codec by default; used on gradients before
-``optimizer_step()`` (p = 1, tau = 0).
+**Blocking full average** (``peer.avg_sync.SyncAverager``, re-exported here, for ``--mode sync``): a barrier among
+the stage's replicas per step, keyed by the step number, over the same exchange with an exact codec by default; used
+on gradients before ``optimizer_step()`` (p = 1, tau = 0). A replica that is behind (a joiner) adopts the others' step.
 
 Interface for the daemon::
 
@@ -42,6 +43,7 @@ Interface for the daemon::
     await loop.start(); ...; await loop.stop()        # worker_call(fn) runs fn(worker) on the compute thread
     sync = SyncAverager(p2p=p2p, rpc_server=rpc_server, run=run, stage=stage, metrics=metrics, config=...)
     await sync.start(); mean, n = await sync.all_average(step, worker_grads, peer_ids)
+    step = sync.last_step + 1                          # the barrier may have adopted a later step
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,16 +64,26 @@ from peer.avg_exchange import (
     RpcTransport,
     Slot,
     Transport,
-    finite_norm_check,
+    equal_mean,
+    exchange_all,
     relative_distance_check,
 )
 from protocol.errors import ErrorCode
+from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import CODEC_NAMES, RunConfig
 
 logger = logging.getLogger(__name__)
 
 AVG_RPC = "avg_part"
-SYNC_RPC = "avg_sync"
+
+
+def __getattr__(name: str) -> Any:
+    # SyncAverager lives in peer.avg_sync (which imports this module's config); re-exported lazily for callers
+    if name == "SyncAverager":
+        from peer.avg_sync import SyncAverager
+
+        return SyncAverager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 WorkerCall = Callable[[Callable[[Any], Any]], Awaitable[Any]]
 
@@ -100,6 +112,8 @@ class NetAveragingConfig:
     """Absolute allowance per coordinate (rms) for the distance check; lets zero-initialised tensors average."""
     sync_timeout_s: float = 60.0
     """Blocking average: how long the barrier waits for the stage's other replicas."""
+    sync_grace_s: float = 1.0
+    """Blocking average: the larger-id replica calls a silent smaller-id one after this (its handler then waits)."""
     sync_codec: str = "none"
     """Blocking average: wire codec ('none' keeps the sum exact, as a synchronous baseline must)."""
     sync_max_norm_ratio: float = 100.0
@@ -107,7 +121,7 @@ class NetAveragingConfig:
 
     def __post_init__(self) -> None:
         for name in ("period_s", "call_timeout_s", "swarm_timeout_s", "worker_timeout_s", "sync_timeout_s",
-                     "max_rel_distance", "sync_max_norm_ratio"):
+                     "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.collect_fraction < 1 or not 0 < self.initiator_grace < 1:
@@ -142,57 +156,18 @@ def admissible(round_no: int, now: float, config: NetAveragingConfig, run_timeou
     return None
 
 
+def wagma_partners(me: str, view: list[str], round_no: int, group_size: int) -> list[str]:
+    """WAGMA's rotating group over whoever is reachable: replicas are the sorted peer ids (ours included), and round
+    ``round_no`` uses digit field ``round_no mod L`` of their index (trainer.averaging.wagma_group); peers with the
+    same view compute the same disjoint groups, and the groups rotate so information mixes in L rounds."""
+    members = sorted({*view, me})
+    group = wagma_group(members.index(me), round_no, len(members), group_size)
+    return [members[i] for i in group if members[i] != me]
+
+
 def same_stage_peers(records: dict[str, Any], stage: int, me: str) -> list[str]:
     """Peer ids of the training peers of ``stage`` other than ``me``, sorted (from fetch_swarm's records)."""
     return sorted(pid for pid, rec in records.items() if rec.stage == stage and rec.state == "training" and pid != me)
-
-
-def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Mean of all contributions, each weighted equally, summed in peer-id order so equal sets give equal bits."""
-    everyone = dict(parts)
-    everyone[own] = own_values
-    order = sorted(everyone)
-    return [torch.stack([everyone[p][j] for p in order]).mean(dim=0) for j in range(len(own_values))]
-
-
-async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
-                       grace_s: float, call_timeout_s: float) -> None:
-    """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
-
-    The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
-    itself. Returns early once every peer has contributed.
-    """
-
-    async def with_peer(peer: str) -> None:
-        if peer < me:
-            delay = window_start + grace_s - exchange.clock()
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(_contributed(slot, peer), delay)
-                    return
-                except TimeoutError:
-                    pass
-        if peer not in slot.contributions:
-            await exchange.exchange(slot, peer, call_timeout_s)
-
-    await asyncio.gather(*(with_peer(p) for p in peers))
-    remaining = slot.deadline - exchange.clock()
-    if remaining > 0 and not set(peers) <= set(slot.contributions):
-        try:
-            await asyncio.wait_for(_all_contributed(slot, peers), remaining)
-        except TimeoutError:
-            pass
-
-
-async def _contributed(slot: Slot, peer: str) -> None:
-    while peer not in slot.contributions:
-        slot.arrived.clear()
-        await slot.arrived.wait()
-
-
-async def _all_contributed(slot: Slot, peers: Iterable[str]) -> None:
-    for peer in peers:
-        await _contributed(slot, peer)
 
 
 class AveragingLoop:
@@ -264,10 +239,21 @@ class AveragingLoop:
             except Exception as e:  # a DHT hiccup costs this round only
                 logger.debug("reading the stage's peers failed: %r", e)
                 self.peers = []
-            if self.peers and self.clock() < self._deadline(r):
+            if self.partners(r) and self.clock() < self._deadline(r):
                 self._ensure_round(r)
 
-    def _admit(self, round_no: int) -> Slot:
+    def partners(self, round_no: int) -> list[str]:
+        """Whom we average with in ``round_no``: every known same-stage peer, or under the 'wagma' rule our
+        rotating group among them (every ``wagma_global_every``-th round: everyone, which bounds staleness)."""
+        cfg = self.run.averaging
+        view = [p for p in self.peers if p != self.me]
+        if cfg.rule != "wagma" or wagma_is_global(round_no, cfg.wagma_global_every):
+            return view
+        return wagma_partners(self.me, view, round_no, cfg.wagma_group_size)
+
+    def _admit(self, round_no: int, peer: str) -> Slot:
+        if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
+            raise Refused(ErrorCode.NOT_READY, f"not in our WAGMA group of round {round_no}")
         reason = admissible(round_no, self.clock(), self.config, self.run.averaging.timeout_s)
         if reason is not None:
             current = math.floor(self.clock() / self.config.period_s)
@@ -292,7 +278,7 @@ class AveragingLoop:
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
             await self.exchange.publish(slot, values)
-            peers = [p for p in self.peers if p != self.me]
+            peers = self.partners(r)
             start = max(self.clock(), round_start(r, self.config.period_s))
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
@@ -338,61 +324,3 @@ class AveragingLoop:
                                                   self.config.worker_timeout_s))
         except Exception as e:
             logger.warning("aborting averaging round %d on the worker failed: %r", r, e)
-
-
-class SyncAverager:
-    """Blocking average of tensors (gradients) among a stage's replicas, one barrier per step (p = 1, tau = 0).
-
-    Every replica calls ``all_average(step, tensors, peers)`` with the same ``step`` and its view of the other
-    replicas; each returns the equal-weight mean of its own tensors and every valid part that arrived before
-    ``sync_timeout_s``, and how many replicas that mean covers. A replica that does not arrive costs the others the
-    wait, never a wrong sum. Args as AveragingLoop, without the DHT and the worker.
-    """
-
-    def __init__(self, *, p2p: Any, rpc_server: Any, run: RunConfig, stage: int, metrics: Any,
-                 config: NetAveragingConfig | None = None, transport: Transport | None = None,
-                 me: str | None = None, clock: Callable[[], float] = time.time) -> None:
-        self.config = config or NetAveragingConfig()
-        self.metrics, self.clock = metrics, clock
-        self.me = me if me is not None else p2p.peer_id.to_base58()
-        self.last_step = -1
-        self.exchange = PartExchange(
-            transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
-            me=self.me, codec=self.config.sync_codec, metrics=metrics, clock=clock, admit=self._admit,
-            check=finite_norm_check(self.config.sync_max_norm_ratio, 1.0))
-
-    async def start(self) -> None:
-        await self.exchange.register()
-
-    def _admit(self, step: int) -> Slot:
-        # a part may arrive before we reach its step; bounded look-ahead keeps a hostile peer from opening many slots
-        if not self.last_step < step <= self.last_step + 2:
-            raise Refused(ErrorCode.NOT_READY, f"step {step} is not ours (last step {self.last_step})")
-        return self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
-
-    async def all_average(self, step: int, tensors: list[torch.Tensor],
-                          peers: Iterable[str]) -> tuple[list[torch.Tensor], int]:
-        """Mean of ``tensors`` over the replicas that arrive in time, and their number (1: alone or all failed)."""
-        if step <= self.last_step:
-            raise ValueError(f"step {step} was already averaged (last {self.last_step}); steps must increase")
-        for key in [k for k in self.exchange.slots if k < step]:
-            self.exchange.close(key)
-        shapes = [t.shape for t in tensors]
-        peers = sorted({p for p in peers if p != self.me})
-        slot = self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
-        slot.deadline = self.clock() + self.config.sync_timeout_s
-        try:
-            await self.exchange.publish(slot, tensors)
-            start = self.clock()
-            await exchange_all(self.exchange, slot, self.me, peers, start,
-                               self.config.initiator_grace * self.config.sync_timeout_s, self.config.sync_timeout_s)
-        finally:
-            self.exchange.close(step)
-            self.last_step = step
-        missing = [p for p in peers if p not in slot.contributions]
-        if missing:
-            self.metrics.inc("sync_average_incomplete")
-            logger.warning("step %d: averaged without %d of %d replicas (%s...)", step, len(missing), len(peers) + 1,
-                           missing[0][:12])
-        mean = equal_mean(self.me, slot.own_values, slot.contributions)
-        return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(slot.contributions) + 1

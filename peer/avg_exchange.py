@@ -22,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,13 +132,14 @@ class PartExchange:
         transport: RPC layer. name: RPC handler name. run_id, stage, me: identity checked on every part.
         codec: wire codec of the parts (run.compression.averaging, or 'none' for exact sums).
         check: owner's validation of a decoded part against our own values.
-        admit: called for a part whose slot does not exist yet; returns the slot (possibly still opening) or raises
-            Refused. Lets the asynchronous loop open a round on demand and the synchronous barrier wait for its step.
+        admit: called with (key, sender) for a part whose slot does not exist yet; returns the slot (possibly still
+            opening) or raises Refused. Lets the asynchronous loop open a round on demand and the synchronous barrier
+            wait for its step.
         metrics: PeerMetrics (counters). clock: time source of slot deadlines (unix time).
     """
 
     def __init__(self, *, transport: Transport, name: str, run_id: str, stage: int, me: str, codec: str,
-                 check: Check, admit: Callable[[int], Slot], metrics: Any,
+                 check: Check, admit: Callable[[int, str], Slot], metrics: Any,
                  clock: Callable[[], float] = time.time) -> None:
         self.transport, self.name, self.run_id, self.stage, self.me = transport, name, run_id, stage, me
         self.codec, self.check, self.admit, self.metrics, self.clock = codec, check, admit, metrics, clock
@@ -239,7 +240,7 @@ class PartExchange:
             self._reject(err, peer, getattr(msg, "round_no", "?"))
             return Error(code=err.code, message=f"{self.name}: {err}")
         try:
-            slot = self.slots.get(msg.round_no) or self.admit(msg.round_no)
+            slot = self.slots.get(msg.round_no) or self.admit(msg.round_no, peer)
             timeout = slot.deadline - self.clock()
             if timeout <= 0:
                 raise Refused(ErrorCode.NOT_READY, "closed")
@@ -287,3 +288,49 @@ class PartExchange:
                 self._reject(e, peer, slot.key)
             return False
         return True
+def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Mean of all contributions, each weighted equally, summed in peer-id order so equal sets give equal bits."""
+    everyone = dict(parts)
+    everyone[own] = own_values
+    order = sorted(everyone)
+    return [torch.stack([everyone[p][j] for p in order]).mean(dim=0) for j in range(len(own_values))]
+
+
+async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
+                       grace_s: float, call_timeout_s: float) -> None:
+    """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
+
+    The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
+    itself. Returns early once every peer has contributed.
+    """
+
+    async def with_peer(peer: str) -> None:
+        if peer < me:
+            delay = window_start + grace_s - exchange.clock()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(_contributed(slot, peer), delay)
+                    return
+                except TimeoutError:
+                    pass
+        if peer not in slot.contributions:
+            await exchange.exchange(slot, peer, call_timeout_s)
+
+    await asyncio.gather(*(with_peer(p) for p in peers))
+    remaining = slot.deadline - exchange.clock()
+    if remaining > 0 and not set(peers) <= set(slot.contributions):
+        try:
+            await asyncio.wait_for(_all_contributed(slot, peers), remaining)
+        except TimeoutError:
+            pass
+
+
+async def _contributed(slot: Slot, peer: str) -> None:
+    while peer not in slot.contributions:
+        slot.arrived.clear()
+        await slot.arrived.wait()
+
+
+async def _all_contributed(slot: Slot, peers: Iterable[str]) -> None:
+    for peer in peers:
+        await _contributed(slot, peer)

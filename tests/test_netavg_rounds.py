@@ -17,13 +17,14 @@ import torch
 from peer.averaging import (
     AveragingLoop,
     NetAveragingConfig,
-    SyncAverager,
     admissible,
     equal_mean,
     next_round,
     round_deadline,
     same_stage_peers,
+    wagma_partners,
 )
+from peer.avg_sync import SyncAverager
 from peer.dht_records import PeerRecord
 from peer.metrics import PeerMetrics
 from protocol.codecs import encode
@@ -98,15 +99,17 @@ class FakeWorker:
         self.begun: set[int] = set()
         self.finished: dict[int, list[torch.Tensor]] = {}
         self.aborted: list[int] = []
+        self.group_sizes: dict[int, int | None] = {}
 
     def averaging_begin(self, r: int) -> list[torch.Tensor]:
         self.begun.add(r)
         return [v.clone() for v in self.values]
 
-    def averaging_finish(self, r: int, mean: list[torch.Tensor]) -> None:
+    def averaging_finish(self, r: int, mean: list[torch.Tensor], group_size: int | None = None) -> None:
         assert r in self.begun
         self.begun.discard(r)
         self.finished[r] = mean
+        self.group_sizes[r] = group_size
 
     def averaging_abort(self, r: int) -> None:
         self.begun.discard(r)
@@ -127,6 +130,10 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
                          me=name)
     return loop, metrics
+
+
+def _int8_step(*tensors: torch.Tensor) -> float:
+    return max(float(t.abs().max()) for t in tensors) / 127
 
 
 async def _run_rounds(loops, seconds: float) -> None:
@@ -296,17 +303,22 @@ async def test_parts_for_a_stale_or_far_future_round_are_refused_with_a_clock_hi
     assert worker.finished == {} and worker.begun == set()
 
 
-@pytest.mark.timeout(30)
-@aio
-async def test_sync_average_is_an_exact_barrier_and_survives_a_missing_replica():
-    net, names = MemTransport(), ["p0", "p1", "p2"]
-    cfg = NetAveragingConfig(sync_timeout_s=1.0)
+async def _sync_averagers(net: MemTransport, names: list[str]) -> list[SyncAverager]:
+    cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2)
     avgs = []
     for n in names:
         s = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=PeerMetrics(n, 0), config=cfg,
                          transport=net.for_peer(n), me=n)
         await s.start()
         avgs.append(s)
+    return avgs
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_sync_average_is_an_exact_barrier_and_survives_a_missing_replica():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    avgs = await _sync_averagers(net, names)
     grads = [[torch.randn(4, 5), torch.randn(7)] for _ in names]
 
     async def late(i, delay):
@@ -326,3 +338,49 @@ async def test_sync_average_is_an_exact_barrier_and_survives_a_missing_replica()
         assert n == 2
         torch.testing.assert_close(mean[1], (grads[0][1] + grads[1][1]) / 2)
     assert avgs[0].metrics.snapshot()["counters"].get("sync_average_incomplete") == 1
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_sync_replica_that_is_behind_adopts_the_others_step():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    avgs = await _sync_averagers(net, names)
+    avgs[0].last_step = avgs[1].last_step = 9  # p0 and p1 have stepped; p2 joined from an older snapshot
+    grads = [[torch.full((6,), float(i + 1))] for i in range(3)]
+    results = await asyncio.gather(avgs[0].all_average(10, grads[0], names), avgs[1].all_average(10, grads[1], names),
+                                   avgs[2].all_average(0, grads[2], names))
+    for mean, n in results:
+        assert n == 3
+        assert torch.equal(mean[0], torch.full((6,), 2.0))
+    assert [a.last_step for a in avgs] == [10, 10, 10]
+    assert not any(a.exchange.slots for a in avgs)  # nothing left open
+
+
+def test_wagma_groups_over_reachable_peers_are_disjoint_symmetric_and_rotate():
+    ids = ["a", "b", "c", "d"]
+    for r in range(4):
+        groups = {p: wagma_partners(p, ids, r, 2) for p in ids}
+        for p, group in groups.items():
+            assert len(group) == 1 and groups[group[0]] == [p]  # pairs, and both sides agree
+    assert wagma_partners("a", ids, 0, 2) != wagma_partners("a", ids, 1, 2)  # the groups rotate
+    assert wagma_partners("a", ["a"], 0, 2) == []
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_wagma_rule_averages_within_rotating_pairs():
+    run = RUN.replace(averaging={"rule": "wagma", "wagma_group_size": 2, "wagma_global_every": 1000})
+    net, names = MemTransport(), ["p0", "p1", "p2", "p3"]
+    workers = [FakeWorker(i) for i in range(4)]
+    peers = [_make_peer(net, n, w, names, run=run) for n, w in zip(names, workers, strict=True)]
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    checked = 0
+    for i, w in enumerate(workers):
+        for r, mean in w.finished.items():
+            (partner,) = wagma_partners(names[i], names, r, 2)
+            other = workers[names.index(partner)]
+            expected = (w.values[0] + other.values[0]) / 2
+            assert float((mean[0] - expected).abs().max()) <= _int8_step(w.values[0], other.values[0])
+            assert w.group_sizes[r] == 2
+            checked += 1
+    assert checked >= 4
