@@ -76,12 +76,16 @@ class PeerConfig:
     """Hysteresis: move only if the slowest stage's capacity would rise above current / quality."""
     join_jitter_s: float = 1.0
     """Random wait before acting on a stage choice, then re-check (spreads peers that join at the same time)."""
+    averaging_period_s: float = 10.0
+    """Seconds per averaging round (round r starts at unix time r * period); must match across the stage's peers."""
     checkpoint_every_s: float = 120.0
     """Periodic checkpoint interval when checkpoint_dir is set (0: only the final checkpoint)."""
     drain_timeout_s: float = 10.0
     """On SIGTERM: wait this long for in-flight micro-batches before the final checkpoint."""
     state_load_timeout_s: float = 60.0
     """Give up loading state from donors after this long and fall back to a checkpoint or the seeded init."""
+    state_snapshot_max_age_s: float = 60.0
+    """Serving state: reuse one snapshot for joiners arriving within this many seconds (bounds copies in memory)."""
     reachability_timeout_s: float = 10.0
     """Dial-back timeout of the reachability self-check."""
     summary_json: Path | None = None
@@ -118,7 +122,8 @@ class PeerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("announce_every_s", "record_ttl_s", "dht_timeout_s", "rpc_timeout_s", "microbatch_timeout_s",
-                     "ban_base_s", "ban_max_s", "drain_timeout_s", "state_load_timeout_s", "reachability_timeout_s"):
+                     "ban_base_s", "ban_max_s", "drain_timeout_s", "state_load_timeout_s", "reachability_timeout_s",
+                     "averaging_period_s", "state_snapshot_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
         for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s"):

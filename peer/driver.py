@@ -50,7 +50,8 @@ class Stage0Driver:
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self.tokens = 0
-        self.started = time.monotonic()
+        self.tokens_timed = 0  # tokens completed after the first completion (the rate's numerator)
+        self.first_done: float | None = None
         self.finished: float | None = None
 
     def new_id(self) -> int:
@@ -100,7 +101,13 @@ class Stage0Driver:
             self.requeue.appendleft(sample)
             return False
         n_tokens = int(sample[0].numel())
+        if self.first_done is None:  # throughput counts from the first completed micro-batch (pipeline full)
+            self.first_done = time.monotonic()
+            n_tokens_counted = 0
+        else:
+            n_tokens_counted = n_tokens
         self.tokens += n_tokens
+        self.tokens_timed += n_tokens_counted
         self.metrics.inc("tokens", n_tokens)
         self.metrics.inc("samples", int(sample[0].shape[0]))
         self.metrics.local_step = self.pipe.worker.local_step
@@ -169,5 +176,8 @@ class Stage0Driver:
                 await self.evaluate()
 
     def tokens_per_s(self) -> float:
-        elapsed = (self.finished or time.monotonic()) - self.started
-        return self.tokens / elapsed if elapsed > 0 else 0.0
+        """Training tokens per second from the first completed micro-batch to the end (start-up excluded)."""
+        if self.first_done is None:
+            return 0.0
+        elapsed = (self.finished or time.monotonic()) - self.first_done
+        return self.tokens_timed / elapsed if elapsed > 0 else 0.0

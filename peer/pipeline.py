@@ -80,6 +80,7 @@ class PipelineStage:
         self._wake = asyncio.Event()
         self.accepting = True
         self.tasks: set[asyncio.Task] = set()
+        self.last_forward = time.monotonic()
         self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
         self._fwd_s: dict[int, float] = {}
         self.on_backward_done: Callable[[int], Awaitable[None]] | None = None  # sync mode: called after each backward
@@ -103,6 +104,10 @@ class PipelineStage:
         total = seconds + self._fwd_s.pop(mb_id, 0.0)
         a = 0.2 if self.compute_s_per_mb else 1.0
         self.compute_s_per_mb = (1 - a) * self.compute_s_per_mb + a * total
+
+    def idle_s(self) -> float:
+        """Seconds since the last forward request was accepted (or since this stage started)."""
+        return time.monotonic() - self.last_forward
 
     def queued(self) -> int:
         return self.forward_q.qsize() + self.backward_q.qsize()
@@ -145,6 +150,7 @@ class PipelineStage:
             return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if self.forward_q.full():  # filled while we decoded
             return Busy(retry_after_s=0.1)
+        self.last_forward = time.monotonic()
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
                                           is_eval=msg.is_eval)

@@ -1,0 +1,236 @@
+"""`asyncmesh-peer swarm`: start N peer processes on loopback and show the swarm (the newcomer's first command).
+
+The parent starts one ``join`` child per peer: the first starts the swarm, the others join it one after another with
+``--stage auto`` (each waits until the previous one has announced a stage, so every stage is filled before any gets a
+second replica). Children run ``--no-tui`` with a status endpoint on a free port; the parent polls those endpoints and
+draws the swarm view of ``peer.dashboard`` from them. When every stage-0 peer has reached ``--max-steps`` the parent
+stops the others with SIGTERM (they drain and checkpoint), then merges the children's summaries into one.
+Ctrl-C stops every child the same way; any child still alive after the deadline is killed by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "Start N peers on this machine (loopback) training the embedded default run, and show the swarm."
+EPILOG = """examples:
+  the newcomer's swarm: 4 peers (2 stages x 2 replicas) with a live dashboard, Ctrl-C to stop:
+    asyncmesh-peer swarm --peers 4
+  a scripted run: 60 steps per stage-0 peer, figures as JSON:
+    asyncmesh-peer swarm --peers 4 --max-steps 60 --no-tui --summary-json out/swarm.json
+  the synchronous baseline on the same code, for comparison:
+    asyncmesh-peer swarm --peers 4 --max-steps 60 --no-tui --mode sync --summary-json out/sync.json"""
+
+SUMMED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok", "averaging_rounds_failed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peers", type=int, default=4, metavar="N", help="peer processes to start (>= the run's stages)")
+    p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
+    p.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N steps of the stage-0 peers")
+    p.add_argument("--no-tui", action="store_true", help="no dashboard: log a status line every few seconds")
+    p.add_argument("--summary-json", default=None, metavar="PATH", help="write the swarm's figures here on exit")
+    p.add_argument("--mode", default="async", choices=("async", "sync"), help="async (default) or sync baseline")
+    p.add_argument("--workdir", default=None, metavar="DIR",
+                   help="identities, checkpoints, logs and summaries of the children (default: a temp folder)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                   help="peer setting passed to every child (see `asyncmesh-peer join --help`)")
+    p.add_argument("--timeout", type=float, default=0.0, metavar="S", help="stop the swarm after S seconds (0: never)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Swarm:
+    """N child peers; every child is reaped (SIGTERM, then SIGKILL by PID) whatever happens."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args, self.workdir = args, workdir
+        self.children: list[dict[str, Any]] = []
+        self.status: dict[int, dict[str, Any]] = {}
+
+    def spawn(self, i: int, initial: list[str]) -> dict[str, Any]:
+        d = self.workdir / f"peer{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        cmd = [sys.executable, "-m", "peer.cli", "join", "--no-tui", "--stage", "auto", "--host-maddrs",
+               "/ip4/127.0.0.1/tcp/0", "--identity", str(d / "identity.key"), "--checkpoint-dir", str(d / "ckpt"),
+               "--summary-json", str(d / "summary.json"), "--metrics-port", str(port), "--mode", self.args.mode,
+               "--max-steps", str(self.args.max_steps), "--torch-threads", "1",
+               "--set", f"maddrs_file={d / 'maddrs.txt'}"]
+        if self.args.run:
+            cmd += ["--run", self.args.run]
+        for item in self.args.overrides:
+            cmd += ["--set", item]
+        if initial:
+            cmd += ["--initial-peers", *initial]
+        log = open(d / "log.txt", "wb")  # noqa: SIM115 - closed in reap()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child = {"i": i, "proc": proc, "dir": d, "port": port, "log": log}
+        self.children.append(child)
+        return child
+
+    def wait_file(self, child: dict[str, Any], name: str, timeout: float) -> str:
+        path, deadline = child["dir"] / name, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return path.read_text()
+            if child["proc"].poll() is not None:
+                raise RuntimeError(f"peer {child['i']} exited with code {child['proc'].returncode} during start-up; "
+                                   f"see {child['dir'] / 'log.txt'}")
+            time.sleep(0.1)
+        raise RuntimeError(f"peer {child['i']} did not start within {timeout:.0f} s; see {child['dir'] / 'log.txt'}")
+
+    def poll(self) -> list[dict[str, Any]]:
+        import asyncio
+
+        from peer.status_server import fetch_status
+
+        async def all_status() -> list[Any]:
+            return await asyncio.gather(*(fetch_status("127.0.0.1", c["port"], timeout=1.0) for c in self.children),
+                                        return_exceptions=True)
+        out = []
+        for c, snap in zip(self.children, asyncio.run(all_status()), strict=True):
+            if isinstance(snap, dict):
+                self.status[c["i"]] = snap
+                out.append(snap)
+            else:
+                alive = c["proc"].poll() is None
+                out.append({"name": f"peer{c['i']}", "error": "starting" if alive else "exited"})
+        return out
+
+    def wait_stage(self, child: dict[str, Any], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            snap = self.status.get(child["i"])
+            if snap and snap.get("stage") is not None:
+                return
+            if child["proc"].poll() is not None:
+                raise RuntimeError(f"peer {child['i']} exited during start-up; see {child['dir'] / 'log.txt'}")
+            time.sleep(0.3)
+        raise RuntimeError(f"peer {child['i']} chose no stage within {timeout:.0f} s; see {child['dir']}/log.txt")
+
+    def stage0_done(self) -> bool:
+        stage0 = [c for c in self.children if self.status.get(c["i"], {}).get("stage") == 0]
+        return bool(stage0) and all(c["proc"].poll() is not None for c in stage0)
+
+    def reap(self, deadline_s: float) -> None:
+        for c in self.children:
+            if c["proc"].poll() is None:
+                os.kill(c["proc"].pid, signal.SIGTERM)
+        end = time.monotonic() + deadline_s
+        for c in self.children:
+            try:
+                c["proc"].wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(c["proc"].pid, signal.SIGKILL)
+                c["proc"].wait()
+            c["log"].close()
+
+    def summary(self) -> dict[str, Any]:
+        peers = []
+        for c in self.children:
+            path = c["dir"] / "summary.json"
+            entry = json.loads(path.read_text()) if path.exists() else {"error": "no summary"}
+            entry["exit_code"] = c["proc"].returncode
+            peers.append(entry)
+        return merge_summaries(peers, mode=self.args.mode)
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def merge_summaries(peers: list[dict[str, Any]], *, mode: str) -> dict[str, Any]:
+    """The swarm's figures: tokens/s summed over stage-0 peers (each token enters the pipeline there once)."""
+    s0 = [p for p in peers if p.get("stage") == 0]
+    return {
+        "mode": mode, "peers": len(peers),
+        "tokens_per_s": sum(p.get("tokens_per_s") or 0.0 for p in s0),
+        "steps": min((p.get("steps", 0) for p in s0), default=0),
+        "initial_loss": _mean([p.get("initial_loss") for p in s0]),
+        "final_loss": _mean([p.get("final_loss") for p in s0]),
+        "final_val_loss": _mean([p.get("final_val_loss") for p in s0]),
+        **{k: sum(int(p.get(k) or 0) for p in peers) for k in SUMMED},
+        "per_peer": peers,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import RunConfig
+
+    run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
+    if args.peers < run_cfg.n_stages:
+        raise ValueError(f"--peers {args.peers} cannot fill the run's {run_cfg.n_stages} stages; pass at least "
+                         f"{run_cfg.n_stages}")
+    if args.max_steps < 0 or args.timeout < 0:
+        raise ValueError("--max-steps and --timeout must be >= 0")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="asyncmesh-swarm-"))
+    swarm = Swarm(args, workdir)
+    stop = {"flag": False}
+    previous = {s: signal.signal(s, lambda *_: stop.__setitem__("flag", True))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    start = time.monotonic()
+    try:
+        first = swarm.spawn(0, [])
+        initial = [m for m in swarm.wait_file(first, "maddrs.txt", 60).split() if "/p2p/" in m][:1]
+        print(f"swarm of {args.peers} peers, run {run_cfg.name} ({run_cfg.run_id}); files in {workdir}")
+        print(f"join it from this machine: asyncmesh-peer join --stage auto --initial-peers {initial[0]}")
+        swarm.wait_stage(first, 90)
+        for i in range(1, args.peers):
+            swarm.wait_stage(swarm.spawn(i, initial), 90)
+        _watch(swarm, args, stop, start)
+    finally:
+        swarm.reap(deadline_s=30.0)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    result = swarm.summary()
+    if args.summary_json:
+        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary_json).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_peer"}, indent=1))
+    return 0 if all(p.get("exit_code") == 0 for p in result["per_peer"]) else 1
+
+
+def _watch(swarm: Swarm, args: argparse.Namespace, stop: dict[str, bool], start: float) -> None:
+    dash = live = None
+    if not args.no_tui:
+        from rich.live import Live
+
+        from peer.dashboard import Dashboard
+
+        dash = Dashboard([], title="asyncmesh swarm")
+        live = Live(dash.render(), auto_refresh=False)
+        live.start()
+    last_line = 0.0
+    try:
+        while not stop["flag"] and not swarm.stage0_done():
+            if args.timeout and time.monotonic() - start > args.timeout:
+                break
+            snaps = swarm.poll()
+            if dash is not None:
+                dash.update(snaps)
+                live.update(dash.render(), refresh=True)
+            elif time.monotonic() - last_line > 5:
+                last_line = time.monotonic()
+                steps = [f"s{s.get('stage')}:{s.get('local_step')}" for s in snaps if "stage" in s]
+                print(f"[{time.monotonic() - start:5.0f}s] " + " ".join(steps), flush=True)
+            time.sleep(0.5)
+    finally:
+        if live is not None:
+            live.stop()

@@ -1,0 +1,575 @@
+"""The peer daemon: the life of one peer, from identity to exit, on one event loop with one compute thread.
+
+start → identity key → join the DHT → serve RPCs → reachability self-check → choose a stage (``--stage`` or auto,
+with jitter and re-check) → state from donors, else the local checkpoint, else the run's seeded init → announce
+(expiring record, re-announced on a timer) → serve, drive micro-batches on stage 0, average in the background,
+checkpoint periodically, rebalance when the stage is over-served → on SIGTERM/SIGINT or ``max_steps``: stop taking
+work, drain within ``drain_timeout_s``, final checkpoint, withdraw the record, write the summary, exit 0.
+
+All model work runs on one ``ThreadPoolExecutor(max_workers=1)``: the worker is never touched from two threads and
+the event loop never blocks on tensor math. Failures of remote peers are logged at DEBUG and counted; nothing a
+remote peer sends can raise out of the serve loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from peer.config import PeerConfig
+from peer.dht_records import PeerRecord, announce, fetch_swarm, withdraw
+from peer.metrics import PeerMetrics
+from peer.routing import Router
+from peer.stage_choice import choose_stage, estimate_throughput, should_move, stage_costs
+from trainer.config import RunConfig, stage_layer_ranges
+
+logger = logging.getLogger(__name__)
+
+IDLE_EXIT_S = 3.0
+
+
+class DaemonError(RuntimeError):
+    """The peer cannot start or go on (the message says what to do)."""
+
+
+class Daemon:
+    """One peer process. ``await Daemon(run, cfg).main()`` returns the exit code."""
+
+    def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None) -> None:
+        if cfg.stage is not None and cfg.stage >= run.n_stages:
+            raise ValueError(f"--stage {cfg.stage} does not exist: run {run.name!r} has {run.n_stages} stages "
+                             f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
+        self.run, self.cfg = run, cfg
+        self.metrics = metrics or PeerMetrics()
+        self.metrics.run_id = run.run_id
+        blocks = [e - s for s, e in stage_layer_ranges(run)]
+        self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
+        self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.stop = asyncio.Event()
+        self.swarm: dict[str, PeerRecord] = {}
+        self.stage: int | None = None
+        self.worker: Any = None
+        self.pipe: Any = None
+        self.driver: Any = None
+        self.averager: Any = None
+        self.sync_averager: Any = None
+        self.state_server: Any = None
+        self.dht: Any = None
+        self.p2p: Any = None
+        self.rpc: Any = None
+        self.my_id = ""
+        self.maddrs: list[str] = []
+        self.reachable = True
+        self.started = time.monotonic()
+        self.initial_loss: float | None = None
+        self.final_val_loss: float | None = None
+        self.exit_reason = "running"
+        self.tasks: list[asyncio.Task] = []
+
+    # ----- compute thread -------------------------------------------------------------------------------------------
+    async def compute(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def worker_call(self, fn: Any) -> Any:
+        """Run ``fn(worker)`` on the compute thread (netavg's interface)."""
+        return await self.compute(fn, self.worker)
+
+    # ----- RPC plumbing ---------------------------------------------------------------------------------------------
+    async def send(self, peer_id: str, name: str, msg: Any, *, timeout: float | None = None) -> Any:
+        from hivemind.p2p import PeerID
+
+        from protocol.rpc import call
+
+        return await call(self.p2p, PeerID.from_base58(peer_id), name, msg,
+                          timeout=timeout or self.cfg.rpc_timeout_s, limits=self.limits)
+
+    async def _rpc_forward(self, msg: Any, peer_id: str) -> Any:
+        return await self.pipe.rpc_forward(msg, peer_id) if self.pipe else self._not_ready()
+
+    async def _rpc_backward(self, msg: Any, peer_id: str) -> Any:
+        return await self.pipe.rpc_backward(msg, peer_id) if self.pipe else self._not_ready()
+
+    def _not_ready(self) -> Any:
+        from protocol.errors import ErrorCode
+        from protocol.messages import Error
+
+        self.metrics.inc("rejected:not_ready")
+        return Error(code=ErrorCode.NOT_READY, message="this peer has not chosen its stage yet; retry elsewhere")
+
+    # ----- start-up --------------------------------------------------------------------------------------------------
+    async def _start_dht(self) -> None:
+        import hivemind
+
+        from peer.identity import check_permissions, ensure_identity
+
+        identity = ensure_identity(self.cfg.identity_path)
+        check_permissions(identity)
+
+        def make() -> Any:
+            return hivemind.DHT(initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
+                                announce_maddrs=list(self.cfg.announce_maddrs) or None,
+                                identity_path=str(identity), use_ipfs=self.cfg.use_ipfs, start=True,
+                                client_mode=False)
+        loop = asyncio.get_running_loop()
+        try:
+            self.dht = await loop.run_in_executor(None, make)
+        except Exception as e:
+            hint = ("check that --initial-peers are full multiaddrs of running peers "
+                    "(/ip4/HOST/tcp/PORT/p2p/PEER_ID) and that this machine can reach them"
+                    if self.cfg.initial_peers else "check --host-maddrs (the port may be taken)")
+            raise DaemonError(f"could not start or join the DHT: {e}; {hint}") from e
+        self.p2p = await self.dht.replicate_p2p()
+        self.my_id = self.dht.peer_id.to_base58()
+        self.metrics.peer_id = self.my_id
+        visible = await loop.run_in_executor(None, self.dht.get_visible_maddrs)
+        self.maddrs = [str(m) for m in visible][:8]
+        if self.cfg.maddrs_file is not None:
+            tmp = self.cfg.maddrs_file.with_suffix(".tmp")
+            tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
+            tmp.replace(self.cfg.maddrs_file)
+
+    async def _start_rpc(self) -> None:
+        from peer.reachability import REACH_RPC, ReachabilityHelper
+        from protocol.rpc import RpcLimits, RpcServer
+
+        self.limits = RpcLimits()
+        self.rpc = RpcServer(self.p2p, self.limits)
+        await self.rpc.add_handler("forward", self._rpc_forward)
+        await self.rpc.add_handler("backward", self._rpc_backward)
+        helper = ReachabilityHelper(run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s)
+        await self.rpc.add_handler(REACH_RPC, helper.handle)
+
+    async def _check_reachability(self) -> None:
+        helpers = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m]
+        helpers = [h for h in helpers if h != self.my_id]
+        try:
+            ok, message = await self._reach(helpers)
+        except Exception as e:  # the check is advice; it must never stop the peer
+            ok, message = None, f"reachability could not be checked: {e!r}"
+        if ok is False:
+            self.reachable = False
+            self.metrics.warn(message)
+            logger.warning("%s", message)
+        else:
+            logger.info("reachability: %s", message)
+
+    async def _reach(self, helpers: list[str]) -> tuple[bool | None, str]:
+        from peer.reachability import check_reachable
+
+        return await check_reachable(
+            call=lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout), helpers=helpers,
+            run_id=self.run.run_id, stage=self.cfg.stage or 0, my_id=self.my_id,
+            maddrs=list(self.cfg.announce_maddrs) or self.maddrs, timeout_s=self.cfg.reachability_timeout_s)
+
+    async def refresh_swarm(self) -> dict[str, PeerRecord]:
+        records = await fetch_swarm(self.dht, self.run.run_id, timeout=self.cfg.dht_timeout_s)
+        if records or not self.swarm:
+            self.swarm = records
+        per_stage: dict[int, int] = {s: 0 for s in range(self.run.n_stages)}
+        for r in self.swarm.values():
+            per_stage[r.stage] = per_stage.get(r.stage, 0) + 1
+        self.metrics.set_swarm(per_stage)
+        self.router.forget(self.swarm)
+        return self.swarm
+
+    async def _choose_stage(self) -> int:
+        if self.cfg.stage is not None:
+            return self.cfg.stage
+        first = choose_stage(await self.refresh_swarm(), self.costs)
+        await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
+        chosen = choose_stage(await self.refresh_swarm(), self.costs)
+        if chosen != first:
+            logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
+        logger.info("chose stage %d of %d (capacity per stage from %d announced peers)", chosen, self.run.n_stages,
+                    len(self.swarm))
+        return chosen
+
+    def record(self, state: str) -> PeerRecord:
+        thr = self.pipe.throughput() if self.pipe else 0.0
+        if thr <= 0:
+            thr = estimate_throughput({k: v for k, v in self.swarm.items() if k != self.my_id})
+        snap = self.metrics.snapshot()
+        return PeerRecord(peer_id=self.my_id, stage=self.stage or 0, throughput=float(thr),
+                          queue=self.pipe.queued() if self.pipe else 0,
+                          version=int(self.worker.local_step) if self.worker is not None else 0, state=state,
+                          maddrs=self.maddrs, reachable=self.reachable,
+                          tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss)
+
+    async def announce(self, state: str | None = None) -> None:
+        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)
+
+    # ----- a stage: worker, state, services -------------------------------------------------------------------------
+    def _device(self) -> str:
+        import torch
+
+        if self.cfg.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.cfg.device == "cuda" and not torch.cuda.is_available():
+            raise DaemonError("--device cuda was given but torch sees no CUDA GPU; install a CUDA build of torch "
+                              "or pass --device cpu")
+        return self.cfg.device
+
+    async def _load_state(self, stage: int) -> str:
+        """Donors, else the local checkpoint, else the seeded init already in the worker. Returns the source."""
+        from peer.checkpoint import CheckpointError, load_checkpoint
+        from peer.state_sync import StateSyncConfig, load_state_from_peers
+
+        reference = await self.compute(self.worker.state_dict)
+        try:
+            state = await asyncio.wait_for(load_state_from_peers(
+                p2p=self.p2p, run=self.run, stage=stage, metrics=self.metrics, dht=self.dht, reference=reference,
+                config=StateSyncConfig()), timeout=self.cfg.state_load_timeout_s)
+        except TimeoutError:
+            state = None
+            logger.warning("loading state from donors took over %.0f s; falling back", self.cfg.state_load_timeout_s)
+        if state is not None:
+            await self.compute(self.worker.load_state_dict, state)
+            return "donor"
+        if self.cfg.checkpoint_dir is not None:
+            try:
+                state = await self.compute(load_checkpoint, self.cfg.checkpoint_dir, self.run, stage)
+            except CheckpointError as e:
+                raise DaemonError(str(e)) from e
+            if state is not None:
+                await self.compute(self.worker.load_state_dict, state)
+                return "checkpoint"
+        return "seeded init"
+
+    async def _enter_stage(self, stage: int) -> None:
+        from peer.averaging import AveragingLoop, NetAveragingConfig
+        from peer.pipeline import PipelineStage
+        from peer.state_sync import StateServer, StateSyncConfig
+        from trainer.worker import StageWorker
+
+        self.stage, self.metrics.stage = stage, stage
+        self.metrics.state = "loading_state"
+        device = self._device()
+        self.worker = await self.compute(lambda: StageWorker(self.run, stage, device=device,
+                                                             auto_step=self.cfg.mode == "async"))
+        await self.announce("loading_state")
+        source = await self._load_state(stage)
+        logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
+        if source == "donor":  # a restart right after joining resumes from here instead of downloading again
+            await self.checkpoint()
+        self.metrics.local_step = self.worker.local_step
+        self.pipe = PipelineStage(run=self.run, stage=stage, worker=self.worker, compute=self.compute,
+                                  send=self.send, swarm=lambda: self.swarm, router=self.router,
+                                  metrics=self.metrics, cfg=self.cfg, my_id=self.my_id, cost=self.costs[stage])
+        age = self.cfg.state_snapshot_max_age_s
+        self.state_server = StateServer(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
+                                        worker_call=self.worker_call, metrics=self.metrics,
+                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age))
+        await self.state_server.start()
+        self.state_server.ready = True
+        if self.cfg.mode == "async":
+            self.averager = AveragingLoop(p2p=self.p2p, rpc_server=self.handlers, dht=self.dht, run=self.run,
+                                          stage=stage, worker_call=self.worker_call, metrics=self.metrics,
+                                          config=NetAveragingConfig(period_s=self.cfg.averaging_period_s))
+            await self.averager.start()
+        else:
+            from peer.averaging import SyncAverager
+
+            self.sync_averager = SyncAverager(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
+                                              metrics=self.metrics)
+            await self.sync_averager.start()
+            self.sync_step = self.worker.local_step
+            self.sync_count = 0
+            if stage > 0:
+                self.pipe.on_backward_done = self._sync_backward_done
+        self.stage_tasks = [asyncio.ensure_future(self.pipe.serve())]
+        self.metrics.state = "training"
+        await self.announce("training")
+        await self.refresh_swarm()
+        if stage == 0:
+            await self._start_driver()
+
+    async def _start_driver(self) -> None:
+        from peer.driver import Stage0Driver
+        from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+
+        data_cfg = self.run.data if self.cfg.data_path is None else self.run.replace(
+            data={"source": self.cfg.data_path}).data
+        corpus = await asyncio.get_running_loop().run_in_executor(
+            None, load_corpus, data_cfg, self.run.model.vocab_size)
+        stream = BatchStream(corpus.train, self.run.model.block_size, self.run.data.batch_size,
+                             shard_seed(self.run.seed, self.my_id))
+        val = val_batches(corpus, self.run.model.block_size, self.run.data.batch_size, self.cfg.eval_batches)
+        self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=self.cfg.inflight_for(
+            self.run.n_stages), stop=self.stop, max_steps=self.cfg.max_steps, metrics=self.metrics)
+        if self.cfg.mode == "async":
+            self.stage_tasks.append(asyncio.ensure_future(self.driver.run_async()))
+        else:
+            self.stage_tasks.append(asyncio.ensure_future(
+                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush)))
+        if self.cfg.eval_every_s > 0:
+            self.stage_tasks.append(asyncio.ensure_future(self.driver.eval_loop(self.cfg.eval_every_s)))
+
+    async def _leave_stage(self) -> None:
+        """Stop taking work, wait for in-flight micro-batches (bounded), stop the stage's services."""
+        if self.pipe is None:
+            return
+        self.pipe.accepting = False
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.pipe.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.pipe.pending:
+            logger.info("drain deadline reached with %d micro-batches in flight; dropping them",
+                        len(self.pipe.pending))
+        for mb in list(self.pipe.pending):
+            await self.pipe.drop(mb, notify=True)
+        if self.averager is not None:
+            await self.averager.stop()
+        for t in [*self.stage_tasks, *self.pipe.tasks]:
+            t.cancel()
+        await asyncio.gather(*self.stage_tasks, *self.pipe.tasks, return_exceptions=True)
+        self.handlers.clear()
+        self.pipe, self.averager, self.sync_averager = None, None, None
+
+    # ----- synchronous mode -----------------------------------------------------------------------------------------
+    async def _sync_average_and_step(self) -> None:
+        """Gradient barrier among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
+        peers = [r.peer_id for r in self.swarm.values() if r.stage == self.stage and r.state == "training"]
+        grads = await self.compute(self.worker.grads)
+        mean, n = await self.sync_averager.all_average(self.sync_step, grads, peers)
+        await self.compute(self.worker.set_grads, mean)
+        await self.compute(self.worker.optimizer_step)
+        self.sync_step += 1
+        self.metrics.local_step = self.worker.local_step
+        self.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
+
+    async def _sync_flush(self) -> None:
+        await self._sync_average_and_step()
+
+    async def _sync_backward_done(self, mb_id: int) -> None:
+        self.sync_count += 1
+        if self.sync_count >= self.cfg.sync_microbatches:
+            self.sync_count = 0
+            await self._sync_average_and_step()
+
+    # ----- timers ---------------------------------------------------------------------------------------------------
+    async def _every(self, period: float, fn: Any) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), timeout=period)
+            if self.stop.is_set():
+                return
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failing timer must not take the peer down
+                logger.exception("periodic task %s failed; it runs again next period", getattr(fn, "__name__", fn))
+
+    async def _tick_announce(self) -> None:
+        if self.pipe is not None:
+            self.metrics.inflight, self.metrics.queued = len(self.pipe.pending), self.pipe.queued()
+            self.metrics.local_step = self.worker.local_step
+        await self.refresh_swarm()
+        await self.announce()
+
+    async def _tick_expire(self) -> None:
+        if self.pipe is not None:
+            await self.pipe.expire()
+        # a later stage stops at max_steps once its upstream has gone quiet (stage 0's final evaluation passed)
+        if self.cfg.max_steps and self.worker is not None and self.worker.local_step >= self.cfg.max_steps \
+                and self.stage != 0 and self.pipe is not None and self.pipe.idle_s() > IDLE_EXIT_S:
+            self.exit_reason = "max_steps"
+            self.stop.set()
+
+    async def _tick_checkpoint(self) -> None:
+        await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        from peer.checkpoint import save_checkpoint
+
+        if self.cfg.checkpoint_dir is None or self.worker is None:
+            return
+        state = await self.compute(self.worker.state_dict)
+        try:
+            path = await asyncio.get_running_loop().run_in_executor(
+                None, save_checkpoint, self.cfg.checkpoint_dir, self.run, self.stage, state)
+            logger.info("checkpoint of stage %d at step %d written to %s", self.stage, state["local_step"], path)
+        except OSError as e:
+            self.metrics.warn(f"checkpoint failed: {e}; check free space and permissions of --checkpoint-dir")
+
+    async def _tick_rebalance(self) -> None:
+        if self.cfg.stage is not None or self.stage is None or self.stop.is_set():
+            return
+        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
+        if target is None:
+            return
+        await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
+        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
+        if target is None or self.stop.is_set():
+            return
+        logger.info("moving from stage %d to under-served stage %d", self.stage, target)
+        self.metrics.inc("stage_moves")
+        await self.checkpoint()
+        await self.announce("draining")
+        await self._leave_stage()
+        await self._enter_stage(target)
+
+    # ----- the whole life -------------------------------------------------------------------------------------------
+    async def main(self) -> int:
+        """startup → serve → shutdown; returns the process exit code."""
+        import torch
+
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        status = None
+        try:
+            await self._start_dht()
+            await self._start_rpc()
+            self.handlers = StageHandlers(self.rpc, self._not_ready)
+            if self.cfg.metrics_port is not None:
+                from peer.status_server import StatusServer
+
+                status = StatusServer(self.metrics, port=self.cfg.metrics_port)
+                await status.start()
+            self._print_join_hint()
+            await self._check_reachability()
+            await self._enter_stage(await self._choose_stage())
+            self.tasks = [asyncio.ensure_future(self._every(self.cfg.announce_every_s, self._tick_announce)),
+                          asyncio.ensure_future(self._every(1.0, self._tick_expire))]
+            if self.cfg.checkpoint_every_s > 0:
+                self.tasks.append(asyncio.ensure_future(self._every(self.cfg.checkpoint_every_s,
+                                                                    self._tick_checkpoint)))
+            if self.cfg.rebalance_every_s > 0:
+                self.tasks.append(asyncio.ensure_future(self._every(self.cfg.rebalance_every_s,
+                                                                    self._tick_rebalance)))
+            await self._serve()
+        finally:
+            await self._shutdown(status)
+        return 0
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop.is_set():
+            logger.warning("second %s: skipping the drain", sig.name)
+            self.cfg = _replace(self.cfg, drain_timeout_s=0.01)
+            return
+        logger.info("%s received: stopping (drain up to %.0f s, final checkpoint, withdraw)", sig.name,
+                    self.cfg.drain_timeout_s)
+        self.exit_reason = sig.name
+        self.stop.set()
+
+    def _print_join_hint(self) -> None:
+        addrs = [m for m in self.maddrs if "/p2p/" in m] or self.maddrs
+        if not self.cfg.initial_peers:
+            logger.info("started a new swarm for run %s (%s). Others join it with:\n  asyncmesh-peer join "
+                        "--stage auto --initial-peers %s", self.run.name, self.run.run_id, " ".join(addrs[:2]))
+        else:
+            logger.info("joined the swarm of run %s (%s) as %s", self.run.name, self.run.run_id, self.my_id)
+
+    async def _serve(self) -> None:
+        """Wait until stopped: by a signal, by max_steps, or because stage 0's driver finished."""
+        while not self.stop.is_set():
+            driver_task = self.stage_tasks[1] if self.driver is not None and len(self.stage_tasks) > 1 else None
+            waiters = [asyncio.ensure_future(self.stop.wait())]
+            if driver_task is not None:
+                waiters.append(driver_task)
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            waiters[0].cancel()
+            if driver_task is not None and driver_task.done() and not self.stop.is_set():
+                if driver_task.exception() is not None:
+                    logger.error("the stage-0 driver failed: %r", driver_task.exception())
+                self.exit_reason = "max_steps"
+                self.final_val_loss = await self.driver.evaluate() if self.cfg.eval_batches else None
+                self.stop.set()
+
+    async def _shutdown(self, status: Any) -> None:
+        self.metrics.begin_drain(self.cfg.drain_timeout_s)
+        self.stop.set()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        try:
+            if self.dht is not None and self.worker is not None:
+                with contextlib.suppress(Exception):
+                    await self.announce("draining")
+            await self._leave_stage()
+            await self.checkpoint()
+            if self.dht is not None and self.my_id:
+                with contextlib.suppress(Exception):
+                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
+        finally:
+            self.metrics.state = "stopped"
+            self.write_summary()
+            if status is not None:
+                await status.stop()
+            if self.dht is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def summary(self) -> dict[str, Any]:
+        """The figures a run reports (also written with --summary-json)."""
+        snap = self.metrics.snapshot()
+        counters = snap.get("counters", {})
+        elapsed = time.monotonic() - self.started
+        d = self.driver
+        losses = d.losses if d is not None else []
+        val = self.final_val_loss if self.final_val_loss is not None else (d.val_losses[-1] if d and d.val_losses
+                                                                            else None)
+        return {
+            "peer_id": self.my_id, "stage": self.stage, "run_id": self.run.run_id, "mode": self.cfg.mode,
+            "exit_reason": self.exit_reason, "elapsed_s": round(elapsed, 3),
+            "steps": int(self.worker.local_step) if self.worker is not None else 0,
+            "tokens": int(d.tokens) if d is not None else int(counters.get("tokens", 0)),
+            "tokens_per_s": d.tokens_per_s() if d is not None else counters.get("tokens", 0) / max(elapsed, 1e-9),
+            "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else None,
+            "final_loss": sum(losses[-5:]) / len(losses[-5:]) if losses else self.metrics.train_loss,
+            "final_val_loss": val,
+            "val_losses": list(d.val_losses) if d is not None else [],
+            **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
+                                                      "averaging_rounds_ok", "averaging_rounds_failed")},
+        }
+
+    def write_summary(self) -> None:
+        if self.cfg.summary_json is None:
+            return
+        try:
+            self.cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cfg.summary_json.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.summary(), indent=1))
+            tmp.replace(self.cfg.summary_json)
+        except OSError as e:
+            logger.error("could not write the summary to %s: %s", self.cfg.summary_json, e)
+
+
+def _replace(cfg: PeerConfig, **kw: Any) -> PeerConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+class StageHandlers:
+    """An RpcServer stand-in for the per-stage services (averaging, state): each name is registered once on the real
+    server and delegates to whichever service of the *current* stage registered it, so a stage move re-binds them."""
+
+    def __init__(self, rpc: Any, not_ready: Any) -> None:
+        self.rpc, self.not_ready = rpc, not_ready
+        self.limits = getattr(rpc, "limits", None)
+        self.table: dict[str, Any] = {}
+
+    async def add_handler(self, name: str, fn: Any) -> None:
+        if name not in self.table:
+            async def delegate(msg: Any, peer_id: str, _name: str = name) -> Any:
+                handler = self.table.get(_name)
+                return await handler(msg, peer_id) if handler is not None else self.not_ready()
+            await self.rpc.add_handler(name, delegate)
+        self.table[name] = fn
+
+    def clear(self) -> None:
+        for name in self.table:
+            self.table[name] = None

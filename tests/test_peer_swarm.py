@@ -1,0 +1,107 @@
+"""Swarms of real peer processes on loopback: training, averaging, validation, SIGTERM, restart, churn.
+
+Each test starts `asyncmesh-peer join` children through tests/swarm_utils.py, whose fixture reaps every child by PID
+whether the test passes or fails. The tiny run (tests/runs/tiny.toml) keeps each test within about a minute on two
+shared cores.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from swarm_utils import swarm  # noqa: F401  (fixture)
+
+STEPS = 40
+
+
+def _no_traceback(peer) -> None:
+    log = peer.log()
+    assert "Traceback" not in log, f"{peer.name} logged an exception:\n{log[-4000:]}"
+
+
+@pytest.mark.timeout(240)
+def test_two_by_two_swarm_trains_averages_evaluates_and_restarts_from_checkpoint(swarm):  # noqa: F811
+    ex = ("averaging_period_s=3",)
+    a = swarm.start("a", stage="0", max_steps=STEPS, extra=ex)
+    first = a.wait_maddrs()[:1]
+    b = swarm.start("b", stage="1", initial=first, max_steps=STEPS, extra=ex)
+    c = swarm.start("c", stage="0", initial=first, max_steps=STEPS, extra=ex)
+    d = swarm.start("d", stage="1", initial=first, max_steps=STEPS, extra=ex)
+    assert a.wait_exit(180) == 0 and c.wait_exit(60) == 0  # stage 0 stops at max_steps after a final evaluation
+    t0 = time.monotonic()
+    b.signal(signal.SIGTERM)
+    d.signal(signal.SIGTERM)
+    assert b.wait_exit(30) == 0 and d.wait_exit(30) == 0
+    assert time.monotonic() - t0 < 5 + 15  # drain_timeout_s=5 plus shutdown
+    sums = {p.name: p.summary() for p in (a, b, c, d)}
+    for name in ("a", "c"):
+        s = sums[name]
+        assert s["steps"] >= STEPS
+        assert s["final_loss"] < s["initial_loss"] - 1.0, s  # loss falls clearly (5.5 -> ~3.4 on this run)
+        assert s["final_val_loss"] is not None and s["final_val_loss"] < s["initial_loss"] - 1.0, s
+        assert s["tokens_per_s"] > 0
+    rounds_ok = sum(s["averaging_rounds_ok"] for s in sums.values())
+    assert rounds_ok >= 2, sums  # each stage's replicas averaged at least once
+    assert sums["b"]["steps"] + sums["d"]["steps"] >= STEPS
+    for p in (a, b, c, d):
+        _no_traceback(p)
+    # SIGTERM wrote b's final checkpoint; a restart (no donor left) resumes from it
+    ckpt = b.dir / "ckpt" / "stage-1.pt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["state"]["local_step"] == sums["b"]["steps"] > 0
+    b2 = swarm.start("b", stage="1", max_steps=STEPS)
+    b2.wait_status(lambda s: s.get("state") == "training", 60, "training state")
+    assert f"stage 1 state from checkpoint (local step {sums['b']['steps']})" in b2.log()
+    b2.signal(signal.SIGTERM)
+    assert b2.wait_exit(30) == 0
+
+
+@pytest.mark.timeout(240)
+def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(swarm):  # noqa: F811
+    # stage-0 peers keep long-lived records so that pausing them does not make stage 0 look empty; stage-1 peers
+    # expire in 4 s so the killed replica vanishes quickly; no averaging rounds fall inside the test, so the donor's
+    # weights stay frozen while the joiner copies them
+    keep = ("record_ttl_s=60", "averaging_period_s=100000")
+    short = ("record_ttl_s=4", "averaging_period_s=100000", "state_snapshot_max_age_s=2")
+    a = swarm.start("a", stage="0", extra=keep)
+    first = a.wait_maddrs()[:1]
+    b = swarm.start("b", stage="1", initial=first, extra=short)
+    c = swarm.start("c", stage="0", initial=first, extra=keep)
+    d = swarm.start("d", stage="1", initial=first, extra=short)
+    a.wait_status(lambda s: s["local_step"] >= 10, 120, "10 steps")
+    d.proc.kill()  # kill -9 one replica mid-run
+    d.proc.wait()
+    before = a.status()["local_step"]
+    a.wait_status(lambda s: s["local_step"] >= before + 10, 60, "progress after the kill")
+    time.sleep(4.5)  # the killed peer's record expires
+    a.signal(signal.SIGSTOP)  # freeze training so the donor's weights stay put while the joiner loads them
+    c.signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        e = swarm.start("e", stage="auto", initial=b.maddrs[:1], extra=short)
+        snap = e.wait_status(lambda s: s.get("state") == "training", 90, "training state")
+        assert snap["stage"] == 1, "the joiner must pick the under-served stage"
+        assert "stage 1 state from donor" in e.log()
+        loaded = torch.load(e.dir / "ckpt" / "stage-1.pt", weights_only=True)["state"]
+        b.signal(signal.SIGTERM)  # the donor's final checkpoint holds the weights the joiner copied
+        assert b.wait_exit(30) == 0
+    finally:
+        a.signal(signal.SIGCONT)
+        c.signal(signal.SIGCONT)
+    donor = torch.load(b.dir / "ckpt" / "stage-1.pt", weights_only=True)["state"]
+    assert loaded["local_step"] == donor["local_step"] > 0
+    for name, w in donor["model"].items():
+        torch.testing.assert_close(loaded["model"][name], w, rtol=0, atol=1e-6)
+    start = e.status()["local_step"]
+    e.wait_status(lambda s: s["local_step"] >= start + 5, 60, "the joiner's own steps")  # it contributes
+    for p in (a, c, e):
+        p.signal(signal.SIGTERM)
+    for p in (a, c, e):
+        assert p.wait_exit(30) == 0
+        _no_traceback(p)
+    # what was in flight at the killed replica was dropped, counted, and its samples re-queued by stage 0
+    requeued = a.summary()["microbatches_requeued"] + c.summary()["microbatches_requeued"]
+    assert requeued >= 1 and requeued == a.summary()["microbatches_dropped"] + c.summary()["microbatches_dropped"]
