@@ -81,6 +81,7 @@ class Slot:
     own_values: list[torch.Tensor] | None = None
     contributions: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    senders: set[str] = field(default_factory=set)
     closed: bool = False
 
 
@@ -244,11 +245,16 @@ class PartExchange:
             timeout = slot.deadline - self.clock()
             if timeout <= 0:
                 raise Refused(ErrorCode.NOT_READY, "closed")
+            slot.senders.add(peer)  # the slot's owner waits for this peer's part too, even if it did not know it
             await asyncio.wait_for(asyncio.shield(slot.ready), timeout)
             await self._accept(msg, peer, slot)
         except Refused as e:
             if e.code != ErrorCode.NOT_READY:
                 self._reject(e, peer, msg.round_no)
+                slot = self.slots.get(msg.round_no)
+                if slot is not None and peer not in slot.contributions:
+                    slot.senders.discard(peer)
+                    slot.arrived.set()  # whoever waits for this sender's part stops waiting
             return Error(code=e.code, message=f"{self.name} key {msg.round_no}: {e}")
         except TimeoutError:
             return Error(code=ErrorCode.NOT_READY, message=f"{self.name} key {msg.round_no}: not open in time")
@@ -316,9 +322,10 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
         if peer not in slot.contributions:
             await exchange.exchange(slot, peer, call_timeout_s)
 
+    peers = sorted({*peers, *slot.senders} - {me})
     await asyncio.gather(*(with_peer(p) for p in peers))
     remaining = slot.deadline - exchange.clock()
-    if remaining > 0 and not set(peers) <= set(slot.contributions):
+    if remaining > 0:
         try:
             await asyncio.wait_for(_all_contributed(slot, peers), remaining)
         except TimeoutError:
@@ -332,5 +339,10 @@ async def _contributed(slot: Slot, peer: str) -> None:
 
 
 async def _all_contributed(slot: Slot, peers: Iterable[str]) -> None:
-    for peer in peers:
-        await _contributed(slot, peer)
+    """Until every peer in ``peers`` and every peer that has sent us a part since has contributed."""
+    while True:
+        waiting = ({*peers} | slot.senders) - set(slot.contributions)
+        if not waiting:
+            return
+        slot.arrived.clear()
+        await slot.arrived.wait()

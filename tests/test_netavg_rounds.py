@@ -384,3 +384,17 @@ async def test_wagma_rule_averages_within_rotating_pairs():
             assert w.group_sizes[r] == 2
             checked += 1
     assert checked >= 4
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_peer_that_sees_nobody_yet_joins_the_rounds_it_is_asked_for():
+    net = MemTransport()
+    workers = [FakeWorker(0), FakeWorker(1)]
+    newcomer, _ = _make_peer(net, "p0", workers[0], ["p0"])  # its DHT view does not show p1 yet
+    veteran, _ = _make_peer(net, "p1", workers[1], ["p0", "p1"])
+    await _run_rounds([newcomer, veteran], 2.6)
+    common = set(workers[0].finished) & set(workers[1].finished)
+    assert common
+    for r in common:
+        assert torch.equal(workers[0].finished[r][0], workers[1].finished[r][0])

@@ -12,6 +12,8 @@ from hivemind.p2p import P2P
 
 from peer.metrics import PeerMetrics
 from peer.state_sync import StateServer, StateSyncConfig, load_state_from_peers
+from protocol.errors import ErrorCode, RemoteError
+from protocol.messages import Error, StateRequest, pack, unpack
 from protocol.rpc import RpcServer
 from trainer.config import RunConfig
 from trainer.worker import StageWorker
@@ -133,5 +135,80 @@ def test_donors_that_are_not_ready_or_of_another_run_give_none_and_a_ready_one_s
         assert state is not None and _same(state, donor.worker.state_dict())
         assert joiner.metrics.snapshot()["counters"]["state_sync_donor_failed"] == 3
         assert donor.metrics.snapshot()["counters"].get("rejected:state_wrong_run") == 1
+
+    asyncio.run(main())
+
+
+class Direct:
+    """Transport straight into in-process StateServers (through the real message codec); ``after`` hooks a call."""
+
+    def __init__(self, servers: dict[str, StateServer], after=None) -> None:
+        self.servers, self.after = servers, after
+
+    async def call(self, peer_id, name, msg, *, timeout):
+        reply = await self.servers[peer_id]._handle(unpack(pack(msg)), "joiner")
+        if self.after is not None:
+            await self.after(peer_id, msg)
+        if isinstance(reply, Error):
+            raise RemoteError(reply.code, reply.message)
+        return unpack(pack(reply))
+
+
+def _server(worker: StageWorker, clock=time.monotonic, config=SMALL_CHUNKS) -> StateServer:
+    async def worker_call(fn):
+        return fn(worker)
+
+    server = StateServer(p2p=None, rpc_server=None, run=RUN, stage=0, worker_call=worker_call,
+                         metrics=PeerMetrics("donor", 0), config=config, transport=Direct({}), clock=clock)
+    server.ready = True
+    server.worker = worker  # for the tests' comparisons
+    return server
+
+
+def test_a_donor_replacing_its_snapshot_mid_transfer_is_dropped_for_the_next():
+    async def main():
+        first, second = _server(_trained_worker(1, 1)), _server(_trained_worker(2, 2))
+
+        async def bump(peer_id, msg):  # donor "first" takes a new snapshot right after serving chunk 1
+            if peer_id == "first" and msg.chunk == 1:
+                first._snapshot = await first._take()
+
+        metrics = PeerMetrics("joiner", 0)
+        state = await load_state_from_peers(p2p=None, run=RUN, stage=0, metrics=metrics, donors=["first", "second"],
+                                            config=SMALL_CHUNKS,
+                                            transport=Direct({"first": first, "second": second}, bump))
+        assert state is not None and _same(state, second.worker.state_dict())
+        assert metrics.snapshot()["counters"]["state_sync_donor_failed"] == 1
+
+    asyncio.run(main())
+
+
+def test_server_shares_one_snapshot_while_it_is_in_use_and_releases_it_when_idle():
+    async def main():
+        now = [1000.0]
+        config = StateSyncConfig(chunk_bytes=128 * 1024, snapshot_max_age_s=60, snapshot_idle_s=60)
+        server = _server(_trained_worker(1, 1), clock=lambda: now[0], config=config)
+
+        async def ask(chunk, run=RUN):
+            return await server._handle(StateRequest(run_id=run.run_id, stage=0, chunk=chunk), "joiner")
+
+        server.ready = False
+        assert (await ask(0)).code == ErrorCode.NOT_READY
+        server.ready = True
+        assert (await ask(1)).code == ErrorCode.NOT_READY  # no transfer in progress: start at chunk 0
+        v1 = (await ask(0)).version
+        now[0] += 10
+        assert (await ask(0)).version == v1  # a second joiner shares the fresh snapshot
+        now[0] += 55
+        assert (await ask(1)).version == v1
+        now[0] += 10  # old (75 s) but in use 10 s ago: a new joiner must not break the running transfer
+        assert (await ask(0)).version == v1
+        now[0] += 61  # nobody touched it for 61 s: released, and a new transfer gets a new snapshot
+        assert (await ask(1)).code == ErrorCode.NOT_READY
+        assert (await ask(0)).version == v1 + 1
+        assert (await ask(10**6)).code == ErrorCode.BAD_REQUEST
+        assert (await ask(0, RUN.replace(seed=5))).code == ErrorCode.WRONG_RUN
+        counters = server.metrics.snapshot()["counters"]
+        assert counters["rejected:state_bad_chunk"] == 1 and counters["rejected:state_wrong_run"] == 1
 
     asyncio.run(main())
