@@ -70,8 +70,9 @@ class Codec:
     decode: Callable[[bytes, int, torch.dtype], torch.Tensor]
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _raw(*tensors: torch.Tensor) -> bytes:
+    """The tensors' bytes, concatenated with a single copy."""
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors)
 
 
 def _exact_length(bytes_per_value: Callable[[int, torch.dtype], int]) -> Callable[[int, int, torch.dtype], str | None]:
@@ -108,8 +109,7 @@ def _fp16_encode(t: torch.Tensor) -> bytes:
 
 def _quant(fn: Callable) -> Callable[[torch.Tensor], bytes]:
     def encode_quantized(t: torch.Tensor) -> bytes:
-        scales, codes = fn(t)
-        return _raw(scales) + _raw(codes)
+        return _raw(*fn(t))
 
     return encode_quantized
 

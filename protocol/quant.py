@@ -107,14 +107,19 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.numel()
     blocks = _blocks(flat, INT4_BLOCK)
     scales, s = _scales(blocks)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    normalised = torch.mul(blocks, inv[:, None])
-    codes = torch.bucketize(normalised, _INT4_BORDERS, out_int32=True).view(-1)[:n].to(torch.uint8)
-    if n % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1), value=7)  # code 7 is the level 0.0
-    pairs = codes.view(-1, 2)
-    packed = pairs[:, 0] | (pairs[:, 1] << 4)
-    return scales, packed
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))[:, None]
+    packed = torch.empty(blocks.numel() // 2, dtype=torch.uint8)
+    rows_per_slab = _SLAB_ROWS * INT8_BLOCK // INT4_BLOCK
+    tmp = torch.empty(min(rows_per_slab, blocks.shape[0]), INT4_BLOCK)
+    for start in range(0, blocks.shape[0], rows_per_slab):
+        rows = blocks[start : start + rows_per_slab]
+        normalised = torch.mul(rows, inv[start : start + rows_per_slab], out=tmp[: rows.shape[0]])
+        pairs = torch.bucketize(normalised, _INT4_BORDERS, out_int32=True).view(-1, 2).to(torch.uint8)
+        half = start * INT4_BLOCK // 2
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed[half : half + pairs.shape[0]])
+    if n % 2:  # the padding value after the last real code decodes to 0.0 but is not part of the payload
+        packed[n // 2] = (packed[n // 2] & 15) | (7 << 4)
+    return scales, packed[: (n + 1) // 2]
 
 
 def dequantize_int4(scales: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

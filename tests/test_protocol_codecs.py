@@ -200,3 +200,13 @@ def test_registry_ids_are_unique_and_stable() -> None:
     assert {name: c.id for name, c in CODECS.items()} == {
         "none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5, "int8q": 6,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("position", [0, 1, 127, 128, 4095, 4096])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_non_finite_anywhere_is_caught(position: int, bad: float, dtype: torch.dtype) -> None:
+    x = torch.ones(4097, dtype=dtype)
+    x[position] = bad
+    with pytest.raises(ValidationError, match="1 of 4097 values"):
+        decode(encode(x, "none"), peer="p")
