@@ -89,6 +89,15 @@ def _frombuffer(data: bytes, dtype: torch.dtype, count: int, offset: int = 0) ->
     return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 
+def _none_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        raw = _frombuffer(data, torch.uint8, n)
+        if n and int(raw.max()) > 1:
+            raise topk.PayloadError("bool tensor bytes must be 0 or 1")
+        return raw.to(torch.bool)
+    return _frombuffer(data, dtype, n).clone()
+
+
 def _int8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     n_scales = (len(data) - n) // 2
     scales = _frombuffer(data, torch.bfloat16, n_scales)
@@ -136,8 +145,7 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 _REGISTRY = (
-    Codec("none", 0, False, _raw, _exact_length(lambda n, d: n * d.itemsize),
-          lambda data, n, d: _frombuffer(data, d, n).clone()),
+    Codec("none", 0, False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
     Codec("fp16", 1, True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
           lambda data, n, d: _frombuffer(data, torch.float16, n)),
     Codec("bf16", 2, True, lambda t: _raw(t.to(torch.bfloat16)), _exact_length(lambda n, d: 2 * n),

@@ -37,7 +37,6 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 9  # the receiver is still joining or loading state
     TIMEOUT = 10  # the receiver gave up waiting for the rest of the request
     INTERNAL = 11  # the receiver's handler failed; not the sender's fault
-    UNKNOWN_HANDLER = 12  # no handler of that name is registered
 
 
 class ProtocolError(Exception):

@@ -37,6 +37,7 @@ __all__ = [
     "StateChunk",
     "pack",
     "unpack",
+    "payload_bytes",
     "MESSAGE_KINDS",
 ]
 
@@ -186,6 +187,16 @@ class StateChunk(Message):
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk)
 }
+
+
+def payload_bytes(msg: Message) -> int:
+    """Total tensor payload bytes a message carries (to decide whether (un)packing it belongs off the event loop)."""
+    total = 0
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        value = getattr(msg, f.name)
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else (value,)
+        total += sum(len(v.data) for v in items if isinstance(v, TensorEnvelope))
+    return total
 
 
 def pack(msg: Message) -> bytes:

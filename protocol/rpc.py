@@ -24,15 +24,29 @@ from hivemind.p2p import P2P, PeerID
 from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, ProtocolError, RemoteError, error_code_for
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
 from protocol.limits import PeerBudgets, RpcLimits
-from protocol.messages import Busy, Error, Message, pack, unpack
+from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
 __all__ = ["RpcServer", "RpcLimits", "call", "Handler", "PROTOCOL_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Message, str], Awaitable[Message]]
+#: messages with more payload bytes than this are (un)packed in the default executor, not on the event loop
+OFFLOOP_BYTES = 1 << 20
 #: libp2p protocol names are PROTOCOL_PREFIX + handler name (unversioned: versions are negotiated in messages)
 PROTOCOL_PREFIX = "asyncmesh."
+
+
+async def _pack(msg: Message) -> bytes:
+    if payload_bytes(msg) < OFFLOOP_BYTES:
+        return pack(msg)
+    return await asyncio.get_running_loop().run_in_executor(None, pack, msg)
+
+
+async def _unpack(data: bytes) -> Message:
+    if len(data) < OFFLOOP_BYTES:
+        return unpack(data)
+    return await asyncio.get_running_loop().run_in_executor(None, unpack, data)
 
 
 class _Saturated(Exception):
@@ -106,7 +120,7 @@ class RpcServer:
                 except TimeoutError:
                     raise TimeoutError(f"request not received within {limits.read_timeout_s} s") from None
                 self.bytes_in += len(data)
-                msg = unpack(data)
+                msg = await _unpack(data)
                 del data
                 deadline = asyncio.timeout(limits.handler_timeout_s)
                 try:
@@ -145,7 +159,7 @@ class RpcServer:
             logger.warning("handler %s failed on a request from %s", name, peer, exc_info=True)
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
         try:
-            payload = pack(reply)
+            payload = await _pack(reply)
             async with asyncio.timeout(limits.write_timeout_s):
                 await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
                 self.bytes_out += len(payload)
@@ -192,7 +206,7 @@ async def call(
     limits = limits or RpcLimits()
     if isinstance(peer_id, str):
         peer_id = PeerID.from_base58(peer_id)
-    data = pack(msg)
+    data = await _pack(msg)
     n_frames = max(1, -(-len(data) // limits.send_frame_bytes))
     if len(data) + n_frames * HEADER.size > limits.max_message_bytes:
         raise FrameTooLarge(len(data), limits.max_message_bytes, f"{type(msg).__name__} request")
@@ -218,7 +232,7 @@ async def call(
                     sending.add_done_callback(_consume)
         finally:
             writer.close()
-    reply = unpack(reply_bytes)
+    reply = await _unpack(reply_bytes)
     if isinstance(reply, Error):
         raise RemoteError(reply.code, reply.message)
     return reply

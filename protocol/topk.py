@@ -13,6 +13,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from protocol.envelope import TensorEnvelope
+
 __all__ = ["topk_encode", "topk_decode", "topk_check_length", "ErrorFeedback", "TOPK_MAX_ELEMENTS"]
 
 #: topk indices are int32 on the wire
@@ -82,7 +84,7 @@ class ErrorFeedback:
         self._decode = decoder or (lambda env: codecs.decode(env, peer="local"))
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
-    def encode(self, key: Hashable, t: torch.Tensor):  # -> TensorEnvelope
+    def encode(self, key: Hashable, t: torch.Tensor) -> TensorEnvelope:
         target = t.detach().to(torch.float32)
         residual = self._residuals.get(key)
         if residual is not None:

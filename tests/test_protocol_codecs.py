@@ -65,6 +65,11 @@ def test_quantizers_exact_on_block_max_and_zero() -> None:
         assert out[x == 0].abs().max() == 0
 
 
+def test_bool_tensors_roundtrip() -> None:
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(4)) > 0.5
+    assert torch.equal(roundtrip(mask, "none"), mask)
+
+
 def test_integer_tensors_need_none() -> None:
     ids = torch.randint(0, 50_000, (4, 256))
     assert torch.equal(roundtrip(ids, "none"), ids)
@@ -144,6 +149,7 @@ def _env(**kw: object) -> TensorEnvelope:
         (_env(shape=(2**20, 2**20), data=b""), "x.shape", None),
         (_env(codec=5, data=(7).to_bytes(4, "little") + bytes(4)), "x.data", None),
         (_env(codec=5, data=bytes(16)), "x.data", None),
+        (_env(dtype="bool", shape=(4,), data=b"\x00\x01\x02\x00"), "x.data", None),
     ],
 )
 def test_decode_rejects_with_field_and_peer(env: TensorEnvelope, field: str, spec: TensorSpec | None) -> None:

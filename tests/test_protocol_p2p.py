@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import uvloop
 from hivemind.p2p import P2P
 
 from protocol.codecs import decode, encode
@@ -29,8 +30,8 @@ async def _pair() -> tuple[P2P, P2P]:
     return server, client
 
 
-def run(coro_fn) -> None:
-    """Run an async test body with two fresh peers, shut down even on failure."""
+def run(coro_fn, loop: str = "asyncio") -> None:
+    """Run an async test body with two fresh peers, shut down even on failure (uvloop: the daemon's loop)."""
 
     async def main() -> None:
         server, client = await _pair()
@@ -39,7 +40,10 @@ def run(coro_fn) -> None:
         finally:
             await asyncio.gather(client.shutdown(), server.shutdown(), return_exceptions=True)
 
-    asyncio.run(main())
+    if loop == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 async def _state_server(server_p2p: P2P, limits: RpcLimits, codec: str) -> RpcServer:
@@ -61,8 +65,10 @@ async def _state_server(server_p2p: P2P, limits: RpcLimits, codec: str) -> RpcSe
     return rpc
 
 
-@pytest.mark.parametrize(("codec", "bound"), [("none", 0.0), ("int8", 0.01)])
-def test_64mib_tensor_roundtrip(codec: str, bound: float) -> None:
+@pytest.mark.parametrize(
+    ("codec", "bound", "loop"), [("none", 0.0, "asyncio"), ("none", 0.0, "uvloop"), ("int8", 0.01, "uvloop")]
+)
+def test_64mib_tensor_roundtrip(codec: str, bound: float, loop: str) -> None:
     async def body(server: P2P, client: P2P) -> None:
         limits = RpcLimits(max_message_bytes=80 * MiB)
         await _state_server(server, limits, codec)
@@ -77,7 +83,7 @@ def test_64mib_tensor_roundtrip(codec: str, bound: float) -> None:
         else:
             assert float((got - BIG).norm() / BIG.norm()) <= bound
 
-    run(body)
+    run(body, loop)
 
 
 def test_oversized_frame_refused_fast_without_reading_body() -> None:
@@ -96,7 +102,7 @@ def test_oversized_frame_refused_fast_without_reading_body() -> None:
             assert elapsed < 1.0
         assert rpc.rejected["too_large"] == 2
 
-    run(body)
+    run(body, "uvloop")
 
 
 def test_message_limit_over_many_frames_and_local_refusal() -> None:
