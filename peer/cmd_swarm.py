@@ -1,11 +1,11 @@
 """`asyncmesh-peer swarm`: start N peer processes on loopback and show the swarm (the newcomer's first command).
 
 The parent starts one ``join`` child per peer: the first starts the swarm, the others join it one after another with
-``--stage auto`` (each waits until the previous one has announced a stage, so every stage is filled before any gets a
-second replica). Children run ``--no-tui`` with a status endpoint on a free port; the parent polls those endpoints and
-draws the swarm view of ``peer.dashboard`` from them. When every stage-0 peer has reached ``--max-steps`` the parent
-stops the others with SIGTERM (they drain and checkpoint), then merges the children's summaries into one.
-Ctrl-C stops every child the same way; any child still alive after the deadline is killed by PID.
+``--stage auto`` (each starts once the previous one trains, so its choice sees every stage taken so far and the stages
+fill before any gets a second replica). Children run ``--no-tui`` with a status endpoint on a free port; the parent
+polls those endpoints and draws the swarm view of ``peer.dashboard`` from them. When every stage-0 peer has reached
+``--max-steps`` the parent stops the others with SIGTERM (they drain and checkpoint), then merges the children's
+summaries into one. Ctrl-C stops every child the same way; any child still alive after the deadline is killed by PID.
 """
 
 from __future__ import annotations
@@ -113,11 +113,12 @@ class Swarm:
         return out
 
     def wait_stage(self, child: dict[str, Any], timeout: float) -> None:
+        """Wait until the child trains (its stage is announced), so the next joiner's auto choice sees it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.poll()
             snap = self.status.get(child["i"])
-            if snap and snap.get("stage") is not None:
+            if snap and snap.get("stage") is not None and snap.get("state") == "training":
                 return
             if child["proc"].poll() is not None:
                 raise RuntimeError(f"peer {child['i']} exited during start-up; see {child['dir'] / 'log.txt'}")
@@ -193,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"join it from this machine: asyncmesh-peer join --stage auto --initial-peers {initial[0]}")
         swarm.wait_stage(first, 90)
         for i in range(1, args.peers):
-            swarm.wait_stage(swarm.spawn(i, initial), 90)
+            child = swarm.spawn(i, initial)
+            swarm.wait_stage(child, 90)
+            initial = (initial + [m for m in swarm.wait_file(child, "maddrs.txt", 5).split() if "/p2p/" in m][:1])[-3:]
         _watch(swarm, args, stop, start)
     finally:
         swarm.reap(deadline_s=30.0)

@@ -27,12 +27,13 @@ from peer.config import PeerConfig
 from peer.dht_records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.metrics import PeerMetrics
 from peer.routing import Router
-from peer.stage_choice import choose_stage, estimate_throughput, should_move, stage_costs
+from peer.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from trainer.config import RunConfig, stage_layer_ranges
 
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 3.0
+DHT_START_ATTEMPTS = 5
 
 
 class DaemonError(RuntimeError):
@@ -119,13 +120,17 @@ class Daemon:
                                 identity_path=str(identity), use_ipfs=self.cfg.use_ipfs, start=True,
                                 client_mode=False)
         loop = asyncio.get_running_loop()
-        try:
-            self.dht = await loop.run_in_executor(None, make)
-        except Exception as e:
-            hint = ("check that --initial-peers are full multiaddrs of running peers "
-                    "(/ip4/HOST/tcp/PORT/p2p/PEER_ID) and that this machine can reach them"
-                    if self.cfg.initial_peers else "check --host-maddrs (the port may be taken)")
-            raise DaemonError(f"could not start or join the DHT: {e}; {hint}") from e
+        for attempt in range(DHT_START_ATTEMPTS):
+            try:
+                self.dht = await loop.run_in_executor(None, make)
+                break
+            except Exception as e:  # the bootstrap peer may be busy starting up itself: retry before giving up
+                if attempt + 1 < DHT_START_ATTEMPTS and self.cfg.initial_peers:
+                    logger.warning("joining the DHT failed (%s); retrying in %d s", str(e).splitlines()[0],
+                                   2 ** attempt)
+                    await asyncio.sleep(2 ** attempt)
+                    continue
+                self._dht_failed(e)
         self.p2p = await self.dht.replicate_p2p()
         self.my_id = self.dht.peer_id.to_base58()
         self.metrics.peer_id = self.my_id
@@ -135,6 +140,12 @@ class Daemon:
             tmp = self.cfg.maddrs_file.with_suffix(".tmp")
             tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
             tmp.replace(self.cfg.maddrs_file)
+
+    def _dht_failed(self, e: Exception) -> None:
+        hint = ("check that --initial-peers are full multiaddrs of running peers (/ip4/HOST/tcp/PORT/p2p/PEER_ID) "
+                "and that this machine can reach them" if self.cfg.initial_peers
+                else "check --host-maddrs (the port may be taken)")
+        raise DaemonError(f"could not start or join the DHT: {e}; {hint}") from e
 
     async def _start_rpc(self) -> None:
         from peer.reachability import REACH_RPC, ReachabilityHelper
@@ -188,8 +199,9 @@ class Daemon:
         chosen = choose_stage(await self.refresh_swarm(), self.costs)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
-        logger.info("chose stage %d of %d (capacity per stage from %d announced peers)", chosen, self.run.n_stages,
-                    len(self.swarm))
+        caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))
+        logger.info("chose stage %d of %d (micro-batches/s per stage from %d announced peers: %s)", chosen,
+                    self.run.n_stages, len(self.swarm), caps)
         return chosen
 
     def record(self, state: str) -> PeerRecord:
@@ -251,10 +263,10 @@ class Daemon:
 
         self.stage, self.metrics.stage = stage, stage
         self.metrics.state = "loading_state"
+        await self.announce("loading_state")  # claim the stage at once, so that joiners see it is taken
         device = self._device()
         self.worker = await self.compute(lambda: StageWorker(self.run, stage, device=device,
                                                              auto_step=self.cfg.mode == "async"))
-        await self.announce("loading_state")
         source = await self._load_state(stage)
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
         if source == "donor":  # a restart right after joining resumes from here instead of downloading again
@@ -341,7 +353,7 @@ class Daemon:
         mean, n = await self.sync_averager.all_average(self.sync_step, grads, peers)
         await self.compute(self.worker.set_grads, mean)
         await self.compute(self.worker.optimizer_step)
-        self.sync_step += 1
+        self.sync_step = self.sync_averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
         self.metrics.local_step = self.worker.local_step
         self.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
 

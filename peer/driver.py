@@ -71,19 +71,16 @@ class Stage0Driver:
         p = Pending(prev_peer=None, next_peer=None, route=[], is_eval=is_eval, done=loop.create_future(),
                     deadline=time.monotonic() + pipe.cfg.microbatch_timeout_s)
         pipe.pending[mb_id] = p
-        t0 = time.perf_counter()
         if pipe.is_last:  # a one-stage run: the whole model is here
             pipe.pending.pop(mb_id, None)
             if is_eval:
                 return float(await pipe.compute(pipe.worker.evaluate, x, y))
-            loss, _ = await pipe.compute(pipe.worker.forward_loss, mb_id, x, y)
-            pipe._timed(mb_id, time.perf_counter() - t0, backward=True)
+            loss, _ = await pipe.timed(mb_id, True, pipe.worker.forward_loss, mb_id, x, y)
             return float(loss)
         if is_eval:
             out = await pipe.compute(pipe.worker.evaluate, x)
         else:
-            out = await pipe.compute(pipe.worker.forward, mb_id, x)
-            pipe._timed(mb_id, time.perf_counter() - t0, backward=False)
+            out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
             targets = await loop.run_in_executor(None, encode, y, "none")
             await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval)

@@ -96,6 +96,16 @@ class PipelineStage:
         """Announced work units per second: micro-batches/s of compute times this stage's cost."""
         return self.cost / self.compute_s_per_mb if self.compute_s_per_mb > 0 else 0.0
 
+    async def timed(self, mb_id: int, backward: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the compute thread, timing it there (queue waits excluded) for the throughput estimate."""
+        def run() -> tuple[Any, float]:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - t0
+        out, seconds = await self.compute(run)
+        self._timed(mb_id, seconds, backward=backward)
+        return out
+
     def _timed(self, mb_id: int, seconds: float, *, backward: bool) -> None:
         if not backward:
             self._fwd_s[mb_id] = seconds
@@ -206,15 +216,13 @@ class PipelineStage:
         p = self.pending.get(msg.mb_id)
         if p is None:
             return
-        t0 = time.perf_counter()
         if self.is_last:
             if msg.is_eval:
                 loss = await self.compute(self.worker.evaluate, x, targets)
                 self.pending.pop(msg.mb_id, None)
                 self.spawn(self._send_backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
                 return
-            loss, grad = await self.compute(self.worker.forward_loss, msg.mb_id, x, targets)
-            self._timed(msg.mb_id, time.perf_counter() - t0, backward=True)
+            loss, grad = await self.timed(msg.mb_id, True, self.worker.forward_loss, msg.mb_id, x, targets)
             self.pending.pop(msg.mb_id, None)
             self._count_step(float(loss), x)
             if self.on_backward_done is not None:  # sync mode: the flush's last gradient waits for the step
@@ -226,8 +234,7 @@ class PipelineStage:
             y = await self.compute(self.worker.evaluate, x)
             self.pending.pop(msg.mb_id, None)
         else:
-            y = await self.compute(self.worker.forward, msg.mb_id, x)
-            self._timed(msg.mb_id, time.perf_counter() - t0, backward=False)
+            y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval))
 
     def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
@@ -253,9 +260,7 @@ class PipelineStage:
             elif p.prev_peer is not None:
                 self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, None, False))
             return
-        t0 = time.perf_counter()
-        grad_in = await self.compute(self.worker.backward, msg.mb_id, grad)
-        self._timed(msg.mb_id, time.perf_counter() - t0, backward=True)
+        grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
         if self.on_backward_done is not None:
             await self.on_backward_done(msg.mb_id)
         if not self.is_first:
@@ -290,7 +295,7 @@ class PipelineStage:
         failures, waits = 0, 0
         while failures < self.cfg.hop_retries and waits < 50:
             try:
-                record = self.router.choose(self.swarm().values(), stage, exclude=tried)
+                record = self.router.choose(self._next_hops(stage), stage, exclude=tried)
             except NoRouteError:
                 if not self.accepting:  # draining: do not wait for a route to appear
                     break
@@ -323,6 +328,17 @@ class PipelineStage:
             self.router.failure(record.peer_id)
             self.metrics.inc("retries")
         return None
+
+    def _next_hops(self, stage: int) -> list[PeerRecord]:
+        """Candidates for the next hop. Sync mode pins pipeline i to the i-th replica (by peer id) of every stage, so
+        each replica of a stage receives exactly the M micro-batches of one flush."""
+        records = [r for r in self.swarm().values() if r.state == "training"]
+        if self.cfg.mode != "sync":
+            return records
+        mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]
+        rank = mine.index(self.my_id) if self.my_id in mine else 0
+        nxt = sorted((r for r in records if r.stage == stage), key=lambda r: r.peer_id)
+        return [nxt[rank % len(nxt)]] if nxt else []
 
     async def _send_backward(self, peer: str | None, mb_id: int, route: list[str], env: Any, loss: float | None,
                              is_eval: bool) -> None:
