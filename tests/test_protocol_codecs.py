@@ -216,3 +216,12 @@ def test_non_finite_anywhere_is_caught(position: int, bad: float, dtype: torch.d
     x[position] = bad
     with pytest.raises(ValidationError, match="1 of 4097 values"):
         decode(encode(x, "none"), peer="p")
+
+
+def test_int4_level_search_matches_bucketize() -> None:
+    from protocol.quant import _INT4_BORDERS, int4_codes
+
+    v = torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    special = torch.cat([_INT4_BORDERS, _INT4_BORDERS.nextafter(torch.tensor(2.0)), torch.tensor([-1.0, 0.0, 1.0])])
+    v = torch.cat([v, special, special.nextafter(torch.tensor(-2.0)), torch.tensor([1.0000001, -1.0000001])])
+    assert torch.equal(int4_codes(v).long(), torch.bucketize(v, _INT4_BORDERS))
