@@ -1,0 +1,89 @@
+"""The pure parts of tools/bench_swarm.py: swarm tokens/s over a window, speedup, latency hiding, bytes per token."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.bench_swarm import Case, bytes_per_token, format_table, parse_args, plan, ratios, window_tokens_per_s  # noqa: E402,I001
+
+
+def sample(stage: int, tokens: int, t: float) -> dict:
+    return {"stage": stage, "tokens_total": tokens, "t": t}
+
+
+def test_window_rate_counts_stage0_only_each_on_its_own_clock():
+    before = [sample(0, 1000, 10.0), sample(1, 5000, 10.0), sample(0, 0, 10.5)]
+    after = [sample(0, 3000, 20.0), sample(1, 99999, 20.0), sample(0, 2000, 20.5)]
+    # stage 0 peers: 2000 / 10 s + 2000 / 10 s; the stage-1 peer's tokens are the same tokens again
+    assert window_tokens_per_s(before, after) == pytest.approx(400.0)
+
+
+def test_window_rate_rejects_mismatched_or_backward_samples():
+    with pytest.raises(ValueError, match="same peers"):
+        window_tokens_per_s([sample(0, 0, 0.0)], [])
+    with pytest.raises(ValueError, match="later"):
+        window_tokens_per_s([sample(0, 0, 5.0)], [sample(0, 10, 5.0)])
+
+
+def result(mode: str, net: str, delay: float, tps: float) -> dict:
+    return {"mode": mode, "net": net, "delay_ms": delay, "tokens_per_s": tps}
+
+
+def test_speedup_and_latency_hiding_pair_the_right_cases():
+    results = [result("async", "loopback", 0.0, 900.0), result("sync", "loopback", 0.0, 600.0),
+               result("async", "wan", 0.0, 800.0), result("sync", "wan", 0.0, 400.0),
+               result("async", "wan", 50.0, 720.0), result("sync", "wan", 50.0, 160.0)]
+    fig = ratios(results)
+    assert fig["speedup"] == pytest.approx({"loopback": 1.5, "wan-0ms": 2.0, "wan-50ms": 4.5})
+    assert fig["latency_hiding"] == pytest.approx({"async/wan-0ms": 1.0, "sync/wan-0ms": 1.0,
+                                                   "async/wan-50ms": 0.9, "sync/wan-50ms": 0.4})
+
+
+def test_ratios_are_none_when_the_reference_is_missing_or_stalled():
+    fig = ratios([result("async", "wan", 25.0, 500.0), result("sync", "wan", 25.0, 0.0)])
+    assert fig["speedup"] == {"wan-25ms": None}
+    assert fig["latency_hiding"] == {"async/wan-25ms": None, "sync/wan-25ms": None}
+
+
+def test_bytes_per_token_by_sender_stage():
+    before = [{"tx": 100, "rx": 0}, {"tx": 0, "rx": 0}, {"tx": 50, "rx": 0}]
+    after = [{"tx": 1100, "rx": 0}, {"tx": 400, "rx": 0}, {"tx": 1050, "rx": 0}]
+    out = bytes_per_token(before, after, [0, 1, 0], tokens=100.0)
+    assert out == pytest.approx({"total": 24.0, "stage0_tx": 20.0, "stage1_tx": 4.0})
+    assert bytes_per_token([None], [None], [0], tokens=100.0) is None
+    assert bytes_per_token(before, after, [0, 1, 0], tokens=0.0) is None
+
+
+def test_table_lists_every_case_and_ratio():
+    r = {"label": "async/wan-50ms", "tokens_per_s": 1234.4, "rtt_ms": 101.2, "bytes_per_token": {"total": 300.0},
+         "dropped": 2, "cpu_util": 0.9, "stage0_steps": 40}
+    text = format_table([r], {"speedup": {"wan-50ms": 3.2}, "latency_hiding": {"async/wan-50ms": None}})
+    assert "async/wan-50ms" in text and "1234" in text and "101.2" in text and "300" in text
+    assert "3.20" in text and "latency_hiding" in text
+
+
+def test_plan_interleaves_modes_and_adds_the_zero_delay_reference(tmp_path):
+    args = parse_args(["--delays-ms", "50", "--wan", "no"])
+    assert [c.label for c in plan(args)] == ["async/loopback", "sync/loopback"]
+    args = argparse.Namespace(loopback=False, wan="auto", tunem=tmp_path / "missing.py", delays_ms=[50.0],
+                              rate_mbit=100.0, modes=["async", "sync"])
+    assert plan(args) == []  # the emulator is missing: the WAN is skipped with a warning
+    args.tunem = tmp_path / "tunem.py"
+    args.tunem.write_text("")
+    cases = plan(args)
+    if cases:  # root with ip and /dev/net/tun: 0 ms is always measured as latency hiding's reference
+        assert cases == [Case("async", "wan", 0.0, 100.0), Case("sync", "wan", 0.0, 100.0),
+                         Case("async", "wan", 50.0, 100.0), Case("sync", "wan", 50.0, 100.0)]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--measure-s", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--run", "/nonexistent/run.toml"])

@@ -1,0 +1,435 @@
+#!/usr/bin/env python3
+"""Swarm throughput benchmark: tokens/s of a real ``asyncmesh-peer join`` swarm, async against ``--mode sync``.
+
+For each network (loopback, then -- as root -- network namespaces joined by tunem with one-way delays of, by
+default, 0 / 25 / 50 ms and a 100 Mbit/s uplink cap per peer) and each mode, the tool starts a fresh swarm of
+``n_stages x replicas`` peers (one process per peer, one namespace per peer; peer i serves stage i % n_stages; the
+first starts the swarm, the others join through its multiaddr), waits until every peer trains, lets it warm up, then
+measures over a fixed wall-clock window by reading every peer's ``/status`` at both ends:
+
+* swarm tokens/s = sum over stage-0 peers of (training tokens completed in the window) / window. Every token enters
+  the pipeline once, at stage 0, and counts when its gradient has come back (DESIGN.md "Measuring");
+* wire bytes per token (namespaces only) from the emulated links' counters, which include TCP/IP, libp2p, DHT and
+  averaging traffic: everything a peer sent;
+* CPU seconds each process used in the window (the peers and tunem share this machine's cores).
+
+Then it stops the peers with SIGTERM and keeps their ``--summary-json`` files in the results. Ratios come from one
+run of the tool: speedup = async / sync tokens/s on the same network; latency hiding = tokens/s at a delay / tokens/s
+of the same mode at 0 ms added delay (same namespaces and cap). Results: a table on stdout, JSON and CSV.
+
+Example (root, the figures of docs/performance.md)::
+
+    python tools/bench_swarm.py --warmup-s 20 --measure-s 60 --out docs/bench/swarm
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import http.client
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `tools.wan` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.wan import DEFAULT_TUNEM, LocalNet, Wan, WanConfig, check_available, install_signal_handlers
+
+logger = logging.getLogger("bench_swarm")
+
+REPO = Path(__file__).resolve().parent.parent
+P2P_PORT = 31337
+STATUS_PORT = 9464
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(RuntimeError):
+    """A benchmark case could not run (the message says what happened and where the logs are)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One swarm to measure."""
+
+    mode: str          # 'async' or 'sync'
+    net: str           # 'loopback' or 'wan'
+    delay_ms: float    # one-way delay added by tunem (0 on loopback)
+    rate_mbit: float   # per-peer uplink cap (0: none)
+
+    @property
+    def label(self) -> str:
+        if self.net == "loopback":
+            return f"{self.mode}/loopback"
+        return f"{self.mode}/wan-{self.delay_ms:g}ms"
+
+
+# ----- pure figures (unit-tested) ---------------------------------------------------------------------------------
+def window_tokens_per_s(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> float:
+    """Swarm tokens/s between two sets of samples ``{"stage", "tokens_total", "t"}`` (same peers, same order).
+
+    Only stage-0 peers count: each token enters the pipeline there once. Each peer's rate uses its own timestamps.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"samples differ in length ({len(before)} != {len(after)}); take both from the same peers")
+    total = 0.0
+    for b, a in zip(before, after, strict=True):
+        if b.get("stage") != 0 or a.get("stage") != 0:
+            continue
+        dt = a["t"] - b["t"]
+        if dt <= 0:
+            raise ValueError(f"the second sample must be later than the first (dt = {dt})")
+        total += (a["tokens_total"] - b["tokens_total"]) / dt
+    return total
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Speedup (async / sync, same network) and latency hiding (same mode: delay / 0 ms) from case results."""
+    rate = {(r["mode"], r["net"], r["delay_ms"]): r["tokens_per_s"] for r in results}
+    speedup: dict[str, float | None] = {}
+    hiding: dict[str, float | None] = {}
+    for (mode, net, delay), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        key = "loopback" if net == "loopback" else f"wan-{delay:g}ms"
+        if mode == "async":
+            sync = rate.get(("sync", net, delay))
+            speedup[key] = value / sync if sync else None
+        if net == "wan":
+            base = rate.get((mode, "wan", 0.0))
+            hiding[f"{mode}/{key}"] = value / base if base else None
+    return {"speedup": speedup, "latency_hiding": hiding}
+
+
+def bytes_per_token(before: list[dict[str, int] | None], after: list[dict[str, int] | None], stages: list[int],
+                    tokens: float) -> dict[str, float] | None:
+    """Wire bytes sent per swarm token, in all and by the sender's stage; None without link counters or tokens."""
+    if tokens <= 0 or any(x is None for x in (*before, *after)):
+        return None
+    out: dict[str, float] = {"total": 0.0}
+    for b, a, stage in zip(before, after, stages, strict=True):
+        sent = (a["tx"] - b["tx"]) / tokens  # type: ignore[index]
+        out["total"] += sent
+        out[f"stage{stage}_tx"] = out.get(f"stage{stage}_tx", 0.0) + sent
+    return out
+
+
+def format_table(results: list[dict[str, Any]], figures: dict[str, dict[str, float | None]]) -> str:
+    """The results as a fixed-width text table (also pasted into docs/performance.md)."""
+    head = f"{'case':<22} {'tokens/s':>9} {'rtt ms':>7} {'B/token':>8} {'dropped':>7} {'cpu %':>6} {'steps':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        bpt = r.get("bytes_per_token") or {}
+        rtt = "-" if r.get("rtt_ms") is None else f"{r['rtt_ms']:.1f}"
+        per_token = f"{bpt['total']:.0f}" if bpt else "-"
+        lines.append(f"{r['label']:<22} {r['tokens_per_s']:>9.0f} {rtt:>7} {per_token:>8} {r['dropped']:>7d} "
+                     f"{r['cpu_util'] * 100:>6.0f} {r['stage0_steps']:>6d}")
+    lines.append("")
+    for name, table in figures.items():
+        for key, value in table.items():
+            lines.append(f"{name:<15} {key:<22} {('-' if value is None else f'{value:.2f}')}")
+    return "\n".join(lines)
+
+
+# ----- processes --------------------------------------------------------------------------------------------------
+def http_status(port: int, timeout: float = 3.0) -> dict[str, Any]:
+    """GET http://127.0.0.1:PORT/status in the calling thread's network namespace."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/status")
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise OSError(f"/status answered HTTP {resp.status}")
+        return json.loads(body)
+    finally:
+        conn.close()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (None once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class SwarmCase:
+    """The peers of one case on one network (a Wan or a LocalNet, which reaps them)."""
+
+    def __init__(self, case: Case, args: argparse.Namespace, net: Wan | LocalNet, workdir: Path, n_stages: int):
+        self.case, self.args, self.net, self.workdir, self.n_stages = case, args, net, workdir, n_stages
+        self.peers: list[dict[str, Any]] = []
+
+    def spawn(self, i: int, initial: list[str]) -> dict[str, Any]:
+        d = self.workdir / f"peer{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        stage = i % self.n_stages
+        if self.case.net == "loopback":
+            from peer.cmd_swarm import free_port
+
+            port = free_port()
+            addr_args = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        else:
+            port, listen = STATUS_PORT, f"/ip4/{self.net.ip(i)}/tcp/{P2P_PORT}"
+            addr_args = ["--host-maddrs", listen, "--announce-maddrs", listen]
+        cmd = [sys.executable, "-m", "peer.cli", "join", "--no-tui", "--run", str(self.args.run), "--stage",
+               str(stage), "--mode", self.case.mode, "--identity", str(d / "identity.key"), "--summary-json",
+               str(d / "summary.json"), "--metrics-port", str(port), "--torch-threads",
+               str(self.args.torch_threads), *addr_args, "--set", f"maddrs_file={d / 'maddrs.txt'}",
+               *[x for item in self.peer_settings() for x in ("--set", item)]]
+        if initial:
+            cmd += ["--initial-peers", *initial]
+        with open(d / "log.txt", "wb") as log:
+            proc = self.net.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        peer = {"i": i, "stage": stage, "dir": d, "proc": proc, "port": port}
+        self.peers.append(peer)
+        return peer
+
+    def peer_settings(self) -> list[str]:
+        items = [f"eval_every_s={self.args.eval_every_s:g}", f"drain_timeout_s={self.args.drain_timeout_s:g}"]
+        if self.args.max_inflight:
+            items.append(f"max_inflight={self.args.max_inflight}")
+        if self.args.sync_microbatches:
+            items.append(f"sync_microbatches={self.args.sync_microbatches}")
+        return items + list(self.args.overrides)
+
+    def fail(self, peer: dict[str, Any], what: str) -> BenchError:
+        tail = (peer["dir"] / "log.txt").read_text(errors="replace")[-2000:]
+        return BenchError(f"{self.case.label}: peer {peer['i']} {what}; log {peer['dir'] / 'log.txt'} ends:\n{tail}")
+
+    def status(self, peer: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return self.net.call_in(peer["i"], lambda: http_status(peer["port"]), timeout=10.0)
+        except (OSError, ValueError, TimeoutError):
+            return None
+
+    def start(self) -> None:
+        first = self.spawn(0, [])
+        deadline = time.monotonic() + self.args.start_timeout_s
+        maddrs = first["dir"] / "maddrs.txt"
+        while not maddrs.exists():
+            if first["proc"].poll() is not None:
+                raise self.fail(first, f"exited with code {first['proc'].returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise self.fail(first, "wrote no multiaddr in time")
+            time.sleep(0.2)
+        want = self.net.ip(0)
+        initial = [m for m in maddrs.read_text().split() if "/p2p/" in m and f"/{want}/" in m][:1]
+        if not initial:
+            raise self.fail(first, f"announced no multiaddr on {want} ({maddrs.read_text().split()})")
+        for i in range(1, self.n_stages * self.args.replicas):
+            self.spawn(i, initial)
+        self.wait_training(deadline)
+
+    def wait_training(self, deadline: float) -> None:
+        """Every peer in state 'training' and every stage-0 peer with at least one completed micro-batch."""
+        waiting = list(self.peers)
+        while waiting:
+            for peer in list(waiting):
+                if peer["proc"].poll() is not None:
+                    raise self.fail(peer, f"exited with code {peer['proc'].returncode} before training")
+                snap = self.status(peer)
+                if snap and snap.get("state") == "training" and (peer["stage"] != 0 or snap["tokens_total"] > 0):
+                    waiting.remove(peer)
+            if waiting and time.monotonic() > deadline:
+                raise self.fail(waiting[0], f"was not training within {self.args.start_timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def sample(self) -> dict[str, Any]:
+        statuses, stamps = [], []
+        for peer in self.peers:
+            snap = self.status(peer)
+            if snap is None:
+                raise self.fail(peer, "stopped answering /status during the measurement")
+            statuses.append(snap)
+            stamps.append(time.monotonic())
+        return {
+            "tokens": [{"stage": p["stage"], "tokens_total": s["tokens_total"], "t": t}
+                       for p, s, t in zip(self.peers, statuses, stamps, strict=True)],
+            "steps": [s["local_step"] for s in statuses],
+            "dropped": [int(s["counters"].get("microbatches_dropped", 0)) for s in statuses],
+            "links": [self.net.link_bytes(p["i"]) for p in self.peers],
+            "cpu": [cpu_seconds(p["proc"].pid) for p in self.peers],
+            "tunem_cpu": cpu_seconds(self.net.tunem.pid) if isinstance(self.net, Wan) and self.net.tunem else None,
+            "t": time.monotonic(), "loadavg": os.getloadavg(), "snapshots": statuses,
+        }
+
+    def stop_and_collect(self) -> list[dict[str, Any]]:
+        self.net.close()  # SIGTERM, drain, reap
+        out = []
+        for peer in self.peers:
+            path = peer["dir"] / "summary.json"
+            entry = json.loads(path.read_text()) if path.exists() else {"error": "no summary written"}
+            entry["exit_code"] = peer["proc"].returncode
+            out.append(entry)
+        return out
+
+
+def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) -> dict[str, Any]:
+    """Run one case from start to teardown and return its figures."""
+    n = n_stages * args.replicas
+    if case.net == "loopback":
+        net: Wan | LocalNet = LocalNet(n, stop_timeout_s=args.drain_timeout_s + 20)
+    else:
+        net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, tunem=args.tunem,
+                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20))
+    with net:
+        rtt = net.rtt(0, 1) * 1000 if isinstance(net, Wan) else None
+        sc = SwarmCase(case, args, net, workdir, n_stages)
+        sc.start()
+        logger.info("%s: all %d peers training; warming up %.0f s", case.label, n, args.warmup_s)
+        time.sleep(args.warmup_s)
+        before = sc.sample()
+        time.sleep(args.measure_s)
+        after = sc.sample()
+        summaries = sc.stop_and_collect()
+    tps = window_tokens_per_s(before["tokens"], after["tokens"])
+    if tps <= 0:
+        logger.error("%s: no stage-0 token completed in the %.0f s window: the swarm stalled; see the peers' logs "
+                     "in %s", case.label, args.measure_s, workdir)
+    window = after["t"] - before["t"]
+    cpu = [(a - b) if a is not None and b is not None else 0.0
+           for a, b in zip(after["cpu"], before["cpu"], strict=True)]
+    tunem_cpu = (after["tunem_cpu"] - before["tunem_cpu"]) if after["tunem_cpu"] is not None else None
+    stages = [p["stage"] for p in sc.peers]
+    return {
+        **asdict(case), "label": case.label, "tokens_per_s": tps, "window_s": window, "rtt_ms": rtt,
+        "bytes_per_token": bytes_per_token(before["links"], after["links"], stages, tps * window),
+        "dropped": sum(after["dropped"]) - sum(before["dropped"]),
+        "stage0_steps": min(a - b for a, b, s in zip(after["steps"], before["steps"], stages, strict=True) if s == 0),
+        "cpu_s_per_peer": cpu, "tunem_cpu_s": tunem_cpu,
+        "cpu_util": (sum(cpu) + (tunem_cpu or 0.0)) / (window * (os.cpu_count() or 1)),
+        "loadavg": [before["loadavg"], after["loadavg"]],
+        "pipeline_delay": [s.get("pipeline_delay") for s in after["snapshots"]],
+        "avg_rounds_ok": [int(s["counters"].get("averaging_rounds_ok", 0)) for s in after["snapshots"]],
+        "summaries": summaries, "workdir": str(workdir),
+    }
+
+
+# ----- command line -----------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "default.toml", help="run TOML")
+    p.add_argument("--replicas", type=int, default=2, help="peers per stage")
+    p.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    p.add_argument("--loopback", action=argparse.BooleanOptionalAction, default=True, help="measure on loopback")
+    p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto",
+                   help="namespaces + tunem: auto runs them when root and the emulator are available")
+    p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 25.0, 50.0], help="one-way delays (RTT = 2x)")
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the emulated WAN (0: none)")
+    p.add_argument("--tunem", type=Path, default=DEFAULT_TUNEM, help="path of the emulator")
+    p.add_argument("--subnet", default="100.64.7", help="first three octets of the namespaces' addresses")
+    p.add_argument("--warmup-s", type=float, default=20.0, help="seconds after all peers train, before measuring")
+    p.add_argument("--measure-s", type=float, default=60.0, help="measurement window in seconds")
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if the swarm is not training by then")
+    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
+    p.add_argument("--eval-every-s", type=float, default=0.0, help="peers' evaluation period (0: off while measuring)")
+    p.add_argument("--max-inflight", type=int, default=0, help="stage-0 micro-batches in flight (0: the peer default)")
+    p.add_argument("--sync-microbatches", type=int, default=0, help="GPipe micro-batches per flush in sync mode "
+                   "(0: the peer default)")
+    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
+                   help="extra PeerConfig setting for every peer")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "swarm",
+                   help="writes OUT.json and OUT.csv")
+    p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
+    args = p.parse_args(argv)
+    if args.replicas < 1 or args.warmup_s < 0 or args.measure_s <= 0 or args.torch_threads < 0:
+        p.error("--replicas >= 1, --warmup-s >= 0, --measure-s > 0 and --torch-threads >= 0 are required")
+    if any(d < 0 for d in args.delays_ms) or args.rate_mbit < 0:
+        p.error("--delays-ms and --rate-mbit must be >= 0")
+    if not args.run.is_file():
+        p.error(f"--run {args.run} does not exist")
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[Case]:
+    """The cases in running order: per network, every mode back to back (so ratios compare neighbours in time)."""
+    nets: list[tuple[str, float, float]] = [("loopback", 0.0, 0.0)] if args.loopback else []
+    if args.wan != "no":
+        reason = check_available(args.tunem)
+        if reason and args.wan == "yes":
+            raise BenchError(f"--wan yes: {reason}")
+        if reason:
+            logger.warning("skipping the emulated WAN: %s", reason)
+        else:
+            delays = sorted(set(args.delays_ms) | {0.0})  # 0 ms is latency hiding's reference
+            nets += [("wan", d, args.rate_mbit) for d in delays]
+    return [Case(mode, net, delay, rate) for net, delay, rate in nets for mode in args.modes]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    install_signal_handlers()
+    from trainer.config import RunConfig
+
+    run = RunConfig.from_toml(args.run)
+    try:
+        cases = plan(args)
+    except BenchError as e:
+        print(f"bench_swarm: error: {e}", file=sys.stderr)
+        return 2
+    if not cases:
+        print("bench_swarm: nothing to measure (--no-loopback and no emulated WAN)", file=sys.stderr)
+        return 2
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="asyncmesh-bench-"))
+    results, failed = [], []
+    for k, case in enumerate(cases):
+        workdir = root / f"case{k}-{case.mode}-{case.net}-{case.delay_ms:g}ms"
+        logger.info("case %d/%d: %s (files in %s)", k + 1, len(cases), case.label, workdir)
+        try:
+            results.append(measure(case, args, workdir, run.n_stages))
+        except BenchError as e:  # the case's processes and namespaces are gone; the other cases still run
+            logger.error("%s", e)
+            failed.append({"label": case.label, "error": str(e).splitlines()[0], "workdir": str(workdir)})
+            continue
+        logger.info("%s: %.0f tokens/s over %.0f s", case.label, results[-1]["tokens_per_s"],
+                    results[-1]["window_s"])
+    figures = ratios(results)
+    print(format_table(results, figures))
+    for f in failed:
+        print(f"FAILED {f['label']}: {f['error']} (files in {f['workdir']})")
+    write_outputs(args, run, results, figures, argv, failed)
+    return 1 if failed else 0
+
+
+def write_outputs(args: argparse.Namespace, run: Any, results: list[dict[str, Any]],
+                  figures: dict[str, dict[str, float | None]], argv: list[str] | None,
+                  failed: list[dict[str, str]]) -> None:
+    meta = {"command": " ".join(["python tools/bench_swarm.py", *(argv if argv is not None else sys.argv[1:])]),
+            "run": str(args.run), "run_id": run.run_id, "n_stages": run.n_stages, "replicas": args.replicas,
+            "tokens_per_microbatch": run.data.batch_size * run.model.block_size, "nproc": os.cpu_count(),
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "figures": figures, "cases": results,
+                                                         "failed": failed}, indent=1, default=str))
+    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", "net", "delay_ms", "rate_mbit", "rtt_ms", "tokens_per_s", "window_s", "bytes_per_token",
+                    "dropped", "cpu_util", "stage0_steps"])
+        for r in results:
+            bpt = f"{r['bytes_per_token']['total']:.1f}" if r["bytes_per_token"] else ""
+            rtt = "" if r["rtt_ms"] is None else f"{r['rtt_ms']:.1f}"
+            w.writerow([r["mode"], r["net"], r["delay_ms"], r["rate_mbit"], rtt, f"{r['tokens_per_s']:.1f}",
+                        f"{r['window_s']:.1f}", bpt, r["dropped"], f"{r['cpu_util']:.3f}", r["stage0_steps"]])
+    logger.info("wrote %s and %s", args.out.with_suffix(".json"), args.out.with_suffix(".csv"))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench_swarm: interrupted; every peer, emulator and namespace of this run was removed", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,407 @@
+#!/usr/bin/env python3
+"""An emulated WAN for benchmarks: one network namespace per peer, joined through a user-space link emulator.
+
+The kernel here has no ``netem``, so delay comes from ``tunem.py`` (``../shared/lab/tunem.py`` by default, run from
+its own path, never copied): it puts one TUN device in each namespace, addresses namespace ``i`` (0-based) as
+``<subnet>.<i+1>`` and forwards IPv4 between them with a one-way delay (RTT = 2 x delay), a per-sender rate cap and
+optional loss. Peers must use 100.64.x.y addresses: libp2p does not gossip 198.18.0.0/15.
+
+``Wan`` is a context manager that owns everything it starts: the namespaces (named ``<prefix><pid>-<i>``, so a run
+never touches namespaces it did not create), the tunem process and every command started with ``popen``. Leaving the
+``with`` block -- normally, on an exception or on Ctrl-C/SIGTERM (``install_signal_handlers``) -- terminates the
+commands (SIGTERM, then SIGKILL after ``stop_timeout_s``), kills anything still inside the namespaces, stops tunem
+with SIGTERM, reaps all of them and deletes the namespaces. ``LocalNet`` has the same interface on loopback.
+``python tools/wan.py clean`` deletes namespaces left by a run that was itself SIGKILLed.
+
+Example (root)::
+
+    with Wan(WanConfig(n=2, delay_ms=25, rate_mbit=100)) as wan:
+        print(wan.rtt(0, 1))                     # ~0.050 s
+        proc = wan.popen(1, ["python3", "-m", "http.server", "--bind", wan.ip(1)])
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TUNEM = REPO.parent / "shared" / "lab" / "tunem.py"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+class WanError(RuntimeError):
+    """The emulated WAN cannot be set up or used (the message says what to do)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanConfig:
+    """One emulated network. Times are in seconds unless the name says ms."""
+
+    n: int
+    """Namespaces to create (one per peer)."""
+    delay_ms: float = 0.0
+    """One-way delay added to every packet (RTT = 2 x delay_ms)."""
+    rate_mbit: float = 0.0
+    """Per-namespace uplink cap in Mbit/s (0: uncapped; tunem alone forwards ~1 Gbit/s here)."""
+    loss: float = 0.0
+    """Random drop probability per packet."""
+    jitter_ms: float = 0.0
+    """Uniform +/- jitter on the delay (may reorder packets)."""
+    subnet: str = "100.64.7"
+    """First three octets of the addresses; namespace i gets <subnet>.<i+1>. Keep it inside 100.64.0.0/10."""
+    prefix: str = "amb-"
+    """Namespace name prefix; names are <prefix><pid>-<i>, and only those are ever deleted."""
+    tunem: Path = field(default_factory=lambda: DEFAULT_TUNEM)
+    """Path of tunem.py (run with this interpreter)."""
+    ready_timeout_s: float = 15.0
+    """Wait this long for tunem to report its devices up."""
+    stop_timeout_s: float = 10.0
+    """After SIGTERM, wait this long for a process before SIGKILL."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tunem", Path(self.tunem))
+        if not 1 <= self.n <= 250:
+            raise ValueError(f"n must be between 1 and 250 namespaces, got {self.n}")
+        if self.delay_ms < 0 or self.rate_mbit < 0 or self.jitter_ms < 0:
+            raise ValueError("delay_ms, rate_mbit and jitter_ms must be >= 0")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if not re.fullmatch(r"100\.(6[4-9]|[7-9]\d|1[01]\d|12[0-7])\.\d{1,3}", self.subnet) or \
+                int(self.subnet.rsplit(".", 1)[1]) > 255:
+            raise ValueError(f"subnet must be three octets inside 100.64.0.0/10 (e.g. 100.64.7), got "
+                             f"{self.subnet!r}; libp2p does not gossip other private ranges such as 198.18.0.0/15")
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,5}", self.prefix):
+            raise ValueError(f"prefix must be 1-6 lowercase letters, digits or '-', got {self.prefix!r}")
+        if self.ready_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError("ready_timeout_s and stop_timeout_s must be positive (seconds)")
+
+
+def check_available(tunem: Path = DEFAULT_TUNEM) -> str | None:
+    """None when this machine can run a Wan, else the reason (root, ``ip``, /dev/net/tun, tunem.py)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root; run as root or benchmark on loopback only"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing; install iproute2"
+    if not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun is missing; load the tun module (modprobe tun) or give the container that device"
+    if not Path(tunem).is_file():
+        return f"the emulator {tunem} does not exist; pass its path (tunem.py from shared/lab)"
+    return None
+
+
+def _setns(name: str) -> None:
+    """Move the *calling thread* into network namespace ``name`` (a network namespace is per thread)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+def descendants(root: int) -> list[int]:
+    """PIDs of every live descendant of ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def terminate(procs: list[subprocess.Popen], stop_timeout_s: float) -> None:
+    """SIGTERM every live process, wait up to ``stop_timeout_s`` in all, SIGKILL the rest; all are reaped."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + stop_timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d ignored SIGTERM for %.0f s; killing it and its descendants", p.pid,
+                           stop_timeout_s)
+            for pid in [*descendants(p.pid), p.pid]:  # a peer's DHT process and p2pd die with it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait()
+
+
+class Wan:
+    """N namespaces joined by tunem; every namespace and process it creates is removed on exit."""
+
+    def __init__(self, cfg: WanConfig) -> None:
+        self.cfg = cfg
+        self.names = [f"{cfg.prefix}{os.getpid()}-{i}" for i in range(cfg.n)]
+        self.created: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.tunem: subprocess.Popen | None = None
+        self.tunem_log: list[str] = []
+
+    # ----- life ------------------------------------------------------------------------------------------------------
+    def __enter__(self) -> Wan:
+        reason = check_available(self.cfg.tunem)
+        if reason:
+            raise WanError(reason)
+        try:
+            self._up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _up(self) -> None:
+        for name in self.names:
+            res = _ip("netns", "add", name)
+            if res.returncode != 0:
+                raise WanError(f"ip netns add {name} failed: {res.stderr.strip()}")
+            self.created.append(name)
+            res = _ip("-n", name, "link", "set", "lo", "up")
+            if res.returncode != 0:
+                raise WanError(f"bringing lo up in {name} failed: {res.stderr.strip()}")
+        cmd = [sys.executable, "-u", str(self.cfg.tunem), "--ns", *self.names, "--delay-ms", str(self.cfg.delay_ms),
+               "--jitter-ms", str(self.cfg.jitter_ms), "--loss", str(self.cfg.loss), "--rate-mbit",
+               str(self.cfg.rate_mbit), "--subnet", self.cfg.subnet]
+        self.tunem = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True)
+        ready = threading.Event()
+        threading.Thread(target=self._read_tunem, args=(ready,), daemon=True).start()
+        if not ready.wait(self.cfg.ready_timeout_s):
+            tail = "".join(self.tunem_log[-10:])
+            raise WanError(f"tunem did not come up within {self.cfg.ready_timeout_s:.0f} s "
+                           f"(exit code {self.tunem.poll()}); its output:\n{tail}")
+        logger.info("WAN up: %d namespaces %s.., one-way delay %.1f ms, uplink cap %s", self.cfg.n, self.names[0],
+                    self.cfg.delay_ms, f"{self.cfg.rate_mbit:g} Mbit/s" if self.cfg.rate_mbit else "none")
+
+    def _read_tunem(self, ready: threading.Event) -> None:
+        assert self.tunem is not None and self.tunem.stdout is not None
+        for line in self.tunem.stdout:
+            self.tunem_log.append(line)
+            del self.tunem_log[:-200]
+            if line.startswith("tunem ready"):
+                ready.set()
+
+    def close(self) -> None:
+        """Terminate commands, stop tunem, delete our namespaces. Idempotent; never raises for a missing piece."""
+        terminate(self.procs, self.cfg.stop_timeout_s)
+        for name in self.created:  # whatever is still inside our namespaces was started by us: no orphan survives
+            for pid in _ip("netns", "pids", name).stdout.split():
+                logger.warning("killing pid %s left in namespace %s", pid, name)
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+        if self.tunem is not None:
+            terminate([self.tunem], self.cfg.stop_timeout_s)
+            if self.tunem.stdout is not None:
+                with contextlib.suppress(Exception):
+                    self.tunem.stdout.close()
+        failed = []
+        for name in list(self.created):
+            res = _ip("netns", "delete", name)
+            if res.returncode == 0 or "No such file" in res.stderr:
+                self.created.remove(name)
+            else:
+                failed.append(f"{name}: {res.stderr.strip()}")
+        if failed:
+            logger.error("could not delete namespaces (delete them with `ip netns delete NAME`): %s", failed)
+
+    # ----- use -------------------------------------------------------------------------------------------------------
+    def ip(self, i: int) -> str:
+        """IPv4 address of namespace i inside the emulated network."""
+        self._check_index(i)
+        return f"{self.cfg.subnet}.{i + 1}"
+
+    def popen(self, i: int, cmd: list[str], **kw: Any) -> subprocess.Popen:
+        """Start ``cmd`` inside namespace i (``ip netns exec`` execs it, so the PID is the command's own)."""
+        self._check_index(i)
+        kw.setdefault("start_new_session", True)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], **kw)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, i: int, cmd: list[str], *, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``cmd`` to completion inside namespace i and return its result (output captured as text)."""
+        self._check_index(i)
+        return subprocess.run(["ip", "netns", "exec", self.names[i], *cmd], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def call_in(self, i: int, fn: Callable[[], T], *, timeout: float = 30.0) -> T:
+        """Run ``fn()`` on a fresh thread that has entered namespace i (its sockets live there)."""
+        self._check_index(i)
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                _setns(self.names[i])
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+        t = threading.Thread(target=target, daemon=True, name=f"netns-{i}")
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"call inside {self.names[i]} did not finish within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def rtt(self, src: int, dst: int, *, samples: int = 5, port: int = 9) -> float:
+        """Median round trip src -> dst: the time a TCP connect to a closed port takes to be refused (SYN, RST)."""
+        host = self.ip(dst)
+
+        def probe() -> list[float]:
+            out = []
+            for _ in range(samples):
+                with socket.socket() as s:
+                    s.settimeout(5.0)
+                    t0 = time.perf_counter()
+                    try:
+                        s.connect((host, port))
+                    except ConnectionRefusedError:
+                        out.append(time.perf_counter() - t0)
+                        continue
+                    except OSError as e:
+                        raise WanError(f"{host} is unreachable from {self.names[src]}: {e}") from e
+                raise WanError(f"something listens on {host}:{port}; probe another port")
+            return out
+        times = sorted(self.call_in(src, probe))
+        return times[len(times) // 2]
+
+    def link_bytes(self, i: int) -> dict[str, int]:
+        """Bytes namespace i sent (``tx``) and received (``rx``) through the emulated link so far."""
+        self._check_index(i)
+        res = _ip("-n", self.names[i], "-j", "-s", "link", "show", "dev", f"tunem{i + 1}")
+        if res.returncode != 0:
+            raise WanError(f"cannot read the link counters of {self.names[i]}: {res.stderr.strip()}")
+        stats = json.loads(res.stdout)[0]["stats64"]
+        return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < self.cfg.n:
+            raise IndexError(f"namespace index {i} out of range 0..{self.cfg.n - 1}")
+
+
+class LocalNet:
+    """The same interface as ``Wan`` on this machine's loopback (no namespaces, no emulator): for baselines."""
+
+    def __init__(self, n: int, *, stop_timeout_s: float = 10.0) -> None:
+        self.cfg = WanConfig(n=n, stop_timeout_s=stop_timeout_s)
+        self.names = ["loopback"] * n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalNet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        terminate(self.procs, self.cfg.stop_timeout_s)
+
+    def ip(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, i: int, cmd: list[str], **kw: Any) -> subprocess.Popen:
+        kw.setdefault("start_new_session", True)
+        proc = subprocess.Popen(cmd, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def call_in(self, i: int, fn: Callable[[], T], *, timeout: float = 30.0) -> T:
+        return fn()
+
+    def link_bytes(self, i: int) -> None:
+        return None
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt), so ``with Wan(...)`` blocks clean up on both."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, handler)
+
+
+def clean_leftovers(prefix: str = "amb-") -> list[str]:
+    """Delete namespaces named ``<prefix><pid>-<i>`` whose creating process no longer runs; returns their names."""
+    res = _ip("netns", "list")
+    removed = []
+    for line in res.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\d+", name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            for pid in _ip("netns", "pids", name).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            if _ip("netns", "delete", name).returncode == 0:
+                removed.append(name)
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Emulated WAN (network namespaces + tunem): probe it or clean up.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pr = sub.add_parser("probe", help="bring up N namespaces, print the measured RTT between the first two, tear down")
+    pr.add_argument("--n", type=int, default=2)
+    pr.add_argument("--delay-ms", type=float, default=25.0)
+    pr.add_argument("--rate-mbit", type=float, default=100.0)
+    pr.add_argument("--tunem", type=Path, default=DEFAULT_TUNEM, help=f"path of tunem.py (default {DEFAULT_TUNEM})")
+    cl = sub.add_parser("clean", help="delete namespaces left behind by killed runs (only <prefix><dead pid>-<i>)")
+    cl.add_argument("--prefix", default="amb-")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cmd == "clean":
+        removed = clean_leftovers(args.prefix)
+        print(f"deleted {len(removed)} leftover namespaces: {' '.join(removed) or '-'}")
+        return 0
+    install_signal_handlers()
+    try:
+        with Wan(WanConfig(n=max(2, args.n), delay_ms=args.delay_ms, rate_mbit=args.rate_mbit,
+                           tunem=args.tunem)) as wan:
+            rtt = wan.rtt(0, 1)
+            print(f"RTT {wan.names[0]} -> {wan.names[1]}: {rtt * 1000:.1f} ms (configured {2 * args.delay_ms:.1f})")
+    except WanError as e:
+        print(f"wan: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
