@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from peer.config import PeerConfig
+from peer.daemon_stage import DaemonError, StageHandlers, StageLife
 from peer.dht_records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.metrics import PeerMetrics
 from peer.routing import Router
@@ -36,11 +37,7 @@ IDLE_EXIT_S = 3.0
 DHT_START_ATTEMPTS = 5
 
 
-class DaemonError(RuntimeError):
-    """The peer cannot start or go on (the message says what to do)."""
-
-
-class Daemon:
+class Daemon(StageLife):
     """One peer process. ``await Daemon(run, cfg).main()`` returns the exit code."""
 
     def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None) -> None:
@@ -217,154 +214,6 @@ class Daemon:
 
     async def announce(self, state: str | None = None) -> None:
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)
-
-    # ----- a stage: worker, state, services -------------------------------------------------------------------------
-    def _device(self) -> str:
-        import torch
-
-        if self.cfg.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.cfg.device == "cuda" and not torch.cuda.is_available():
-            raise DaemonError("--device cuda was given but torch sees no CUDA GPU; install a CUDA build of torch "
-                              "or pass --device cpu")
-        return self.cfg.device
-
-    async def _load_state(self, stage: int) -> str:
-        """Donors, else the local checkpoint, else the seeded init already in the worker. Returns the source."""
-        from peer.checkpoint import CheckpointError, load_checkpoint
-        from peer.state_sync import StateSyncConfig, load_state_from_peers
-
-        reference = await self.compute(self.worker.state_dict)
-        try:
-            state = await asyncio.wait_for(load_state_from_peers(
-                p2p=self.p2p, run=self.run, stage=stage, metrics=self.metrics, dht=self.dht, reference=reference,
-                config=StateSyncConfig()), timeout=self.cfg.state_load_timeout_s)
-        except TimeoutError:
-            state = None
-            logger.warning("loading state from donors took over %.0f s; falling back", self.cfg.state_load_timeout_s)
-        if state is not None:
-            await self.compute(self.worker.load_state_dict, state)
-            return "donor"
-        if self.cfg.checkpoint_dir is not None:
-            try:
-                state = await self.compute(load_checkpoint, self.cfg.checkpoint_dir, self.run, stage)
-            except CheckpointError as e:
-                raise DaemonError(str(e)) from e
-            if state is not None:
-                await self.compute(self.worker.load_state_dict, state)
-                return "checkpoint"
-        return "seeded init"
-
-    async def _enter_stage(self, stage: int) -> None:
-        from peer.averaging import AveragingLoop, NetAveragingConfig
-        from peer.pipeline import PipelineStage
-        from peer.state_sync import StateServer, StateSyncConfig
-        from trainer.worker import StageWorker
-
-        self.stage, self.metrics.stage = stage, stage
-        self.metrics.state = "loading_state"
-        await self.announce("loading_state")  # claim the stage at once, so that joiners see it is taken
-        device = self._device()
-        self.worker = await self.compute(lambda: StageWorker(self.run, stage, device=device,
-                                                             auto_step=self.cfg.mode == "async"))
-        source = await self._load_state(stage)
-        logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
-        if source == "donor":  # a restart right after joining resumes from here instead of downloading again
-            await self.checkpoint()
-        self.metrics.local_step = self.worker.local_step
-        self.pipe = PipelineStage(run=self.run, stage=stage, worker=self.worker, compute=self.compute,
-                                  send=self.send, swarm=lambda: self.swarm, router=self.router,
-                                  metrics=self.metrics, cfg=self.cfg, my_id=self.my_id, cost=self.costs[stage])
-        age = self.cfg.state_snapshot_max_age_s
-        self.state_server = StateServer(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
-                                        worker_call=self.worker_call, metrics=self.metrics,
-                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age))
-        await self.state_server.start()
-        self.state_server.ready = True
-        if self.cfg.mode == "async":
-            self.averager = AveragingLoop(p2p=self.p2p, rpc_server=self.handlers, dht=self.dht, run=self.run,
-                                          stage=stage, worker_call=self.worker_call, metrics=self.metrics,
-                                          config=NetAveragingConfig(period_s=self.cfg.averaging_period_s))
-            await self.averager.start()
-        else:
-            from peer.averaging import SyncAverager
-
-            self.sync_averager = SyncAverager(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
-                                              metrics=self.metrics)
-            await self.sync_averager.start()
-            self.sync_step = self.worker.local_step
-            self.sync_count = 0
-            if stage > 0:
-                self.pipe.on_backward_done = self._sync_backward_done
-        self.stage_tasks = [asyncio.ensure_future(self.pipe.serve())]
-        self.metrics.state = "training"
-        await self.announce("training")
-        await self.refresh_swarm()
-        if stage == 0:
-            await self._start_driver()
-
-    async def _start_driver(self) -> None:
-        from peer.driver import Stage0Driver
-        from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
-
-        data_cfg = self.run.data if self.cfg.data_path is None else self.run.replace(
-            data={"source": self.cfg.data_path}).data
-        corpus = await asyncio.get_running_loop().run_in_executor(
-            None, load_corpus, data_cfg, self.run.model.vocab_size)
-        stream = BatchStream(corpus.train, self.run.model.block_size, self.run.data.batch_size,
-                             shard_seed(self.run.seed, self.my_id))
-        val = val_batches(corpus, self.run.model.block_size, self.run.data.batch_size, self.cfg.eval_batches)
-        self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=self.cfg.inflight_for(
-            self.run.n_stages), stop=self.stop, max_steps=self.cfg.max_steps, metrics=self.metrics)
-        if self.cfg.mode == "async":
-            self.stage_tasks.append(asyncio.ensure_future(self.driver.run_async()))
-        else:
-            self.stage_tasks.append(asyncio.ensure_future(
-                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush)))
-        if self.cfg.eval_every_s > 0:
-            self.stage_tasks.append(asyncio.ensure_future(self.driver.eval_loop(self.cfg.eval_every_s)))
-
-    async def _leave_stage(self) -> None:
-        """Stop taking work, wait for in-flight micro-batches (bounded), stop the stage's services."""
-        if self.pipe is None:
-            return
-        self.pipe.accepting = False
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while self.pipe.pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.pipe.pending:
-            logger.info("drain deadline reached with %d micro-batches in flight; dropping them",
-                        len(self.pipe.pending))
-        for mb in list(self.pipe.pending):
-            await self.pipe.drop(mb, notify=True)
-        if self.averager is not None:
-            await self.averager.stop()
-        for t in [*self.stage_tasks, *self.pipe.tasks]:
-            t.cancel()
-        await asyncio.gather(*self.stage_tasks, *self.pipe.tasks, return_exceptions=True)
-        self.handlers.clear()
-        self.pipe, self.averager, self.sync_averager = None, None, None
-
-    # ----- synchronous mode -----------------------------------------------------------------------------------------
-    async def _sync_average_and_step(self) -> None:
-        """Gradient barrier among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
-        peers = [r.peer_id for r in self.swarm.values() if r.stage == self.stage and r.state == "training"]
-        grads = await self.compute(self.worker.grads)
-        mean, n = await self.sync_averager.all_average(self.sync_step, grads, peers)
-        await self.compute(self.worker.set_grads, mean)
-        await self.compute(self.worker.optimizer_step)
-        self.sync_step = self.sync_averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
-        self.metrics.local_step = self.worker.local_step
-        self.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
-
-    async def _sync_flush(self) -> None:
-        await self._sync_average_and_step()
-
-    async def _sync_backward_done(self, mb_id: int) -> None:
-        self.sync_count += 1
-        if self.sync_count >= self.cfg.sync_microbatches:
-            self.sync_count = 0
-            await self._sync_average_and_step()
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Any) -> None:
@@ -564,24 +413,3 @@ def _replace(cfg: PeerConfig, **kw: Any) -> PeerConfig:
 
     return dataclasses.replace(cfg, **kw)
 
-
-class StageHandlers:
-    """An RpcServer stand-in for the per-stage services (averaging, state): each name is registered once on the real
-    server and delegates to whichever service of the *current* stage registered it, so a stage move re-binds them."""
-
-    def __init__(self, rpc: Any, not_ready: Any) -> None:
-        self.rpc, self.not_ready = rpc, not_ready
-        self.limits = getattr(rpc, "limits", None)
-        self.table: dict[str, Any] = {}
-
-    async def add_handler(self, name: str, fn: Any) -> None:
-        if name not in self.table:
-            async def delegate(msg: Any, peer_id: str, _name: str = name) -> Any:
-                handler = self.table.get(_name)
-                return await handler(msg, peer_id) if handler is not None else self.not_ready()
-            await self.rpc.add_handler(name, delegate)
-        self.table[name] = fn
-
-    def clear(self) -> None:
-        for name in self.table:
-            self.table[name] = None
