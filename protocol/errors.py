@@ -61,7 +61,7 @@ class MalformedMessage(ProtocolError):
 class ValidationError(ProtocolError):
     """A well-formed message whose content breaks the spec the receiver expects (shape, dtype, finiteness...)."""
 
-    def __init__(self, field: str, peer: str, reason: str) -> None:
+    def __init__(self, field: str, peer: str, reason: str = "does not match the expected spec") -> None:
         self.field, self.peer, self.reason = field, peer, reason
         super().__init__(f"invalid {field} from peer {peer}: {reason}")
 

@@ -18,8 +18,8 @@ from protocol.errors import ValidationError
 
 __all__ = ["TensorSpec", "check_header", "check_values", "DEFAULT_MAX_ELEMENTS"]
 
-#: decoded tensors larger than this many elements are refused when no spec bounds them (2**28 fp32 = 1 GiB)
-DEFAULT_MAX_ELEMENTS = 2**28
+#: decoded tensors larger than this many elements are refused when no spec fixes their shape (2**26 fp32 = 256 MiB)
+DEFAULT_MAX_ELEMENTS = 2**26
 
 
 @dataclasses.dataclass(frozen=True)

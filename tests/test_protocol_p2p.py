@@ -198,6 +198,12 @@ def test_per_peer_budget_and_stream_limit() -> None:
         assert all(isinstance(r, Ack) for r in await asyncio.gather(*pending))
         assert rpc.rejected["rate_limited"] == 1 and rpc.rejected["busy"] == 1
 
+        # a server whose global buffer is full answers Busy rather than buffering more
+        small = RpcServer(server, RpcLimits(max_inflight_bytes=2 * MiB))
+        await small.add_handler("small_sink", lambda msg, peer: _ack())
+        assert isinstance(await call(client, server.peer_id, "small_sink", payload, timeout=10), Busy)
+        assert small.rejected == {"busy": 1}
+
     run(body)
 
 
