@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
 MAX_ACT_ABS = 1e6
+PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
 
 
 @dataclass
@@ -144,8 +145,8 @@ class PipelineStage:
             return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
         if msg.mb_id in self.pending:
             return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
-        if self.forward_q.full():
-            self.metrics.inc("busy_replies")
+        if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
+            self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
         try:
             x = await self._decode(msg.activations, self.act_spec, peer_id)
