@@ -117,12 +117,18 @@ class Dashboard:
             ``peer.logs.setup_logging`` prints to, so log lines scroll above the dashboard.
         refresh_hz: redraws per second; 2 is smooth enough for figures averaged over 10 s.
         title: shown in the panel's border (e.g. the run name).
+        linger_s: one peer: after ``stop`` is set, keep drawing at most this long (beyond the drain deadline) for the
+            peer to reach 'stopped'; 30 s covers the final checkpoint and the DHT withdrawal.
     """
 
     def __init__(self, metrics_source: Source, *, console: Console | None = None, refresh_hz: float = 2.0,
-                 title: str = "asyncmesh") -> None:
+                 title: str = "asyncmesh", linger_s: float = 30.0) -> None:
         if refresh_hz <= 0:
             raise ValueError(f"refresh_hz must be positive, got {refresh_hz}")
+        if linger_s < 0:
+            raise ValueError(f"linger_s must be >= 0, got {linger_s}")
+        self.linger_s = linger_s
+        self._drain_end: float | None = None
         self.source = metrics_source
         self.console = console
         self.refresh_hz = refresh_hz
@@ -150,27 +156,58 @@ class Dashboard:
         return self.render()
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Draw until cancelled or until ``stop`` is set; the last frame stays on the screen."""
+        """Draw until cancelled or until ``stop`` is set; the last frame stays on the screen.
+
+        For one peer (a PeerMetrics source) a set ``stop`` is not the end: the daemon sets its stop event when Ctrl-C
+        or SIGTERM arrives, and the drain that follows is what the operator wants to watch. The dashboard keeps drawing
+        until the peer's state is 'stopped', or ``linger_s`` after stop was set (past the drain deadline when one is
+        known), whichever comes first.
+        """
         from rich.live import Live
 
+        from peer.logs import install_fork_guard
+
+        install_fork_guard()  # a process forked while we draw must not inherit our console's lock
         console = self.console
         if console is None:
             from rich import get_console
 
             console = get_console()
+        period = 1.0 / self.refresh_hz
+        stop_seen: float | None = None
+        self._drain_end = None
         with Live(self.render(), console=console, auto_refresh=False, transient=False) as live:
             try:
-                while stop is None or not stop.is_set():
+                while True:
                     live.update(self.render(), refresh=True)
-                    if stop is None:
-                        await asyncio.sleep(1.0 / self.refresh_hz)
+                    if stop is not None and stop.is_set():
+                        stop_seen = time.monotonic() if stop_seen is None else stop_seen
+                        if self._finished(stop_seen):
+                            return
+                        await asyncio.sleep(period)
+                    elif stop is None:
+                        await asyncio.sleep(period)
                     else:
                         try:
-                            await asyncio.wait_for(stop.wait(), 1.0 / self.refresh_hz)
+                            await asyncio.wait_for(stop.wait(), period)
                         except TimeoutError:
                             pass
             finally:
                 live.update(self.render(), refresh=True)
+
+    def _finished(self, stop_seen: float) -> bool:
+        src = self.source
+        if not isinstance(src, PeerMetrics) or src.state == "stopped":
+            return True
+        now = time.monotonic()
+        limit = stop_seen + self.linger_s
+        if src.state == "draining":
+            remaining = src.snapshot()["drain_remaining_s"]
+            if self._drain_end is None and remaining is not None:
+                self._drain_end = now + remaining  # fixed once: the clamped countdown stops moving at 0
+            if self._drain_end is not None:
+                limit = max(limit, self._drain_end + self.linger_s)
+        return now > limit
 
 
 def _row(grid: Table, label: str, value: RenderableType) -> None:
@@ -202,8 +239,9 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
     _row(grid, "progress", Text.assemble(
         "step ", (f"{s.get('local_step', 0):,}", "bold"), " · ", (human(s.get("tokens_per_s", 0.0)), "bold"),
         " tok/s · ", human(s.get("tokens_total", 0)), " tokens"))
-    loss = Text.assemble("train ", (_loss(s.get("train_loss")), "bold"), " ",
-                         (sparkline(s.get("train_loss_history", []), 20), "magenta"))
+    loss = Text.assemble("train ", (_loss(s.get("train_loss")), "bold"))
+    if s.get("train_loss_history"):
+        loss.append(" " + sparkline(s["train_loss_history"], 20), style="magenta")
     if s.get("train_loss_avg") is not None:
         loss.append(f" avg {s['train_loss_avg']:.3f}")
     loss.append(" · val ")

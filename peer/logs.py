@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,6 +38,38 @@ class JsonLinesFormatter(logging.Formatter):
         return _json.dumps(out, ensure_ascii=False)
 
 
+_fork_hook_installed = False
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child (hivemind's DHT process is one): stop using the parent's rich console.
+
+    Its lock may have been held by another thread of the parent at fork time, and a child that then logs through it
+    hangs forever; its live display belongs to the parent. The child gets plain stderr lines, WARNING and above.
+    """
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo rich Live's redirection
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_asyncmesh", False) and not isinstance(old.formatter, JsonLinesFormatter):
+            root.removeHandler(old)
+            plain = logging.StreamHandler(sys.__stderr__)
+            plain.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [pid %(process)d] %(name)s: %(message)s"))
+            plain.setLevel(logging.WARNING)
+            plain._asyncmesh = True  # type: ignore[attr-defined]
+            root.addHandler(plain)
+    from rich import get_console
+
+    get_console()._lock = threading.RLock()  # in case the child prints through rich anyway
+
+
+def install_fork_guard() -> None:
+    """Register ``_after_fork_in_child`` once per process (setup_logging and the dashboard call it)."""
+    global _fork_hook_installed
+    if not _fork_hook_installed and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hook_installed = True
+
+
 def _parse_level(level: int | str) -> int:
     if isinstance(level, int):
         return level
@@ -54,6 +88,7 @@ def setup_logging(level: int | str = "INFO", json: bool | None = None, *, hivemi
         hivemind: also route hivemind's loggers through this handler (imports hivemind's logging module).
     """
     numeric = _parse_level(level)
+    install_fork_guard()
     if json is None:
         json = not sys.stdout.isatty()
     if json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 from rich.console import Console
@@ -110,7 +111,7 @@ def test_run_refreshes_on_the_loop_and_stops() -> None:
     clock = FakeClock()
     m = driven_metrics(clock, 2)
     console = Console(record=True, width=80, force_terminal=True)
-    dash = Dashboard(m, console=console, refresh_hz=50)
+    dash = Dashboard(m, console=console, refresh_hz=50, linger_s=0)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -126,6 +127,55 @@ def test_run_refreshes_on_the_loop_and_stops() -> None:
     assert dash.render_s < 0.05  # cheap enough to draw on the training loop
 
 
-def test_bad_refresh_rate_is_refused() -> None:
+def test_run_keeps_drawing_the_drain_after_stop_until_the_peer_stops() -> None:
+    m = PeerMetrics("12D3KooWdrain", 0)
+    m.state = "training"
+    console = Console(record=True, width=80, force_terminal=True)
+    dash = Dashboard(m, console=console, refresh_hz=50, linger_s=5)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(dash.run(stop))
+        await asyncio.sleep(0.05)
+        stop.set()  # what the daemon's signal handler does first
+        await asyncio.sleep(0.05)
+        m.begin_drain(10.0)  # then its shutdown
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        m.state = "stopped"
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(main())
+    text = console.export_text()
+    assert "draining" in text and "s left" in text and "stopped" in text
+
+
+def test_run_stops_lingering_after_the_drain_deadline() -> None:
+    m = PeerMetrics("p", 0)
+    m.state = "training"
+    dash = Dashboard(m, console=Console(record=True, width=80), refresh_hz=50, linger_s=0.2)
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        stop.set()
+        m.begin_drain(0.3)  # a peer stuck in its drain
+        t0 = time.monotonic()
+        await asyncio.wait_for(dash.run(stop), 3)
+        return time.monotonic() - t0
+
+    assert 0.45 <= asyncio.run(main()) < 2.0
+    swarm = Dashboard([], console=Console(record=True, width=80), refresh_hz=50)
+
+    async def swarm_main() -> None:
+        stop = asyncio.Event()
+        stop.set()
+        await asyncio.wait_for(swarm.run(stop), 1)  # a list source ends as soon as stop is set
+
+    asyncio.run(swarm_main())
+
+
+def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="refresh_hz"):
         Dashboard([], refresh_hz=0)
+    with pytest.raises(ValueError, match="linger_s"):
+        Dashboard([], linger_s=-1)

@@ -60,3 +60,37 @@ def test_unknown_level_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown log level"):
         setup_logging("LOUD", json=True, hivemind=False)
     assert (root.level, list(root.handlers)) == before  # a refused call changes nothing
+
+
+FORK_SCRIPT = """
+import logging, os, sys, threading, time
+from rich import get_console
+from peer.logs import setup_logging
+setup_logging("INFO", False, hivemind=False)
+held = threading.Event()
+def hold():  # another thread is inside the console (drawing the dashboard) when the fork happens
+    with get_console()._lock:
+        held.set()
+        time.sleep(5)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    logging.getLogger("child").warning("child logs without hanging")
+    print("child prints", flush=True)
+    os._exit(0)
+deadline = time.time() + 3
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit(42)
+"""
+
+
+def test_a_child_forked_while_the_console_is_busy_can_still_log() -> None:
+    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"the forked child hung (rc {out.returncode}): {out.stderr}"
+    assert "child logs without hanging" in out.stderr and "child prints" in out.stdout
