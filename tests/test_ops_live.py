@@ -218,3 +218,55 @@ def test_monitor_lists_every_peer_of_a_live_three_peer_swarm(live: LivePeers) ->
         console.save_svg(str(Path(os.environ["ASYNCMESH_DASHBOARD_SVG"]) / "dashboard.monitor.svg"),
                          title="asyncmesh-peer monitor")
     assert third["proc"].poll() is None
+
+
+@pytest.mark.slow  # ~45 s; the drain countdown and the fork guard also have fast unit tests
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_the_dashboard_shows_the_drain_countdown_and_exits_cleanly(live: LivePeers, tmp_path: Path) -> None:
+    """`join` with its dashboard on a terminal (a pty): Ctrl-C turns the panel to 'draining' with a countdown."""
+    import pty
+    import select
+
+    if not live.initial:  # run alone (pytest -m slow): start a peer for it to join
+        live.spawn()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a peer with its dashboard on the pty
+        os.chdir(ROOT)
+        os.environ.update(COLUMNS="80", LINES="30")
+        os.execv(sys.executable, [sys.executable, "-m", "peer.cli", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                  "--identity", str(tmp_path / "identity.key"), "--torch-threads", "1",
+                                  "--set", "drain_timeout_s=6", "--initial-peers", *live.initial])
+    out = b""
+
+    def read_until(pattern: bytes, timeout: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if re.search(pattern, strip(out)):
+                return True
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:  # the child closed the pty: it exited
+                    return bool(re.search(pattern, strip(out)))
+        return False
+
+    def strip(data: bytes) -> bytes:
+        return re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", data)
+
+    try:
+        assert read_until(rb"training for \d+s", 150), strip(out)[-3000:].decode(errors="replace")
+        os.kill(pid, signal.SIGINT)
+        assert read_until(rb"stopped for", 90), strip(out)[-3000:].decode(errors="replace")
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = strip(out).decode(errors="replace")
+    after = text[text.index("SIGINT"):] if "SIGINT" in text else text
+    assert re.search(r"draining for \d+s", after) and re.search(r"\d+ s left · \d+ in flight", after), after[-3000:]
+    assert os.waitstatus_to_exitcode(status) == 0
