@@ -7,6 +7,8 @@ because hypothesis' own per-example overhead (~1-7 ms) would make 10,000 example
 The counters assert that all inputs ran and that both outcomes (accepted, rejected) occurred.
 """
 
+from __future__ import annotations
+
 import asyncio
 import random
 import subprocess
