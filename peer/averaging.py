@@ -200,6 +200,7 @@ class AveragingLoop:
         self.peers: list[str] = []
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
+        self._stopped = False
 
     @property
     def enabled(self) -> bool:
@@ -214,11 +215,13 @@ class AveragingLoop:
         self._task = asyncio.create_task(self._loop(), name=f"averaging-stage{self.stage}")
 
     async def stop(self) -> None:
-        """Stop the loop; rounds in flight are aborted (weights untouched)."""
-        tasks = [t for t in [self._task, *self._drivers.values()] if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop the loop and refuse new rounds; rounds in flight are aborted (weights untouched)."""
+        self._stopped = True
+        # cancel until done: on Python 3.11 asyncio.wait_for can swallow a cancellation that races its completion
+        while tasks := [t for t in [self._task, *self._drivers.values()] if t is not None and not t.done()]:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
         self._task = None
 
     async def _fetch_peers_from_dht(self) -> list[str]:
@@ -231,15 +234,16 @@ class AveragingLoop:
         return round_deadline(round_no, self.config, self.run.averaging.timeout_s)
 
     async def _loop(self) -> None:
-        while True:
-            r = next_round(self.clock(), self.config.period_s)
-            await asyncio.sleep(max(0.0, round_start(r, self.config.period_s) - self.clock()))
+        while not self._stopped:
+            # read the view *before* the round starts: a slow DHT must not eat the round's exchange window
             try:
-                self.peers = await self.fetch_peers()
+                self.peers = await asyncio.wait_for(self.fetch_peers(), self.config.swarm_timeout_s)
             except Exception as e:  # a DHT hiccup costs this round only
                 logger.debug("reading the stage's peers failed: %r", e)
                 self.peers = []
-            if self.partners(r) and self.clock() < self._deadline(r):
+            r = next_round(self.clock(), self.config.period_s)
+            await asyncio.sleep(max(0.0, round_start(r, self.config.period_s) - self.clock()))
+            if self.partners(r):
                 self._ensure_round(r)
 
     def partners(self, round_no: int) -> list[str]:
@@ -252,11 +256,15 @@ class AveragingLoop:
         return wagma_partners(self.me, view, round_no, cfg.wagma_group_size)
 
     def _admit(self, round_no: int, peer: str) -> Slot:
+        if self._stopped:
+            raise Refused(ErrorCode.NOT_READY, "this peer has stopped averaging")
         if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, f"not in our WAGMA group of round {round_no}")
         reason = admissible(round_no, self.clock(), self.config, self.run.averaging.timeout_s)
         if reason is not None:
             current = math.floor(self.clock() / self.config.period_s)
+            if reason == "stale_round" and round_no == current:
+                raise Refused(ErrorCode.NOT_READY, f"round {round_no} closed: its exchange window has ended")
             raise Refused(ErrorCode.BAD_REQUEST if reason == "future_round" else ErrorCode.NOT_READY,
                           f"{reason} (round {round_no}; ours is {current}: check that the peers' clocks are synced)")
         return self._ensure_round(round_no)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,7 +19,7 @@ from hivemind.p2p import P2P
 from peer.averaging import AVG_RPC, AveragingLoop, NetAveragingConfig, next_round
 from peer.metrics import PeerMetrics
 from protocol.codecs import encode
-from protocol.errors import RemoteError
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import AveragingPart
 from protocol.rpc import RpcServer, call
 from trainer.config import RunConfig
@@ -27,7 +28,8 @@ from trainer.worker import StageWorker
 pytestmark = pytest.mark.timeout(90)
 
 RUN = RunConfig.default()
-CFG = NetAveragingConfig(period_s=1.5, collect_fraction=0.6, call_timeout_s=1.0, clock_skew_s=0.3)
+# a 1.5 s exchange window: generous for loopback, and still robust when six test suites share two cores
+CFG = NetAveragingConfig(period_s=2.5, collect_fraction=0.6, call_timeout_s=1.5, clock_skew_s=0.3)
 
 
 class Recording:
@@ -100,11 +102,22 @@ async def _peers(n: int, workers: list[Recording | None]) -> list[Peer]:
     return [Peer(p, w) for p, w in zip([first, *rest], workers, strict=True)]
 
 
+async def stop_p2p(p2p: P2P) -> None:
+    """Shut a P2P down; kill its p2pd if it does not exit within 10 s (an overloaded machine), so no test hangs."""
+    try:
+        await asyncio.wait_for(p2p.shutdown(), 10)
+    except TimeoutError:
+        child = getattr(p2p, "_child", None)  # hivemind keeps the daemon process here
+        if child is not None and child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
 async def _shutdown(peers: list[Peer]) -> None:
     for p in peers:
         if p.loop is not None:
             await p.loop.stop()
-    await asyncio.gather(*(p.p2p.shutdown() for p in peers), return_exceptions=True)
+    await asyncio.gather(*(stop_p2p(p.p2p) for p in peers), return_exceptions=True)
     for p in peers:
         p.executor.shutdown(wait=False)
 
@@ -114,37 +127,56 @@ def _int8_step(*tensors: torch.Tensor) -> float:
 
 
 def test_honest_pair_averages_and_a_malicious_peer_is_refused():
+    async def attack_round(honest, targets, evil, delivered) -> int:
+        """Send every poison to both honest peers during the next round; returns that round."""
+        r = next_round(time.time(), CFG.period_s)
+        await asyncio.sleep(r * CFG.period_s - time.time() + 0.2)
+        for _ in range(20):  # the round begins on the compute thread: wait for its values
+            if r in honest[0].begun:
+                break
+            await asyncio.sleep(0.05)
+        shapes = [v.shape for v in honest[0].begun[r]]
+        zeros = [torch.zeros(s) for s in shapes]
+        poisons = {
+            "nonfinite": ("none", [torch.full(shapes[0], float("nan")), *zeros[1:]]),
+            "shape": ("int8", [torch.zeros(shapes[0][0] + 3), *zeros[1:]]),
+            "too_far": ("int8", [torch.full(shapes[0], 1e4), *zeros[1:]]),
+        }
+        for kind, (codec, tensors) in poisons.items():
+            part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender=evil.id,
+                                 tensors=[encode(t, codec) for t in tensors], weight=1e6)
+            for target in targets:
+                with pytest.raises(RemoteError) as refused:
+                    await call(evil.p2p, target.p2p.peer_id, AVG_RPC, part, timeout=5.0)
+                if refused.value.code == ErrorCode.NOT_READY:  # the machine was too slow: the round had closed
+                    continue
+                assert kind in str(refused.value)
+                delivered[(target.id, kind)] += 1
+        return r
+
     async def main():
         honest = [Recording(_worker(None)), Recording(_worker(1))]
         peers = await _peers(3, [*honest, None])
         a, b, evil = peers
+        attacked: list[int] = []
+        delivered: Counter[tuple[str, str]] = Counter()
         try:
             view = [a.id, b.id, evil.id]  # the attacker announced itself: the honest keep rounds open for it
             for p in (a, b):
                 await p.averaging(view).start()
-            r = next_round(time.time(), CFG.period_s) + 1
-            await asyncio.sleep(r * CFG.period_s - time.time() + 0.1)
-            shapes = [v.shape for v in honest[0].begun[r]] if r in honest[0].begun else None
-            assert shapes is not None, "round did not begin on the honest peer"
-            zeros = [torch.zeros(s) for s in shapes]
-            poisons = {
-                "nonfinite": ("none", [torch.full(shapes[0], float("nan")), *zeros[1:]]),
-                "shape": ("int8", [torch.zeros(shapes[0][0] + 3), *zeros[1:]]),
-                "too_far": ("int8", [torch.full(shapes[0], 1e4), *zeros[1:]]),
-            }
-            for kind, (codec, tensors) in poisons.items():
-                part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender=evil.id,
-                                     tensors=[encode(t, codec) for t in tensors], weight=1e6)
-                for target in (a, b):
-                    with pytest.raises(RemoteError, match=kind):
-                        await call(evil.p2p, target.p2p.peer_id, AVG_RPC, part, timeout=5.0)
-            await asyncio.sleep(CFG.period_s * 1.5)
+            for _ in range(3):  # on an overloaded machine a round may time out: attack the next one then
+                attacked.append(await attack_round(honest, (a, b), evil, delivered))
+                await asyncio.sleep(attacked[-1] * CFG.period_s + CFG.period_s - time.time())
+                if all(attacked[-1] in rec.means for rec in honest):
+                    break
         finally:
             await _shutdown(peers)
+        r = attacked[-1]
         assert r in honest[0].means and r in honest[1].means, "the attacked round must complete among the honest"
-        for kind in poisons:
+        assert sum(delivered.values()) >= 6
+        for kind in ("nonfinite", "shape", "too_far"):
             for p in (a, b):
-                assert p.metrics.snapshot()["counters"].get(f"rejected:avg_{kind}") == 1
+                assert p.metrics.snapshot()["counters"].get(f"rejected:avg_{kind}", 0) == delivered[(p.id, kind)]
         for j, (va, vb) in enumerate(zip(honest[0].begun[r], honest[1].begun[r], strict=True)):
             ma, mb = honest[0].means[r][j], honest[1].means[r][j]
             assert torch.equal(ma, mb)
@@ -162,28 +194,37 @@ def test_a_peer_dying_after_begin_costs_only_its_contribution():
         peers = await _peers(3, recs)
         victim = peers[2]
         dying_round: list[int] = []
+        main_loop = asyncio.get_running_loop()
 
         def die(r: int) -> None:  # runs on the victim's compute thread right after its begin of the doomed round
-            if dying_round and r == dying_round[0]:
-                asyncio.run_coroutine_threadsafe(victim.p2p.shutdown(), main_loop)
+            if dying_round and r >= dying_round[0] and not victim.dead:
+                victim.dead = True
+                asyncio.run_coroutine_threadsafe(stop_p2p(victim.p2p), main_loop)
 
+        victim.dead = False
         recs[2].on_begin = die
-        main_loop = asyncio.get_running_loop()
         try:
             view = [p.id for p in peers]
             for p in peers:
                 await p.averaging(view).start()
             dying_round.append(next_round(time.time(), CFG.period_s) + 1)
-            await asyncio.sleep((dying_round[0] + 1) * CFG.period_s - time.time())
+            deadline = time.time() + 6 * CFG.period_s
+            while time.time() < deadline and not [r for r in recs[0].means if r >= dying_round[0]]:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(CFG.period_s)
         finally:
-            await _shutdown(peers)
-        r = dying_round[0]
-        assert r in recs[0].means and r in recs[1].means
-        for j in range(len(recs[0].means[r])):
-            ma, mb = recs[0].means[r][j], recs[1].means[r][j]
-            va, vb = recs[0].begun[r][j], recs[1].begun[r][j]
-            assert torch.equal(ma, mb), "survivors must apply the same mean"
-            assert float((ma - (va + vb) / 2).abs().max()) <= _int8_step(va, vb) + 1e-7
-        assert r not in recs[2].means
+            await _shutdown(peers[:2])
+            victim.executor.shutdown(wait=False)
+            if not victim.dead:
+                await stop_p2p(victim.p2p)
+        after = sorted(r for r in set(recs[0].means) & set(recs[1].means) if r >= dying_round[0])
+        assert victim.dead and after, "the survivors must complete rounds after the death"
+        for r in after:
+            for j in range(len(recs[0].means[r])):
+                ma, mb = recs[0].means[r][j], recs[1].means[r][j]
+                va, vb = recs[0].begun[r][j], recs[1].begun[r][j]
+                assert torch.equal(ma, mb), "survivors must apply the same mean"
+                assert float((ma - (va + vb) / 2).abs().max()) <= _int8_step(va, vb) + 1e-7
+        assert not [r for r in recs[2].means if r >= dying_round[0]]
 
     asyncio.run(main())
