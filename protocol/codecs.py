@@ -129,7 +129,7 @@ _Q8_CODEBOOK = 256  # hivemind's Quantile8BitQuantization: int64 codebook size, 
 def _q8_encode(t: torch.Tensor) -> bytes:
     from hivemind.compression import CompressionInfo, Quantile8BitQuantization
 
-    t32 = t.to(torch.float32)
+    t32 = t.to(torch.float32).contiguous()
     if t32.numel() == 0:  # hivemind's quantile estimate fails on empty arrays
         return _Q8_CODEBOOK.to_bytes(8, "little") + bytes(4 * _Q8_CODEBOOK)
     return Quantile8BitQuantization().compress(t32, CompressionInfo.from_tensor(t32)).buffer

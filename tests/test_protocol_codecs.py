@@ -225,3 +225,11 @@ def test_int4_level_search_matches_bucketize() -> None:
     special = torch.cat([_INT4_BORDERS, _INT4_BORDERS.nextafter(torch.tensor(2.0)), torch.tensor([-1.0, 0.0, 1.0])])
     v = torch.cat([v, special, special.nextafter(torch.tensor(-2.0)), torch.tensor([1.0000001, -1.0000001])])
     assert torch.equal(int4_codes(v).long(), torch.bucketize(v, _INT4_BORDERS))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4", "topk:0.5", "int8q"])
+def test_non_contiguous_and_grad_inputs(codec: str) -> None:
+    x = torch.randn(64, 130, generator=torch.Generator().manual_seed(6)).t().requires_grad_()
+    out = roundtrip(x, codec)
+    assert out.shape == x.shape and out.is_contiguous() and not out.requires_grad
+    assert torch.equal(roundtrip(x.detach().contiguous(), codec), out)
