@@ -134,7 +134,7 @@ class StageLife:
             self.stage_tasks.append(asyncio.ensure_future(self.driver.run_async()))
         else:
             self.stage_tasks.append(asyncio.ensure_future(
-                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush)))
+                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush, self._full_mesh)))
         if self.cfg.eval_every_s > 0:
             self.stage_tasks.append(asyncio.ensure_future(self.driver.eval_loop(self.cfg.eval_every_s)))
 
@@ -170,6 +170,14 @@ class StageLife:
         self.sync_step = self.sync_averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
         self.metrics.local_step = self.worker.local_step
         self.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
+
+    def _full_mesh(self) -> bool:
+        """Sync mode: every stage has the same number (>= 1) of training replicas and we are one of them."""
+        counts = [0] * self.run.n_stages
+        for r in self.swarm.values():
+            if r.state == "training" and 0 <= r.stage < self.run.n_stages:
+                counts[r.stage] += 1
+        return self.my_id in self.swarm and min(counts) >= 1 and len(set(counts)) == 1
 
     async def _sync_flush(self) -> None:
         await self._sync_average_and_step()

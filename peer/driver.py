@@ -138,10 +138,17 @@ class Stage0Driver:
                 t.cancel()
             self.finished = time.monotonic()
 
-    async def run_sync(self, microbatches: int, on_flush: Callable[[], Awaitable[None]]) -> None:
-        """GPipe: M micro-batches, wait for all gradients (re-sending dropped ones), then ``on_flush``."""
+    async def run_sync(self, microbatches: int, on_flush: Callable[[], Awaitable[None]],
+                       ready: Callable[[], bool] = lambda: True) -> None:
+        """GPipe: M micro-batches, wait for all gradients (re-sending dropped ones), then ``on_flush``.
+
+        ``ready`` gates each flush (the daemon waits for a full mesh: the same number of replicas on every stage, so
+        that pipeline i is pinned to replica i of each stage and every replica gets exactly M micro-batches).
+        """
         try:
             while not self.done():
+                while not ready() and not self.stop.is_set():
+                    await asyncio.sleep(0.2)
                 batch = [self._sample() for _ in range(microbatches)]
                 while batch and not self.stop.is_set():
                     results = await asyncio.gather(*(self._train_one(s) for s in batch))
