@@ -297,7 +297,8 @@ class AveragingLoop:
                 begun = False
                 self.metrics.observe_round(ok=False)
                 return
-            mean = equal_mean(self.me, slot.own_values, slot.contributions)
+            mean = await asyncio.get_running_loop().run_in_executor(
+                None, equal_mean, self.me, slot.own_values, slot.contributions)
             group = len(slot.contributions) + 1
             finish = self._finisher(r, mean, group)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
@@ -307,6 +308,11 @@ class AveragingLoop:
             logger.debug("round %d: averaged with %d peers, tau %d", r, group - 1, tau)
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            logger.warning("averaging round %d skipped: the compute thread did not answer within the round's window "
+                           "(if this repeats, lengthen the averaging period: it must span several compute steps)", r)
+            self.metrics.observe_round(ok=False)
+            begun = True
         except Exception as e:  # the round fails; training goes on
             logger.warning("averaging round %d failed: %s: %s", r, type(e).__name__, e)
             self.metrics.observe_round(ok=False)

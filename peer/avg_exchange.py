@@ -299,7 +299,13 @@ def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[t
     everyone = dict(parts)
     everyone[own] = own_values
     order = sorted(everyone)
-    return [torch.stack([everyone[p][j] for p in order]).mean(dim=0) for j in range(len(own_values))]
+    means = []
+    for j in range(len(own_values)):  # a running sum: one extra copy per tensor, not one per contributor
+        total = everyone[order[0]][j].clone()
+        for p in order[1:]:
+            total += everyone[p][j]
+        means.append(total.div_(len(order)))
+    return means
 
 
 async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,

@@ -106,7 +106,8 @@ class SyncAverager:
             self.metrics.inc("sync_average_incomplete")
             logger.warning("step %d: averaged without %d of %d replicas (%s...)", step, len(missing), len(peers) + 1,
                            missing[0][:12])
-        mean = equal_mean(self.me, slot.own_values, slot.contributions)
+        mean = await asyncio.get_running_loop().run_in_executor(
+            None, equal_mean, self.me, slot.own_values, slot.contributions)
         return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(slot.contributions) + 1
 
     async def _barrier(self, step: int, tensors: list[torch.Tensor], peers: list[str], *,
