@@ -212,7 +212,8 @@ class PeerMetrics:
         return window.total(now) / span
 
     def health(self) -> tuple[bool, list[str]]:
-        """(healthy, reasons): unhealthy when stopped, or training with no step or token for ``stall_s``."""
+        """(healthy, reasons): unhealthy when stopped, training with no step or token for ``stall_s``, or stuck
+        joining / loading state for longer than ``stall_s``."""
         now = self._clock()
         reasons = []
         if self._state == "stopped":
@@ -220,6 +221,9 @@ class PeerMetrics:
         if self._state == "training" and now - self._last_progress > self.stall_s:
             idle = now - self._last_progress
             reasons.append(f"no training progress for {idle:.0f} s (stall limit {self.stall_s:g} s)")
+        if self._state in ("joining", "loading_state") and now - self._state_since > self.stall_s:
+            reasons.append(f"still {self._state} after {now - self._state_since:.0f} s (limit {self.stall_s:g} s); "
+                           "check --initial-peers and the network")
         return not reasons, reasons
 
     def snapshot(self) -> dict[str, Any]:

@@ -87,6 +87,10 @@ def test_state_validation_drain_countdown_and_health() -> None:
     m = PeerMetrics(stall_s=60, clock=clock)
     with pytest.raises(ValueError, match="unknown peer state"):
         m.state = "sleeping"
+    clock.t += 59
+    assert m.snapshot()["healthy"] is True
+    clock.t += 2  # joining for 61 s
+    assert "still joining after 61 s" in m.snapshot()["health_reasons"][0]
     m.state = "training"
     clock.t += 30
     m.local_step = 1
