@@ -1,8 +1,8 @@
 """`asyncmesh-peer status`: ask a running peer how it is doing, for scripts and container health checks.
 
 It reads the peer's ``/status`` endpoint (served when the peer runs with ``--metrics-port``) and exits 0 when the
-peer is healthy, 1 when it answers but is unhealthy (stopped, or training without progress), and 3 when nothing
-answers. ``--json`` prints the full snapshot, the same figures the dashboard and ``/metrics`` show.
+peer is healthy, 1 when it answers but is unhealthy (stopped, training without progress, or stuck joining), and 3
+when nothing answers. ``--json`` prints the full snapshot, the same figures the dashboard and ``/metrics`` show.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -13,8 +14,7 @@ from rich.console import Console
 from peer.cmd_monitor import render, swarm_view
 from peer.dht_records import PeerRecord
 
-MONITOR = ("import argparse, sys; from peer import cmd_monitor as m; p = argparse.ArgumentParser(); "
-           "m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))")
+MONITOR = [sys.executable, "-m", "peer.cli", "monitor"]
 
 
 def rec(peer_id: str, stage: int, throughput: float, state: str = "training", loss: float | None = None) -> PeerRecord:
@@ -48,7 +48,7 @@ def test_swarm_view_finds_coverage_bottleneck_and_throughput() -> None:
     assert "MISSING" in console.export_text()
 
 
-def test_monitor_once_json_reads_every_peer_from_a_live_dht() -> None:
+def test_monitor_once_json_reads_every_peer_from_a_live_dht(tmp_path: Path) -> None:
     from hivemind import DHT
 
     from peer.dht_records import announce
@@ -65,7 +65,7 @@ def test_monitor_once_json_reads_every_peer_from_a_live_dht() -> None:
 
         asyncio.run(publish())
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
-        out = subprocess.run([sys.executable, "-c", MONITOR, "--initial-peers", *maddrs, "--once", "--json"],
+        out = subprocess.run([*MONITOR, "--initial-peers", *maddrs, "--once", "--json"],
                              capture_output=True, text=True, timeout=90)
         assert out.returncode == 0, out.stderr
         view = json.loads(out.stdout)
@@ -74,7 +74,7 @@ def test_monitor_once_json_reads_every_peer_from_a_live_dht() -> None:
             assert r.peer_id in by_stage[r.stage]
         assert view["n_peers"] == 3 and view["coverage"] == 1.0
 
-        wrong = subprocess.run([sys.executable, "-c", MONITOR, "--initial-peers", *maddrs, "--once", "--json",
+        wrong = subprocess.run([*MONITOR, "--initial-peers", *maddrs, "--once", "--json",
                                 "--wait", "1", "--run", "/nonexistent.toml"], capture_output=True, text=True,
                                timeout=60)
         assert wrong.returncode != 0 and "--run" in wrong.stderr
