@@ -97,3 +97,28 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     _assert_same(_state(0), load_checkpoint(tmp_path, run, 0))
     assert sorted(os.listdir(tmp_path)) == ["stage-0.pt"]
+
+
+def test_a_restarted_worker_resumes_from_its_checkpoint_exactly(tmp_path):
+    from trainer.worker import StageWorker
+
+    run = RunConfig.default()
+    torch.manual_seed(0)
+    worker = StageWorker(run, 1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        worker.set_grads([torch.randn(p.shape, generator=g) for p in worker.parameters()])
+        worker.optimizer_step()
+    save_checkpoint(tmp_path, run, 1, worker.state_dict())
+    restarted = StageWorker(run, 1)  # the seeded init, as after a restart
+    restarted.load_state_dict(load_checkpoint(tmp_path, run, 1))
+    assert restarted.local_step == 2
+    for name, t in worker.state_dict()["model"].items():
+        assert torch.equal(t, restarted.state_dict()["model"][name])
+    # both take the same next step: optimiser state came back too, not only the weights
+    grads = [torch.randn(p.shape, generator=g) for p in worker.parameters()]
+    for w in (worker, restarted):
+        w.set_grads([x.clone() for x in grads])
+        w.optimizer_step()
+    for p, q in zip(worker.parameters(), restarted.parameters(), strict=True):
+        assert torch.equal(p, q)
