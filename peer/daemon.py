@@ -328,8 +328,10 @@ class Daemon(StageLife):
     def _print_join_hint(self) -> None:
         addrs = [m for m in self.maddrs if "/p2p/" in m] or self.maddrs
         if not self.cfg.initial_peers:
+            run_flag = "" if self.run.run_id == RunConfig.default().run_id else "--run <the same run file> "
             logger.info("started a new swarm for run %s (%s). Others join it with:\n  asyncmesh-peer join "
-                        "--stage auto --initial-peers %s", self.run.name, self.run.run_id, " ".join(addrs[:2]))
+                        "--stage auto %s--initial-peers %s", self.run.name, self.run.run_id, run_flag,
+                        " ".join(addrs[:2]))
         else:
             logger.info("joined the swarm of run %s (%s) as %s", self.run.name, self.run.run_id, self.my_id)
 
