@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codecs import encode, roundtrip
+from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode
 from protocol.messages import AveragingPart, Backward, Error, Forward, Hello, StateChunk, pack, unpack
 from protocol.quant import INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
@@ -24,7 +25,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 shapes = st.lists(st.integers(0, 6), max_size=3).map(tuple)
 
 
-def _envelope(shape: tuple[int, ...], seed: int, codec: str):
+def _envelope(shape: tuple[int, ...], seed: int, codec: str) -> TensorEnvelope:
     return encode(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), codec)
 
 
