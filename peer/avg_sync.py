@@ -66,6 +66,10 @@ class SyncAverager:
     def _admit(self, step: int, peer: str) -> Slot:
         if step <= self.last_step:
             raise Refused(ErrorCode.NOT_READY, f"step {step} is over here (our last step is {self.last_step})")
+        now = self.clock()
+        for key in [k for k, sl in self.exchange.slots.items() if sl.own_part is None and sl.deadline < now]:
+            self.exchange.close(key)  # opened by a peer, never reached by us: expired
+            self._opened_by.pop(key, None)
         if len(self.exchange.slots) >= MAX_PENDING:
             raise Refused(ErrorCode.NOT_READY, f"too many open steps; ours is {self.last_step + 1}")
         self._opened_by[step] = peer

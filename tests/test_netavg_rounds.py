@@ -398,3 +398,31 @@ async def test_a_peer_that_sees_nobody_yet_joins_the_rounds_it_is_asked_for():
     assert common
     for r in common:
         assert torch.equal(workers[0].finished[r][0], workers[1].finished[r][0])
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_sync_future_steps_a_stranger_opens_are_bounded_and_expire():
+    net = MemTransport()
+    (target,) = await _sync_averagers(net, ["p0"])
+    target.config = NetAveragingConfig(sync_timeout_s=0.3)
+
+    def part(step: int, sender: str) -> AveragingPart:
+        return AveragingPart(run_id=RUN.run_id, stage=0, round_no=step, sender=sender,
+                             tensors=[encode(torch.ones(6), "none")], weight=1.0)
+
+    stranger = net.for_peer("evil")
+    waiting = [asyncio.create_task(stranger.call("p0", "avg_sync", part(step, "evil"), timeout=2.0))
+               for step in range(1, 5)]
+    await asyncio.sleep(0.05)
+    assert len(target.exchange.slots) == 4
+    with pytest.raises(RemoteError, match="too many open steps"):  # a fifth future step finds the table full
+        await stranger.call("p0", "avg_sync", part(5, "evil"), timeout=2.0)
+    for task in waiting:
+        with pytest.raises(RemoteError, match="not open in time"):
+            await task
+    await asyncio.sleep(0.1)  # all four have expired: an honest replica's part is admitted again
+    honest = asyncio.create_task(net.for_peer("p1").call("p0", "avg_sync", part(7, "p1"), timeout=2.0))
+    await asyncio.sleep(0.05)
+    assert set(target.exchange.slots) == {7}
+    honest.cancel()
