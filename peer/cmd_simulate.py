@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wallclock-only", action="store_true",
                         help="train nothing: measure the preset's compute and write the speedup tables "
                         "(wallclock.md, wallclock.json) for 10/50/100 ms links")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: re-render DIR's outputs from its results.json (re-measures the "
+                        "wall-clock model)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every evaluation")
 
 
@@ -91,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.report_only:
+        return _report_only(args.out, wallclock=not args.no_wallclock)
     sim = build_config(args)
     if args.wallclock_only:
         return _wallclock_only(sim, args.out)
@@ -108,6 +113,19 @@ def run(args: argparse.Namespace) -> int:
     print((args.out / "table.md").read_text(), end="")
     if report is not None:
         print(report.speedup_markdown(), end="")
+    return 0
+
+
+def _report_only(out: Path, *, wallclock: bool) -> int:
+    from trainer.sim_report import load_results, write_outputs
+    from trainer.sim_timing import WallclockReport
+    from trainer.simulator import SimConfig
+
+    config, records = load_results(out / "results.json")
+    sim = SimConfig.from_dict(config)
+    report = WallclockReport.measure(sim) if wallclock else None
+    write_outputs(out, config, records, report.for_results(records) if report else None)
+    print((out / "table.md").read_text(), end="")
     return 0
 
 

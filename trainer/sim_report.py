@@ -41,6 +41,22 @@ def results_document(config: dict[str, Any], results: list[dict[str, Any]],
     return doc
 
 
+def load_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Read a results.json back into (config, result records) for re-rendering; ValueError if it is not one."""
+    try:
+        doc = json.loads(path.read_text())
+        config, methods = doc["config"], doc["methods"]
+        records = []
+        for name, rec in methods.items():
+            rec = {k: v for k, v in rec.items() if k not in ("ratio_to_fullsync", "wallclock_s")}
+            if "curve" not in rec:
+                raise KeyError("curve")
+            records.append({"name": name, **rec})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a simulator results.json with curves ({e}); run simulate first") from e
+    return config, records
+
+
 def write_outputs(out: Path, config: dict[str, Any], results: list[dict[str, Any]],
                   wallclock: dict[str, Any] | None = None) -> None:
     """Write all four files into ``out`` (created if missing)."""

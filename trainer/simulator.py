@@ -106,6 +106,14 @@ class SimConfig:
                 out.append((m, m, self.tau))
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+        """Inverse of to_dict (reads the 'config' of a results.json)."""
+        d = dict(d)
+        d["run"] = RunConfig.from_dict(d["run"])
+        d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
+        return cls(**d)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["run"] = self.run.to_dict()
