@@ -57,6 +57,7 @@ class Daemon(StageLife):
         self.worker: Any = None
         self.pipe: Any = None
         self.driver: Any = None
+        self.driver_task: asyncio.Task | None = None
         self.averager: Any = None
         self.sync_averager: Any = None
         self.state_server: Any = None
@@ -338,13 +339,15 @@ class Daemon(StageLife):
     async def _serve(self) -> None:
         """Wait until stopped: by a signal, by max_steps, or because stage 0's driver finished."""
         while not self.stop.is_set():
-            driver_task = self.stage_tasks[1] if self.driver is not None and len(self.stage_tasks) > 1 else None
+            driver_task = self.driver_task  # None unless this peer serves stage 0 (a stage move may change it)
             waiters = [asyncio.ensure_future(self.stop.wait())]
             if driver_task is not None:
                 waiters.append(driver_task)
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
             waiters[0].cancel()
-            if driver_task is not None and driver_task.done() and not self.stop.is_set():
+            if driver_task is not self.driver_task or driver_task is None or driver_task.cancelled():
+                continue  # left stage 0 meanwhile: its driver was cancelled on purpose
+            if driver_task.done() and not self.stop.is_set():
                 if driver_task.exception() is not None:
                     logger.error("the stage-0 driver failed: %r", driver_task.exception())
                 self.exit_reason = "max_steps"

@@ -131,10 +131,11 @@ class StageLife:
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=self.cfg.inflight_for(
             self.run.n_stages), stop=self.stop, max_steps=self.cfg.max_steps, metrics=self.metrics)
         if self.cfg.mode == "async":
-            self.stage_tasks.append(asyncio.ensure_future(self.driver.run_async()))
+            self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
-            self.stage_tasks.append(asyncio.ensure_future(
-                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush, self._full_mesh)))
+            self.driver_task = asyncio.ensure_future(
+                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush, self._full_mesh))
+        self.stage_tasks.append(self.driver_task)
         if self.cfg.eval_every_s > 0:
             self.stage_tasks.append(asyncio.ensure_future(self.driver.eval_loop(self.cfg.eval_every_s)))
 
@@ -156,6 +157,7 @@ class StageLife:
         for t in [*self.stage_tasks, *self.pipe.tasks]:
             t.cancel()
         await asyncio.gather(*self.stage_tasks, *self.pipe.tasks, return_exceptions=True)
+        self.driver_task = None
         self.handlers.clear()
         self.pipe, self.averager, self.sync_averager = None, None, None
 

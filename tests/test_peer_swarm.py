@@ -105,3 +105,28 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     # what was in flight at the killed replica was dropped, counted, and its samples re-queued by stage 0
     requeued = a.summary()["microbatches_requeued"] + c.summary()["microbatches_requeued"]
     assert requeued >= 1 and requeued == a.summary()["microbatches_dropped"] + c.summary()["microbatches_dropped"]
+
+
+@pytest.mark.timeout(240)
+def test_auto_peer_rebalances_to_a_stage_that_lost_its_server(swarm):  # noqa: F811
+    fixed = ("record_ttl_s=4",)
+    a = swarm.start("a", stage="0", extra=fixed)
+    first = a.wait_maddrs()[:1]
+    b = swarm.start("b", stage="1", initial=first, extra=fixed)
+    b.wait_status(lambda s: s.get("state") == "training", 90, "training state")
+    c = swarm.start("c", stage="auto", initial=first, extra=("rebalance_every_s=2",))
+    joined = c.wait_status(lambda s: s.get("state") == "training", 90, "training state")["stage"]
+    # the fixed peer of the other stage dies: that stage is empty, c's own stage keeps a server, so c moves
+    victim = b if joined == 0 else a
+    victim.proc.kill()
+    victim.proc.wait()
+    c.wait_status(lambda s: s.get("stage") == 1 - joined and s.get("state") == "training", 90, "a move")
+    assert f"moving from stage {joined} to under-served stage {1 - joined}" in c.log()
+    driver = a if joined == 0 else c  # whoever serves stage 0 now drives the pipeline
+    start = driver.status()["local_step"]
+    driver.wait_status(lambda s: s["local_step"] >= start + 5, 60, "training after the move")
+    for p in (a, b, c):
+        if p is not victim:
+            p.signal(signal.SIGTERM)
+            assert p.wait_exit(30) == 0
+            _no_traceback(p)
