@@ -123,14 +123,14 @@ def test_message_limit_over_many_frames_and_local_refusal() -> None:
 
 def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
     async def body(server: P2P, client: P2P) -> None:
-        limits = RpcLimits(read_timeout_s=0.5, handler_timeout_s=0.5)
+        limits = RpcLimits(read_timeout_s=2.0, handler_timeout_s=2.0)  # generous: the test host may be loaded
         rpc = RpcServer(server, limits)
 
         async def echo(msg, peer: str):
             if isinstance(msg, Hello) and msg.stage == 1:
                 raise KeyError("boom")
             if isinstance(msg, Hello) and msg.stage == 2:
-                await asyncio.sleep(5)
+                await asyncio.sleep(30)
             if isinstance(msg, Hello) and msg.stage == 3:
                 decode(encode(torch.tensor([float("nan")]), "none"), peer=peer, field="activations")
             return msg
@@ -173,11 +173,16 @@ def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
 
 def test_per_peer_budget_and_stream_limit() -> None:
     async def body(server: P2P, client: P2P) -> None:
-        limits = RpcLimits(per_peer_bytes_per_s=1 * MiB, per_peer_burst_bytes=4 * MiB, max_streams_per_peer=2)
+        # refill is slow enough (64 KiB/s) that a loaded machine cannot make the budget test pass by being slow
+        limits = RpcLimits(per_peer_bytes_per_s=64 * 1024, per_peer_burst_bytes=4 * MiB, max_streams_per_peer=2)
         rpc = RpcServer(server, limits)
-        release = asyncio.Event()
+        release, both_inside = asyncio.Event(), asyncio.Event()
+        inside = []
 
         async def slow(msg, peer: str):
+            inside.append(peer)
+            if len(inside) == 2:
+                both_inside.set()
             await release.wait()
             return Ack()
 
@@ -185,14 +190,14 @@ def test_per_peer_budget_and_stream_limit() -> None:
         await rpc.add_handler("sink", lambda msg, peer: _ack())
         payload = StateChunk("run", 0, 1, 0, 1, {}, {"w": encode(BIG[: MiB // 2], "none")})  # 2 MiB
         assert isinstance(await call(client, server.peer_id, "sink", payload, timeout=10, limits=limits), Ack)
-        with pytest.raises(RemoteError) as info:  # 2 + 2 + 2 MiB within a second > 4 MiB burst
+        with pytest.raises(RemoteError) as info:  # 2 + 2 (+ 2) MiB > 4 MiB burst
             for _ in range(2):
                 await call(client, server.peer_id, "sink", payload, timeout=10, limits=limits)
         assert info.value.code == ErrorCode.RATE_LIMITED
 
         hello = Hello(1, "run", 0, "me", [])
-        pending = [asyncio.create_task(call(client, server.peer_id, "slow", hello, timeout=10)) for _ in range(2)]
-        await asyncio.sleep(0.5)
+        pending = [asyncio.create_task(call(client, server.peer_id, "slow", hello, timeout=60)) for _ in range(2)]
+        await asyncio.wait_for(both_inside.wait(), 30)
         assert isinstance(await call(client, server.peer_id, "slow", hello, timeout=10), Busy)
         release.set()
         assert all(isinstance(r, Ack) for r in await asyncio.gather(*pending))
