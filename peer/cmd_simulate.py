@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: re-render DIR's outputs from its results.json (re-measures the "
                         "wall-clock model)")
+    parser.add_argument("--merge", type=Path, action="append", default=[], metavar="DIR",
+                        help="with --report-only: add the methods of another run's DIR/results.json (same config "
+                        "apart from the method list; repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every evaluation")
 
 
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.report_only:
-        return _report_only(args.out, wallclock=not args.no_wallclock)
+        return _report_only(args.out, args.merge, wallclock=not args.no_wallclock)
     sim = build_config(args)
     if args.wallclock_only:
         return _wallclock_only(sim, args.out)
@@ -116,12 +119,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_only(out: Path, *, wallclock: bool) -> int:
+def _report_only(out: Path, merge: list[Path], *, wallclock: bool) -> int:
     from trainer.sim_report import load_results, write_outputs
     from trainer.sim_timing import WallclockReport
     from trainer.simulator import SimConfig
 
     config, records = load_results(out / "results.json")
+    for other in merge:
+        other_config, other_records = load_results(other / "results.json")
+        mismatch = sorted(k for k in config if k != "methods" and config[k] != other_config.get(k))
+        if mismatch:
+            raise ValueError(f"cannot merge {other}: its config differs in {mismatch}; rerun it with the same flags")
+        names = {r["name"] for r in other_records}
+        records = [r for r in records if r["name"] not in names] + other_records
+    config = dict(config, methods=list(dict.fromkeys(r["method"] for r in records)))
     sim = SimConfig.from_dict(config)
     report = WallclockReport.measure(sim) if wallclock else None
     write_outputs(out, config, records, report.for_results(records) if report else None)
