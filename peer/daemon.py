@@ -371,6 +371,9 @@ class Daemon(StageLife):
                     await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
         finally:
             self.metrics.state = "stopped"
+            if self.rpc is not None:  # stop taking streams before the P2P daemon goes away under them
+                with contextlib.suppress(Exception):
+                    await self.rpc.shutdown()
             self.write_summary()
             if status is not None:
                 await status.stop()
