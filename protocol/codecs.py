@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 import torch
 
 from protocol import quant, topk
-from protocol.envelope import FLOAT_DTYPES, TensorEnvelope, dtype_name
+from protocol.envelope import FLOAT_DTYPES, PayloadError, TensorEnvelope, dtype_name
 from protocol.errors import ValidationError
 from protocol.validation import DEFAULT_MAX_ELEMENTS, TensorSpec, check_header, check_values
 
@@ -93,7 +93,7 @@ def _none_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bool:
         raw = _frombuffer(data, torch.uint8, n)
         if n and int(raw.max()) > 1:
-            raise topk.PayloadError("bool tensor bytes must be 0 or 1")
+            raise PayloadError("bool tensor bytes must be 0 or 1")
         return raw.to(torch.bool)
     return _frombuffer(data, dtype, n).clone()
 
@@ -139,7 +139,7 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     # hivemind 1.1.12's Quantile8BitQuantization.extract fails under numpy 2 (int() of a 1-element array), and it
     # trusts the codebook size in the buffer; this is the same lookup with the layout checked first.
     if int.from_bytes(data[:8], "little", signed=True) != _Q8_CODEBOOK:
-        raise topk.PayloadError(f"quantile codebook must have {_Q8_CODEBOOK} entries")
+        raise PayloadError(f"quantile codebook must have {_Q8_CODEBOOK} entries")
     codebook = _frombuffer(data, torch.float32, _Q8_CODEBOOK, 8)
     return codebook[_frombuffer(data, torch.uint8, n, 8 + 4 * _Q8_CODEBOOK).long()]
 
@@ -222,7 +222,7 @@ def decode(
         raise ValidationError(f"{field}.data", peer, f"{codec.name}: {reason}")
     try:
         flat = codec.decode(env.data, numel, dtype)
-    except topk.PayloadError as e:
+    except PayloadError as e:
         raise ValidationError(f"{field}.data", peer, f"{codec.name}: {e}") from None
     return check_values(flat.to(dtype).reshape(env.shape), spec, peer=peer, field=field)
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["TensorEnvelope", "WIRE_DTYPES", "FLOAT_DTYPES", "dtype_name", "MAX_NDIM"]
+__all__ = ["TensorEnvelope", "WIRE_DTYPES", "FLOAT_DTYPES", "dtype_name", "MAX_NDIM", "PayloadError"]
 
 #: dtype names accepted on the wire and the torch dtype each decodes to
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +31,11 @@ _NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 #: tensors with more dimensions than this are refused (no model tensor comes close)
 MAX_NDIM = 8
+
+
+class PayloadError(ValueError):
+    """A payload that contradicts its envelope (bad indices, codebook size...); protocol.codecs.decode turns it into
+    a ValidationError naming the field and the peer."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

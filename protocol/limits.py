@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from protocol.errors import RateLimited
 
@@ -76,7 +77,9 @@ class PeerBudgets:
     Remembers at most `max_peers` peers (least recently seen are forgotten, which only ever favours them).
     """
 
-    def __init__(self, rate: float, burst: int, *, max_peers: int = 4096, clock=time.monotonic) -> None:
+    def __init__(
+        self, rate: float, burst: int, *, max_peers: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rate, self.burst, self.max_peers, self._clock = rate, burst, max_peers, clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, last refill time)
 

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, ProtocolError, RemoteError, error_code_for
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
@@ -79,7 +80,7 @@ class RpcServer:
     async def add_handler(self, name: str, fn: Handler) -> None:
         """Serve `fn` under `name`; `fn(msg, peer_id)` returns the reply (an Error or Busy message is fine too)."""
 
-        async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def serve(stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._serve(name, fn, stream_info.peer_id.to_base58(), reader, writer)
 
         await self.p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve)

@@ -13,16 +13,12 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from protocol.envelope import TensorEnvelope
+from protocol.envelope import PayloadError, TensorEnvelope
 
 __all__ = ["topk_encode", "topk_decode", "topk_check_length", "ErrorFeedback", "TOPK_MAX_ELEMENTS"]
 
 #: topk indices are int32 on the wire
 TOPK_MAX_ELEMENTS = 2**31 - 1
-
-
-class PayloadError(Exception):
-    """Internal: a payload is inconsistent; protocol.codecs turns it into a ValidationError naming field and peer."""
 
 
 def topk_encode(x: torch.Tensor, fraction: float) -> bytes:
