@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -173,7 +174,11 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
                 print(f"asyncmesh-peer monitor: no peer of run {run_config.run_id} found within {args.wait:g} s; "
                       "check --run (it must be the peers' run file) and --initial-peers", file=sys.stderr)
             return EXIT_OK if records else EXIT_EMPTY
-        return await _watch(dht, args, run_config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, `docker stop`: leave the DHT before exiting
+            loop.add_signal_handler(sig, stop.set)
+        return await _watch(dht, args, run_config, stop)
     finally:
         await asyncio.to_thread(dht.shutdown)
 
@@ -187,8 +192,9 @@ def _print(view: dict[str, Any], as_json: bool) -> None:
         get_console().print(render(view))
 
 
-async def _watch(dht: Any, args: argparse.Namespace, run_config: Any) -> int:
-    """Refresh until Ctrl-C: a live table on a terminal, or one JSON line per read with --json."""
+async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any) -> int:
+    """Refresh until ``stop`` is set (Ctrl-C, SIGTERM): a live table on a terminal, one JSON line per read with
+    --json."""
     import asyncio
     from contextlib import nullcontext
 
@@ -200,11 +206,15 @@ async def _watch(dht: Any, args: argparse.Namespace, run_config: Any) -> int:
     view = swarm_view({}, run_config.n_stages, run_config.run_id)
     live = nullcontext() if args.json else Live(render(view), console=get_console(), auto_refresh=False)
     with live:
-        while True:
+        while not stop.is_set():
             records = await fetch_swarm(dht, run_config.run_id, timeout=args.timeout)
             view = swarm_view(records, run_config.n_stages, run_config.run_id)
             if args.json:
                 print(json.dumps(view), flush=True)
             else:
                 live.update(render(view), refresh=True)
-            await asyncio.sleep(args.interval)
+            try:
+                await asyncio.wait_for(stop.wait(), args.interval)
+            except TimeoutError:
+                pass
+    return EXIT_OK

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,9 +77,34 @@ def test_monitor_once_json_reads_every_peer_from_a_live_dht(tmp_path: Path) -> N
             assert r.peer_id in by_stage[r.stage]
         assert view["n_peers"] == 3 and view["coverage"] == 1.0
 
+        watch = subprocess.Popen([*MONITOR, "--initial-peers", *maddrs, "--json", "--interval", "0.5"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            first_line = watch.stdout.readline()  # blocks until the first read of the DHT is printed
+            assert json.loads(first_line)["run_id"] == run.run_id
+            watch.send_signal(signal.SIGTERM)
+            assert watch.wait(timeout=60) == 0, watch.stderr.read()
+        finally:
+            if watch.poll() is None:
+                os.killpg(watch.pid, signal.SIGKILL)
+                watch.wait()
+        assert not _alive_in_group(watch.pid), "monitor left its DHT process behind"
+
         wrong = subprocess.run([*MONITOR, "--initial-peers", *maddrs, "--once", "--json",
                                 "--wait", "1", "--run", "/nonexistent.toml"], capture_output=True, text=True,
                                timeout=60)
         assert wrong.returncode != 0 and "--run" in wrong.stderr
     finally:
         dht.shutdown()
+
+
+def _alive_in_group(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` is still running (after a short grace)."""
+    for _ in range(20):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.25)
+    os.killpg(pgid, signal.SIGKILL)
+    return True
