@@ -10,7 +10,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.bench_swarm import Case, bytes_per_token, format_table, parse_args, plan, ratios, window_tokens_per_s  # noqa: E402,I001
+from tools.bench_swarm import (  # noqa: E402
+    Case,
+    active_rate,
+    bytes_per_token,
+    format_table,
+    parse_args,
+    plan,
+    ratios,
+    stalled_seconds,
+    window_tokens_per_s,
+)
 
 
 def sample(stage: int, tokens: int, t: float) -> dict:
@@ -31,16 +41,17 @@ def test_window_rate_rejects_mismatched_or_backward_samples():
         window_tokens_per_s([sample(0, 0, 5.0)], [sample(0, 10, 5.0)])
 
 
-def result(mode: str, net: str, delay: float, tps: float) -> dict:
-    return {"mode": mode, "net": net, "delay_ms": delay, "tokens_per_s": tps}
+def result(mode: str, net: str, delay: float, tps: float, active: float | None = None) -> dict:
+    return {"mode": mode, "net": net, "delay_ms": delay, "tokens_per_s": tps, "active_tokens_per_s": active}
 
 
 def test_speedup_and_latency_hiding_pair_the_right_cases():
     results = [result("async", "loopback", 0.0, 900.0), result("sync", "loopback", 0.0, 600.0),
                result("async", "wan", 0.0, 800.0), result("sync", "wan", 0.0, 400.0),
-               result("async", "wan", 50.0, 720.0), result("sync", "wan", 50.0, 160.0)]
+               result("async", "wan", 50.0, 720.0), result("sync", "wan", 50.0, 160.0, active=240.0)]
     fig = ratios(results)
     assert fig["speedup"] == pytest.approx({"loopback": 1.5, "wan-0ms": 2.0, "wan-50ms": 4.5})
+    assert fig["speedup_vs_active_sync"] == {"loopback": None, "wan-0ms": None, "wan-50ms": pytest.approx(3.0)}
     assert fig["latency_hiding"] == pytest.approx({"async/wan-0ms": 1.0, "sync/wan-0ms": 1.0,
                                                    "async/wan-50ms": 0.9, "sync/wan-50ms": 0.4})
 
@@ -62,7 +73,7 @@ def test_bytes_per_token_by_sender_stage():
 
 def test_table_lists_every_case_and_ratio():
     r = {"label": "async/wan-50ms", "tokens_per_s": 1234.4, "rtt_ms": 101.2, "bytes_per_token": {"total": 300.0},
-         "dropped": 2, "cpu_util": 0.9, "stage0_steps": 40}
+         "dropped": 2, "stalled_s": 6.0, "cpu_util": 0.9, "stage0_steps": 40}
     text = format_table([r], {"speedup": {"wan-50ms": 3.2}, "latency_hiding": {"async/wan-50ms": None}})
     assert "async/wan-50ms" in text and "1234" in text and "101.2" in text and "300" in text
     assert "3.20" in text and "latency_hiding" in text
@@ -87,3 +98,13 @@ def test_bad_arguments_are_refused():
         parse_args(["--measure-s", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--run", "/nonexistent/run.toml"])
+
+
+def test_stalled_seconds_sums_intervals_without_progress():
+    assert stalled_seconds([(0.0, 10), (2.0, 20), (4.0, 20), (6.5, 20), (8.0, 30)]) == pytest.approx(4.5)
+    assert stalled_seconds([(0.0, 10)]) == 0.0
+
+
+def test_active_rate_leaves_out_the_stalls():
+    assert active_rate([(0.0, 0), (2.0, 200), (4.0, 200), (6.0, 400)]) == pytest.approx(100.0)
+    assert active_rate([(0.0, 5), (2.0, 5)]) is None

@@ -3,15 +3,17 @@
 
 For each network (loopback, then -- as root -- network namespaces joined by tunem with one-way delays of, by
 default, 0 / 25 / 50 ms and a 100 Mbit/s uplink cap per peer) and each mode, the tool starts a fresh swarm of
-``n_stages x replicas`` peers (one process per peer, one namespace per peer; peer i serves stage i % n_stages; the
-first starts the swarm, the others join through its multiaddr), waits until every peer trains, lets it warm up, then
-measures over a fixed wall-clock window by reading every peer's ``/status`` at both ends:
+``n_stages x replicas`` peers (one process per peer, one namespace per peer, each with ``--stage`` fixed: the first
+peer starts the swarm and the others join through its multiaddr; the later stages start first, stage 0 -- which
+feeds the pipeline -- last, all its replicas at once), waits until every peer trains, lets it warm up, then measures
+over a fixed wall-clock window by reading every peer's ``/status`` at both ends and polling it in between:
 
 * swarm tokens/s = sum over stage-0 peers of (training tokens completed in the window) / window. Every token enters
   the pipeline once, at stage 0, and counts when its gradient has come back (DESIGN.md "Measuring");
 * wire bytes per token (namespaces only) from the emulated links' counters, which include TCP/IP, libp2p, DHT and
   averaging traffic: everything a peer sent;
-* CPU seconds each process used in the window (the peers and tunem share this machine's cores).
+* CPU seconds each process used in the window (the peers and tunem share this machine's cores);
+* stalled seconds: poll intervals in the window in which no stage-0 micro-batch completed.
 
 Then it stops the peers with SIGTERM and keeps their ``--summary-json`` files in the results. Ratios come from one
 run of the tool: speedup = async / sync tokens/s on the same network; latency hiding = tokens/s at a delay / tokens/s
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -91,19 +94,27 @@ def window_tokens_per_s(before: list[dict[str, Any]], after: list[dict[str, Any]
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Speedup (async / sync, same network) and latency hiding (same mode: delay / 0 ms) from case results."""
-    rate = {(r["mode"], r["net"], r["delay_ms"]): r["tokens_per_s"] for r in results}
+    """Speedup (async / sync, same network) and latency hiding (same mode: delay / 0 ms) from case results.
+
+    ``speedup_vs_active_sync`` divides by sync's rate over the intervals in which it made progress (its stalls
+    removed): a lower bound on the speedup when the synchronous baseline stalls.
+    """
+    rate = {(r["mode"], r["net"], r["delay_ms"]): r for r in results}
     speedup: dict[str, float | None] = {}
+    conservative: dict[str, float | None] = {}
     hiding: dict[str, float | None] = {}
-    for (mode, net, delay), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    for (mode, net, delay), r in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         key = "loopback" if net == "loopback" else f"wan-{delay:g}ms"
+        value = r["tokens_per_s"]
         if mode == "async":
             sync = rate.get(("sync", net, delay))
-            speedup[key] = value / sync if sync else None
+            speedup[key] = value / sync["tokens_per_s"] if sync and sync["tokens_per_s"] else None
+            active = sync.get("active_tokens_per_s") if sync else None
+            conservative[key] = value / active if active else None
         if net == "wan":
             base = rate.get((mode, "wan", 0.0))
-            hiding[f"{mode}/{key}"] = value / base if base else None
-    return {"speedup": speedup, "latency_hiding": hiding}
+            hiding[f"{mode}/{key}"] = value / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+    return {"speedup": speedup, "speedup_vs_active_sync": conservative, "latency_hiding": hiding}
 
 
 def bytes_per_token(before: list[dict[str, int] | None], after: list[dict[str, int] | None], stages: list[int],
@@ -119,20 +130,33 @@ def bytes_per_token(before: list[dict[str, int] | None], after: list[dict[str, i
     return out
 
 
+def stalled_seconds(timeline: list[tuple[float, int]]) -> float:
+    """Seconds of the window in which no stage-0 token completed (sum of poll intervals without progress)."""
+    return sum(t1 - t0 for (t0, n0), (t1, n1) in itertools.pairwise(timeline) if n1 <= n0)
+
+
+def active_rate(timeline: list[tuple[float, int]]) -> float | None:
+    """Stage-0 tokens/s over the poll intervals with progress only (None when nothing moved)."""
+    moving = [(t1 - t0, n1 - n0) for (t0, n0), (t1, n1) in itertools.pairwise(timeline) if n1 > n0]
+    seconds = sum(dt for dt, _ in moving)
+    return sum(dn for _, dn in moving) / seconds if seconds > 0 else None
+
+
 def format_table(results: list[dict[str, Any]], figures: dict[str, dict[str, float | None]]) -> str:
     """The results as a fixed-width text table (also pasted into docs/performance.md)."""
-    head = f"{'case':<22} {'tokens/s':>9} {'rtt ms':>7} {'B/token':>8} {'dropped':>7} {'cpu %':>6} {'steps':>6}"
+    head = (f"{'case':<22} {'tokens/s':>9} {'rtt ms':>7} {'B/token':>8} {'dropped':>7} {'stalled s':>9} "
+            f"{'cpu %':>6} {'steps':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         bpt = r.get("bytes_per_token") or {}
         rtt = "-" if r.get("rtt_ms") is None else f"{r['rtt_ms']:.1f}"
         per_token = f"{bpt['total']:.0f}" if bpt else "-"
         lines.append(f"{r['label']:<22} {r['tokens_per_s']:>9.0f} {rtt:>7} {per_token:>8} {r['dropped']:>7d} "
-                     f"{r['cpu_util'] * 100:>6.0f} {r['stage0_steps']:>6d}")
+                     f"{r.get('stalled_s', 0.0):>9.0f} {r['cpu_util'] * 100:>6.0f} {r['stage0_steps']:>6d}")
     lines.append("")
     for name, table in figures.items():
         for key, value in table.items():
-            lines.append(f"{name:<15} {key:<22} {('-' if value is None else f'{value:.2f}')}")
+            lines.append(f"{name:<23} {key:<22} {('-' if value is None else f'{value:.2f}')}")
     return "\n".join(lines)
 
 
@@ -167,11 +191,14 @@ class SwarmCase:
     def __init__(self, case: Case, args: argparse.Namespace, net: Wan | LocalNet, workdir: Path, n_stages: int):
         self.case, self.args, self.net, self.workdir, self.n_stages = case, args, net, workdir, n_stages
         self.peers: list[dict[str, Any]] = []
+        # later stages first: [1, 1, 0, 0] for 2 x 2. Stage 0 drives the pipeline, so it starts last, when every
+        # replica downstream is already serving (sync mode pins each pipeline to one replica per stage)
+        self.stages = sorted((i % n_stages for i in range(n_stages * args.replicas)), reverse=True)
 
     def spawn(self, i: int, initial: list[str]) -> dict[str, Any]:
         d = self.workdir / f"peer{i}"
         d.mkdir(parents=True, exist_ok=True)
-        stage = i % self.n_stages
+        stage = self.stages[i]
         if self.case.net == "loopback":
             from peer.cmd_swarm import free_port
 
@@ -226,12 +253,14 @@ class SwarmCase:
         initial = [m for m in maddrs.read_text().split() if "/p2p/" in m and f"/{want}/" in m][:1]
         if not initial:
             raise self.fail(first, f"announced no multiaddr on {want} ({maddrs.read_text().split()})")
-        for i in range(1, self.n_stages * self.args.replicas):
+        for i in range(1, len(self.stages)):
+            if self.stages[i] == 0 and self.stages[i - 1] != 0:
+                self.wait_training(deadline)  # downstream stages up before any stage-0 peer starts feeding
             self.spawn(i, initial)
         self.wait_training(deadline)
 
     def wait_training(self, deadline: float) -> None:
-        """Every peer in state 'training' and every stage-0 peer with at least one completed micro-batch."""
+        """Every peer started so far in state 'training'; every stage-0 peer with a completed micro-batch."""
         waiting = list(self.peers)
         while waiting:
             for peer in list(waiting):
@@ -263,6 +292,16 @@ class SwarmCase:
             "t": time.monotonic(), "loadavg": os.getloadavg(), "snapshots": statuses,
         }
 
+    def watch(self, until: float, every_s: float) -> list[tuple[float, int]]:
+        """Stage-0 tokens completed so far, every ``every_s`` seconds until ``until`` (shows stalls in the window)."""
+        timeline = []
+        while (left := until - time.monotonic()) > 0:
+            time.sleep(min(every_s, left))
+            snaps = [self.status(p) for p in self.peers if p["stage"] == 0]
+            if all(snaps):
+                timeline.append((time.monotonic(), sum(s["tokens_total"] for s in snaps)))
+        return timeline
+
     def stop_and_collect(self) -> list[dict[str, Any]]:
         self.net.close()  # SIGTERM, drain, reap
         out = []
@@ -289,7 +328,8 @@ def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) 
         logger.info("%s: all %d peers training; warming up %.0f s", case.label, n, args.warmup_s)
         time.sleep(args.warmup_s)
         before = sc.sample()
-        time.sleep(args.measure_s)
+        start = (before["t"], sum(x["tokens_total"] for x in before["tokens"] if x["stage"] == 0))
+        timeline = [start, *sc.watch(before["t"] + args.measure_s, args.poll_s)]
         after = sc.sample()
         summaries = sc.stop_and_collect()
     tps = window_tokens_per_s(before["tokens"], after["tokens"])
@@ -303,6 +343,8 @@ def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) 
     stages = [p["stage"] for p in sc.peers]
     return {
         **asdict(case), "label": case.label, "tokens_per_s": tps, "window_s": window, "rtt_ms": rtt,
+        "stalled_s": stalled_seconds(timeline), "active_tokens_per_s": active_rate(timeline),
+        "timeline": [(round(t - before["t"], 2), n) for t, n in timeline],
         "bytes_per_token": bytes_per_token(before["links"], after["links"], stages, tps * window),
         "dropped": sum(after["dropped"]) - sum(before["dropped"]),
         "stage0_steps": min(a - b for a, b, s in zip(after["steps"], before["steps"], stages, strict=True) if s == 0),
@@ -331,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--subnet", default="100.64.7", help="first three octets of the namespaces' addresses")
     p.add_argument("--warmup-s", type=float, default=20.0, help="seconds after all peers train, before measuring")
     p.add_argument("--measure-s", type=float, default=60.0, help="measurement window in seconds")
+    p.add_argument("--poll-s", type=float, default=2.0, help="progress poll period inside the window (stalls)")
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if the swarm is not training by then")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
     p.add_argument("--eval-every-s", type=float, default=0.0, help="peers' evaluation period (0: off while measuring)")
@@ -344,8 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="writes OUT.json and OUT.csv")
     p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
     args = p.parse_args(argv)
-    if args.replicas < 1 or args.warmup_s < 0 or args.measure_s <= 0 or args.torch_threads < 0:
-        p.error("--replicas >= 1, --warmup-s >= 0, --measure-s > 0 and --torch-threads >= 0 are required")
+    if args.replicas < 1 or args.warmup_s < 0 or args.measure_s <= 0 or args.torch_threads < 0 or args.poll_s <= 0:
+        p.error("--replicas >= 1, --warmup-s >= 0, --measure-s > 0, --poll-s > 0 and --torch-threads >= 0 are "
+                "required")
     if any(d < 0 for d in args.delays_ms) or args.rate_mbit < 0:
         p.error("--delays-ms and --rate-mbit must be >= 0")
     if not args.run.is_file():
@@ -418,12 +462,13 @@ def write_outputs(args: argparse.Namespace, run: Any, results: list[dict[str, An
     with open(args.out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["mode", "net", "delay_ms", "rate_mbit", "rtt_ms", "tokens_per_s", "window_s", "bytes_per_token",
-                    "dropped", "cpu_util", "stage0_steps"])
+                    "dropped", "stalled_s", "cpu_util", "stage0_steps"])
         for r in results:
             bpt = f"{r['bytes_per_token']['total']:.1f}" if r["bytes_per_token"] else ""
             rtt = "" if r["rtt_ms"] is None else f"{r['rtt_ms']:.1f}"
             w.writerow([r["mode"], r["net"], r["delay_ms"], r["rate_mbit"], rtt, f"{r['tokens_per_s']:.1f}",
-                        f"{r['window_s']:.1f}", bpt, r["dropped"], f"{r['cpu_util']:.3f}", r["stage0_steps"]])
+                        f"{r['window_s']:.1f}", bpt, r["dropped"], f"{r['stalled_s']:.1f}", f"{r['cpu_util']:.3f}",
+                        r["stage0_steps"]])
     logger.info("wrote %s and %s", args.out.with_suffix(".json"), args.out.with_suffix(".csv"))
 
 

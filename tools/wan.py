@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TUNEM = REPO.parent / "shared" / "lab" / "tunem.py"
 CLONE_NEWNET = 0x40000000
+LINGER_S = 3.0  # after its commands exit, wait this long for their children to leave the namespaces
 T = TypeVar("T")
 
 
@@ -223,11 +224,13 @@ class Wan:
     def close(self) -> None:
         """Terminate commands, stop tunem, delete our namespaces. Idempotent; never raises for a missing piece."""
         terminate(self.procs, self.cfg.stop_timeout_s)
-        for name in self.created:  # whatever is still inside our namespaces was started by us: no orphan survives
-            for pid in _ip("netns", "pids", name).stdout.split():
-                logger.warning("killing pid %s left in namespace %s", pid, name)
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + LINGER_S  # a peer's DHT process and p2pd exit a moment after the peer
+        while self.created and self._pids_inside() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for name, pid in self._pids_inside() if self.created else []:
+            logger.warning("killing pid %s left in namespace %s", pid, name)  # started by us, or it would not be there
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         if self.tunem is not None:
             terminate([self.tunem], self.cfg.stop_timeout_s)
             if self.tunem.stdout is not None:
@@ -242,6 +245,9 @@ class Wan:
                 failed.append(f"{name}: {res.stderr.strip()}")
         if failed:
             logger.error("could not delete namespaces (delete them with `ip netns delete NAME`): %s", failed)
+
+    def _pids_inside(self) -> list[tuple[str, str]]:
+        return [(name, pid) for name in self.created for pid in _ip("netns", "pids", name).stdout.split()]
 
     # ----- use -------------------------------------------------------------------------------------------------------
     def ip(self, i: int) -> str:
