@@ -48,7 +48,7 @@ from peer.state_codec import (
     plan_pieces,
 )
 from protocol.codecs import decode, encode
-from protocol.errors import ErrorCode, ProtocolError, RemoteError
+from protocol.errors import ErrorCode, PeerUnreachable, ProtocolError, RemoteError
 from protocol.messages import Busy, Error, StateChunk, StateRequest
 from protocol.validation import TensorSpec
 from trainer.config import RunConfig
@@ -81,6 +81,8 @@ class StateSyncConfig:
     """Server: a snapshot no transfer touched for this long may be replaced or dropped."""
     max_concurrent: int = 2
     """Server: chunks encoded at once (bounds the memory of replies in flight)."""
+    window: int = 2
+    """Client: chunk requests in flight at once (hides the round trip; memory is window x chunk_bytes)."""
     worker_timeout_s: float = 120.0
     """Server: timeout of taking a snapshot on the compute thread."""
 
@@ -91,8 +93,8 @@ class StateSyncConfig:
                      "worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"state_sync.{name} must be positive, got {getattr(self, name)}")
-        if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1:
-            raise ValueError("chunk_retries must be >= 0, max_donors and max_concurrent >= 1")
+        if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1 or self.window < 1:
+            raise ValueError("chunk_retries must be >= 0; max_donors, max_concurrent and window >= 1")
 
 
 class StateSyncError(Exception):
@@ -255,7 +257,11 @@ async def _request(transport: Transport, donor: str, run: RunConfig, stage: int,
             continue
         except RemoteError as e:
             raise StateSyncError(f"donor refused chunk {chunk}: {e}") from e
-        except (ProtocolError, ConnectionError, OSError) as e:
+        except (PeerUnreachable, ConnectionError, OSError) as e:  # a stream reset may be transient: retry once
+            if attempt == config.chunk_retries:
+                raise StateSyncError(f"chunk {chunk}: {type(e).__name__}: {e}") from e
+            continue
+        except ProtocolError as e:
             raise StateSyncError(f"chunk {chunk}: {type(e).__name__}: {e}") from e
         except Exception as e:  # any other transport failure costs this donor, not the joiner
             raise StateSyncError(f"chunk {chunk}: unexpected {type(e).__name__}: {e}") from e
@@ -287,11 +293,22 @@ async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int
     except (ProtocolError, UnicodeDecodeError) as e:
         raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
     builder = await loop.run_in_executor(None, assemble, skeleton, piece_bytes, limit)
-    for chunk in range(first.n_chunks):
-        reply = first if chunk == 0 else await _request(transport, donor, run, stage, chunk, config)
-        if reply.version != first.version or reply.n_chunks != first.n_chunks:
-            raise StateSyncError("the donor replaced its snapshot mid-transfer")
-        await loop.run_in_executor(None, _add_pieces, builder, reply, donor)
+    # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
+    pending = {c: asyncio.ensure_future(_request(transport, donor, run, stage, c, config))
+               for c in range(1, min(first.n_chunks, 1 + config.window))}
+    try:
+        for chunk in range(first.n_chunks):
+            reply = first if chunk == 0 else await pending.pop(chunk)
+            following = chunk + config.window
+            if chunk > 0 and following < first.n_chunks:  # chunks 1..window were requested up front
+                pending[following] = asyncio.ensure_future(_request(transport, donor, run, stage, following, config))
+            if reply.version != first.version or reply.n_chunks != first.n_chunks:
+                raise StateSyncError("the donor replaced its snapshot mid-transfer")
+            await loop.run_in_executor(None, _add_pieces, builder, reply, donor)
+    finally:
+        for task in pending.values():
+            task.cancel()
+        await asyncio.gather(*pending.values(), return_exceptions=True)
     return await loop.run_in_executor(None, builder.finish)
 
 

@@ -100,7 +100,7 @@ def test_joiner_gets_the_exact_state_from_the_second_donor_when_the_first_dies_m
             elapsed = time.monotonic() - t0
         finally:
             await _shutdown([dying, good, joiner])
-        assert served[:4] == [0, 1, 2, 3]
+        assert served[0] == 0 and 3 in served and len(served) == len(set(served))  # each chunk asked for once
         assert state is not None
         assert _same(state, good.worker.state_dict()), "the state must be the good donor's, byte for byte"
         counters = joiner.metrics.snapshot()["counters"]
