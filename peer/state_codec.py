@@ -21,6 +21,8 @@ from protocol.envelope import MAX_NDIM, WIRE_DTYPES, dtype_name
 
 FORMAT = 1
 MAX_SKELETON_CHARS = 16 * 2**20
+#: pieces per chunk; a StateChunk holds at most 4096 tensors, one of them the skeleton
+MAX_PIECES_PER_CHUNK = 1024
 _PRIMITIVES = (str, int, float, bool, type(None))
 
 
@@ -70,15 +72,16 @@ class Plan:
         return len(self.chunks)
 
 
-def plan_pieces(tensors: list[torch.Tensor], chunk_bytes: int) -> Plan:
-    """Cut tensors into pieces of at most ``chunk_bytes`` and pack consecutive pieces into chunks of that size."""
+def plan_pieces(tensors: list[torch.Tensor], chunk_bytes: int, max_pieces: int = MAX_PIECES_PER_CHUNK) -> Plan:
+    """Cut tensors into pieces of at most ``chunk_bytes`` and pack consecutive pieces into chunks of that size
+    (and at most ``max_pieces`` pieces: a message carries a bounded number of tensors)."""
     chunks: list[list[tuple[int, int, int]]] = [[]]
     used = 0
     for idx, t in enumerate(tensors):
         step, numel, size = _piece_elems(t.dtype, chunk_bytes), t.numel(), t.element_size()
         for offset in range(0, numel, step):
             length = min(step, numel - offset)
-            if chunks[-1] and used + length * size > chunk_bytes:
+            if chunks[-1] and (used + length * size > chunk_bytes or len(chunks[-1]) >= max_pieces):
                 chunks.append([])
                 used = 0
             chunks[-1].append((idx, offset, length))

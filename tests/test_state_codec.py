@@ -124,3 +124,15 @@ def test_reference_check_catches_other_shapes_and_runs():
         check_against_reference(dict(state, run_id="zzz"), state)
     with pytest.raises(StateFormatError, match="names"):
         check_against_reference(dict(state, model={}), state)
+
+
+def test_many_small_tensors_are_spread_so_no_chunk_exceeds_the_piece_limit():
+    tensors = [torch.tensor(float(i)) for i in range(2500)]  # e.g. per-parameter optimiser step counters
+    plan = plan_pieces(tensors, 4 * 2**20, max_pieces=1024)
+    assert [len(c) for c in plan.chunks] == [1024, 1024, 452]
+    skeleton, _ = flatten_state({"steps": tensors})
+    builder = assemble(skeleton, plan.piece_bytes, 2**30)
+    for chunk in plan.chunks:
+        for idx, offset, length in chunk:
+            builder.put(idx, offset, tensors[idx].reshape(-1)[offset:offset + length].clone())
+    assert all(torch.equal(a, b) for a, b in zip(builder.finish()["steps"], tensors, strict=True))
