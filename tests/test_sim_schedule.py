@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -16,8 +17,6 @@ from trainer.worker import StageWorker
 
 def tiny(stages: int = 2, steps: int = 16, **kw) -> SimConfig:
     sim = with_overrides(preset("smoke"), stages=stages, steps=steps, eval_every=8, **kw)
-    import dataclasses
-
     return dataclasses.replace(sim, eval_batches=1)
 
 

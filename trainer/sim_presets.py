@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import multiprocessing
 from collections.abc import Callable
@@ -86,8 +87,6 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
                        ("methods", methods), ("eval_every", eval_every)):
         if value is not None:
             kw[key] = value
-    import dataclasses
-
     return dataclasses.replace(sim, run=run, **kw)
 
 
