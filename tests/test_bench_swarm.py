@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tools.bench_swarm import (  # noqa: E402
     active_rate,
     bytes_per_token,
     format_table,
+    main,
     parse_args,
     plan,
     ratios,
@@ -108,3 +110,16 @@ def test_stalled_seconds_sums_intervals_without_progress():
 def test_active_rate_leaves_out_the_stalls():
     assert active_rate([(0.0, 0), (2.0, 200), (4.0, 200), (6.0, 400)]) == pytest.approx(100.0)
     assert active_rate([(0.0, 5), (2.0, 5)]) is None
+
+
+def test_report_renders_a_saved_json_as_markdown(tmp_path, capsys):
+    case = {"label": "sync/wan-25ms", "tokens_per_s": 2069.3, "rtt_ms": 58.1, "active_tokens_per_s": 5120.0,
+            "stalled_s": 18.0, "bytes_per_token": {"total": 268.4}, "cpu_util": 0.09, "stage0_steps": 30}
+    path = tmp_path / "swarm.json"
+    path.write_text(json.dumps({"cases": [case], "figures": {"latency_hiding": {"sync/wan-25ms": 0.83}}}))
+    assert main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| sync/wan-25ms | 58.1 | 2069 | 5120 | 18 | 268 | 9 % | 30 |" in out
+    assert "| latency_hiding | sync/wan-25ms | 0.83 |" in out
+    path.write_text("{}")
+    assert main(["--report", str(path)]) == 2

@@ -160,6 +160,23 @@ def format_table(results: list[dict[str, Any]], figures: dict[str, dict[str, flo
     return "\n".join(lines)
 
 
+def markdown_tables(results: list[dict[str, Any]], figures: dict[str, dict[str, float | None]]) -> str:
+    """The results and ratios as Markdown tables (what docs/performance.md shows)."""
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+    lines = ["| case | RTT ms | tokens/s | tokens/s while moving | stalled s | wire B/token (sent, all peers) | "
+             "CPU used (of all cores) | stage-0 steps |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        bpt = (r.get("bytes_per_token") or {}).get("total")
+        lines.append(f"| {r['label']} | {num(r.get('rtt_ms'), '.1f')} | {r['tokens_per_s']:.0f} | "
+                     f"{num(r.get('active_tokens_per_s'), '.0f')} | {r.get('stalled_s', 0.0):.0f} | "
+                     f"{num(bpt, '.0f')} | {r['cpu_util'] * 100:.0f} % | {r['stage0_steps']} |")
+    lines += ["", "| ratio | network | value |", "|---|---|---:|"]
+    for name, table in figures.items():
+        lines += [f"| {name} | {key} | {num(value, '.2f')} |" for key, value in table.items()]
+    return "\n".join(lines)
+
+
 # ----- processes --------------------------------------------------------------------------------------------------
 def http_status(port: int, timeout: float = 3.0) -> dict[str, Any]:
     """GET http://127.0.0.1:PORT/status in the calling thread's network namespace."""
@@ -386,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "swarm",
                    help="writes OUT.json and OUT.csv")
     p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
+    p.add_argument("--report", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: print the Markdown tables of a JSON this tool wrote")
     args = p.parse_args(argv)
     if args.replicas < 1 or args.warmup_s < 0 or args.measure_s <= 0 or args.torch_threads < 0 or args.poll_s <= 0:
         p.error("--replicas >= 1, --warmup-s >= 0, --measure-s > 0, --poll-s > 0 and --torch-threads >= 0 are "
@@ -414,6 +433,14 @@ def plan(args: argparse.Namespace) -> list[Case]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report is not None:
+        try:
+            saved = json.loads(args.report.read_text())
+            print(markdown_tables(saved["cases"], saved["figures"]))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"bench_swarm: cannot read {args.report} ({e!r}); pass a JSON written by this tool", file=sys.stderr)
+            return 2
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     install_signal_handlers()
     from trainer.config import RunConfig
