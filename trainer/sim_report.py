@@ -76,7 +76,7 @@ def write_outputs(out: Path, config: dict[str, Any], results: list[dict[str, Any
 def table_markdown(doc: dict[str, Any]) -> str:
     """A markdown table of the methods: final validation loss, ratio to fullsync, updates, samples, times."""
     has_wc = any("wallclock_s" in m for m in doc["methods"].values())
-    head = "| method | final val loss | / fullsync | updates per stage | samples | CPU time (s) |"
+    head = "| method | final val loss | / fullsync | updates per stage | samples | elapsed (s) |"
     sep = "|---|---:|---:|---:|---:|---:|"
     if has_wc:
         head += " modelled wall-clock (s) |"
