@@ -52,6 +52,7 @@ def test_link_counters_see_traffic():
         wan.rtt(0, 1, samples=3)
         after = wan.link_bytes(0)
         assert after["tx"] > before["tx"] and after["rx"] > before["rx"]
+    assert wan.tunem_log[-1].startswith("tunem exit")  # the emulator's own packet counts are kept
 
 
 def test_cleanup_after_an_error_inside_the_block():

@@ -370,6 +370,7 @@ def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) 
         "loadavg": [before["loadavg"], after["loadavg"]],
         "pipeline_delay": [s.get("pipeline_delay") for s in after["snapshots"]],
         "avg_rounds_ok": [int(s["counters"].get("averaging_rounds_ok", 0)) for s in after["snapshots"]],
+        "emulator": net.tunem_log[-1].strip() if isinstance(net, Wan) and net.tunem_log else None,
         "summaries": summaries, "workdir": str(workdir),
     }
 

@@ -174,6 +174,7 @@ class Wan:
         self.procs: list[subprocess.Popen] = []
         self.tunem: subprocess.Popen | None = None
         self.tunem_log: list[str] = []
+        self._reader: threading.Thread | None = None
 
     # ----- life ------------------------------------------------------------------------------------------------------
     def __enter__(self) -> Wan:
@@ -205,7 +206,8 @@ class Wan:
         self.tunem = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True)
         ready = threading.Event()
-        threading.Thread(target=self._read_tunem, args=(ready,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read_tunem, args=(ready,), daemon=True)
+        self._reader.start()
         if not ready.wait(self.cfg.ready_timeout_s):
             tail = "".join(self.tunem_log[-10:])
             raise WanError(f"tunem did not come up within {self.cfg.ready_timeout_s:.0f} s "
@@ -233,6 +235,8 @@ class Wan:
                 os.kill(int(pid), signal.SIGKILL)
         if self.tunem is not None:
             terminate([self.tunem], self.cfg.stop_timeout_s)
+            if self._reader is not None:
+                self._reader.join(timeout=2.0)  # its last line is the emulator's packet counts
             if self.tunem.stdout is not None:
                 with contextlib.suppress(Exception):
                     self.tunem.stdout.close()
