@@ -111,6 +111,8 @@ def build_config(args: argparse.Namespace, **overrides: object) -> tuple[object,
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
+    import os
     import signal
     import sys
 
@@ -139,9 +141,15 @@ def run(args: argparse.Namespace) -> int:
                 await asyncio.gather(dash_task, return_exceptions=True)
 
     try:
-        return uvloop.run(main())
+        code = uvloop.run(main())
     except DaemonError as e:
         print(f"asyncmesh-peer join: error: {e}", file=sys.stderr)
         return 1
     finally:  # the peer has stopped; a late SIGTERM during interpreter teardown must not turn exit 0 into -15
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Everything is stopped, checkpointed and written; exit now rather than risk interpreter teardown waiting on
+    # leftover library threads or child processes (seen with hivemind's DHT process), so SIGTERM meets its deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -141,6 +141,11 @@ class Swarm:
                 os.kill(c["proc"].pid, signal.SIGKILL)
                 c["proc"].wait()
             c["log"].close()
+        for c in self.children:  # a child leads its own session: this also ends a DHT process it left behind
+            try:
+                os.killpg(c["proc"].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def summary(self) -> dict[str, Any]:
         peers = []

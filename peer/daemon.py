@@ -378,8 +378,16 @@ class Daemon(StageLife):
             if status is not None:
                 await status.stop()
             if self.dht is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+                await asyncio.get_running_loop().run_in_executor(None, self._stop_dht)
             self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def _stop_dht(self) -> None:
+        """hivemind's graceful shutdown, then SIGKILL if its process is still alive (it must not outlive us)."""
+        self.dht.shutdown()
+        if self.dht.is_alive():
+            logger.warning("the DHT process did not stop; killing it")
+            self.dht.kill()
+            self.dht.join(timeout=5)
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""

@@ -112,13 +112,15 @@ class Swarm:
         if initial:
             cmd += ["--initial-peers", *initial]
         with open(d / "log.txt", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         peer = Peer(name, proc, d, port)
         self.peers.append(peer)
         return peer
 
     def reap(self) -> None:
+        """SIGTERM every peer, SIGKILL what is left after 10 s, then kill each peer's process group: a peer killed
+        with SIGKILL leaves its hivemind DHT process and p2pd behind, and they must not outlive the test."""
         for p in self.peers:
             p.signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -128,6 +130,11 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 os.kill(p.proc.pid, signal.SIGKILL)
                 p.proc.wait()
+        for p in self.peers:  # each peer leads its own session (start_new_session), so its pgid is its pid
+            try:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
