@@ -16,6 +16,7 @@ EPILOG = """examples:
   asyncmesh-peer simulate --preset smoke --out /tmp/sim            # every method, seconds (what CI runs)
   asyncmesh-peer simulate --preset paper --out docs/sim/paper --jobs 2   # 4 stages x 2 replicas, ~30 min
   asyncmesh-peer simulate --preset stress --out /tmp/stress        # 8 stages, tau 10 and 50
+  asyncmesh-peer simulate --preset base --device cuda --jobs 3 --out /tmp/base   # AsyncPP base scale on a GPU
   asyncmesh-peer simulate --preset paper --methods fullsync,asyncmesh --compression int8 --out /tmp/int8
   asyncmesh-peer simulate --preset smoke --stages 4 --replicas 4 --tau 2,8 --p 0.1 --steps 128 --out /tmp/x
 
@@ -26,7 +27,7 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=("smoke", "paper", "stress"), default="smoke",
+    parser.add_argument("--preset", choices=("smoke", "paper", "stress", "base"), default="smoke",
                         help="base configuration (default: smoke)")
     parser.add_argument("--out", type=Path, required=True, help="output folder (created; files are overwritten)")
     parser.add_argument("--methods", default=None, help="comma-separated methods, or 'all' (default: the preset's)")
@@ -38,10 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p", type=float, default=None, dest="fraction", help="fraction averaged per round")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--compression", choices=CODECS, default=None,
-                        help="codec for activations and gradients between stages (default: none)")
+                        help="codec for activations (and gradients, unless --grad-compression) between stages "
+                        "(default: none)")
+    parser.add_argument("--grad-compression", choices=CODECS, default=None,
+                        help="codec for the gradients only (default: as --compression)")
     parser.add_argument("--avg-compression", choices=CODECS, default=None, help="codec for averaging payloads")
     parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N micro-batches per replica")
     parser.add_argument("--seed", type=int, default=None, help="run seed (init, data shards, partitions)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                        help="where the workers compute (default: cpu; auto takes a GPU when torch sees one)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="methods trained in parallel processes (1 thread each); use only on an idle machine")
     parser.add_argument("--no-wallclock", action="store_true", help="skip the wall-clock model")
@@ -73,16 +79,19 @@ def build_config(args: argparse.Namespace):
     """The SimConfig the arguments describe (ValueError with advice on bad combinations)."""
     from trainer.sim_methods import parse_methods
     from trainer.sim_presets import preset, with_overrides
+    from trainer.worker import resolve_device
 
     tau, taus = _taus(args.tau)
     compression = None
-    if args.compression or args.avg_compression:
-        compression = {"activations": args.compression or "none", "gradients": args.compression or "none",
+    if args.compression or args.grad_compression or args.avg_compression:
+        compression = {"activations": args.compression or "none",
+                       "gradients": args.grad_compression or args.compression or "none",
                        "averaging": args.avg_compression or "none"}
     return with_overrides(
         preset(args.preset), stages=args.stages, replicas=args.replicas, steps=args.steps, tau=tau, taus=taus,
         fraction=args.fraction, methods=parse_methods(args.methods) if args.methods else None,
         compression=compression, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+        device=resolve_device(args.device),
     )
 
 

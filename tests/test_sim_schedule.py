@@ -104,3 +104,31 @@ def test_tau_variants_name_each_run():
 def test_steps_must_divide_evenly_for_equal_samples():
     with pytest.raises(ValueError, match="same samples"):
         with_overrides(preset("smoke"), steps=10)  # micro_batches is 4
+
+
+@pytest.mark.timeout(60)
+def test_codec_error_of_every_hop_is_recorded_in_the_curve():
+    sim = tiny(steps=16)
+    sim = dataclasses.replace(sim, run=sim.run.replace(
+        compression={"activations": "int8", "gradients": "none", "averaging": "none"}))
+    rec = run_method(sim, "asyncpp", "asyncpp", sim.tau)
+    for point in rec["curve"]:
+        assert 0.0 < point["act_codec_rel_err"] < 0.01  # int8: ~0.65 % relative error per hop
+        assert "grad_codec_rel_err" not in point  # gradients travelled uncompressed
+
+
+def test_base_preset_is_the_asyncpp_base_scale():
+    sim = preset("base")
+    m = sim.run.model
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size, sim.run.n_stages) == (8, 768, 12, 512, 8)
+    assert sim.run.data.batch_size == 8 and sim.n_replicas == 1 and sim.run.optim.lr == 3e-4
+    assert set(sim.methods) == {"fullsync", "asyncpp", "naive-async"}
+    assert with_overrides(sim, device="cuda").device == "cuda"
+
+
+def test_device_must_be_cpu_or_cuda():
+    with pytest.raises(ValueError, match="device must be"):
+        dataclasses.replace(preset("smoke"), device="tpu")
+    legacy = preset("smoke").to_dict()
+    del legacy["device"]  # results.json written before the field existed
+    assert SimConfig.from_dict(legacy).device == "cpu"

@@ -57,3 +57,37 @@ def test_cli_rejects_bad_tau_with_a_message(tmp_path, capsys):
 def test_cli_rejects_unknown_methods(tmp_path, capsys):
     assert main(["simulate", "--out", str(tmp_path), "--methods", "fullsync,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_compression_flags_set_each_codec():
+    from peer.cli import build_parser
+    from peer.cmd_simulate import build_config
+
+    def codecs(*flags: str) -> tuple[str, str, str]:
+        args = build_parser().parse_args(["simulate", "--out", "/tmp/x", *flags])
+        c = build_config(args).run.compression
+        return c.activations, c.gradients, c.averaging
+
+    assert codecs("--compression", "int8") == ("int8", "int8", "none")
+    assert codecs("--compression", "int8", "--grad-compression", "none") == ("int8", "none", "none")
+    assert codecs("--grad-compression", "int8") == ("none", "int8", "none")
+    assert codecs("--avg-compression", "int8") == ("none", "none", "int8")
+
+
+def test_sim_variant_tool_trains_an_ad_hoc_variant(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "sim_variant.py"
+    spec = importlib.util.spec_from_file_location("sim_variant", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    try:
+        assert tool.main(["--preset", "smoke", "--steps", "16", "--eval-every", "8", "--rule", "avg",
+                          "--fraction", "1", "--tau", "0", "--optimizer", "adamw", "--beta1", "0.9"]) == 0
+    finally:
+        from trainer.sim_methods import METHODS
+
+        METHODS.pop(tool.NAME, None)
+    losses = [float(v) for v in capsys.readouterr().out.split()]
+    assert len(losses) == 2 and losses[1] < losses[0] < 5.2  # two evaluations, learning from the uniform 5.55

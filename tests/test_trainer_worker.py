@@ -9,7 +9,7 @@ import torch
 
 from trainer.config import RunConfig
 from trainer.model import build_gpt
-from trainer.worker import StageWorker
+from trainer.worker import StageWorker, resolve_device
 
 
 def tiny(n_stages: int = 2, **sections) -> RunConfig:
@@ -397,3 +397,26 @@ def test_asynchronous_1f1b_pipeline_learns(stashing):
     assert workers[2].version == 120 and workers[0].version == 118
     assert max(len(w.stashed_versions()) for w in workers) <= 2
     assert sum(losses[-8:]) / 8 < sum(losses[:8]) / 8 - 1.5
+
+
+def test_resolve_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert resolve_device("cuda:1") == "cuda:1"
+
+
+def test_last_delay_counts_the_steps_between_forward_and_backward():
+    run = RunConfig.default().replace(n_stages=2, model={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16})
+    w0 = StageWorker(run, 0)
+    x = torch.randint(0, 256, (2, 16))
+    for mb in range(3):
+        w0.forward(mb, x)  # all three at version 0
+    for mb in range(3):
+        w0.backward(mb, torch.randn(2, 16, 32))
+        assert w0.last_delay == mb  # each backward steps, so the next one is one step staler
+

@@ -4,6 +4,9 @@
 * **paper** — the AsyncMesh "4 x 2 mesh" (4 stages x 2 replicas) on a small byte-level GPT of the default corpus,
   3,000 steps, tau 10, p 0.05, every method; sized to finish in about 30 minutes on 2 CPU cores.
 * **stress** — 8 stages x 2 replicas, the tau-dependent methods at tau 10 and 50: where each method degrades.
+* **base** — AsyncPP's base scale for a GPU (``--device cuda``): 8 layers of width 768 (12 heads), 8 stages of one
+  layer, context 512, 8 sequences per micro-batch, lr 3e-4, one replica (a pure pipeline), fullsync vs asyncpp vs
+  naive-async. The paper's model with our byte vocabulary (256) instead of GPT-2's, so ~57 M parameters, not 134 M.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from trainer.simulator import SimConfig, run_method
 
 logger = logging.getLogger(__name__)
 
-PRESETS = ("smoke", "paper", "stress")
+PRESETS = ("smoke", "paper", "stress", "base")
 
 
 def _run(n_stages: int, n_layer: int, n_embd: int, n_head: int, block: int, batch: int, lr: float, warmup: int,
@@ -53,6 +56,10 @@ def preset(name: str) -> SimConfig:
                          n_replicas=2, steps=1000, micro_batches=4, tau=10, taus=(10, 50), fraction=0.05,
                          accumulate=4, eval_every=200, eval_batches=8,
                          methods=("fullsync", "naive-async", "asyncpp", "asyncmesh", "async-sparta", "delta"))
+    if name == "base":
+        return SimConfig(preset="base", run=_run(8, 8, 768, 12, 512, 8, 3e-4, 300, 3000, 0, 1000), n_replicas=1,
+                         steps=3000, micro_batches=4, tau=10, fraction=0.05, accumulate=4, eval_every=250,
+                         eval_batches=16, methods=("fullsync", "asyncpp", "naive-async"))
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
@@ -66,7 +73,7 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
                    steps: int | None = None, tau: int | None = None, taus: tuple[int, ...] | None = None,
                    fraction: float | None = None, methods: tuple[str, ...] | None = None,
                    compression: dict[str, str] | None = None, lr: float | None = None,
-                   eval_every: int | None = None, seed: int | None = None) -> SimConfig:
+                   eval_every: int | None = None, seed: int | None = None, device: str | None = None) -> SimConfig:
     """Apply command-line overrides; the schedule length follows ``steps`` and the layer count the stages."""
     run, kw = sim.run, {}
     if stages is not None:
@@ -84,7 +91,7 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
     if seed is not None:
         run = run.replace(seed=seed)
     for key, value in (("n_replicas", replicas), ("tau", tau), ("taus", taus), ("fraction", fraction),
-                       ("methods", methods), ("eval_every", eval_every)):
+                       ("methods", methods), ("eval_every", eval_every), ("device", device)):
         if value is not None:
             kw[key] = value
     return dataclasses.replace(sim, run=run, **kw)

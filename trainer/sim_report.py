@@ -102,11 +102,16 @@ def _plot(path: Path, results: list[dict[str, Any]], doc: dict[str, Any]) -> Non
     wc = doc.get("wallclock", {}).get("methods", {})
     panels = 2 if wc else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
+    # a diverged method must not squash the others: cap the axis a little above the median method's first value
+    firsts = sorted(r["curve"][0]["val_loss"] for r in results if r["curve"])
+    top = 1.15 * firsts[len(firsts) // 2] if firsts else None
     for r in results:
         xs = [p["samples"] for p in r["curve"]]
         ys = [p["val_loss"] for p in r["curve"]]
         style = "k-" if r["name"] == BASELINE else "-"
-        axes[0][0].plot(xs, ys, style, label=r["name"], linewidth=1.2)
+        clipped = top is not None and any(y > top for y in ys)
+        label = f"{r['name']} (off the chart: {ys[-1]:.2f})" if clipped and ys[-1] > top else r["name"]
+        axes[0][0].plot(xs, ys, style, label=label, linewidth=1.2)
         if wc and r["name"] in wc and xs:
             per_sample = wc[r["name"]] / xs[-1]
             axes[0][1].plot([x * per_sample for x in xs], ys, style, label=r["name"], linewidth=1.2)
@@ -119,6 +124,8 @@ def _plot(path: Path, results: list[dict[str, Any]], doc: dict[str, Any]) -> Non
     for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        if top is not None:
+            ax.set_ylim(top=top)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

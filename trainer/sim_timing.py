@@ -1,8 +1,9 @@
 """Measured compute times + stated network assumptions -> each method's modelled wall-clock and speedup tables.
 
 Compute times are measured on this machine with the simulation's own StageWorkers (forward without grad; backward
-with its recompute and the optimiser step), so they are CPU figures for the simulated model; a GPU-like mesh is
-given as stated numbers (``GPU_LIKE``). The network is the same for every method: one-way latency and bandwidth per
+with its recompute and the optimiser step) on the simulation's device, so they are CPU figures for the simulated
+model unless the simulation runs on a GPU (``--device cuda``, e.g. the base preset); a GPU-like mesh is also given as
+stated numbers (``GPU_LIKE``). The network is the same for every method: one-way latency and bandwidth per
 link, activations and gradients in int8 (1 byte per value) on pipeline hops, fullsync's gradient all-reduce in fp32,
 sparse averaging payloads in int8 (DESIGN.md: "the partition (5 % of the weights) in 8-bit").
 
@@ -39,17 +40,27 @@ GPU_LIKE = {
 }
 
 
-def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2) -> tuple[list[float], list[float]]:
-    """Forward and backward(+step) seconds per micro-batch of every stage of ``run`` on this machine.
+def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2,
+                        device: str = "cpu") -> tuple[list[float], list[float]]:
+    """Forward and backward(+step) seconds per micro-batch of every stage of ``run`` on ``device``.
 
-    CPU time of this (single-threaded) process, so other processes sharing the machine do not inflate it; the minimum
-    over ``repeats`` micro-batches.
+    On the CPU: CPU time of this (single-threaded) process, so other processes sharing the machine do not inflate it.
+    On a GPU: wall time with the device synchronised before and after each call. The minimum over ``repeats``.
     """
-    from trainer.worker import StageWorker
+    from trainer.worker import StageWorker, is_gpu, use_tf32_on_gpu
 
     torch.set_num_threads(1)
+    gpu = is_gpu(device)
+    use_tf32_on_gpu(device)
+
+    def clock() -> float:
+        if gpu:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return time.process_time()
+
     k, b, t = run.n_stages, run.data.batch_size, run.model.block_size
-    workers = [StageWorker(run, s) for s in range(k)]
+    workers = [StageWorker(run, s, device=device) for s in range(k)]
     fwd: list[list[float]] = [[] for _ in range(k)]
     bwd: list[list[float]] = [[] for _ in range(k)]
     gen = torch.Generator().manual_seed(0)
@@ -59,20 +70,20 @@ def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2) -
         h, inputs = x, []
         for s in range(k - 1):
             inputs.append(h)
-            t0 = time.process_time()
+            t0 = clock()
             h = workers[s].forward(i, h)
-            fwd[s].append(time.process_time() - t0)
-        t0 = time.process_time()
+            fwd[s].append(clock() - t0)
+        t0 = clock()
         workers[-1].evaluate(h, y)
-        f_last = time.process_time() - t0
-        t0 = time.process_time()
+        f_last = clock() - t0
+        t0 = clock()
         _, g = workers[-1].forward_loss(i, h, y)
         fwd[-1].append(f_last)
-        bwd[-1].append(max(0.0, time.process_time() - t0 - f_last))
+        bwd[-1].append(max(0.0, clock() - t0 - f_last))
         for s in range(k - 2, -1, -1):
-            t0 = time.process_time()
+            t0 = clock()
             g = workers[s].backward(i, g)
-            bwd[s].append(time.process_time() - t0)
+            bwd[s].append(clock() - t0)
 
     return [min(v[warmup:]) for v in fwd], [min(v[warmup:]) for v in bwd]
 
@@ -83,6 +94,12 @@ def stage_param_counts(run: RunConfig) -> list[int]:
     return [sum(p.numel() for p in build_stage(run, s).parameters()) for s in range(run.n_stages)]
 
 
+def _on_gpu(sim: Any) -> bool:
+    from trainer.worker import is_gpu
+
+    return is_gpu(getattr(sim, "device", "cpu"))
+
+
 @dataclass
 class WallclockReport:
     """Compute times of the simulated model and the network assumptions; turns results into modelled seconds."""
@@ -91,18 +108,26 @@ class WallclockReport:
     fwd_s: list[float]
     bwd_s: list[float]
     params: list[int]
+    bandwidth: float = DEFAULT_BANDWIDTH
+    """Link bandwidth in bytes/s: 100 Mbit/s for CPU-measured compute, GPU_LIKE's 1 Gbit/s for GPU-measured."""
 
     @classmethod
     def measure(cls, sim: Any) -> WallclockReport:
-        fwd, bwd = measure_stage_times(sim.run)
-        return cls(sim, fwd, bwd, stage_param_counts(sim.run))
+        device = getattr(sim, "device", "cpu")
+        fwd, bwd = measure_stage_times(sim.run, device=device)
+        bandwidth = GPU_LIKE["bandwidth"] if _on_gpu(sim) else DEFAULT_BANDWIDTH
+        return cls(sim, fwd, bwd, stage_param_counts(sim.run), bandwidth)
 
-    def mesh(self, latency_s: float, bandwidth: float = DEFAULT_BANDWIDTH) -> MeshTiming:
+    @property
+    def measured_on(self) -> str:
+        return "GPU" if _on_gpu(self.sim) else "CPU"
+
+    def mesh(self, latency_s: float, bandwidth: float | None = None) -> MeshTiming:
         run = self.sim.run
         act = run.data.batch_size * run.model.block_size * run.model.n_embd  # int8: one byte per value
         return MeshTiming(fwd_s=tuple(self.fwd_s), bwd_s=tuple(self.bwd_s), stage_params=tuple(self.params),
                           activation_bytes=float(act), n_replicas=self.sim.n_replicas, link_latency_s=latency_s,
-                          link_bandwidth=bandwidth)
+                          link_bandwidth=self.bandwidth if bandwidth is None else bandwidth)
 
     def per_microbatch(self, method: str, tau: int, mesh: MeshTiming) -> float:
         """Modelled seconds per micro-batch (per replica) of ``method`` on ``mesh``."""
@@ -128,9 +153,11 @@ class WallclockReport:
         methods = {r["name"]: self.per_microbatch(r["method"], r["tau"] or 0, mesh) * self.sim.steps for r in results}
         return {
             "assumptions": {
-                "compute": "measured on this CPU, process CPU time, minimum over 12 micro-batches, 1 thread",
+                "compute": (f"measured on this {self.measured_on}, "
+                            + ("synchronised wall time" if self.measured_on == "GPU" else "process CPU time, 1 thread")
+                            + ", minimum over 12 micro-batches"),
                 "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "stage_params": self.params,
-                "latency_s": DEFAULT_LATENCY_MS / 1e3, "bandwidth_bytes_per_s": DEFAULT_BANDWIDTH,
+                "latency_s": DEFAULT_LATENCY_MS / 1e3, "bandwidth_bytes_per_s": self.bandwidth,
                 "activations": "int8", "inflight": mesh.n_stages,
             },
             "methods": methods,
@@ -141,7 +168,7 @@ class WallclockReport:
         rows = []
         for lat in latencies_ms:
             mesh = self.mesh(lat / 1e3)
-            rows.append(speedup_row(f"{mesh.n_stages}x{mesh.n_replicas} sim model, CPU-measured", mesh,
+            rows.append(speedup_row(f"{mesh.n_stages}x{mesh.n_replicas} sim model, {self.measured_on}-measured", mesh,
                                     self.sim.micro_batches, self.sim.fraction, self.sim.tau, lat))
         return rows
 

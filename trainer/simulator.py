@@ -42,7 +42,7 @@ from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
 from trainer.sim_methods import METHODS, MethodSpec
-from trainer.worker import StageWorker
+from trainer.worker import StageWorker, use_tf32_on_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ class SimConfig:
     """Validation batches per evaluation (a fixed set, the same for every method)."""
     methods: tuple[str, ...] = ("fullsync", "asyncpp", "asyncmesh")
     """Methods to run, in order."""
+    device: str = "cpu"
+    """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
+    On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
 
     def __post_init__(self) -> None:
         if self.n_replicas < 1 or self.steps < 1 or self.micro_batches < 1 or self.accumulate < 1:
@@ -95,6 +98,8 @@ class SimConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     def variants(self) -> list[tuple[str, str, int]]:
         """(result name, method, tau) for every run: tau-dependent methods once per tau when taus is set."""
@@ -110,6 +115,7 @@ class SimConfig:
     def from_dict(cls, d: dict[str, Any]) -> SimConfig:
         """Inverse of to_dict (reads the 'config' of a results.json)."""
         d = dict(d)
+        d.setdefault("device", "cpu")  # results written before the field existed ran on the CPU
         d["run"] = RunConfig.from_dict(d["run"])
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
         return cls(**d)
@@ -139,13 +145,17 @@ class _Run:
         self.run = spec.configure(sim.run, _Knobs(sim, tau))
         self.K, self.R = self.run.n_stages, sim.n_replicas
         auto = spec.combine != "grad"
-        self.w = [[StageWorker(self.run, s, replica=r, auto_step=auto) for s in range(self.K)] for r in range(self.R)]
+        self.w = [[StageWorker(self.run, s, device=sim.device, replica=r, auto_step=auto) for s in range(self.K)]
+                  for r in range(self.R)]
         b, t = self.run.data.batch_size, self.run.model.block_size
         self.streams = [BatchStream(corpus.train, t, b, shard_seed(self.run.seed, r)) for r in range(self.R)]
         self.digests = [hashlib.sha256() for _ in range(self.R)]
         self.val = val
         comp = self.run.compression
-        self.act, self.grad, self.avg_codec = _codec(comp.activations), _codec(comp.gradients), _codec(comp.averaging)
+        self.codec_errors: dict[str, list[float]] = {"act": [], "grad": []}  # relative L2 error per hop, since record
+        self.act = self._measured(comp.activations, "act")
+        self.grad = self._measured(comp.gradients, "grad")
+        self.avg_codec = _codec(comp.averaging)
         self.consumed = 0  # micro-batches per replica read so far
         self.losses: list[float] = []
         self.curve: list[dict[str, float]] = []
@@ -153,6 +163,18 @@ class _Run:
         self.rounds = [0] * self.K
         self.seen_steps = [0] * self.K
         self.rounds_applied = 0
+
+    def _measured(self, name: str, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The codec's round trip, recording ||q(t) - t|| / ||t|| of every hop (the curve reports their mean)."""
+        codec = _codec(name)
+        if name == "none":
+            return codec
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            q = codec(t)
+            self.codec_errors[kind].append(float((q - t).norm() / t.norm().clamp_min(1e-30)))
+            return q
+        return apply
 
     # --- data -------------------------------------------------------------------------------------------------------
     def next_batch(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +267,12 @@ class _Run:
         train = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         self.losses.clear()
         samples = self.consumed * self.R * self.run.data.batch_size
-        self.curve.append({"samples": samples, "train_loss": train, "val_loss": val})
+        point = {"samples": samples, "train_loss": train, "val_loss": val}
+        for kind, errs in self.codec_errors.items():
+            if errs:
+                point[f"{kind}_codec_rel_err"] = sum(errs) / len(errs)
+                errs.clear()
+        self.curve.append(point)
         logger.info("%s: %d samples, train %.4f, val %.4f", self.spec.name, samples, train, val)
 
     # --- schedules --------------------------------------------------------------------------------------------------
@@ -324,6 +351,7 @@ class _Knobs:
 def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, Any]:
     """Train one method (variant ``name``) and return its result record (JSON-able)."""
     torch.set_num_threads(1)
+    use_tf32_on_gpu(sim.device)
     torch.manual_seed(sim.run.seed)
     corpus = load_corpus(sim.run.data, sim.run.model.vocab_size)
     val = val_batches(corpus, sim.run.model.block_size, sim.run.data.batch_size, sim.eval_batches)

@@ -44,6 +44,26 @@ STATE_FORMAT = 1
 _Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]  # output -> (backprop target, its gradient)
 
 
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without a GPU raises ValueError with advice."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but torch sees no CUDA GPU; install a CUDA build of torch "
+                         "or use the CPU ('cpu')")
+    return name
+
+
+def is_gpu(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def use_tf32_on_gpu(device: str | torch.device) -> None:
+    """The simulator's choice on a GPU: float32 matrix products in TF32 (no effect on the CPU)."""
+    if is_gpu(device):
+        torch.set_float32_matmul_precision("high")
+
+
 @dataclass
 class _Pending:
     x: torch.Tensor  # stage input: tokens [B, T] or activations [B, T, C]
@@ -81,6 +101,7 @@ class StageWorker:
         self.local_step = 0
         self.accumulated = 0  # gradient contributions summed into .grad since the last step
         self.steps_skipped = 0  # steps refused because the gradient norm was not finite
+        self.last_delay = 0  # steps applied between the last backwarded micro-batch's forward and its backward
         self.last_grad_norm: float | None = None
         self._pending: dict[int, _Pending] = {}
         self._stash: dict[int, list[torch.Tensor]] = {}  # version -> weight copies of a superseded version
@@ -170,6 +191,7 @@ class StageWorker:
             raise ValueError(f"gradient for micro-batch {mb_id} must be float {expected}, "
                              f"got {grad_y.dtype} {tuple(grad_y.shape)}")
         del self._pending[mb_id]
+        self.last_delay = self.local_step - pend.version
         try:
             weights = self._stash.get(pend.version) if self.run.optim.weight_stashing else None
             x = pend.x if self.is_first else pend.x.detach().requires_grad_(True)
