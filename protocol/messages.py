@@ -41,8 +41,8 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+PROTOCOL_VERSION = 2  # 2: Forward carries `flush` (the synchronous mode's step number)
+SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -85,9 +85,13 @@ class Hello(Message):
 
 
 @_message(2, run_id=s.text(), mb_id=_count, route=_route, activations=s.envelope, targets=s.optional(s.envelope),
-          is_eval=s.boolean, sent_at=s.real(0, 1e12))  # fmt: skip
+          is_eval=s.boolean, sent_at=s.real(0, 1e12), flush=s.optional(_count))  # fmt: skip
 class Forward(Message):
-    """Activations of micro-batch `mb_id` for the next stage; `route` lists the peer ids it went through so far."""
+    """Activations of micro-batch `mb_id` for the next stage; `route` lists the peer ids it went through so far.
+
+    `flush` is set by stage 0 in the synchronous mode only: the number of the GPipe flush (optimiser step) the
+    micro-batch belongs to, so that later stages know when a flush is over without counting micro-batches.
+    """
 
     run_id: str
     mb_id: int
@@ -96,6 +100,7 @@ class Forward(Message):
     targets: TensorEnvelope | None
     is_eval: bool
     sent_at: float
+    flush: int | None = None
 
 
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),

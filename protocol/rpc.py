@@ -32,6 +32,7 @@ __all__ = ["RpcServer", "RpcLimits", "call", "Handler", "PROTOCOL_PREFIX"]
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Message, str], Awaitable[Message]]
+Counting = Callable[[str, int], None]  # e.g. PeerMetrics.inc
 #: messages with more payload bytes than this are (un)packed in the default executor, not on the event loop
 OFFLOOP_BYTES = 1 << 20
 #: libp2p protocol names are PROTOCOL_PREFIX + handler name (unversioned: versions are negotiated in messages)
@@ -61,12 +62,16 @@ class RpcServer:
         p2p: a started hivemind.P2P (e.g. `dht.replicate_p2p()` or `P2P.create()`).
         limits: sizes, budgets and timeouts; the defaults suit activations and 64 MiB state chunks.
 
+        count: optional ``count(name, n)`` (e.g. a metrics object's ``inc``) told of every ``bytes_in`` /
+            ``bytes_out`` the server reads and writes, so traffic shows up wherever the caller keeps its figures.
+
     `rejected` counts refused or failed requests by reason (the lower-case ErrorCode name, or 'busy'); `served`
     counts handled requests by handler name; `bytes_in` / `bytes_out` count payload bytes.
     """
 
-    def __init__(self, p2p: P2P, limits: RpcLimits | None = None) -> None:
+    def __init__(self, p2p: P2P, limits: RpcLimits | None = None, *, count: Counting | None = None) -> None:
         self.p2p = p2p
+        self.count = count
         self.limits = limits or RpcLimits()
         self.rejected: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
@@ -98,6 +103,7 @@ class RpcServer:
     ) -> None:
         limits = self.limits
         buffered = 0
+        request_read = False  # the whole request arrived (else the caller may still be sending it)
 
         def admit(n: int) -> None:
             nonlocal buffered
@@ -120,7 +126,10 @@ class RpcServer:
                         )  # fmt: skip
                 except TimeoutError:
                     raise TimeoutError(f"request not received within {limits.read_timeout_s} s") from None
+                request_read = True
                 self.bytes_in += len(data)
+                if self.count is not None:
+                    self.count("bytes_in", len(data))
                 msg = await _unpack(data)
                 del data
                 deadline = asyncio.timeout(limits.handler_timeout_s)
@@ -164,7 +173,12 @@ class RpcServer:
             async with asyncio.timeout(limits.write_timeout_s):
                 await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
                 self.bytes_out += len(payload)
-                if writer.can_write_eof():
+                if self.count is not None:
+                    self.count("bytes_out", len(payload))
+                # Half-closing makes p2pd close the whole libp2p stream, and a caller still sending gets a reset
+                # that loses the reply in its socket (its write fails first and asyncio then discards what was
+                # read). So only half-close after a complete request; the end flag of the reply frames suffices.
+                if request_read and writer.can_write_eof():
                     writer.write_eof()
             # A refused sender may still be writing its request. Closing now would reset the stream and could
             # destroy our reply in flight, so discard what arrives until the caller hangs up (bounded in time and
@@ -197,8 +211,11 @@ async def call(
     *,
     timeout: float,
     limits: RpcLimits | None = None,
+    count: Counting | None = None,
 ) -> Message:
     """Send `msg` to handler `name` of `peer_id` and return the reply.
+
+    `count("bytes_out", n)` / `count("bytes_in", n)`, when given, is told of the request's and the reply's size.
 
     Raises RemoteError for Error replies, TimeoutError after `timeout` seconds in total, PeerUnreachable when no
     stream can be opened, FrameTooLarge when `msg` exceeds our own max_message_bytes (nothing is sent), and other
@@ -233,6 +250,9 @@ async def call(
                     sending.add_done_callback(_consume)
         finally:
             writer.close()
+    if count is not None:
+        count("bytes_out", len(data))
+        count("bytes_in", len(reply_bytes))
     reply = await _unpack(reply_bytes)
     if isinstance(reply, Error):
         raise RemoteError(reply.code, reply.message)

@@ -202,18 +202,18 @@ MEMORY_PROBE = textwrap.dedent(
     from protocol.envelope import TensorEnvelope
     from protocol.errors import ProtocolError
     from protocol.framing import frame_header, read_message
-    from protocol.messages import unpack
+    from protocol.messages import PROTOCOL_VERSION, unpack
 
     def rss_mib():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     base = rss_mib()
     hostile = [
-        b"\\x93\\x01\\x02\\xdd\\xff\\xff\\xff\\xff",                 # array announcing 2**32 - 1 items
-        b"\\x93\\x01\\x02\\xc6\\xff\\xff\\xff\\xff" + bytes(16),     # bin announcing 4 GiB
-        b"\\x93\\x01\\x02\\xdf\\xff\\xff\\xff\\xff",                 # map announcing 2**32 - 1 entries
+        b"\\x93\\x02\\x02\\xdd\\xff\\xff\\xff\\xff",                 # array announcing 2**32 - 1 items
+        b"\\x93\\x02\\x02\\xc6\\xff\\xff\\xff\\xff" + bytes(16),     # bin announcing 4 GiB
+        b"\\x93\\x02\\x02\\xdf\\xff\\xff\\xff\\xff",                 # map announcing 2**32 - 1 entries
         b"\\x91" * 100_000,                                       # nesting 100,000 deep
-        msgpack.packb([1, 2, ["r", 1, [], [5, "float32", [2**27, 4], b""], None, False, 0.0]]),
+        msgpack.packb([PROTOCOL_VERSION, 2, ["r", 1, [], [5, "float32", [2**27, 4], b""], None, False, 0.0, None]]),
     ]
     for data in hostile:
         try:

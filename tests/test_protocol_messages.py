@@ -35,6 +35,7 @@ SAMPLES = [
     Hello(PROTOCOL_VERSION, "run-abc", 2, "QmPeer", ["int8", "int4"]),
     Forward("run", 17, ["QmA", "QmB"], ENV, encode(torch.arange(6), "none"), False, 1700000000.5),
     Forward("run", 18, [], ENV, None, True, 0.0),
+    Forward("run", 19, ["QmA"], ENV, None, False, 0.0, 41),
     Backward("run", 17, ["QmA"], ENV, 3.25, False),
     Backward("run", 18, ["QmA"], None, None, True),
     Ack(),
@@ -87,19 +88,21 @@ def _raw(version: object, kind: object, fields: object) -> bytes:
     [
         b"",
         b"\xc1",
-        _raw(1, 1, [1, "run", 0, "p"]),  # missing a field
-        _raw(1, 1, [1, "run", 0, "p", [], "extra"]),
-        _raw(1, 42, []),
-        _raw(1, "Hello", []),
-        _raw(1, 4, {}),
+        _raw(PROTOCOL_VERSION, 1, [1, "run", 0, "p"]),  # missing a field
+        _raw(PROTOCOL_VERSION, 1, [1, "run", 0, "p", [], "extra"]),
+        _raw(PROTOCOL_VERSION, 42, []),
+        _raw(PROTOCOL_VERSION, "Hello", []),
+        _raw(PROTOCOL_VERSION, 4, {}),
         msgpack.packb({"v": 1}),
-        _raw(1, 5, [True]),  # bool is not a number here
-        _raw(1, 2, ["run", 1, [], [3, "float32", [2], b"12345678"], None, False, "now"]),
-        _raw(1, 2, ["run", 1, [], [3, "float32", [-2], b""], None, False, 0.0]),
-        _raw(1, 2, ["run", 1, [], [3, "float32", [2], "text"], None, False, 0.0]),
-        _raw(1, 9, ["run", 0, 0, 0, 1, {1: 2}, {}]),
+        _raw(PROTOCOL_VERSION, 5, [True]),  # bool is not a number here
+        _raw(PROTOCOL_VERSION, 2, ["run", 1, [], [3, "float32", [2], b"12345678"], None, False, "now", None]),
+        _raw(PROTOCOL_VERSION, 2, ["run", 1, [], [3, "float32", [-2], b""], None, False, 0.0, None]),
+        _raw(PROTOCOL_VERSION, 2, ["run", 1, [], [3, "float32", [2], "text"], None, False, 0.0, None]),
+        _raw(PROTOCOL_VERSION, 2, ["run", 1, [], [3, "float32", [2], b"12345678"], None, False, 0.0]),  # v1 Forward
+        _raw(PROTOCOL_VERSION, 2, ["run", 1, [], [3, "float32", [2], b"12345678"], None, False, 0.0, -1]),
+        _raw(PROTOCOL_VERSION, 9, ["run", 0, 0, 0, 1, {1: 2}, {}]),
         pack(Ack()) + b"\x00",  # trailing bytes
-        msgpack.packb([1, 4, [msgpack.ExtType(5, b"x")]]),
+        msgpack.packb([PROTOCOL_VERSION, 4, [msgpack.ExtType(5, b"x")]]),
     ],
 )
 def test_unpack_rejects_malformed(data: bytes) -> None:
@@ -108,7 +111,7 @@ def test_unpack_rejects_malformed(data: bytes) -> None:
 
 
 def test_version_mismatch_says_which_versions() -> None:
-    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 1"):
+    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 2"):
         unpack(_raw(7, 4, []))
     with pytest.raises(VersionMismatch):
         unpack(_raw(7, "garbage", "fields"))  # the version is checked first

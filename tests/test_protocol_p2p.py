@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -124,7 +125,8 @@ def test_message_limit_over_many_frames_and_local_refusal() -> None:
 def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
     async def body(server: P2P, client: P2P) -> None:
         limits = RpcLimits(read_timeout_s=2.0, handler_timeout_s=2.0)  # generous: the test host may be loaded
-        rpc = RpcServer(server, limits)
+        served: Counter[str] = Counter()
+        rpc = RpcServer(server, limits, count=lambda name, n: served.update({name: n}))
 
         async def echo(msg, peer: str):
             if isinstance(msg, Hello) and msg.stage == 1:
@@ -137,7 +139,11 @@ def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
 
         await rpc.add_handler("echo", echo)
         hello = Hello(1, "run", 0, "me", [])
-        assert await call(client, server.peer_id, "echo", hello, timeout=10) == hello
+        sent: Counter[str] = Counter()
+        assert await call(client, server.peer_id, "echo", hello, timeout=10,
+                          count=lambda name, n: sent.update({name: n})) == hello
+        size = len(pack(hello))  # traffic is counted on both sides, for the caller's and the server's figures
+        assert sent == {"bytes_out": size, "bytes_in": size} and served == {"bytes_in": size, "bytes_out": size}
 
         async def raw(payload: bytes) -> Error:
             _, reader, writer = await client.call_binary_stream_handler(server.peer_id, PROTOCOL_PREFIX + "echo")
@@ -151,9 +157,9 @@ def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
         junk = b"\xc1\xc1 not msgpack"
         assert (await raw(frame_header(len(junk), end=True) + junk)).code == ErrorCode.BAD_REQUEST
         assert (await raw(b"GET / HTTP/1.1\r\n\r\n")).code == ErrorCode.BAD_REQUEST
-        future = pack(hello).replace(b"\x93\x01", b"\x93\x09", 1)  # [version 9, kind, fields]
+        future = pack(hello).replace(b"\x93\x02", b"\x93\x09", 1)  # [version 9, kind, fields]
         reply = await raw(frame_header(len(future), end=True) + future)
-        assert reply.code == ErrorCode.VERSION_MISMATCH and "1" in reply.message and "9" in reply.message
+        assert reply.code == ErrorCode.VERSION_MISMATCH and "2" in reply.message and "9" in reply.message
         assert (await raw(frame_header(100, end=True) + b"short")).code == ErrorCode.TIMEOUT
 
         for stage, code in ((1, ErrorCode.INTERNAL), (2, ErrorCode.TIMEOUT), (3, ErrorCode.BAD_REQUEST)):

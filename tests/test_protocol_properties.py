@@ -42,7 +42,7 @@ scalars = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), finite, st.
 messages = st.one_of(
     st.builds(Hello, st.integers(0, 2**31), names, stages, names, st.lists(st.text(max_size=64), max_size=5)),
     st.builds(Forward, names, ids, st.lists(names, max_size=5), envelopes, st.none() | envelopes, st.booleans(),
-              st.floats(0, 1e12)),
+              st.floats(0, 1e12), st.none() | ids),
     st.builds(Backward, names, ids, st.lists(names, max_size=5), st.none() | envelopes,
               st.none() | st.floats(-1e30, 1e30), st.booleans()),
     st.builds(Error, st.sampled_from(list(ErrorCode)), st.text(max_size=200)),
