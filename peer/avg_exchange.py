@@ -52,6 +52,7 @@ class RpcTransport:
 
         self.p2p, self.rpc_server = p2p, rpc_server
         self.limits = limits if limits is not None else getattr(rpc_server, "limits", None) or RpcLimits()
+        self.count = getattr(rpc_server, "count", None)  # the server's traffic counter counts our calls too
 
     async def add_handler(self, name: str, fn: Callable[[Any, str], Awaitable[Any]]) -> None:
         await self.rpc_server.add_handler(name, fn)
@@ -59,7 +60,7 @@ class RpcTransport:
     async def call(self, peer_id: str, name: str, msg: Any, *, timeout: float) -> Any:
         from protocol.rpc import call
 
-        return await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits)
+        return await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)
 
 
 class Refused(Exception):
@@ -308,12 +309,19 @@ def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[t
     return means
 
 
+EXCHANGE_ATTEMPTS = 3
+EXCHANGE_BACKOFF_S = 0.2
+
+
 async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
                        grace_s: float, call_timeout_s: float) -> None:
     """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
 
     The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
-    itself. Returns early once every peer has contributed.
+    itself. A call that fails (a libp2p stream reset, a refusal, a timeout) is retried with backoff, up to
+    ``EXCHANGE_ATTEMPTS`` calls, while the slot is open and that peer's part has not arrived otherwise: without the
+    retry, one reset stream left both sides waiting for the other's call until the deadline. Returns early once
+    every peer has contributed.
     """
 
     async def with_peer(peer: str) -> None:
@@ -325,8 +333,19 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
                     return
                 except TimeoutError:
                     pass
-        if peer not in slot.contributions:
-            await exchange.exchange(slot, peer, call_timeout_s)
+        for attempt in range(EXCHANGE_ATTEMPTS):
+            if peer in slot.contributions or slot.closed:
+                return
+            if await exchange.exchange(slot, peer, call_timeout_s):
+                return
+            backoff = EXCHANGE_BACKOFF_S * 2**attempt
+            if attempt + 1 == EXCHANGE_ATTEMPTS or slot.deadline - exchange.clock() <= backoff:
+                return
+            try:  # the peer's own call may deliver its part meanwhile
+                await asyncio.wait_for(_contributed(slot, peer), backoff)
+                return
+            except TimeoutError:
+                pass
 
     peers = sorted({*peers, *slot.senders} - {me})
     await asyncio.gather(*(with_peer(p) for p in peers))

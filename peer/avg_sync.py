@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 SYNC_RPC = "avg_sync"
 MAX_PENDING = 4
 MAX_JUMPS = 3
+FINISHED_KEPT = 2  # finished barriers whose own part is kept to answer a replica whose reply from us was lost
 
 
 class SyncAverager:
@@ -55,6 +56,9 @@ class SyncAverager:
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.last_step = -1
         self._opened_by: dict[int, str] = {}
+        self._finished: dict[int, Slot] = {}  # the last FINISHED_KEPT barriers we completed, to answer late callers
+        # called with (step, peer) when a replica's part opens a barrier we have not opened (it is waiting there)
+        self.on_remote_open: Callable[[int, str], None] | None = None
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
             me=self.me, codec=self.config.sync_codec, metrics=metrics, clock=clock, admit=self._admit,
@@ -65,7 +69,16 @@ class SyncAverager:
 
     def _admit(self, step: int, peer: str) -> Slot:
         if step <= self.last_step:
-            raise Refused(ErrorCode.NOT_READY, f"step {step} is over here (our last step is {self.last_step})")
+            done = self._finished.get(step)
+            if done is None or done.own_part is None:
+                raise Refused(ErrorCode.NOT_READY, f"step {step} is over here (our last step is {self.last_step})")
+            # A late caller of a barrier we finished (typically: its part reached us, our reply to it was lost with
+            # its stream): answer with the part we averaged with, so it ends with the same mean instead of waiting
+            # for us until its deadline. What it sends now is not used any more.
+            replay = Slot(key=step, deadline=self.clock() + self.config.sync_grace_s, own_part=done.own_part,
+                          own_values=done.own_values)
+            replay.ready.set_result(None)
+            return replay
         now = self.clock()
         for key in [k for k, sl in self.exchange.slots.items() if sl.own_part is None and sl.deadline < now]:
             self.exchange.close(key)  # opened by a peer, never reached by us: expired
@@ -73,7 +86,10 @@ class SyncAverager:
         if len(self.exchange.slots) >= MAX_PENDING:
             raise Refused(ErrorCode.NOT_READY, f"too many open steps; ours is {self.last_step + 1}")
         self._opened_by[step] = peer
-        return self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
+        slot = self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
+        if self.on_remote_open is not None:
+            self.on_remote_open(step, peer)
+        return slot
 
     def _ahead(self, step: int, peers: list[str]) -> int | None:
         """The latest step after ``step`` that a replica in our view has opened here (it is waiting there)."""
@@ -100,6 +116,10 @@ class SyncAverager:
                 if slot is not None:
                     break
         finally:
+            if slot is not None and slot.own_part is not None:
+                self._finished[step] = slot
+                for old in sorted(self._finished)[:-FINISHED_KEPT]:
+                    del self._finished[old]
             for key in [k for k in self.exchange.slots if k <= step]:
                 self.exchange.close(key)
                 self._opened_by.pop(key, None)
@@ -136,3 +156,39 @@ class SyncAverager:
     async def _watch_ahead(self, step: int, peers: list[str]) -> None:
         while self._ahead(step, peers) is None:
             await asyncio.sleep(0.05)
+
+
+class FlushClock:
+    """A later stage's view of the synchronous mode's flushes: which gradient barrier to run, and when.
+
+    Stage 0 numbers its flushes and every training forward carries the number. Stage 0 starts flush ``f`` only when
+    every gradient of flush ``f - 1`` came back, so once flush ``f`` has begun, every backward of ``f - 1`` on every
+    later stage is done. A replica of a later stage learns that flush ``f`` began in one of two ways, whichever comes
+    first: a forward of ``f`` reaches it, or another replica of its stage opens barrier ``f - 1`` with it (that
+    replica received a forward of ``f``; routing may send a whole flush to one replica). Either way it runs barrier
+    ``f - 1`` and steps before computing anything of ``f``. Every replica keys the barrier by stage 0's number, so
+    retried hops, re-routed micro-batches or missed flushes cannot shift one replica off the others, which counting
+    micro-batches per flush did (docs/performance.md, "The synchronous baseline stalled (fixed)"). A replica that
+    received nothing of a flush still joins its barrier (with a zero gradient) so that its partners do not wait for
+    it and all replicas take the same step.
+    """
+
+    def __init__(self) -> None:
+        self.current: int | None = None  # the flush whose gradient this replica is accumulating
+
+    def on_forward(self, flush: int) -> int | None:
+        """The barrier to run before computing a training forward of ``flush``, or None."""
+        if self.current is None:
+            self.current = flush  # the first flush we see: nothing of ours to close yet
+            return None
+        if flush <= self.current:  # this flush, or a retried hop of an earlier one: its gradient joins this flush
+            return None
+        self.current = flush
+        return flush - 1
+
+    def on_remote_barrier(self, step: int) -> int | None:
+        """Another replica opened barrier ``step`` (flush ``step`` is over): the barrier to join, or None."""
+        if self.current is not None and step < self.current:
+            return None  # closed already, or a stale part
+        self.current = step + 1
+        return step

@@ -88,7 +88,7 @@ class Daemon(StageLife):
         from protocol.rpc import call
 
         return await call(self.p2p, PeerID.from_base58(peer_id), name, msg,
-                          timeout=timeout or self.cfg.rpc_timeout_s, limits=self.limits)
+                          timeout=timeout or self.cfg.rpc_timeout_s, limits=self.limits, count=self.metrics.inc)
 
     async def _rpc_forward(self, msg: Any, peer_id: str) -> Any:
         return await self.pipe.rpc_forward(msg, peer_id) if self.pipe else self._not_ready()
@@ -150,7 +150,7 @@ class Daemon(StageLife):
         from protocol.rpc import RpcLimits, RpcServer
 
         self.limits = RpcLimits()
-        self.rpc = RpcServer(self.p2p, self.limits)
+        self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
         helper = ReachabilityHelper(run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s)

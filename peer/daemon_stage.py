@@ -34,14 +34,12 @@ class StageLife:
 
     # ----- a stage: worker, state, services -------------------------------------------------------------------------
     def _device(self) -> str:
-        import torch
+        from trainer.worker import resolve_device
 
-        if self.cfg.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.cfg.device == "cuda" and not torch.cuda.is_available():
-            raise DaemonError("--device cuda was given but torch sees no CUDA GPU; install a CUDA build of torch "
-                              "or pass --device cpu")
-        return self.cfg.device
+        try:
+            return resolve_device(self.cfg.device)
+        except ValueError as e:
+            raise DaemonError(f"--device: {e}") from e
 
     async def _load_state(self, stage: int) -> str:
         """Donors, else the local checkpoint, else the seeded init already in the worker. Returns the source."""
@@ -101,15 +99,16 @@ class StageLife:
                                           config=NetAveragingConfig(period_s=self.cfg.averaging_period_s))
             await self.averager.start()
         else:
-            from peer.averaging import SyncAverager
+            from peer.avg_sync import FlushClock, SyncAverager
 
             self.sync_averager = SyncAverager(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
                                               metrics=self.metrics)
             await self.sync_averager.start()
             self.sync_step = self.worker.local_step
-            self.sync_count = 0
+            self.flush_clock, self.flush_lock = FlushClock(), asyncio.Lock()
             if stage > 0:
-                self.pipe.on_backward_done = self._sync_backward_done
+                self.pipe.on_flush = self._sync_forward_flush
+                self.sync_averager.on_remote_open = self._sync_remote_barrier
         self.stage_tasks = [asyncio.ensure_future(self.pipe.serve())]
         self.metrics.state = "training"
         await self.announce("training")
@@ -134,7 +133,8 @@ class StageLife:
             self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
             self.driver_task = asyncio.ensure_future(
-                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush, self._full_mesh))
+                self.driver.run_sync(self.cfg.sync_microbatches, self._sync_flush, self._full_mesh,
+                                     lambda: self.sync_step))
         self.stage_tasks.append(self.driver_task)
         if self.cfg.eval_every_s > 0:
             self.stage_tasks.append(asyncio.ensure_future(self.driver.eval_loop(self.cfg.eval_every_s)))
@@ -162,11 +162,11 @@ class StageLife:
         self.pipe, self.averager, self.sync_averager = None, None, None
 
     # ----- synchronous mode -----------------------------------------------------------------------------------------
-    async def _sync_average_and_step(self) -> None:
-        """Gradient barrier among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
+    async def _sync_average_and_step(self, step: int) -> None:
+        """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
         peers = [r.peer_id for r in self.swarm.values() if r.stage == self.stage and r.state == "training"]
         grads = await self.compute(self.worker.grads)
-        mean, n = await self.sync_averager.all_average(self.sync_step, grads, peers)
+        mean, n = await self.sync_averager.all_average(step, grads, peers)
         await self.compute(self.worker.set_grads, mean)
         await self.compute(self.worker.optimizer_step)
         self.sync_step = self.sync_averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
@@ -182,14 +182,32 @@ class StageLife:
         return self.my_id in self.swarm and min(counts) >= 1 and len(set(counts)) == 1
 
     async def _sync_flush(self) -> None:
-        await self._sync_average_and_step()
+        """Stage 0: every gradient of the flush is back; average and step (the barrier is the flush number)."""
+        await self._sync_average_and_step(self.sync_step)
 
-    async def _sync_backward_done(self, mb_id: int) -> None:
-        self.sync_count += 1
-        if self.sync_count >= self.cfg.sync_microbatches:
-            self.sync_count = 0
-            await self._sync_average_and_step()
+    async def _sync_forward_flush(self, flush: int) -> None:
+        """A later stage: a training forward of ``flush`` arrived; close the previous flush first (FlushClock)."""
+        async with self.flush_lock:
+            if self.flush_clock.current is not None and flush < self.flush_clock.current:
+                self.metrics.inc("sync_late_forwards")  # a retry of an earlier flush: its gradient joins this one
+            barrier = self.flush_clock.on_forward(flush)
+            if barrier is not None:
+                logger.debug("a forward of flush %d closes flush %d", flush, barrier)
+                await self._sync_average_and_step(barrier)
 
+    def _sync_remote_barrier(self, step: int, peer: str) -> None:
+        """A later stage: a replica of our stage waits at barrier ``step``; join it unless we did already."""
+        if any(r.peer_id == peer and r.stage == self.stage for r in self.swarm.values()):
+            self.pipe.spawn(self._sync_join_barrier(step))
+        else:
+            logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, peer[-6:], self.stage)
+
+    async def _sync_join_barrier(self, step: int) -> None:
+        async with self.flush_lock:
+            barrier = self.flush_clock.on_remote_barrier(step)
+            logger.debug("a replica opened barrier %d: %s", step, "joining it" if barrier is not None else "closed")
+            if barrier is not None:
+                await self._sync_average_and_step(barrier)
 
 
 class StageHandlers:
@@ -199,6 +217,7 @@ class StageHandlers:
     def __init__(self, rpc: Any, not_ready: Any) -> None:
         self.rpc, self.not_ready = rpc, not_ready
         self.limits = getattr(rpc, "limits", None)
+        self.count = getattr(rpc, "count", None)  # traffic accounting of the real server, for RpcTransport
         self.table: dict[str, Any] = {}
 
     async def add_handler(self, name: str, fn: Any) -> None:

@@ -6,7 +6,9 @@ micro-batch whose route broke or whose gradient did not come back in time is dro
 Evaluation sends the fixed validation batches forward only; the last stage answers each with its loss.
 
 In ``sync`` mode the driver runs GPipe: it sends M micro-batches, waits until all their gradients are back (re-sending
-dropped ones), then the flush ends with ``on_flush`` (gradient average across replicas and one optimiser step).
+dropped ones), then the flush ends with ``on_flush`` (gradient average across replicas and one optimiser step). Every
+training forward carries the flush number, so later stages step when the next flush reaches them instead of counting
+micro-batches (a count drifts with every retried hop; see PipelineStage.on_flush).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Stage0Driver:
         self.tokens_timed = 0  # tokens completed after the first completion (the rate's numerator)
         self.first_done: float | None = None
         self.finished: float | None = None
+        self.flush: int | None = None  # sync mode: the flush in progress, sent with every training forward
 
     def new_id(self) -> int:
         self._next += 1
@@ -83,7 +86,7 @@ class Stage0Driver:
             out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
             targets = await loop.run_in_executor(None, encode, y, "none")
-            await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval)
+            await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush)
             return await p.done  # set by the backward, a drop, or the expiry timer
         except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
             if pipe.pending.pop(mb_id, None) is not None and not is_eval:
@@ -139,16 +142,18 @@ class Stage0Driver:
             self.finished = time.monotonic()
 
     async def run_sync(self, microbatches: int, on_flush: Callable[[], Awaitable[None]],
-                       ready: Callable[[], bool] = lambda: True) -> None:
+                       ready: Callable[[], bool] = lambda: True, flush_no: Callable[[], int] = lambda: 0) -> None:
         """GPipe: M micro-batches, wait for all gradients (re-sending dropped ones), then ``on_flush``.
 
         ``ready`` gates each flush (the daemon waits for a full mesh: the same number of replicas on every stage, so
         that pipeline i is pinned to replica i of each stage and every replica gets exactly M micro-batches).
+        ``flush_no`` gives the number of the flush about to start (the stage's barrier step).
         """
         try:
             while not self.done():
                 while not ready() and not self.stop.is_set():
                     await asyncio.sleep(0.2)
+                self.flush = flush_no()
                 batch = [self._sample() for _ in range(microbatches)]
                 while batch and not self.stop.is_set():
                     results = await asyncio.gather(*(self._train_one(s) for s in batch))

@@ -84,7 +84,9 @@ class PipelineStage:
         self.last_forward = time.monotonic()
         self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
         self._fwd_s: dict[int, float] = {}
-        self.on_backward_done: Callable[[int], Awaitable[None]] | None = None  # sync mode: called after each backward
+        self._delay_seen = False
+        # sync mode, later stages: awaited with a training forward's flush number before it is computed
+        self.on_flush: Callable[[int], Awaitable[None]] | None = None
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
@@ -145,6 +147,9 @@ class PipelineStage:
             return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
         if msg.mb_id in self.pending:
             return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
+        if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == "sync"):
+            return self._reject("mode_mismatch", ErrorCode.BAD_REQUEST,
+                                f"this peer runs --mode {self.cfg.mode}; peers of one swarm must share the mode")
         if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
@@ -223,11 +228,11 @@ class PipelineStage:
                 self.pending.pop(msg.mb_id, None)
                 self.spawn(self._send_backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
                 return
+            if self.on_flush is not None:
+                await self.on_flush(msg.flush)
             loss, grad = await self.timed(msg.mb_id, True, self.worker.forward_loss, msg.mb_id, x, targets)
             self.pending.pop(msg.mb_id, None)
             self._count_step(float(loss), x)
-            if self.on_backward_done is not None:  # sync mode: the flush's last gradient waits for the step
-                await self.on_backward_done(msg.mb_id)
             env = await self._encode(grad, self.run.compression.gradients)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
@@ -235,8 +240,10 @@ class PipelineStage:
             y = await self.compute(self.worker.evaluate, x)
             self.pending.pop(msg.mb_id, None)
         else:
+            if self.on_flush is not None:
+                await self.on_flush(msg.flush)
             y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
-        self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval))
+        self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush))
 
     def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
         if loss is not None:
@@ -262,8 +269,10 @@ class PipelineStage:
                 self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, None, False))
             return
         grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
-        if self.on_backward_done is not None:
-            await self.on_backward_done(msg.mb_id)
+        # observed pipeline staleness (tau_s of the papers, here whatever the network made it): a moving average
+        delay = float(self.worker.last_delay)
+        seen, self._delay_seen = self._delay_seen, True
+        self.metrics.pipeline_delay = 0.9 * self.metrics.pipeline_delay + 0.1 * delay if seen else delay
         if not self.is_first:
             self.metrics.inc("tokens", self.run.data.batch_size * self.run.model.block_size)
             self.metrics.local_step = self.worker.local_step
@@ -275,11 +284,14 @@ class PipelineStage:
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: Any, route: list[str],
-                           is_eval: bool) -> bool:
-        """Send activations to a peer of the next stage, retrying elsewhere; on failure drop and tell upstream."""
+                           is_eval: bool, flush: int | None = None) -> bool:
+        """Send activations to a peer of the next stage, retrying elsewhere; on failure drop and tell upstream.
+
+        ``flush``: the sync mode's flush number, set by stage 0 and passed on unchanged (None in async mode).
+        """
         env = await self._encode(y, self.run.compression.activations)
         msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
-                      is_eval=is_eval, sent_at=time.time())
+                      is_eval=is_eval, sent_at=time.time(), flush=flush)
         p = self.pending.get(mb_id)
         peer = await self._send_with_retries("forward", msg, self.stage + 1, p.sent_to if p else set())
         if peer is not None:

@@ -53,6 +53,8 @@ class MemTransport:
     def __init__(self) -> None:
         self.handlers: dict[tuple[str, str], object] = {}
         self.down: set[str] = set()
+        self.resets: dict[tuple[str, str], int] = {}  # (caller, callee): calls that fail at once, like a reset stream
+        self.lost_replies: dict[tuple[str, str], int] = {}  # (caller, callee): calls whose reply is lost
 
     def for_peer(self, me: str) -> _PeerTransport:
         return _PeerTransport(self, me)
@@ -69,10 +71,16 @@ class _PeerTransport:
         async def go():
             if peer_id in self.net.down or self.me in self.net.down:
                 await asyncio.sleep(3600)
+            if self.net.resets.get((self.me, peer_id), 0) > 0:
+                self.net.resets[(self.me, peer_id)] -= 1
+                raise ConnectionError(f"stream to {peer_id} reset")
             handler = self.net.handlers.get((peer_id, name))
             if handler is None:
                 raise ConnectionError(f"{peer_id} does not serve {name}")
             reply = await handler(_wire(msg), self.me)
+            if self.net.lost_replies.get((self.me, peer_id), 0) > 0:
+                self.net.lost_replies[(self.me, peer_id)] -= 1
+                raise ConnectionError(f"stream to {peer_id} closed before its reply")
             if isinstance(reply, Error):
                 raise RemoteError(reply.code, reply.message)
             return _wire(reply)
@@ -426,3 +434,62 @@ async def test_sync_future_steps_a_stranger_opens_are_bounded_and_expire():
     await asyncio.sleep(0.05)
     assert set(target.exchange.slots) == {7}
     honest.cancel()
+
+
+def test_flush_clock_closes_each_flush_once_and_ignores_retries():
+    from peer.avg_sync import FlushClock
+
+    clock = FlushClock()
+    assert clock.on_forward(7) is None  # the first flush we see: nothing to close yet
+    assert clock.on_forward(7) is None
+    assert clock.on_forward(8) == 7  # the first forward of 8 closes 7
+    assert clock.on_forward(8) is None
+    assert clock.on_forward(7) is None and clock.current == 8  # a retried hop of flush 7 closes nothing
+    assert clock.on_forward(8) is None
+    assert clock.on_forward(11) == 10  # flushes we never saw: the barrier the others run now
+    # a partner opened barrier 11 before any forward of 12 reached us (it got the whole flush): join it, once
+    assert clock.on_remote_barrier(11) == 11 and clock.current == 12
+    assert clock.on_forward(12) is None  # ...and the forwards of 12 that come later close nothing
+    assert clock.on_remote_barrier(11) is None and clock.on_remote_barrier(5) is None  # stale
+    assert clock.on_remote_barrier(14) == 14 and clock.current == 15  # we missed flushes 13 and 14
+    fresh = FlushClock()
+    assert fresh.on_remote_barrier(3) == 3  # a new replica joins its partners' barrier rather than make them wait
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("fault", "grace"), [
+    ("resets", 0.2),  # each side's first call fails at once (a reset stream): retried, not left to the deadline
+    ("lost_replies", 0.5),  # p1 took p0's part and finished, its reply was lost: p0's retry gets p1's part from
+])                          # the finished barrier, so both hold the same mean
+@aio
+async def test_a_failed_exchange_ends_in_one_mean_well_before_the_deadline(fault: str, grace: float):
+    net, names = MemTransport(), ["p0", "p1"]
+    avgs = await _sync_averagers(net, names)
+    for a in avgs:
+        a.config = NetAveragingConfig(sync_timeout_s=10.0, sync_grace_s=grace)
+    faults = {("p0", "p1"): 1, ("p1", "p0"): 1} if fault == "resets" else {("p0", "p1"): 1}
+    setattr(net, fault, dict(faults))
+    grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
+    t0 = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(avgs[i].all_average(3, grads[i], names) for i in range(2)))
+    assert asyncio.get_running_loop().time() - t0 < 3.0  # not the 10 s deadline
+    for mean, n in results:
+        assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
+    assert getattr(net, fault) == {k: 0 for k in faults}  # the fault did happen
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_barrier_opened_by_a_replica_is_reported_to_the_others():
+    net, names = MemTransport(), ["p0", "p1"]
+    avgs = await _sync_averagers(net, names)
+    opened: list[tuple[int, str]] = []
+
+    def join(step: int, peer: str) -> None:  # what a later stage of the daemon does: join that barrier now
+        opened.append((step, peer))
+        asyncio.ensure_future(avgs[1].all_average(step, [torch.full((3,), 3.0)], names))
+
+    avgs[1].on_remote_open = join
+    mean, n = await avgs[0].all_average(5, [torch.full((3,), 1.0)], names)
+    assert opened == [(5, "p0")]
+    assert n == 2 and torch.equal(mean[0], torch.full((3,), 2.0))

@@ -169,6 +169,9 @@ def test_dashboard_of_a_live_two_peer_swarm(live: LivePeers) -> None:
         step_after = int(re.search(r"step ([\d,]+)", text_after).group(1).replace(",", ""))
         assert step_after > step_before, (step_before, step_after)
         assert after["tokens_total"] > before["tokens_total"]
+        # traffic is counted where it crosses the wire (protocol.rpc), both directions, and shown per token
+        assert after["bytes_in_per_s"] > 0 and after["bytes_out_per_s"] > 0 and after["bytes_per_token"] > 0
+        assert "in 0 B/s" not in text_after and "out 0 B/s" not in text_after
         if after["stage"] == 0 and os.environ.get("ASYNCMESH_DASHBOARD_SVG"):
             console.save_svg(str(Path(os.environ["ASYNCMESH_DASHBOARD_SVG"]) / "dashboard.svg"),
                              title="asyncmesh-peer join")

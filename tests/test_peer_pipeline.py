@@ -101,6 +101,8 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     assert last < first - 0.5, (first, last)
     assert driver.val_losses and driver.val_losses[-1] < first
     assert not net.stages["a0"].pending and not net.stages["b1"].pending
+    # stage 0 keeps 3 micro-batches in flight, so its gradients come back about 2 of its own steps late
+    assert 0.5 < net.stages["a0"].metrics.pipeline_delay <= 3.0, net.stages["a0"].metrics.pipeline_delay
 
 
 @pytest.mark.timeout(150)
@@ -145,6 +147,7 @@ def test_handlers_reject_bad_input_with_codes(corpus):
         out["nan"] = await stage1.rpc_forward(fwd(activations=encode(torch.full((8, 32, 32), float("nan")),
                                                                       "none")), "a0")
         out["vocab"] = await stage1.rpc_forward(fwd(targets=encode(torch.full((8, 32), 999), "none")), "a0")
+        out["mode"] = await stage1.rpc_forward(fwd(flush=3), "a0")  # a sync-mode sender, this peer is async
         out["ok"] = await stage1.rpc_forward(fwd(), "a0")
         out["dup"] = await stage1.rpc_forward(fwd(), "a0")
         return out
@@ -152,7 +155,46 @@ def test_handlers_reject_bad_input_with_codes(corpus):
     out = asyncio.run(go())
     pool.shutdown()
     assert isinstance(out["ok"], Ack)
-    for k in ("run", "route", "shape", "nan", "vocab", "dup"):
+    for k in ("run", "route", "shape", "nan", "vocab", "mode", "dup"):
         assert isinstance(out[k], Error), k
+    assert "--mode async" in out["mode"].message
     counters = stage1.metrics.snapshot()["counters"]
     assert counters["rejected:wrong_run"] == 1 and counters["rejected:bad_tensor"] == 2
+    assert counters["rejected:mode_mismatch"] == 1
+
+
+@pytest.mark.timeout(150)
+def test_sync_mode_carries_the_flush_number_and_closes_a_flush_before_the_next_forward(corpus):
+    """Stage 0 stamps every training forward with its flush; a later stage hears each flush before computing it."""
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0, mode="sync")
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    pipe0, pipe1 = net.stages["a0"], net.stages["b1"]
+    pipe0.worker.auto_step = pipe1.worker.auto_step = False  # sync mode: the flush steps, not each backward
+    seen: list[tuple[int, int]] = []  # (flush, stage-1 micro-batches computed before it was announced)
+
+    async def on_flush(flush: int) -> None:
+        seen.append((flush, pipe1.metrics.snapshot()["counters"].get("samples", 0) // 8))
+
+    pipe1.on_flush = on_flush
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        driver = Stage0Driver(pipe=pipe0, stream=BatchStream(corpus.train, 32, 8, seed=1), val=[], inflight=3,
+                              stop=stop, max_steps=3, metrics=pipe0.metrics)
+        flushes = iter(range(40, 100))
+        serving = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
+
+        async def step() -> None:
+            await pipe0.compute(pipe0.worker.optimizer_step)
+        try:
+            await asyncio.wait_for(driver.run_sync(4, step, flush_no=lambda: next(flushes)), 120)
+        finally:
+            for t in serving:
+                t.cancel()
+
+    asyncio.run(go())
+    pool.shutdown()
+    assert pipe0.worker.local_step == 3
+    assert [f for f, _ in seen] == [40] * 4 + [41] * 4 + [42] * 4  # every forward, in flush order
+    assert [n for _, n in seen][::4] == [0, 4, 8]  # flush f arrived only after all of flush f - 1 was computed

@@ -21,7 +21,8 @@ from trainer.worker import StageWorker
 pytestmark = pytest.mark.timeout(90)
 
 RUN = RunConfig.default()
-SMALL_CHUNKS = StateSyncConfig(chunk_bytes=128 * 1024, chunk_timeout_s=3.0, chunk_retries=0)
+# libp2p streams on a loaded host are now and then cut mid-reply (the joiner's retry covers it, as in production)
+SMALL_CHUNKS = StateSyncConfig(chunk_bytes=128 * 1024, chunk_timeout_s=3.0, chunk_retries=2)
 
 
 def _trained_worker(seed: int, steps: int) -> StageWorker:
