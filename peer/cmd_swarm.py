@@ -125,9 +125,26 @@ class Swarm:
             time.sleep(0.3)
         raise RuntimeError(f"peer {child['i']} chose no stage within {timeout:.0f} s; see {child['dir']}/log.txt")
 
-    def stage0_done(self) -> bool:
+    def finished(self, n_stages: int) -> str | None:
+        """Why the swarm is over, or None while it can still train.
+
+        Over when every stage-0 peer has exited (they drive the pipeline), or when a peer has exited and some stage
+        has no live peer left: the others could only wait (with ``--max-steps``, peers that started late would
+        otherwise wait forever for a stage whose peers already finished).
+        """
         stage0 = [c for c in self.children if self.status.get(c["i"], {}).get("stage") == 0]
-        return bool(stage0) and all(c["proc"].poll() is not None for c in stage0)
+        if stage0 and all(c["proc"].poll() is not None for c in stage0):
+            return "every stage-0 peer has finished"
+        gone = [c for c in self.children if c["proc"].poll() is not None]
+        if not gone:
+            return None
+        live = {self.status.get(c["i"], {}).get("stage") for c in self.children if c["proc"].poll() is None}
+        empty = [s for s in range(n_stages) if s not in live]
+        if not empty:
+            return None
+        c = gone[0]
+        return (f"peer{c['i']} exited (code {c['proc'].returncode}) and stage {empty[0]} has no live peer left, so "
+                f"the others cannot train; see {c['dir'] / 'log.txt'}")
 
     def reap(self, deadline_s: float) -> None:
         for c in self.children:
@@ -199,10 +216,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"join it from this machine: asyncmesh-peer join --stage auto --initial-peers {initial[0]}")
         swarm.wait_stage(first, 90)
         for i in range(1, args.peers):
+            if any(c["proc"].poll() is not None for c in swarm.children):
+                print(f"a peer already exited (--max-steps {args.max_steps} reached?); not starting the other "
+                      f"{args.peers - i} peers", flush=True)
+                break
             child = swarm.spawn(i, initial)
             swarm.wait_stage(child, 90)
             initial = (initial + [m for m in swarm.wait_file(child, "maddrs.txt", 5).split() if "/p2p/" in m][:1])[-3:]
-        _watch(swarm, args, stop, start)
+        _watch(swarm, args, stop, start, run_cfg.n_stages)
     finally:
         swarm.reap(deadline_s=30.0)
         for s, h in previous.items():
@@ -215,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(p.get("exit_code") == 0 for p in result["per_peer"]) else 1
 
 
-def _watch(swarm: Swarm, args: argparse.Namespace, stop: dict[str, bool], start: float) -> None:
+def _watch(swarm: Swarm, args: argparse.Namespace, stop: dict[str, bool], start: float, n_stages: int) -> None:
     dash = live = None
     if not args.no_tui:
         from rich.live import Live
@@ -227,10 +248,16 @@ def _watch(swarm: Swarm, args: argparse.Namespace, stop: dict[str, bool], start:
         live.start()
     last_line = 0.0
     try:
-        while not stop["flag"] and not swarm.stage0_done():
+        while not stop["flag"]:
             if args.timeout and time.monotonic() - start > args.timeout:
                 break
             snaps = swarm.poll()
+            if (reason := swarm.finished(n_stages)) is not None:
+                if live is not None:
+                    live.stop()
+                    live = None
+                print(f"stopping the swarm: {reason}", flush=True)
+                break
             if dash is not None:
                 dash.update(snaps)
                 live.update(dash.render(), refresh=True)

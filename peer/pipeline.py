@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 MAX_LOSS = 1e4
 MAX_ACT_ABS = 1e6
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
+NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 
 
 @dataclass
@@ -313,6 +314,9 @@ class PipelineStage:
                 if not self.accepting:  # draining: do not wait for a route to appear
                     break
                 waits += 1
+                if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
+                    self.metrics.warn(f"no reachable peer serves stage {stage} (none announced, or all failed "
+                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}")
                 await asyncio.sleep(min(0.05 * 2 ** min(waits, 4), 1.0))
                 tried.clear()
                 continue

@@ -77,6 +77,31 @@ def test_swarm_refuses_fewer_peers_than_stages():
         cmd_swarm.run(p.parse_args(["--peers", "1"]))
 
 
+class _Proc:
+    def __init__(self, returncode: int | None) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_swarm_ends_when_stage0_is_done_or_a_stage_is_left_without_live_peers(tmp_path):
+    swarm = cmd_swarm.Swarm(argparse.Namespace(), tmp_path)
+
+    def state(*peers: tuple[int, int | None]) -> str | None:  # (stage, exit code or None while alive)
+        swarm.children = [{"i": i, "proc": _Proc(rc), "dir": tmp_path} for i, (_, rc) in enumerate(peers)]
+        swarm.status = {i: {"stage": stage} for i, (stage, _) in enumerate(peers)}
+        return swarm.finished(2)
+
+    assert state((0, None), (1, None), (0, None), (1, None)) is None
+    assert state((0, None), (1, None), (0, 0), (1, None)) is None  # one stage-0 replica done, the other trains on
+    assert "every stage-0 peer" in state((0, 0), (1, None), (0, 0), (1, None))
+    # the hang this rule fixes: stage 1 finished its --max-steps, a late stage-0 peer would wait for it forever
+    reason = state((1, 0), (0, 0), (0, 0), (0, None))
+    assert reason is not None and "stage 1 has no live peer" in reason and "peer0 exited (code 0)" in reason
+    assert "stage 1 has no live peer" in state((0, None), (1, 137))  # a crash that empties a stage ends it too
+
+
 def test_reachability_targets():
     maddrs = ["/ip4/1.2.3.4/tcp/31337/p2p/QmX", "/ip4/127.0.0.1/tcp/5", "/ip6/::1/udp/3", "/dns/x/tcp/1"]
     assert tcp_targets(maddrs) == [("1.2.3.4", 31337), ("127.0.0.1", 5)]

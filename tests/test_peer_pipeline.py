@@ -125,6 +125,18 @@ def test_dead_hop_is_retried_elsewhere_and_broken_route_requeues(corpus):
     assert driver2.tokens == 0 and net.stages["a0"].worker.pending() == 0
 
 
+@pytest.mark.timeout(60)
+def test_no_peer_at_the_next_stage_is_shown_to_the_operator(corpus):
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    pool = build(net, [["a0"], []], cfg)  # stage 1 is empty: stage 0 can only wait
+    driver = asyncio.run(_run_driver(net, corpus, cfg, steps=10, run_for=6.0))
+    pool.shutdown()
+    assert driver.tokens == 0 and net.stages["a0"].worker.local_step == 0
+    warnings = [w["text"] for w in net.stages["a0"].metrics.snapshot()["warnings"]]
+    assert any("no reachable peer serves stage 1" in w and "--stage 1" in w for w in warnings), warnings
+
+
 def test_handlers_reject_bad_input_with_codes(corpus):
     net = Net()
     cfg = PeerConfig()

@@ -7,8 +7,12 @@ shared cores.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -163,3 +167,42 @@ def test_sync_mode_swarm_keeps_every_replica_in_lockstep(swarm):  # noqa: F811
         _no_traceback(p)
         assert "averaged without" not in p.log(), f"{p.name} hit a barrier timeout:\n{p.log()[-3000:]}"
     assert sums["c"]["final_loss"] < math.log(256) - 0.5, sums["c"]
+
+
+def _pids_using(path: str) -> list[int]:
+    """PIDs of live processes whose command line mentions ``path`` (the swarm launcher's children)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")  # noqa: SIM115
+            except OSError:
+                continue
+            if path in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_swarm_command_runs_the_newcomers_job_to_the_end_and_reaps_its_peers(tmp_path):
+    """`asyncmesh-peer swarm` itself (the README's main job, here without the dashboard and with --max-steps)."""
+    from swarm_utils import REPO, TINY_RUN
+
+    workdir = tmp_path / "w"
+    cmd = [sys.executable, "-m", "peer.cli", "swarm", "--peers", "4", "--run", str(TINY_RUN), "--max-steps", "40",
+           "--no-tui", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json"), "--timeout", "200"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=260)
+    finally:
+        if proc.poll() is None:  # the launcher reaps its peers on SIGTERM
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        for pid in _pids_using(str(workdir)):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert "stopping the swarm:" in out, out[-2000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert [p["exit_code"] for p in s["per_peer"]] == [0] * len(s["per_peer"]), s["per_peer"]
+    assert s["steps"] >= 40 and s["final_loss"] < s["initial_loss"], s
+    assert not _pids_using(str(workdir)), "a peer outlived the swarm command"
