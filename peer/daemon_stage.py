@@ -87,6 +87,9 @@ class StageLife:
         self.pipe = PipelineStage(run=self.run, stage=stage, worker=self.worker, compute=self.compute,
                                   send=self.send, swarm=lambda: self.swarm, router=self.router,
                                   metrics=self.metrics, cfg=self.cfg, my_id=self.my_id, cost=self.costs[stage])
+        # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
+        # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
+        self.pipe.on_first_measure = lambda: self.pipe.spawn(self._announce_measured())
         age = self.cfg.state_snapshot_max_age_s
         self.state_server = StateServer(p2p=self.p2p, rpc_server=self.handlers, run=self.run, stage=stage,
                                         worker_call=self.worker_call, metrics=self.metrics,
@@ -160,6 +163,14 @@ class StageLife:
         self.driver_task = None
         self.handlers.clear()
         self.pipe, self.averager, self.sync_averager = None, None, None
+
+    async def _announce_measured(self) -> None:
+        try:
+            await self.announce()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the periodic announcement follows within announce_every_s anyway
+            logger.debug("announcing the first measured throughput failed: %r", e)
 
     # ----- synchronous mode -----------------------------------------------------------------------------------------
     async def _sync_average_and_step(self, step: int) -> None:

@@ -88,6 +88,8 @@ class PipelineStage:
         self._delay_seen = False
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
+        # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
+        self.on_first_measure: Callable[[], None] | None = None
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
@@ -116,8 +118,11 @@ class PipelineStage:
             if not self.is_last:
                 return
         total = seconds + self._fwd_s.pop(mb_id, 0.0)
-        a = 0.2 if self.compute_s_per_mb else 1.0
+        first = not self.compute_s_per_mb
+        a = 1.0 if first else 0.2
         self.compute_s_per_mb = (1 - a) * self.compute_s_per_mb + a * total
+        if first and self.on_first_measure is not None:
+            self.on_first_measure()
 
     def idle_s(self) -> float:
         """Seconds since the last forward request was accepted (or since this stage started)."""

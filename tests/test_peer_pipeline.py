@@ -92,8 +92,11 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     net = Net()
     cfg = PeerConfig(microbatch_timeout_s=30.0)
     pool = build(net, [["a0"], ["b1", "c1"]], cfg)
+    measured = []
+    net.stages["a0"].on_first_measure = lambda: measured.append(net.stages["a0"].throughput())
     driver = asyncio.run(_run_driver(net, corpus, cfg, steps=60))
     pool.shutdown()
+    assert len(measured) == 1 and measured[0] > 0  # the daemon announces its first real throughput at once
     assert net.stages["a0"].worker.local_step >= 60
     steps1 = net.stages["b1"].worker.local_step + net.stages["c1"].worker.local_step
     assert steps1 >= 60 and net.stages["b1"].worker.local_step > 5 and net.stages["c1"].worker.local_step > 5
