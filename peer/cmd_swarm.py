@@ -37,7 +37,9 @@ SUMMED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=int, default=4, metavar="N", help="peer processes to start (>= the run's stages)")
     p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
-    p.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N steps of the stage-0 peers")
+    p.add_argument("--max-steps", type=int, default=0, metavar="N",
+                   help="stop after N steps of the stage-0 peers (the swarm also ends early, with the reason, when a "
+                        "peer exits and leaves a stage with no live peer)")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: log a status line every few seconds")
     p.add_argument("--summary-json", default=None, metavar="PATH", help="write the swarm's figures here on exit")
     p.add_argument("--mode", default="async", choices=("async", "sync"), help="async (default) or sync baseline")
