@@ -182,15 +182,20 @@ def _mean(xs: list[float | None]) -> float | None:
 
 
 def merge_summaries(peers: list[dict[str, Any]], *, mode: str) -> dict[str, Any]:
-    """The swarm's figures: tokens/s summed over stage-0 peers (each token enters the pipeline there once)."""
+    """The swarm's figures: tokens/s summed over stage-0 peers (each token enters the pipeline there once).
+
+    Steps and losses are over the stage-0 peers that trained: one that started as the swarm ended (no step, no
+    loss) would otherwise report the swarm at step 0. Every peer's own figures stay in ``per_peer``.
+    """
     s0 = [p for p in peers if p.get("stage") == 0]
+    trained = [p for p in s0 if (p.get("steps") or 0) > 0 and p.get("final_loss") is not None] or s0
     return {
         "mode": mode, "peers": len(peers),
         "tokens_per_s": sum(p.get("tokens_per_s") or 0.0 for p in s0),
-        "steps": min((p.get("steps", 0) for p in s0), default=0),
-        "initial_loss": _mean([p.get("initial_loss") for p in s0]),
-        "final_loss": _mean([p.get("final_loss") for p in s0]),
-        "final_val_loss": _mean([p.get("final_val_loss") for p in s0]),
+        "steps": min((p.get("steps", 0) for p in trained), default=0),
+        "initial_loss": _mean([p.get("initial_loss") for p in trained]),
+        "final_loss": _mean([p.get("final_loss") for p in trained]),
+        "final_val_loss": _mean([p.get("final_val_loss") for p in trained]),
         **{k: sum(int(p.get(k) or 0) for p in peers) for k in SUMMED},
         "per_peer": peers,
     }

@@ -63,9 +63,10 @@ def test_swarm_summary_sums_stage0_throughput_and_counters():
                   microbatches_dropped=1, microbatches_requeued=1, averaging_rounds_ok=2),
              dict(stage=0, tokens_per_s=50.0, steps=12, initial_loss=5.2, final_loss=3.2, final_val_loss=None,
                   microbatches_dropped=0, microbatches_requeued=0, averaging_rounds_ok=3),
-             dict(stage=1, tokens_per_s=999.0, steps=30, final_loss=3.0, averaging_rounds_failed=1)]
+             dict(stage=1, tokens_per_s=999.0, steps=30, final_loss=3.0, averaging_rounds_failed=1),
+             dict(stage=0, tokens_per_s=0.0, steps=0, initial_loss=None, final_loss=None)]  # started as it ended
     s = cmd_swarm.merge_summaries(peers, mode="async")
-    assert s["tokens_per_s"] == 150.0 and s["steps"] == 10
+    assert s["tokens_per_s"] == 150.0 and s["steps"] == 10 and len(s["per_peer"]) == 4
     assert s["initial_loss"] == pytest.approx(5.1) and s["final_val_loss"] == pytest.approx(3.1)
     assert s["averaging_rounds_ok"] == 5 and s["averaging_rounds_failed"] == 1 and s["microbatches_dropped"] == 1
 
