@@ -15,34 +15,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
 
 from peer.config import PeerConfig
-from peer.daemon_stage import DaemonError, StageHandlers, StageLife
-from peer.dht_records import PeerRecord, announce, fetch_swarm, withdraw
-from peer.metrics import PeerMetrics
-from peer.routing import Router
-from peer.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.errors import DaemonError, UserError
+from peer.membership.dht import start_dht, stop_dht
+from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
+from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
+from peer.membership.routing import Router
+from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.ops.metrics import PeerMetrics
+from peer.ops.status_server import StatusServer
+from peer.stage import StageHandlers, StageService, not_ready_error
+from peer.state.checkpoint import save_checkpoint
+from protocol.messages import Error, Message
+from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    from peer.pipeline.driver import Stage0Driver
+    from peer.pipeline.servicer import PipelineStage
+    from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 3.0
-DHT_START_ATTEMPTS = 5
+T = TypeVar("T")
+
+__all__ = ["Daemon", "DaemonError"]
 
 
-class Daemon(StageLife):
-    """One peer process. ``await Daemon(run, cfg).main()`` returns the exit code."""
+class Daemon:
+    """One peer process. ``await Daemon(run, cfg).main()`` returns the exit code.
+
+    It is the ``StageHost`` of the ``StageService`` it runs: ``self.service`` is the stage served now (None before
+    the first choice), replaced as a whole on a stage move.
+    """
 
     def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None) -> None:
         if cfg.stage is not None and cfg.stage >= run.n_stages:
-            raise ValueError(f"--stage {cfg.stage} does not exist: run {run.name!r} has {run.n_stages} stages "
+            raise UserError(f"--stage {cfg.stage} does not exist: run {run.name!r} has {run.n_stages} stages "
                              f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
@@ -53,17 +78,13 @@ class Daemon(StageLife):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.stop = asyncio.Event()
         self.swarm: dict[str, PeerRecord] = {}
-        self.stage: int | None = None
-        self.worker: Any = None
-        self.pipe: Any = None
-        self.driver: Any = None
-        self.driver_task: asyncio.Task | None = None
-        self.averager: Any = None
-        self.sync_averager: Any = None
-        self.state_server: Any = None
-        self.dht: Any = None
-        self.p2p: Any = None
-        self.rpc: Any = None
+        self.service: StageService | None = None
+        self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
+        self.dht: DHT | None = None
+        self.p2p: P2P | None = None
+        self.rpc: RpcServer | None = None
+        self.limits = RpcLimits()
+        self.handlers: StageHandlers | None = None
         self.my_id = ""
         self.maddrs: list[str] = []
         self.reachable = True
@@ -73,83 +94,60 @@ class Daemon(StageLife):
         self.exit_reason = "running"
         self.tasks: list[asyncio.Task] = []
 
+    # ----- the stage served now --------------------------------------------------------------------------------------
+    @property
+    def stage(self) -> int | None:
+        return self.service.stage if self.service is not None else None
+
+    @property
+    def worker(self) -> StageWorker | None:
+        return self.service.worker if self.service is not None else None
+
+    @property
+    def pipe(self) -> PipelineStage | None:
+        return self.service.pipe if self.service is not None else None
+
+    @property
+    def driver_task(self) -> asyncio.Task | None:
+        return self.service.driver_task if self.service is not None else None
+
     # ----- compute thread -------------------------------------------------------------------------------------------
-    async def compute(self, fn: Any, *args: Any) -> Any:
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def worker_call(self, fn: Any) -> Any:
-        """Run ``fn(worker)`` on the compute thread (netavg's interface)."""
-        return await self.compute(fn, self.worker)
-
     # ----- RPC plumbing ---------------------------------------------------------------------------------------------
-    async def send(self, peer_id: str, name: str, msg: Any, *, timeout: float | None = None) -> Any:
-        from hivemind.p2p import PeerID
+    async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:
+        assert self.p2p is not None
+        return await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
+                          limits=self.limits, count=self.metrics.inc)
 
-        from protocol.rpc import call
+    async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
+        pipe = self.pipe
+        return await pipe.rpc_forward(msg, peer_id) if pipe is not None else self._not_ready()
 
-        return await call(self.p2p, PeerID.from_base58(peer_id), name, msg,
-                          timeout=timeout or self.cfg.rpc_timeout_s, limits=self.limits, count=self.metrics.inc)
+    async def _rpc_backward(self, msg: Message, peer_id: str) -> Message:
+        pipe = self.pipe
+        return await pipe.rpc_backward(msg, peer_id) if pipe is not None else self._not_ready()
 
-    async def _rpc_forward(self, msg: Any, peer_id: str) -> Any:
-        return await self.pipe.rpc_forward(msg, peer_id) if self.pipe else self._not_ready()
-
-    async def _rpc_backward(self, msg: Any, peer_id: str) -> Any:
-        return await self.pipe.rpc_backward(msg, peer_id) if self.pipe else self._not_ready()
-
-    def _not_ready(self) -> Any:
-        from protocol.errors import ErrorCode
-        from protocol.messages import Error
-
+    def _not_ready(self) -> Error:
         self.metrics.inc("rejected:not_ready")
-        return Error(code=ErrorCode.NOT_READY, message="this peer has not chosen its stage yet; retry elsewhere")
+        return not_ready_error()
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        import hivemind
-
-        from peer.identity import check_permissions, ensure_identity
-
-        identity = ensure_identity(self.cfg.identity_path)
-        check_permissions(identity)
-
-        def make() -> Any:
-            return hivemind.DHT(initial_peers=list(self.cfg.initial_peers), host_maddrs=list(self.cfg.host_maddrs),
-                                announce_maddrs=list(self.cfg.announce_maddrs) or None,
-                                identity_path=str(identity), use_ipfs=self.cfg.use_ipfs, start=True,
-                                client_mode=False)
-        loop = asyncio.get_running_loop()
-        for attempt in range(DHT_START_ATTEMPTS):
-            try:
-                self.dht = await loop.run_in_executor(None, make)
-                break
-            except Exception as e:  # the bootstrap peer may be busy starting up itself: retry before giving up
-                if attempt + 1 < DHT_START_ATTEMPTS and self.cfg.initial_peers:
-                    logger.warning("joining the DHT failed (%s); retrying in %d s", str(e).splitlines()[0],
-                                   2 ** attempt)
-                    await asyncio.sleep(2 ** attempt)
-                    continue
-                self._dht_failed(e)
-        self.p2p = await self.dht.replicate_p2p()
-        self.my_id = self.dht.peer_id.to_base58()
+        self.dht = dht = await start_dht(self.cfg)
+        self.p2p = await dht.replicate_p2p()
+        self.my_id = dht.peer_id.to_base58()
         self.metrics.peer_id = self.my_id
-        visible = await loop.run_in_executor(None, self.dht.get_visible_maddrs)
+        visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
         if self.cfg.maddrs_file is not None:
             tmp = self.cfg.maddrs_file.with_suffix(".tmp")
             tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
             tmp.replace(self.cfg.maddrs_file)
 
-    def _dht_failed(self, e: Exception) -> None:
-        hint = ("check that --initial-peers are full multiaddrs of running peers (/ip4/HOST/tcp/PORT/p2p/PEER_ID) "
-                "and that this machine can reach them" if self.cfg.initial_peers
-                else "check --host-maddrs (the port may be taken)")
-        raise DaemonError(f"could not start or join the DHT: {e}; {hint}") from e
-
     async def _start_rpc(self) -> None:
-        from peer.reachability import REACH_RPC, ReachabilityHelper
-        from protocol.rpc import RpcLimits, RpcServer
-
-        self.limits = RpcLimits()
+        assert self.p2p is not None
         self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
@@ -171,8 +169,6 @@ class Daemon(StageLife):
             logger.info("reachability: %s", message)
 
     async def _reach(self, helpers: list[str]) -> tuple[bool | None, str]:
-        from peer.reachability import check_reachable
-
         return await check_reachable(
             call=lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout), helpers=helpers,
             run_id=self.run.run_id, stage=self.cfg.stage or 0, my_id=self.my_id,
@@ -217,7 +213,7 @@ class Daemon(StageLife):
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)
 
     # ----- timers ---------------------------------------------------------------------------------------------------
-    async def _every(self, period: float, fn: Any) -> None:
+    async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
         while not self.stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), timeout=period)
@@ -231,18 +227,20 @@ class Daemon(StageLife):
                 logger.exception("periodic task %s failed; it runs again next period", getattr(fn, "__name__", fn))
 
     async def _tick_announce(self) -> None:
-        if self.pipe is not None:
-            self.metrics.inflight, self.metrics.queued = len(self.pipe.pending), self.pipe.queued()
-            self.metrics.local_step = self.worker.local_step
+        pipe, worker = self.pipe, self.worker
+        if pipe is not None and worker is not None:
+            self.metrics.inflight, self.metrics.queued = len(pipe.pending), pipe.queued()
+            self.metrics.local_step = worker.local_step
         await self.refresh_swarm()
         await self.announce()
 
     async def _tick_expire(self) -> None:
-        if self.pipe is not None:
-            await self.pipe.expire()
+        pipe, worker = self.pipe, self.worker
+        if pipe is not None:
+            await pipe.expire()
         # a later stage stops at max_steps once its upstream has gone quiet (stage 0's final evaluation passed)
-        if self.cfg.max_steps and self.worker is not None and self.worker.local_step >= self.cfg.max_steps \
-                and self.stage != 0 and self.pipe is not None and self.pipe.idle_s() > IDLE_EXIT_S:
+        if self.cfg.max_steps and worker is not None and worker.local_step >= self.cfg.max_steps \
+                and self.stage != 0 and pipe is not None and pipe.idle_s() > IDLE_EXIT_S:
             self.exit_reason = "max_steps"
             self.stop.set()
 
@@ -250,11 +248,10 @@ class Daemon(StageLife):
         await self.checkpoint()
 
     async def checkpoint(self) -> None:
-        from peer.checkpoint import save_checkpoint
-
-        if self.cfg.checkpoint_dir is None or self.worker is None:
+        worker = self.worker
+        if self.cfg.checkpoint_dir is None or worker is None:
             return
-        state = await self.compute(self.worker.state_dict)
+        state = await self.compute(worker.state_dict)
         try:
             path = await asyncio.get_running_loop().run_in_executor(
                 None, save_checkpoint, self.cfg.checkpoint_dir, self.run, self.stage, state)
@@ -279,11 +276,22 @@ class Daemon(StageLife):
         await self._leave_stage()
         await self._enter_stage(target)
 
+    async def _enter_stage(self, stage: int) -> None:
+        """Claim ``stage`` in the DHT at once (so that joiners see it is taken), then start serving it."""
+        self.service = StageService(self, stage)
+        self.metrics.stage, self.metrics.state = stage, "loading_state"
+        await self.announce("loading_state")
+        await self.service.start()
+        if self.service.driver is not None:
+            self.driver = self.service.driver
+
+    async def _leave_stage(self) -> None:
+        if self.service is not None:
+            await self.service.leave()
+
     # ----- the whole life -------------------------------------------------------------------------------------------
     async def main(self) -> int:
         """startup → serve → shutdown; returns the process exit code."""
-        import torch
-
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         loop = asyncio.get_running_loop()
@@ -294,10 +302,9 @@ class Daemon(StageLife):
         try:
             await self._start_dht()
             await self._start_rpc()
+            assert self.rpc is not None
             self.handlers = StageHandlers(self.rpc, self._not_ready)
             if self.cfg.metrics_port is not None:
-                from peer.status_server import StatusServer
-
                 status = StatusServer(self.metrics, port=self.cfg.metrics_port)
                 await status.start()
             self._print_join_hint()
@@ -351,10 +358,11 @@ class Daemon(StageLife):
                 if driver_task.exception() is not None:
                     logger.error("the stage-0 driver failed: %r", driver_task.exception())
                 self.exit_reason = "max_steps"
-                self.final_val_loss = await self.driver.evaluate() if self.cfg.eval_batches else None
+                driver = self.driver
+                self.final_val_loss = await driver.evaluate() if self.cfg.eval_batches and driver else None
                 self.stop.set()
 
-    async def _shutdown(self, status: Any) -> None:
+    async def _shutdown(self, status: StatusServer | None) -> None:
         self.metrics.begin_drain(self.cfg.drain_timeout_s)
         self.stop.set()
         for t in self.tasks:
@@ -378,16 +386,8 @@ class Daemon(StageLife):
             if status is not None:
                 await status.stop()
             if self.dht is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self._stop_dht)
+                await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
             self.executor.shutdown(wait=True, cancel_futures=True)
-
-    def _stop_dht(self) -> None:
-        """hivemind's graceful shutdown, then SIGKILL if its process is still alive (it must not outlive us)."""
-        self.dht.shutdown()
-        if self.dht.is_alive():
-            logger.warning("the DHT process did not stop; killing it")
-            self.dht.kill()
-            self.dht.join(timeout=5)
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""
@@ -425,7 +425,5 @@ class Daemon(StageLife):
 
 
 def _replace(cfg: PeerConfig, **kw: Any) -> PeerConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, **kw)
 

@@ -34,7 +34,7 @@ MAX_NDIM = 8
 
 
 class PayloadError(ValueError):
-    """A payload that contradicts its envelope (bad indices, codebook size...); protocol.codecs.decode turns it into
+    """A payload that contradicts its envelope (bad indices, codebook size...); codecs.registry.decode turns it into
     a ValidationError naming the field and the peer."""
 
 
@@ -48,7 +48,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorEnvelope:
-    """One encoded tensor: `codec` id (see protocol.codecs.CODEC_IDS), `dtype` wire name, `shape`, `data` payload."""
+    """One encoded tensor: `codec` id (codecs.registry.CODEC_IDS), `dtype` wire name, `shape`, `data` payload."""
 
     codec: int
     dtype: str

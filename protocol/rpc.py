@@ -18,6 +18,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -27,12 +28,25 @@ from protocol.framing import HEADER, StreamEnded, read_message, write_message
 from protocol.limits import PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
-__all__ = ["RpcServer", "RpcLimits", "call", "Handler", "PROTOCOL_PREFIX"]
+__all__ = ["RpcServer", "RpcLimits", "call", "Handler", "HandlerTable", "Counting", "Transport", "RpcTransport",
+           "PROTOCOL_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Message, str], Awaitable[Message]]
 Counting = Callable[[str, int], None]  # e.g. PeerMetrics.inc
+
+
+class HandlerTable(Protocol):
+    """Where services register their handlers: an ``RpcServer``, or a table that delegates to one (a peer's
+    per-stage services re-bind theirs on a stage move). ``limits`` and ``count`` are the server's."""
+
+    limits: RpcLimits
+    count: Counting | None
+
+    async def add_handler(self, name: str, fn: Handler) -> None: ...
+
+
 #: messages with more payload bytes than this are (un)packed in the default executor, not on the event loop
 OFFLOOP_BYTES = 1 << 20
 #: libp2p protocol names are PROTOCOL_PREFIX + handler name (unversioned: versions are negotiated in messages)
@@ -257,3 +271,27 @@ async def call(
     if isinstance(reply, Error):
         raise RemoteError(reply.code, reply.message)
     return reply
+
+
+class Transport(Protocol):
+    """What a keyed exchange between peers needs from the RPC layer: ``RpcTransport`` in production, an in-memory
+    one in unit tests."""
+
+    async def add_handler(self, name: str, fn: Handler) -> None: ...
+
+    async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message: ...
+
+
+class RpcTransport:
+    """``Transport`` over this module: handlers on a ``HandlerTable``, calls through ``call`` with its limits."""
+
+    def __init__(self, p2p: P2P, rpc_server: HandlerTable, limits: RpcLimits | None = None) -> None:
+        self.p2p, self.rpc_server = p2p, rpc_server
+        self.limits = limits if limits is not None else getattr(rpc_server, "limits", None) or RpcLimits()
+        self.count = getattr(rpc_server, "count", None)  # the server's traffic counter counts our calls too
+
+    async def add_handler(self, name: str, fn: Handler) -> None:
+        await self.rpc_server.add_handler(name, fn)
+
+    async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message:
+        return await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)

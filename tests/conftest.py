@@ -8,6 +8,8 @@ import signal
 import pytest
 import torch
 
+from peer.ops.procs import descendants
+
 torch.set_num_threads(1)
 
 
@@ -20,27 +22,9 @@ def _reap_children_at_exit():
     """
     yield
     me = os.getpid()
-    for pid in _descendants(me):
+    for pid in descendants(me):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out

@@ -41,3 +41,29 @@ def test_console_script_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "peer.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "swarm" in out.stdout
+
+
+def test_an_internal_error_is_a_bug_and_keeps_its_traceback(monkeypatch, capsys):
+    """Only UserError is turned into one line; a ValueError from inside (here the averaging math) propagates."""
+    from peer.cli import status
+    from trainer.averaging import AveragingError
+
+    def broken(args):
+        raise AveragingError("partition shapes differ")
+
+    monkeypatch.setattr(status, "run", broken)
+    with pytest.raises(AveragingError):
+        main(["status", "--port", "9"])
+
+
+def test_a_user_error_exits_with_its_own_code(monkeypatch, capsys):
+    from peer.cli import status
+    from peer.errors import DaemonError
+
+    def refuse(args):
+        raise DaemonError("the identity key is readable by others; chmod 600 it")
+
+    monkeypatch.setattr(status, "run", refuse)
+    assert main(["status", "--port", "9"]) == 1
+    assert capsys.readouterr().err.strip() == ("asyncmesh-peer status: error: the identity key is readable by others; "
+                                               "chmod 600 it")

@@ -1,4 +1,4 @@
-"""The daemon's path end to end: peers found through real hivemind DHT records (dht_records), not a given list.
+"""The daemon's path end to end: peers found through real hivemind DHT records (membership.records), not a given list.
 
 Two DHT nodes on 127.0.0.1 announce PeerRecords; a joiner finds its donor with ``choose_donors`` over
 ``fetch_swarm`` and loads its state, then both average rounds whose partners come from the same records.
@@ -14,10 +14,10 @@ import pytest
 import torch
 from hivemind import DHT
 
-from peer.averaging import AveragingLoop, NetAveragingConfig
-from peer.dht_records import PeerRecord, announce
-from peer.metrics import PeerMetrics
-from peer.state_sync import StateServer, StateSyncConfig, choose_donors, load_state_from_peers
+from peer.averaging.loop import AveragingLoop, NetAveragingConfig
+from peer.membership.records import PeerRecord, announce
+from peer.ops.metrics import PeerMetrics
+from peer.state.sync import StateServer, StateSyncConfig, choose_donors, load_state_from_peers
 from protocol.rpc import RpcServer
 from trainer.config import RunConfig
 from trainer.worker import StageWorker

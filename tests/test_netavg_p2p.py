@@ -17,9 +17,9 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peer.averaging import AVG_RPC, AveragingLoop, NetAveragingConfig, next_round
-from peer.metrics import PeerMetrics
-from protocol.codecs import encode
+from peer.averaging.loop import AVG_RPC, AveragingLoop, NetAveragingConfig, next_round
+from peer.ops.metrics import PeerMetrics
+from protocol.codecs.registry import encode
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import AveragingPart
 from protocol.rpc import RpcServer, call

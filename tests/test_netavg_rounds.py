@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from peer.averaging import (
+from peer.averaging.loop import (
     AveragingLoop,
     NetAveragingConfig,
     admissible,
@@ -24,10 +24,10 @@ from peer.averaging import (
     same_stage_peers,
     wagma_partners,
 )
-from peer.avg_sync import SyncAverager
-from peer.dht_records import PeerRecord
-from peer.metrics import PeerMetrics
-from protocol.codecs import encode
+from peer.averaging.sync import SyncAverager
+from peer.membership.records import PeerRecord
+from peer.ops.metrics import PeerMetrics
+from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
 from protocol.messages import AveragingPart, Error
 from trainer.config import RunConfig
@@ -437,7 +437,7 @@ async def test_sync_future_steps_a_stranger_opens_are_bounded_and_expire():
 
 
 def test_flush_clock_closes_each_flush_once_and_ignores_retries():
-    from peer.avg_sync import FlushClock
+    from peer.averaging.sync import FlushClock
 
     clock = FlushClock()
     assert clock.on_forward(7) is None  # the first flush we see: nothing to close yet

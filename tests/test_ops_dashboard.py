@@ -9,8 +9,8 @@ import time
 import pytest
 from rich.console import Console
 
-from peer.dashboard import Dashboard, human, human_bytes, short_id, sparkline, swarm_tokens_per_s
-from peer.metrics import PeerMetrics
+from peer.ops.dashboard import Dashboard, human, human_bytes, short_id, sparkline, swarm_tokens_per_s
+from peer.ops.metrics import PeerMetrics
 
 
 class FakeClock:

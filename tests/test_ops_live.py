@@ -21,18 +21,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from peer.dashboard import Dashboard
-from peer.status_server import fetch_status
+from peer.ops.dashboard import Dashboard
+from peer.ops.procs import free_port, terminate
+from peer.ops.status_server import fetch_status
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LivePeers:
@@ -105,16 +98,8 @@ class LivePeers:
         return (peer["dir"] / "log.txt").read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
+        terminate([p["proc"] for p in self.peers], 30.0)
         for p in self.peers:
-            if p["proc"].poll() is None:
-                os.kill(p["proc"].pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in self.peers:
-            try:
-                p["proc"].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(p["proc"].pid, signal.SIGKILL)
-                p["proc"].wait()
             p["log"].close()
 
 
@@ -212,7 +197,7 @@ def test_monitor_lists_every_peer_of_a_live_three_peer_swarm(live: LivePeers) ->
     assert view["coverage"] == 1.0 and view["n_peers"] == 3
     assert view["swarm_tokens_per_s"] > 0
     if os.environ.get("ASYNCMESH_DASHBOARD_SVG"):
-        from peer.cmd_monitor import render
+        from peer.cli.monitor import render
 
         _, console = draw(Dashboard([live.status(p) for p in live.peers]).render())
         console.save_svg(str(Path(os.environ["ASYNCMESH_DASHBOARD_SVG"]) / "dashboard.swarm.svg"),

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = """
 import logging, sys
-from peer.logs import setup_logging
+from peer.ops.logs import setup_logging
 setup_logging("INFO", {json}, hivemind={hivemind})
 setup_logging("INFO", {json}, hivemind={hivemind})  # a second call replaces, never duplicates
 logging.getLogger("peer.x").info("hello %s", "world", extra={{"stage": 2}})
@@ -53,7 +53,7 @@ def test_text_when_asked() -> None:
 
 
 def test_unknown_level_is_refused() -> None:
-    from peer.logs import setup_logging
+    from peer.ops.logs import setup_logging
 
     root = logging.getLogger()
     before = (root.level, list(root.handlers))
@@ -65,7 +65,7 @@ def test_unknown_level_is_refused() -> None:
 FORK_SCRIPT = """
 import logging, os, sys, threading, time
 from rich import get_console
-from peer.logs import setup_logging
+from peer.ops.logs import setup_logging
 setup_logging("INFO", False, hivemind=False)
 held = threading.Event()
 def hold():  # another thread is inside the console (drawing the dashboard) when the fork happens

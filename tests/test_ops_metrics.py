@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from peer.metrics import PeerMetrics
+from peer.ops.metrics import PeerMetrics
 
 
 class FakeClock:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from peer.cmd_monitor import render, swarm_view
-from peer.dht_records import PeerRecord
+from peer.cli.monitor import render, swarm_view
+from peer.membership.records import PeerRecord
 
 MONITOR = [sys.executable, "-m", "peer.cli", "monitor"]
 
@@ -54,7 +54,7 @@ def test_swarm_view_finds_coverage_bottleneck_and_throughput() -> None:
 def test_monitor_once_json_reads_every_peer_from_a_live_dht(tmp_path: Path) -> None:
     from hivemind import DHT
 
-    from peer.dht_records import announce
+    from peer.membership.records import announce
     from trainer.config import RunConfig
 
     run = RunConfig.default()

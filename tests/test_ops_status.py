@@ -13,10 +13,18 @@ from collections.abc import Iterator
 import pytest
 from rich.console import Console
 
-from peer import cmd_status
-from peer.dashboard import Dashboard, human, human_bytes
-from peer.metrics import PeerMetrics
-from peer.status_server import StatusServer, StatusServerError, fetch_status, json_safe, metric_name, prometheus_text
+from peer.cli import status as cmd_status
+from peer.errors import UserError
+from peer.ops.dashboard import Dashboard, human, human_bytes
+from peer.ops.metrics import PeerMetrics
+from peer.ops.status_server import (
+    StatusServer,
+    StatusServerError,
+    fetch_status,
+    json_safe,
+    metric_name,
+    prometheus_text,
+)
 
 
 class FakeClock:
@@ -137,7 +145,7 @@ def test_status_exit_codes(served, capsys) -> None:
     assert cmd_status.run(status_args(free, json=True)) == cmd_status.EXIT_UNREACHABLE
     out = capsys.readouterr()
     assert json.loads(out.out)["reachable"] is False and f"--metrics-port {free}" in out.err
-    with pytest.raises(ValueError, match="--port"):
+    with pytest.raises(UserError, match="--port"):
         cmd_status.run(status_args(0))
 
 

@@ -7,10 +7,14 @@ import asyncio
 
 import pytest
 
-from peer import cmd_join, cmd_swarm
+from peer.cli import join as cmd_join
+from peer.cli import swarm as cmd_swarm
 from peer.config import PeerConfig
-from peer.daemon_stage import StageHandlers
-from peer.reachability import is_public_unroutable, tcp_targets
+from peer.errors import UserError
+from peer.membership.reachability import is_public_unroutable, tcp_targets
+from peer.ops.procs import PeerProcess
+from peer.stage import StageHandlers
+from protocol.rpc import RpcLimits
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -32,7 +36,7 @@ def test_join_arguments_build_the_configs():
 @pytest.mark.parametrize("item, match", [("nope=1", "FIELD=VALUE"), ("hop_retries=x", "hop_retries"),
                                          ("use_ipfs=maybe", "true or false"), ("eval_every_s", "FIELD=VALUE")])
 def test_bad_overrides_say_what_to_fix(item, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UserError, match=match):
         cmd_join.parse_overrides([item])
 
 
@@ -74,7 +78,7 @@ def test_swarm_summary_sums_stage0_throughput_and_counters():
 def test_swarm_refuses_fewer_peers_than_stages():
     p = argparse.ArgumentParser()
     cmd_swarm.add_arguments(p)
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(UserError, match="at least 2"):
         cmd_swarm.run(p.parse_args(["--peers", "1"]))
 
 
@@ -90,7 +94,7 @@ def test_swarm_ends_when_stage0_is_done_or_a_stage_is_left_without_live_peers(tm
     swarm = cmd_swarm.Swarm(argparse.Namespace(), tmp_path)
 
     def state(*peers: tuple[int, int | None]) -> str | None:  # (stage, exit code or None while alive)
-        swarm.children = [{"i": i, "proc": _Proc(rc), "dir": tmp_path} for i, (_, rc) in enumerate(peers)]
+        swarm.children = [PeerProcess(f"peer{i}", _Proc(rc), tmp_path, 0, i=i) for i, (_, rc) in enumerate(peers)]
         swarm.status = {i: {"stage": stage} for i, (stage, _) in enumerate(peers)}
         return swarm.finished(2)
 
@@ -111,7 +115,9 @@ def test_reachability_targets():
 
 
 def test_stage_handlers_register_once_and_rebind_on_a_stage_move():
-    class FakeRpc:
+    class FakeRpc:  # a protocol.rpc.HandlerTable
+        limits, count = RpcLimits(), None
+
         def __init__(self) -> None:
             self.handlers = {}
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from peer.config import PeerConfig
-from peer.dht_records import PeerRecord
-from peer.driver import Stage0Driver
-from peer.metrics import PeerMetrics
-from peer.pipeline import PipelineStage
-from peer.routing import Router
-from protocol.codecs import encode
+from peer.membership.records import PeerRecord
+from peer.membership.routing import Router
+from peer.ops.metrics import PeerMetrics
+from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.servicer import PipelineStage
+from protocol.codecs.registry import encode
 from protocol.messages import Ack, Error, Forward, pack, unpack
 from trainer.config import RunConfig
 from trainer.data import BatchStream, load_corpus, val_batches

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from peer import dht_records
-from peer.dht_records import PeerRecord, RecordError, parse_swarm
+from peer.membership import records as dht_records
+from peer.membership.records import PeerRecord, RecordError, parse_swarm
 
 
 def good(pid: str = "QmA", **kw) -> dict:

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from peer.dht_records import PeerRecord
-from peer.routing import NoRouteError, Router
+from peer.membership.records import PeerRecord
+from peer.membership.routing import NoRouteError, Router
 
 
 def rec(pid: str, stage: int = 1, thr: float = 1.0, queue: int = 0, state: str = "training") -> PeerRecord:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from peer.dht_records import PeerRecord
-from peer.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.membership.records import PeerRecord
+from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 
 
 def rec(pid: str, stage: int, thr: float = 1.0, state: str = "training") -> PeerRecord:

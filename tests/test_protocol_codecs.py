@@ -1,4 +1,4 @@
-"""Round trips, error bounds, compression ratios and validation of protocol.codecs."""
+"""Round trips, error bounds, compression ratios and validation of protocol.codecs.registry."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from protocol.codecs import CODECS, ErrorFeedback, decode, decode_async, encode, encode_async, roundtrip
+from protocol.codecs.feedback import ErrorFeedback
+from protocol.codecs.registry import CODECS, decode, decode_async, encode, encode_async, roundtrip
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ProtocolError, ValidationError
 from protocol.validation import TensorSpec
@@ -219,7 +220,7 @@ def test_non_finite_anywhere_is_caught(position: int, bad: float, dtype: torch.d
 
 
 def test_int4_level_search_matches_bucketize() -> None:
-    from protocol.quant import _INT4_BORDERS, int4_codes
+    from protocol.codecs.quant import _INT4_BORDERS, int4_codes
 
     v = torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * 2 - 1
     special = torch.cat([_INT4_BORDERS, _INT4_BORDERS.nextafter(torch.tensor(2.0)), torch.tensor([-1.0, 0.0, 1.0])])

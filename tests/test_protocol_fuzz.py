@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codecs import CODEC_IDS, decode, encode
+from protocol.codecs.registry import CODEC_IDS, decode, encode
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ProtocolError
 from protocol.framing import frame_header, read_message
@@ -198,7 +198,7 @@ MEMORY_PROBE = textwrap.dedent(
     """
     import asyncio, resource, struct
     import msgpack, torch
-    from protocol.codecs import decode, encode
+    from protocol.codecs.registry import decode, encode
     from protocol.envelope import TensorEnvelope
     from protocol.errors import ProtocolError
     from protocol.framing import frame_header, read_message

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from protocol.codecs import encode
+from protocol.codecs.registry import encode
 from protocol.errors import ErrorCode, FrameTooLarge, MalformedMessage, RateLimited, VersionMismatch
 from protocol.framing import HEADER, StreamEnded, frame_header, read_message, write_message
 from protocol.limits import PeerBudgets, RpcLimits

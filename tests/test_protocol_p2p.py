@@ -11,7 +11,7 @@ import torch
 import uvloop
 from hivemind.p2p import P2P
 
-from protocol.codecs import decode, encode
+from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, RemoteError, ValidationError
 from protocol.framing import HEADER, frame_header, read_message
 from protocol.limits import RpcLimits

@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codecs import encode, roundtrip
+from protocol.codecs.quant import INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
+from protocol.codecs.registry import encode, roundtrip
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode
 from protocol.messages import AveragingPart, Backward, Error, Forward, Hello, StateChunk, pack, unpack
-from protocol.quant import INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
 
 pytestmark = pytest.mark.timeout(120)
 

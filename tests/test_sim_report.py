@@ -7,8 +7,9 @@ import json
 import pytest
 
 from peer.cli import main
-from trainer.sim_presets import preset, with_overrides
-from trainer.sim_report import load_results, write_outputs
+from peer.errors import UserError
+from trainer.sim.presets import preset, with_overrides
+from trainer.sim.report import load_results, write_outputs
 
 
 def record(name: str, loss: float) -> dict:
@@ -40,7 +41,7 @@ def test_merge_adds_methods_of_a_run_with_the_same_config(tmp_path):
     doc = json.loads((a / "results.json").read_text())
     assert list(doc["methods"]) == ["fullsync", "wagma"] and doc["config"]["methods"] == ["fullsync", "wagma"]
     write_outputs(c, with_overrides(base, methods=("wagma",), tau=7).to_dict(), [record("wagma", 2.2)])
-    with pytest.raises(ValueError, match="differs in \\['tau'\\]"):
-        from peer.cmd_simulate import _report_only
+    with pytest.raises(UserError, match="differs in \\['tau'\\]"):
+        from peer.cli.simulate import _report_only
 
         _report_only(a, [c], wallclock=False)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trainer.data import load_corpus, val_batches
-from trainer.sim_methods import METHODS
-from trainer.sim_presets import preset, with_overrides
-from trainer.simulator import SimConfig, _Run, run_method
+from trainer.sim.methods import METHODS
+from trainer.sim.presets import preset, with_overrides
+from trainer.sim.simulator import SimConfig, _Run, run_method
 from trainer.worker import StageWorker
 
 

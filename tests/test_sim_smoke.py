@@ -61,7 +61,7 @@ def test_cli_rejects_unknown_methods(tmp_path, capsys):
 
 def test_compression_flags_set_each_codec():
     from peer.cli import build_parser
-    from peer.cmd_simulate import build_config
+    from peer.cli.simulate import build_config
 
     def codecs(*flags: str) -> tuple[str, str, str]:
         args = build_parser().parse_args(["simulate", "--out", "/tmp/x", *flags])
@@ -86,7 +86,7 @@ def test_sim_variant_tool_trains_an_ad_hoc_variant(capsys):
         assert tool.main(["--preset", "smoke", "--steps", "16", "--eval-every", "8", "--rule", "avg",
                           "--fraction", "1", "--tau", "0", "--optimizer", "adamw", "--beta1", "0.9"]) == 0
     finally:
-        from trainer.sim_methods import METHODS
+        from trainer.sim.methods import METHODS
 
         METHODS.pop(tool.NAME, None)
     losses = [float(v) for v in capsys.readouterr().out.split()]

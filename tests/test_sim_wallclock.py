@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.wallclock import MeshTiming, simulate_async, simulate_sync
+from trainer.sim.wallclock import MeshTiming, simulate_async, simulate_sync
 
 
 def mesh(k: int, f: float = 1.0, b: float = 1.0, **kw) -> MeshTiming:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from peer.checkpoint import CheckpointError, checkpoint_path, checkpoint_stages, load_checkpoint, save_checkpoint
+from peer.state.checkpoint import CheckpointError, checkpoint_path, checkpoint_stages, load_checkpoint, save_checkpoint
 from trainer.config import RunConfig
 
 

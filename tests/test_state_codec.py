@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from peer.state_codec import (
+from peer.state.codec import (
     StateFormatError,
     assemble,
     check_against_reference,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from peer.metrics import PeerMetrics
-from peer.state_sync import StateServer, StateSyncConfig, load_state_from_peers
+from peer.ops.metrics import PeerMetrics
+from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Error, StateRequest, pack, unpack
 from protocol.rpc import RpcServer

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.codecs import decode, encode  # noqa: E402
+from protocol.codecs.registry import decode, encode  # noqa: E402
 
 CODECS = {"none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4", "topk": "topk:0.01"}
 

@@ -43,6 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools.wan` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command  # noqa: E402
 from tools.bench_report import (  # noqa: F401 - re-exported: the figures belong to this tool
     active_rate,
     bytes_per_token,
@@ -59,7 +60,6 @@ logger = logging.getLogger("bench_swarm")
 REPO = Path(__file__).resolve().parent.parent
 P2P_PORT = 31337
 STATUS_PORT = 9464
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(RuntimeError):
@@ -97,16 +97,6 @@ def http_status(port: int, timeout: float = 3.0) -> dict[str, Any]:
         conn.close()
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (None once it has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class SwarmCase:
     """The peers of one case on one network (a Wan or a LocalNet, which reaps them)."""
 
@@ -122,20 +112,13 @@ class SwarmCase:
         d.mkdir(parents=True, exist_ok=True)
         stage = self.stages[i]
         if self.case.net == "loopback":
-            from peer.cmd_swarm import free_port
-
-            port = free_port()
-            addr_args = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+            port, listen, announce = free_port(), ["/ip4/127.0.0.1/tcp/0"], []
         else:
-            port, listen = STATUS_PORT, f"/ip4/{self.net.ip(i)}/tcp/{P2P_PORT}"
-            addr_args = ["--host-maddrs", listen, "--announce-maddrs", listen]
-        cmd = [sys.executable, "-m", "peer.cli", "join", "--no-tui", "--run", str(self.args.run), "--stage",
-               str(stage), "--mode", self.case.mode, "--identity", str(d / "identity.key"), "--summary-json",
-               str(d / "summary.json"), "--metrics-port", str(port), "--torch-threads",
-               str(self.args.torch_threads), *addr_args, "--set", f"maddrs_file={d / 'maddrs.txt'}",
-               *[x for item in self.peer_settings() for x in ("--set", item)]]
-        if initial:
-            cmd += ["--initial-peers", *initial]
+            port, listen = STATUS_PORT, [f"/ip4/{self.net.ip(i)}/tcp/{P2P_PORT}"]
+            announce = listen
+        cmd = join_command(d, port=port, run=self.args.run, stage=stage, mode=self.case.mode,
+                           torch_threads=self.args.torch_threads, host_maddrs=listen, announce_maddrs=announce,
+                           settings=self.peer_settings(), initial=initial, checkpoints=False)
         with open(d / "log.txt", "wb") as log:
             proc = self.net.popen(i, cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -226,13 +209,7 @@ class SwarmCase:
 
     def stop_and_collect(self) -> list[dict[str, Any]]:
         self.net.close()  # SIGTERM, drain, reap
-        out = []
-        for peer in self.peers:
-            path = peer["dir"] / "summary.json"
-            entry = json.loads(path.read_text()) if path.exists() else {"error": "no summary written"}
-            entry["exit_code"] = peer["proc"].returncode
-            out.append(entry)
-        return out
+        return [PeerProcess(f"peer{p['i']}", p["proc"], p["dir"], p["port"]).summary() for p in self.peers]
 
 
 def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from trainer.config import RunConfig
-    from trainer.simulator import SimConfig, run_method
+    from trainer.sim.simulator import SimConfig, run_method
 
     run = RunConfig.from_toml(args.run)
     peers = daemon_swarm(args.run, args.steps, ["eval_batches=2", *args.settings], args.timeout)

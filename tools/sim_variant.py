@@ -6,7 +6,7 @@ For ablations that the named methods do not cover, e.g. the bisection of ``full-
     python tools/sim_variant.py --steps 400 --tau 0 --rule avg --fraction 1 --no-stashing
     python tools/sim_variant.py --steps 400 --tau 0 --rule avg --fraction 1 --stages 1
 
-The variant runs the asynchronous 1F1B schedule of trainer/simulator.py on the chosen preset (default: paper) with
+The variant runs the asynchronous 1F1B schedule of trainer/sim/simulator.py on the chosen preset (default: paper) with
 parameter averaging by ``--rule`` (or gradient all-reduce with ``--rule grad``) and prints the validation loss at
 each evaluation.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.sim_methods import METHODS, MethodSpec  # noqa: E402
-from trainer.sim_presets import PRESETS, preset, with_overrides  # noqa: E402
-from trainer.simulator import run_method  # noqa: E402
+from trainer.sim.methods import METHODS, MethodSpec  # noqa: E402
+from trainer.sim.presets import PRESETS, preset, with_overrides  # noqa: E402
+from trainer.sim.simulator import run_method  # noqa: E402
 
 NAME = "variant"
 

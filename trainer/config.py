@@ -155,7 +155,7 @@ class AveragingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
-    """Codec ids (see protocol.codecs) for what crosses the wire."""
+    """Codec ids (see protocol.codecs.registry) for what crosses the wire."""
 
     activations: str = "int8"
     """Forward activations between stages."""

@@ -1,0 +1,51 @@
+"""Timing and safety limits of averaging over the network, shared by the background loop and the sync barrier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import CODEC_NAMES
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetAveragingConfig:
+    """Timing and safety limits of averaging over the network (peer-local; period_s must match across peers)."""
+
+    period_s: float = 10.0
+    """Seconds per round; round r starts at unix time r * period_s. Every peer of a stage must use the same value."""
+    collect_fraction: float = 0.6
+    """Fraction of the period spent exchanging parts; the rest absorbs clock skew and the apply."""
+    initiator_grace: float = 0.5
+    """Fraction of the exchange window after which the larger-id peer calls a silent smaller-id peer itself."""
+    call_timeout_s: float = 10.0
+    """Timeout of one exchange call (capped by the round's deadline)."""
+    swarm_timeout_s: float = 3.0
+    """Timeout of reading the stage's peers from the DHT at a round's start."""
+    worker_timeout_s: float = 30.0
+    """Timeout of a begin/finish call on the compute thread."""
+    clock_skew_s: float = 1.0
+    """Accept parts for the next round this many seconds before it starts (peer clocks differ)."""
+    max_rel_distance: float = 1.0
+    """Reject a part farther from our values than this times their L2 norm (plus the rms allowance below)."""
+    max_rms_distance: float = 0.1
+    """Absolute allowance per coordinate (rms) for the distance check; lets zero-initialised tensors average."""
+    sync_timeout_s: float = 60.0
+    """Blocking average: how long the barrier waits for the stage's other replicas."""
+    sync_grace_s: float = 1.0
+    """Blocking average: the larger-id replica calls a silent smaller-id one after this (its handler then waits)."""
+    sync_codec: str = "none"
+    """Blocking average: wire codec ('none' keeps the sum exact, as a synchronous baseline must)."""
+    sync_max_norm_ratio: float = 100.0
+    """Blocking average: reject a part whose norm exceeds ours by this factor (or 1.0, whichever is larger)."""
+
+    def __post_init__(self) -> None:
+        for name in ("period_s", "call_timeout_s", "swarm_timeout_s", "worker_timeout_s", "sync_timeout_s",
+                     "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.collect_fraction < 1 or not 0 < self.initiator_grace < 1:
+            raise ValueError("collect_fraction and initiator_grace must be in (0, 1)")
+        if self.clock_skew_s < 0 or self.max_rms_distance < 0:
+            raise ValueError("clock_skew_s and max_rms_distance must be >= 0")
+        if self.sync_codec not in CODEC_NAMES:
+            raise ValueError(f"sync_codec must be one of {CODEC_NAMES}, got {self.sync_codec!r}")

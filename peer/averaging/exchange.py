@@ -1,0 +1,350 @@
+"""Keyed exchange of tensor parts between same-stage peers: the transport layer under the averaging loops.
+
+One ``PartExchange`` serves one RPC name. Each *slot* (an averaging round, or a synchronous step) holds this peer's own
+part and whatever validated parts other peers sent for the same key. An exchange is symmetric: the caller sends its
+part as the request and the callee answers with its own, so one successful call gives both sides both parts. To send
+each slice once per pair, the peer with the smaller id calls; the other calls only when it has heard nothing by half
+of the slot's window (a peer may not see the other in the DHT yet, or may only be able to dial out).
+
+Everything received is validated before it is kept: run, stage and key; the claimed sender equals the authenticated
+libp2p id that the RPC layer reports; the payload decodes to exactly the local shapes and dtype, all finite; and the
+slot owner's ``check`` (e.g. bounded distance from the local values) passes. A rejected part is answered with an error
+code, counted as ``rejected:avg_<reason>`` in PeerMetrics, and never reaches the weights. The ``weight`` field of the
+message is ignored: every accepted contribution counts equally, as chosen by the receiver.
+
+Own values are quantised with the run's averaging codec and then *decoded again locally*, so every peer averages the
+very same numbers: two peers that hold the same set of contributions compute bit-identical means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from protocol.codecs.registry import decode, encode
+from protocol.errors import ErrorCode, ProtocolError, RemoteError
+from protocol.messages import AveragingPart, Busy, Error, Message
+from protocol.rpc import Transport
+from protocol.validation import TensorSpec
+
+if TYPE_CHECKING:
+    from peer.ops.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A part that is refused with an error code (raised by ``admit`` hooks)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Slot:
+    """One round (or step) of exchange: our part, the parts received, and its deadline on ``clock``."""
+
+    key: int
+    deadline: float
+    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    own_part: AveragingPart | None = None
+    own_values: list[torch.Tensor] | None = None
+    contributions: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    senders: set[str] = field(default_factory=set)
+    closed: bool = False
+
+
+#: check(received, own) -> None if acceptable, else a short reason (becomes the counter rejected:avg_<reason>)
+Check = Callable[[list[torch.Tensor], list[torch.Tensor]], str | None]
+
+
+def relative_distance_check(max_rel: float, max_rms: float) -> Check:
+    """Accept a tensor list whose L2 distance to ours is at most ``max_rel * |ours| + max_rms * sqrt(numel)``.
+
+    The relative term bounds what one peer can move a large tensor; the absolute term lets zero-initialised tensors
+    (biases) take part. Honest replicas of one stage stay far inside it: they start from the same seeded init and
+    are pulled together by every round.
+    """
+
+    def check(received: list[torch.Tensor], own: list[torch.Tensor]) -> str | None:
+        for r, o in zip(received, own, strict=True):
+            bound = max_rel * float(o.norm()) + max_rms * math.sqrt(o.numel())
+            if float((r - o).norm()) > bound:
+                return "too_far"
+        return None
+
+    return check
+
+
+def finite_norm_check(max_ratio: float, floor: float) -> Check:
+    """Accept a tensor list whose norm is at most ``max_ratio`` times ours (or ``floor``): for gradients."""
+
+    def check(received: list[torch.Tensor], own: list[torch.Tensor]) -> str | None:
+        for r, o in zip(received, own, strict=True):
+            if float(r.norm()) > max(max_ratio * float(o.norm()), floor):
+                return "too_large"
+        return None
+
+    return check
+
+
+def _reason(e: Exception) -> str:
+    """Counter suffix for a decode failure: shape, dtype, payload (codec/length) or nonfinite (NaN, Inf)."""
+    field = getattr(e, "field", "") or ""
+    kind = field.rsplit(".", 1)[-1] if "." in field else "nonfinite"
+    return {"shape": "shape", "dtype": "dtype", "codec": "payload", "data": "payload"}.get(kind, "nonfinite")
+
+
+class PartExchange:
+    """Slots of one RPC name; see the module docstring.
+
+    Args:
+        transport: RPC layer. name: RPC handler name. run_id, stage, me: identity checked on every part.
+        codec: wire codec of the parts (run.compression.averaging, or 'none' for exact sums).
+        check: owner's validation of a decoded part against our own values.
+        admit: called with (key, sender) for a part whose slot does not exist yet; returns the slot (possibly still
+            opening) or raises Refused. Lets the asynchronous loop open a round on demand and the synchronous barrier
+            wait for its step.
+        metrics: PeerMetrics (counters). clock: time source of slot deadlines (unix time).
+    """
+
+    def __init__(self, *, transport: Transport, name: str, run_id: str, stage: int, me: str, codec: str,
+                 check: Check, admit: Callable[[int, str], Slot], metrics: PeerMetrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.transport, self.name, self.run_id, self.stage, self.me = transport, name, run_id, stage, me
+        self.codec, self.check, self.admit, self.metrics, self.clock = codec, check, admit, metrics, clock
+        self.slots: dict[int, Slot] = {}
+
+    async def register(self) -> None:
+        await self.transport.add_handler(self.name, self._handle)
+
+    def open(self, key: int, deadline: float) -> Slot:
+        """The slot for ``key``, created if new (its own part still unset)."""
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = Slot(key=key, deadline=deadline)
+        return slot
+
+    async def publish(self, slot: Slot, values: list[torch.Tensor]) -> None:
+        """Set our part: encode with the codec and decode back (off the event loop), then wake waiting handlers."""
+        loop = asyncio.get_running_loop()
+        envelopes, own = await loop.run_in_executor(None, self._quantize, values)
+        slot.own_values = own
+        slot.own_part = AveragingPart(run_id=self.run_id, stage=self.stage, round_no=slot.key, sender=self.me,
+                                      tensors=envelopes, weight=1.0)
+        if not slot.ready.done():
+            slot.ready.set_result(None)
+
+    def fail(self, slot: Slot, reason: str) -> None:
+        """Opening the slot failed (e.g. the worker refused): waiting handlers answer NOT_READY."""
+        if not slot.ready.done():
+            slot.ready.set_exception(Refused(ErrorCode.NOT_READY, reason))
+            slot.ready.exception()  # mark retrieved: nobody may be waiting
+
+    def close(self, key: int) -> Slot | None:
+        slot = self.slots.pop(key, None)
+        if slot is not None:
+            slot.closed = True
+            self.fail(slot, "slot closed")
+        return slot
+
+    def _quantize(self, values: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
+        flat = [v.detach().reshape(-1).float().contiguous() for v in values]
+        envelopes = [encode(v, self.codec) for v in flat]
+        own = [decode(e, TensorSpec(shape=tuple(v.shape), dtype=v.dtype), peer="self") for e, v in
+               zip(envelopes, flat, strict=True)]
+        return envelopes, own
+
+    # ---- receiving ---------------------------------------------------------------------------------------------
+    def _validate(self, msg: AveragingPart, peer: str, slot: Slot) -> list[torch.Tensor]:
+        """Decode and check a part against our own values; raises Refused(BAD_REQUEST, reason)."""
+        own = slot.own_values
+        assert own is not None
+        if msg.sender != peer:
+            raise Refused(ErrorCode.BAD_REQUEST, "sender_mismatch")
+        if len(msg.tensors) != len(own):
+            raise Refused(ErrorCode.BAD_REQUEST, "tensor_count")
+        values = []
+        for j, (env, o) in enumerate(zip(msg.tensors, own, strict=True)):
+            try:
+                t = decode(env, TensorSpec(shape=tuple(o.shape), dtype=o.dtype), peer=peer, field=f"tensors[{j}]")
+            except ProtocolError as e:
+                raise Refused(ErrorCode.BAD_REQUEST, _reason(e)) from e
+            if t.shape != o.shape or t.dtype != o.dtype:
+                raise Refused(ErrorCode.BAD_REQUEST, "shape")
+            if not bool(torch.isfinite(t).all()):
+                raise Refused(ErrorCode.BAD_REQUEST, "nonfinite")
+            values.append(t)
+        reason = self.check(values, own)
+        if reason is not None:
+            raise Refused(ErrorCode.BAD_REQUEST, reason)
+        return values
+
+    def _identity_error(self, msg: Message, key: int | None = None) -> Refused | None:
+        if not isinstance(msg, AveragingPart):
+            return Refused(ErrorCode.BAD_REQUEST, "not_a_part")
+        if msg.run_id != self.run_id:
+            return Refused(ErrorCode.WRONG_RUN, "wrong_run")
+        if msg.stage != self.stage:
+            return Refused(ErrorCode.WRONG_STAGE, "wrong_stage")
+        if key is not None and msg.round_no != key:
+            return Refused(ErrorCode.BAD_REQUEST, "wrong_round")
+        return None
+
+    async def _accept(self, msg: AveragingPart, peer: str, slot: Slot) -> None:
+        loop = asyncio.get_running_loop()
+        values = await loop.run_in_executor(None, self._validate, msg, peer, slot)
+        if slot.closed:
+            raise Refused(ErrorCode.NOT_READY, "closed")
+        if peer not in slot.contributions:
+            slot.contributions[peer] = values
+            slot.arrived.set()
+
+    def _reject(self, err: Refused, peer: str, key: Any) -> None:
+        self.metrics.inc(f"rejected:avg_{err}")
+        logger.debug("refused %s part from %s for key %s: %s", self.name, peer, key, err)
+
+    async def _handle(self, msg: Message, peer: str) -> Message:
+        err = self._identity_error(msg)
+        if err is not None:
+            self._reject(err, peer, getattr(msg, "round_no", "?"))
+            return Error(code=err.code, message=f"{self.name}: {err}")
+        try:
+            slot = self.slots.get(msg.round_no) or self.admit(msg.round_no, peer)
+            timeout = slot.deadline - self.clock()
+            if timeout <= 0:
+                raise Refused(ErrorCode.NOT_READY, "closed")
+            slot.senders.add(peer)  # the slot's owner waits for this peer's part too, even if it did not know it
+            await asyncio.wait_for(asyncio.shield(slot.ready), timeout)
+            await self._accept(msg, peer, slot)
+        except Refused as e:
+            if e.code != ErrorCode.NOT_READY:
+                self._reject(e, peer, msg.round_no)
+                slot = self.slots.get(msg.round_no)
+                if slot is not None and peer not in slot.contributions:
+                    slot.senders.discard(peer)
+                    slot.arrived.set()  # whoever waits for this sender's part stops waiting
+            return Error(code=e.code, message=f"{self.name} key {msg.round_no}: {e}")
+        except TimeoutError:
+            return Error(code=ErrorCode.NOT_READY, message=f"{self.name} key {msg.round_no}: not open in time")
+        return slot.own_part
+
+    # ---- sending -----------------------------------------------------------------------------------------------
+    async def exchange(self, slot: Slot, peer: str, timeout: float) -> bool:
+        """Send our part to ``peer`` and keep its reply if valid. False (logged, counted) on any failure."""
+        assert slot.own_part is not None, "publish() before exchange()"
+        timeout = min(timeout, slot.deadline - self.clock())
+        if timeout <= 0:
+            return False
+        try:
+            reply = await self.transport.call(peer, self.name, slot.own_part, timeout=timeout)
+        except RemoteError as e:
+            logger.debug("%s with %s for key %d: peer answered %s", self.name, peer, slot.key, e)
+            self.metrics.inc("avg_exchange_refused")
+            return False
+        except (TimeoutError, ProtocolError, ConnectionError, OSError) as e:
+            logger.debug("%s with %s for key %d failed: %r", self.name, peer, slot.key, e)
+            self.metrics.inc("avg_exchange_failed")
+            return False
+        except Exception as e:  # a broken peer must cost one exchange, never the loop
+            logger.debug("%s with %s for key %d failed unexpectedly: %r", self.name, peer, slot.key, e)
+            self.metrics.inc("avg_exchange_failed")
+            return False
+        if isinstance(reply, Busy | Error):
+            self.metrics.inc("avg_exchange_busy" if isinstance(reply, Busy) else "avg_exchange_refused")
+            return False
+        err = self._identity_error(reply, slot.key)
+        try:
+            if err is not None:
+                raise err
+            await self._accept(reply, peer, slot)
+        except Refused as e:
+            if e.code != ErrorCode.NOT_READY:
+                self._reject(e, peer, slot.key)
+            return False
+        return True
+def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Mean of all contributions, each weighted equally, summed in peer-id order so equal sets give equal bits."""
+    everyone = dict(parts)
+    everyone[own] = own_values
+    order = sorted(everyone)
+    means = []
+    for j in range(len(own_values)):  # a running sum: one extra copy per tensor, not one per contributor
+        total = everyone[order[0]][j].clone()
+        for p in order[1:]:
+            total += everyone[p][j]
+        means.append(total.div_(len(order)))
+    return means
+
+
+EXCHANGE_ATTEMPTS = 3
+EXCHANGE_BACKOFF_S = 0.2
+
+
+async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
+                       grace_s: float, call_timeout_s: float) -> None:
+    """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
+
+    The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
+    itself. A call that fails (a libp2p stream reset, a refusal, a timeout) is retried with backoff, up to
+    ``EXCHANGE_ATTEMPTS`` calls, while the slot is open and that peer's part has not arrived otherwise: without the
+    retry, one reset stream left both sides waiting for the other's call until the deadline. Returns early once
+    every peer has contributed.
+    """
+
+    async def with_peer(peer: str) -> None:
+        if peer < me:
+            delay = window_start + grace_s - exchange.clock()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(_contributed(slot, peer), delay)
+                    return
+                except TimeoutError:
+                    pass
+        for attempt in range(EXCHANGE_ATTEMPTS):
+            if peer in slot.contributions or slot.closed:
+                return
+            if await exchange.exchange(slot, peer, call_timeout_s):
+                return
+            backoff = EXCHANGE_BACKOFF_S * 2**attempt
+            if attempt + 1 == EXCHANGE_ATTEMPTS or slot.deadline - exchange.clock() <= backoff:
+                return
+            try:  # the peer's own call may deliver its part meanwhile
+                await asyncio.wait_for(_contributed(slot, peer), backoff)
+                return
+            except TimeoutError:
+                pass
+
+    peers = sorted({*peers, *slot.senders} - {me})
+    await asyncio.gather(*(with_peer(p) for p in peers))
+    remaining = slot.deadline - exchange.clock()
+    if remaining > 0:
+        try:
+            await asyncio.wait_for(_all_contributed(slot, peers), remaining)
+        except TimeoutError:
+            pass
+
+
+async def _contributed(slot: Slot, peer: str) -> None:
+    while peer not in slot.contributions:
+        slot.arrived.clear()
+        await slot.arrived.wait()
+
+
+async def _all_contributed(slot: Slot, peers: Iterable[str]) -> None:
+    """Until every peer in ``peers`` and every peer that has sent us a part since has contributed."""
+    while True:
+        waiting = ({*peers} | slot.senders) - set(slot.contributions)
+        if not waiting:
+            return
+        slot.arrived.clear()
+        await slot.arrived.wait()

@@ -1,0 +1,199 @@
+"""Blocking full average among a stage's replicas (``--mode sync``): one barrier per step, p = 1, tau = 0.
+
+Every replica calls ``all_average(step, tensors, peers)`` once per optimiser step with its gradients and its view of
+the stage's other replicas. Parts travel over the same validated pairwise exchange as the asynchronous rounds
+(``averaging.exchange``), with an exact codec by default, and every replica returns the equal-weight mean of its own
+tensors and every valid part that arrived before ``sync_timeout_s``, with how many replicas that mean covers. A
+replica that does not arrive costs the others the wait, never a wrong sum.
+
+Barriers are keyed by step number, and replicas must agree on it. A joiner loads a donor's state (and its step) from a
+snapshot while the others keep stepping, so it starts behind. When a part for a later step arrives while we wait at
+ours, this replica *adopts* that step: it joins the others' barrier and reports it in ``last_step``; the caller
+continues from ``last_step + 1``. At most ``MAX_PENDING`` future steps are held open, so a hostile peer cannot make us
+allocate without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from peer.averaging.config import NetAveragingConfig
+from peer.averaging.exchange import (
+    PartExchange,
+    Refused,
+    Slot,
+    equal_mean,
+    exchange_all,
+    finite_norm_check,
+)
+from protocol.errors import ErrorCode
+from protocol.rpc import HandlerTable, RpcTransport, Transport
+from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+    from peer.ops.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+SYNC_RPC = "avg_sync"
+MAX_PENDING = 4
+MAX_JUMPS = 3
+FINISHED_KEPT = 2  # finished barriers whose own part is kept to answer a replica whose reply from us was lost
+
+
+class SyncAverager:
+    """See the module docstring. Args as AveragingLoop, without the DHT and the worker."""
+
+    def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, run: RunConfig, stage: int,
+                 metrics: PeerMetrics,
+                 config: NetAveragingConfig | None = None, transport: Transport | None = None,
+                 me: str | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config = config or NetAveragingConfig()
+        self.metrics, self.clock = metrics, clock
+        self.me = me if me is not None else p2p.peer_id.to_base58()
+        self.last_step = -1
+        self._opened_by: dict[int, str] = {}
+        self._finished: dict[int, Slot] = {}  # the last FINISHED_KEPT barriers we completed, to answer late callers
+        # called with (step, peer) when a replica's part opens a barrier we have not opened (it is waiting there)
+        self.on_remote_open: Callable[[int, str], None] | None = None
+        self.exchange = PartExchange(
+            transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
+            me=self.me, codec=self.config.sync_codec, metrics=metrics, clock=clock, admit=self._admit,
+            check=finite_norm_check(self.config.sync_max_norm_ratio, 1.0))
+
+    async def start(self) -> None:
+        await self.exchange.register()
+
+    def _admit(self, step: int, peer: str) -> Slot:
+        if step <= self.last_step:
+            done = self._finished.get(step)
+            if done is None or done.own_part is None:
+                raise Refused(ErrorCode.NOT_READY, f"step {step} is over here (our last step is {self.last_step})")
+            # A late caller of a barrier we finished (typically: its part reached us, our reply to it was lost with
+            # its stream): answer with the part we averaged with, so it ends with the same mean instead of waiting
+            # for us until its deadline. What it sends now is not used any more.
+            replay = Slot(key=step, deadline=self.clock() + self.config.sync_grace_s, own_part=done.own_part,
+                          own_values=done.own_values)
+            replay.ready.set_result(None)
+            return replay
+        now = self.clock()
+        for key in [k for k, sl in self.exchange.slots.items() if sl.own_part is None and sl.deadline < now]:
+            self.exchange.close(key)  # opened by a peer, never reached by us: expired
+            self._opened_by.pop(key, None)
+        if len(self.exchange.slots) >= MAX_PENDING:
+            raise Refused(ErrorCode.NOT_READY, f"too many open steps; ours is {self.last_step + 1}")
+        self._opened_by[step] = peer
+        slot = self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
+        if self.on_remote_open is not None:
+            self.on_remote_open(step, peer)
+        return slot
+
+    def _ahead(self, step: int, peers: list[str]) -> int | None:
+        """The latest step after ``step`` that a replica in our view has opened here (it is waiting there)."""
+        later = [k for k in self.exchange.slots if k > step and self._opened_by.get(k) in peers]
+        return max(later) if later else None
+
+    async def all_average(self, step: int, tensors: list[torch.Tensor],
+                          peers: Iterable[str]) -> tuple[list[torch.Tensor], int]:
+        """Mean of ``tensors`` over the replicas that arrive in time, and their number (1: alone or all failed).
+
+        The barrier used may be a later step than ``step`` (see the module docstring): read ``last_step`` after.
+        """
+        step = max(step, self.last_step + 1)
+        shapes = [t.shape for t in tensors]
+        peers = sorted({p for p in peers if p != self.me})
+        slot = None
+        try:
+            for jump in range(MAX_JUMPS + 1):
+                ahead = self._ahead(step, peers)
+                if ahead is not None and jump < MAX_JUMPS:
+                    logger.info("sync barrier: replicas are at step %d, adopting it (we were at %d)", ahead, step)
+                    step = ahead
+                slot = await self._barrier(step, tensors, peers, may_jump=jump < MAX_JUMPS)
+                if slot is not None:
+                    break
+        finally:
+            if slot is not None and slot.own_part is not None:
+                self._finished[step] = slot
+                for old in sorted(self._finished)[:-FINISHED_KEPT]:
+                    del self._finished[old]
+            for key in [k for k in self.exchange.slots if k <= step]:
+                self.exchange.close(key)
+                self._opened_by.pop(key, None)
+            self.last_step = step
+        assert slot is not None
+        missing = [p for p in peers if p not in slot.contributions]
+        if missing:
+            self.metrics.inc("sync_average_incomplete")
+            logger.warning("step %d: averaged without %d of %d replicas (%s...)", step, len(missing), len(peers) + 1,
+                           missing[0][:12])
+        mean = await asyncio.get_running_loop().run_in_executor(
+            None, equal_mean, self.me, slot.own_values, slot.contributions)
+        return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(slot.contributions) + 1
+
+    async def _barrier(self, step: int, tensors: list[torch.Tensor], peers: list[str], *,
+                       may_jump: bool) -> Slot | None:
+        """Run the barrier of ``step``; None when a replica in our view turned out to wait at a later step."""
+        slot = self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
+        slot.deadline = self.clock() + self.config.sync_timeout_s
+        if slot.own_part is None:
+            await self.exchange.publish(slot, tensors)
+        barrier = asyncio.create_task(exchange_all(self.exchange, slot, self.me, peers, self.clock(),
+                                                   self.config.sync_grace_s, self.config.sync_timeout_s))
+        watch = asyncio.create_task(self._watch_ahead(step, peers)) if may_jump else None
+        tasks = {barrier} if watch is None else {barrier, watch}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return slot if barrier in done else None
+
+    async def _watch_ahead(self, step: int, peers: list[str]) -> None:
+        while self._ahead(step, peers) is None:
+            await asyncio.sleep(0.05)
+
+
+class FlushClock:
+    """A later stage's view of the synchronous mode's flushes: which gradient barrier to run, and when.
+
+    Stage 0 numbers its flushes and every training forward carries the number. Stage 0 starts flush ``f`` only when
+    every gradient of flush ``f - 1`` came back, so once flush ``f`` has begun, every backward of ``f - 1`` on every
+    later stage is done. A replica of a later stage learns that flush ``f`` began in one of two ways, whichever comes
+    first: a forward of ``f`` reaches it, or another replica of its stage opens barrier ``f - 1`` with it (that
+    replica received a forward of ``f``; routing may send a whole flush to one replica). Either way it runs barrier
+    ``f - 1`` and steps before computing anything of ``f``. Every replica keys the barrier by stage 0's number, so
+    retried hops, re-routed micro-batches or missed flushes cannot shift one replica off the others, which counting
+    micro-batches per flush did (docs/performance.md, "The synchronous baseline stalled (fixed)"). A replica that
+    received nothing of a flush still joins its barrier (with a zero gradient) so that its partners do not wait for
+    it and all replicas take the same step.
+    """
+
+    def __init__(self) -> None:
+        self.current: int | None = None  # the flush whose gradient this replica is accumulating
+
+    def on_forward(self, flush: int) -> int | None:
+        """The barrier to run before computing a training forward of ``flush``, or None."""
+        if self.current is None:
+            self.current = flush  # the first flush we see: nothing of ours to close yet
+            return None
+        if flush <= self.current:  # this flush, or a retried hop of an earlier one: its gradient joins this flush
+            return None
+        self.current = flush
+        return flush - 1
+
+    def on_remote_barrier(self, step: int) -> int | None:
+        """Another replica opened barrier ``step`` (flush ``step`` is over): the barrier to join, or None."""
+        if self.current is not None and step < self.current:
+            return None  # closed already, or a stale part
+        self.current = step + 1
+        return step

@@ -1,0 +1,163 @@
+"""`asyncmesh-peer join`: run one peer of a swarm (or start a new swarm) until stopped."""
+
+from __future__ import annotations
+
+import argparse
+
+from peer.errors import UserError, user_input
+
+HELP = "Run one peer: join a swarm (or start a new one), serve a pipeline stage, train until stopped."
+EPILOG = """examples:
+  start a new swarm on the embedded default run (prints the multiaddr others join with):
+    asyncmesh-peer join
+  join it, letting the swarm pick the stage that needs help most:
+    asyncmesh-peer join --stage auto --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmPeer...
+  serve stage 1 of your own run on the GPU, reachable through a forwarded port, with checkpoints:
+    asyncmesh-peer join --run myrun.toml --stage 1 --device cuda --host-maddrs /ip4/0.0.0.0/tcp/31337 \\
+        --announce-maddrs /ip4/203.0.113.7/tcp/31337 --checkpoint-dir ~/.asyncmesh/ckpt --initial-peers MADDR
+  a short scripted run without the dashboard, writing its figures:
+    asyncmesh-peer join --no-tui --max-steps 200 --summary-json out/peer.json --initial-peers MADDR
+Ctrl-C or SIGTERM stops gracefully: in-flight work drains, a final checkpoint is written, the peer leaves the DHT."""
+
+
+def _stage(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        stage = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage must be 'auto' or a stage number, got {value!r}") from None
+    if stage < 0:
+        raise argparse.ArgumentTypeError(f"--stage must be >= 0, got {stage}")
+    return stage
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", type=_stage, default=None, metavar="auto|N",
+                   help="pipeline stage to serve; 'auto' (default) picks the least-served stage and rebalances")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of running peers; none starts a new swarm")
+    p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
+    p.add_argument("--data", default=None, metavar="PATH", help="override the run's data source (stage 0 reads it)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="compute device")
+    p.add_argument("--host-maddrs", nargs="*", default=None, metavar="MADDR",
+                   help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                   help="addresses others should dial (public IP / forwarded port)")
+    p.add_argument("--identity", default=None, metavar="PATH",
+                   help="private key file fixing the peer id (default ~/.asyncmesh/identity.key; created if missing)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="periodic and final checkpoints go here")
+    p.add_argument("--no-tui", action="store_true", help="log lines instead of the live dashboard")
+    p.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N local optimiser steps")
+    p.add_argument("--summary-json", default=None, metavar="PATH", help="write tokens/s, losses, counters on exit")
+    p.add_argument("--mode", default="async", choices=("async", "sync"),
+                   help="async (default) or sync (GPipe flush + full gradient average per step, for comparison)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /status and /metrics on 127.0.0.1:PORT (0 picks a free port)")
+    p.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                   help="CPU threads for compute (default: torch's choice; use 1 when many peers share a machine)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                   help="override a peer setting, e.g. --set eval_every_s=5 --set drain_timeout_s=20 "
+                        "(any field of peer.config.PeerConfig)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` strings typed after PeerConfig's defaults; ValueError names an unknown field or bad value."""
+    import dataclasses
+
+    from peer.config import PeerConfig
+
+    fields = {f.name: f for f in dataclasses.fields(PeerConfig)}
+    defaults = PeerConfig()
+    out: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise UserError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(defaults, name)
+        try:
+            if isinstance(current, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError("expected true or false")
+                value: object = text.lower() in ("true", "1")
+            elif isinstance(current, (int, float)) and not isinstance(current, bool):
+                value = type(current)(text)
+            else:
+                value = text
+        except ValueError as e:
+            raise UserError(f"--set {item!r}: {e}") from None
+        out[name] = value
+    return out
+
+
+def build_config(args: argparse.Namespace, **overrides: object) -> tuple[object, object]:
+    """(RunConfig, PeerConfig) from parsed arguments; raises UserError with what to fix."""
+    with user_input():
+        return _build_config(args, **overrides)
+
+
+def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object, object]:
+    from peer.config import PeerConfig
+    from trainer.config import RunConfig
+
+    run = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
+    kw: dict[str, object] = dict(
+        stage=args.stage, initial_peers=tuple(args.initial_peers), announce_maddrs=tuple(args.announce_maddrs),
+        checkpoint_dir=args.checkpoint_dir, data_path=args.data, device=args.device, mode=args.mode,
+        max_steps=args.max_steps, summary_json=args.summary_json, metrics_port=args.metrics_port,
+        torch_threads=args.torch_threads)
+    if args.host_maddrs:
+        kw["host_maddrs"] = tuple(args.host_maddrs)
+    if args.identity:
+        kw["identity_path"] = args.identity
+    kw.update(parse_overrides(args.overrides))
+    kw.update(overrides)
+    return run, PeerConfig(**kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import os
+    import signal
+    import sys
+
+    import uvloop
+
+    from peer.daemon import Daemon
+    from peer.errors import DaemonError
+    from peer.ops.logs import setup_logging
+
+    if args.max_steps < 0:
+        raise UserError(f"--max-steps must be >= 0, got {args.max_steps}")
+    run_cfg, cfg = build_config(args)
+    setup_logging(args.log_level, json=None if args.no_tui else False)
+    daemon = Daemon(run_cfg, cfg)
+
+    async def main() -> int:
+        dash_task = None
+        if not args.no_tui:
+            from peer.ops.dashboard import Dashboard
+
+            dash_task = asyncio.ensure_future(Dashboard(daemon.metrics, title=run_cfg.name).run(daemon.stop))
+        try:
+            return await daemon.main()
+        finally:
+            if dash_task is not None:
+                daemon.stop.set()
+                await asyncio.gather(dash_task, return_exceptions=True)
+
+    try:
+        code = uvloop.run(main())
+    except DaemonError as e:
+        print(f"asyncmesh-peer join: error: {e}", file=sys.stderr)
+        return 1
+    finally:  # the peer has stopped; a late SIGTERM during interpreter teardown must not turn exit 0 into -15
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Everything is stopped, checkpointed and written; exit now rather than risk interpreter teardown waiting on
+    # leftover library threads or child processes (seen with hivemind's DHT process), so SIGTERM meets its deadline.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,170 @@
+"""Membership: each peer's expiring DHT record, re-announced on a timer, and a validated snapshot of the swarm.
+
+All records of one run live under one DHT key, ``"{run_id}:peers"``, one subkey per peer id, so a single read
+returns the whole swarm. Records expire ``expiration_s`` after their announcement: a dead peer disappears from
+routing and stage choice without anyone having to notice it. A stopping peer re-announces itself with state
+``"stopped"`` (a DHT entry cannot be shortened, only superseded), which readers treat as absent.
+
+Reads are the network boundary: every value is validated field by field (a malformed record is skipped and counted,
+never raised), and every read runs under a hard timeout because hivemind's ``get`` can hang on malformed data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from hivemind.utils import get_dht_time
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+
+logger = logging.getLogger(__name__)
+
+STATES = ("joining", "loading_state", "training", "draining", "stopped")
+MAX_MADDRS = 8
+MAX_STR = 256
+
+
+class RecordError(ValueError):
+    """A DHT value that is not a valid PeerRecord."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRecord:
+    """What one peer tells the swarm about itself."""
+
+    peer_id: str
+    """libp2p peer id (base58), also the DHT subkey."""
+    stage: int
+    """Pipeline stage served."""
+    throughput: float
+    """Work units per second: micro-batches/s it sustains at its stage times that stage's relative cost."""
+    queue: int
+    """Work items waiting for its compute thread (routing prefers short queues)."""
+    version: int
+    """State version (local optimiser steps applied); donors with the highest version serve state."""
+    state: str
+    """One of STATES; only 'training' peers receive micro-batches."""
+    maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs it can be dialled at."""
+    reachable: bool = True
+    """Result of its reachability self-check."""
+    tokens_per_s: float = 0.0
+    """Tokens it processed per second recently (dashboards)."""
+    loss: float | None = None
+    """Its latest training loss, when it knows one (dashboards)."""
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> PeerRecord:
+        """Validate a value read from the DHT; raises RecordError naming the bad field."""
+        if not isinstance(value, dict):
+            raise RecordError(f"record is a {type(value).__name__}, not a dict")
+        if value.get("peer_id") != peer_id:
+            raise RecordError("peer_id does not match the subkey it is stored under")
+        _check(value, "stage", int, lambda v: 0 <= v < 1_000_000)
+        _check(value, "throughput", (int, float), lambda v: math.isfinite(v) and 0 <= v < 1e12)
+        _check(value, "queue", int, lambda v: 0 <= v < 1_000_000_000)
+        _check(value, "version", int, lambda v: 0 <= v < 2**62)
+        _check(value, "state", str, lambda v: v in STATES)
+        _check(value, "maddrs", list, lambda v: len(v) <= MAX_MADDRS
+               and all(isinstance(a, str) and len(a) <= MAX_STR for a in v))
+        _check(value, "reachable", bool, lambda v: True)
+        _check(value, "tokens_per_s", (int, float), lambda v: math.isfinite(v) and 0 <= v < 1e15)
+        loss = value.get("loss")
+        bad_loss = not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)
+        if loss is not None and bad_loss:
+            raise RecordError("field 'loss' must be a finite number or None")
+        extra = set(value) - {f for f in cls.__dataclass_fields__}
+        if extra:
+            raise RecordError(f"unknown fields {sorted(extra)}")
+        return cls(peer_id=peer_id, stage=value["stage"], throughput=float(value["throughput"]), queue=value["queue"],
+                   version=value["version"], state=value["state"], maddrs=list(value["maddrs"]),
+                   reachable=value["reachable"], tokens_per_s=float(value["tokens_per_s"]),
+                   loss=None if loss is None else float(loss))
+
+
+def _check(value: dict, name: str, types: type | tuple[type, ...], ok: Any) -> None:
+    if name not in value:
+        raise RecordError(f"field {name!r} is missing")
+    v = value[name]
+    if isinstance(v, bool) and types is not bool:
+        raise RecordError(f"field {name!r} must not be a bool")
+    if not isinstance(v, types) or not ok(v):
+        raise RecordError(f"field {name!r} has an invalid value {str(v)[:64]!r}")
+
+
+def swarm_key(run_id: str) -> str:
+    """The DHT key all records of one run are stored under."""
+    return f"{run_id}:peers"
+
+
+#: why records were rejected on read, by reason (tests and the status endpoint read it)
+rejected: Counter[str] = Counter()
+
+
+async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float) -> bool:
+    """Store (or refresh) this peer's record, expiring ``expiration_s`` from now. False if no node took it."""
+    future = dht.store(swarm_key(run_id), record.to_value(), get_dht_time() + expiration_s,
+                       subkey=record.peer_id, return_future=True)
+    try:
+        return bool(await asyncio.wait_for(future, timeout=expiration_s))
+    except TimeoutError:
+        future.cancel()
+        logger.warning("announcing our DHT record timed out after %.0f s; will retry on the next announcement",
+                       expiration_s)
+        return False
+
+
+async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float) -> bool:
+    """Supersede this peer's record with a 'stopped' one so readers drop it before its old record expires."""
+    return await announce(dht, run_id, replace(record, state="stopped", queue=0, throughput=0.0), expiration_s)
+
+
+async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
+                      include_stopped: bool = False) -> dict[str, PeerRecord]:
+    """All valid, unexpired records of the run, keyed by peer id. Never raises on bad data; {} on timeout."""
+    future = dht.get(swarm_key(run_id), latest=True, return_future=True)
+    try:
+        found = await asyncio.wait_for(future, timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        rejected["timeout"] += 1
+        logger.debug("reading the swarm's records timed out after %.1f s", timeout)
+        return {}
+    except Exception as e:  # a DHT failure must not take the peer down; the next read retries
+        rejected["dht_error"] += 1
+        logger.debug("reading the swarm's records failed: %r", e)
+        return {}
+    return parse_swarm(found, include_stopped=include_stopped)
+
+
+def parse_swarm(found: Any, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
+    """Turn a raw ``DHT.get`` result into validated records (pure; unit-tested)."""
+    records: dict[str, PeerRecord] = {}
+    if found is None:
+        return records
+    entries = getattr(found, "value", None)
+    if not isinstance(entries, dict):
+        rejected["not_a_dict"] += 1
+        return records
+    for subkey, item in entries.items():
+        value = getattr(item, "value", item)
+        try:
+            if not isinstance(subkey, str) or len(subkey) > MAX_STR:
+                raise RecordError("subkey is not a peer id string")
+            record = PeerRecord.from_value(subkey, value)
+        except RecordError as e:
+            rejected["invalid"] += 1
+            logger.debug("ignoring an invalid DHT record under %r: %s", str(subkey)[:64], e)
+            continue
+        if record.state != "stopped" or include_stopped:
+            records[record.peer_id] = record
+    return records

@@ -1,0 +1,86 @@
+"""Which stage a peer serves: pure functions of a DHT snapshot (after petals' ``server/block_selection.py``).
+
+The swarm trains only as fast as its slowest stage. A stage's *capacity* is the summed throughput of the peers
+serving it divided by the stage's relative cost (so a stage with the LM head, which costs more per micro-batch,
+needs more peers). A joining peer takes the stage of least capacity. A serving peer moves only if moving raises the
+minimum capacity of the swarm by more than the hysteresis factor ``1 / quality``: the objective (min capacity)
+strictly improves with each move, so peers can never flap back and forth. The daemon waits a random jitter before
+acting and re-checks against a fresh snapshot, so peers that decide at the same time do not all pile onto one stage.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Mapping
+
+from peer.membership.records import PeerRecord
+
+EPS = 1e-9
+
+
+def stage_costs(n_layer_per_stage: list[int], *, n_embd: int, vocab_size: int) -> list[float]:
+    """Relative compute per micro-batch of each stage, in units of one transformer block.
+
+    A block costs ~24 d^2 flops per token, the LM head 2 d V, so the head weighs V / (12 d) blocks; the embedding is
+    a lookup (counted as 0.05 blocks so an empty stage is never free).
+    """
+    k = len(n_layer_per_stage)
+    costs = []
+    for s, blocks in enumerate(n_layer_per_stage):
+        cost = float(blocks) + 0.05 * (s == 0)
+        if s == k - 1:
+            cost += vocab_size / (12.0 * n_embd)
+        costs.append(max(cost, 0.05))
+    return costs
+
+
+def capacities(records: Mapping[str, PeerRecord], costs: list[float], *, exclude: str | None = None,
+               ) -> list[float]:
+    """Micro-batches per second each stage can serve: summed announced throughput / stage cost."""
+    cap = [0.0] * len(costs)
+    for pid, r in records.items():
+        if pid == exclude or r.state == "stopped" or not 0 <= r.stage < len(costs):
+            continue
+        cap[r.stage] += r.throughput / costs[r.stage]
+    return cap
+
+
+def estimate_throughput(records: Mapping[str, PeerRecord], *, default: float = 1.0) -> float:
+    """A newcomer's guess at its own throughput before it has measured one: the swarm's median (or ``default``)."""
+    known = [r.throughput for r in records.values() if r.throughput > 0 and r.state != "stopped"]
+    return statistics.median(known) if known else default
+
+
+def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, rng: random.Random | None = None,
+                 tolerance: float = 0.05) -> int:
+    """The stage of least capacity; ties (within ``tolerance`` relative) are broken at random to spread joiners."""
+    cap = capacities(records, costs)
+    lowest = min(cap)
+    candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]
+    return (rng or random).choice(candidates)
+
+
+def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: str, *, quality: float = 0.75,
+                ) -> int | None:
+    """The stage this peer should move to, or None to stay.
+
+    Moves only when the swarm's minimum capacity after the move exceeds the current minimum by the factor
+    ``1 / quality`` (hysteresis). A peer whose stage has no other server never moves (it would empty its stage).
+    """
+    if not 0 < quality <= 1:
+        raise ValueError(f"quality must be in (0, 1], got {quality}")
+    me = records.get(my_id)
+    if me is None or not 0 <= me.stage < len(costs):
+        return None
+    current = capacities(records, costs)
+    without = capacities(records, costs, exclude=my_id)
+    if without[me.stage] <= EPS:
+        return None
+    target = min(range(len(costs)), key=lambda s: (without[s], s))
+    if target == me.stage:
+        return None
+    without[target] += me.throughput / costs[target]
+    if min(without) > min(current) / quality + EPS:
+        return target
+    return None

@@ -1,0 +1,196 @@
+"""Stage 0's data driver: keeps ``max_inflight`` micro-batches in flight, re-queues dropped ones, runs evaluations.
+
+Each stage-0 peer reads its own shard of the training split (seeded by its peer id) and never loses a sample: a
+micro-batch whose route broke or whose gradient did not come back in time is dropped everywhere, counted
+(``microbatches_dropped``) and its sample goes back to the front of the queue (``microbatches_requeued``).
+Evaluation sends the fixed validation batches forward only; the last stage answers each with its loss.
+
+In ``sync`` mode the driver runs GPipe: it sends M micro-batches, waits until all their gradients are back (re-sending
+dropped ones), then the flush ends with ``on_flush`` (gradient average across replicas and one optimiser step). Every
+training forward carries the flush number, so later stages step when the next flush reaches them instead of counting
+micro-batches (a count drifts with every retried hop; see PipelineStage.on_flush).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from peer.pipeline.servicer import Pending, PipelineStage
+from protocol.codecs.registry import encode
+
+if TYPE_CHECKING:
+    from peer.ops.metrics import PeerMetrics
+    from trainer.data import BatchStream
+
+logger = logging.getLogger(__name__)
+
+
+class Stage0Driver:
+    """Drives the pipeline from stage 0.
+
+    Args:
+        pipe: this peer's PipelineStage (stage 0).
+        stream: the training BatchStream of this peer's shard.
+        val: the fixed validation batches, identical on every peer.
+        inflight: micro-batches kept in flight (async mode).
+        stop: set when the peer should stop feeding work.
+        max_steps: stop after this many local optimiser steps (0: never).
+    """
+
+    def __init__(self, *, pipe: PipelineStage, stream: BatchStream, val: list[tuple[torch.Tensor, torch.Tensor]],
+                 inflight: int, stop: asyncio.Event, max_steps: int, metrics: PeerMetrics) -> None:
+        self.pipe, self.stream, self.val, self.inflight = pipe, stream, val, inflight
+        self.stop, self.max_steps, self.metrics = stop, max_steps, metrics
+        self.requeue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self._prefix = random.getrandbits(30) << 32
+        self._next = 0
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.tokens = 0
+        self.tokens_timed = 0  # tokens completed after the first completion (the rate's numerator)
+        self.first_done: float | None = None
+        self.finished: float | None = None
+        self.flush: int | None = None  # sync mode: the flush in progress, sent with every training forward
+
+    def new_id(self) -> int:
+        self._next += 1
+        return self._prefix | (self._next & 0xFFFFFFFF)
+
+    def done(self) -> bool:
+        return self.stop.is_set() or (self.max_steps > 0 and self.pipe.worker.local_step >= self.max_steps)
+
+    # ----- one micro-batch ------------------------------------------------------------------------------------------
+    async def one(self, sample: tuple[torch.Tensor, torch.Tensor], *, is_eval: bool = False) -> float | None:
+        """Run one micro-batch through the pipeline; returns its loss, or None when it was dropped."""
+        pipe = self.pipe
+        x, y = sample
+        mb_id = self.new_id()
+        loop = asyncio.get_running_loop()
+        p = Pending(prev_peer=None, next_peer=None, route=[], is_eval=is_eval, done=loop.create_future(),
+                    deadline=time.monotonic() + pipe.cfg.microbatch_timeout_s)
+        pipe.pending[mb_id] = p
+        if pipe.is_last:  # a one-stage run: the whole model is here
+            pipe.pending.pop(mb_id, None)
+            if is_eval:
+                return float(await pipe.compute(pipe.worker.evaluate, x, y))
+            loss, _ = await pipe.timed(mb_id, True, pipe.worker.forward_loss, mb_id, x, y)
+            return float(loss)
+        if is_eval:
+            out = await pipe.compute(pipe.worker.evaluate, x)
+        else:
+            out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
+        try:
+            targets = await loop.run_in_executor(None, encode, y, "none")
+            await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush)
+            return await p.done  # set by the backward, a drop, or the expiry timer
+        except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
+            if pipe.pending.pop(mb_id, None) is not None and not is_eval:
+                pipe.spawn(pipe.compute(pipe.worker.drop, mb_id))
+            raise
+
+    async def _train_one(self, sample: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        loss = await self.one(sample)
+        if loss is None:
+            self.metrics.inc("microbatches_dropped")
+            self.metrics.inc("microbatches_requeued")
+            self.requeue.appendleft(sample)
+            return False
+        n_tokens = int(sample[0].numel())
+        if self.first_done is None:  # throughput counts from the first completed micro-batch (pipeline full)
+            self.first_done = time.monotonic()
+            n_tokens_counted = 0
+        else:
+            n_tokens_counted = n_tokens
+        self.tokens += n_tokens
+        self.tokens_timed += n_tokens_counted
+        self.metrics.inc("tokens", n_tokens)
+        self.metrics.inc("samples", int(sample[0].shape[0]))
+        self.metrics.local_step = self.pipe.worker.local_step
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            self.metrics.observe_loss(loss)
+        return True
+
+    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.requeue.popleft() if self.requeue else self.stream.next()
+
+    # ----- loops -----------------------------------------------------------------------------------------------------
+    async def run_async(self) -> None:
+        """Keep ``inflight`` micro-batches in flight until stopped or max_steps is reached."""
+        slots = asyncio.Semaphore(self.inflight)
+        running: set[asyncio.Task] = set()
+        try:
+            while not self.done():
+                await slots.acquire()
+                if self.done():
+                    slots.release()
+                    break
+                task = asyncio.ensure_future(self._train_one(self._sample()))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            if running:
+                self.pipe.accepting = False  # stage 0 takes no forwards; this only stops waiting for routes
+                await asyncio.wait(running, timeout=self.pipe.cfg.drain_timeout_s)
+        finally:
+            for t in running:
+                t.cancel()
+            self.finished = time.monotonic()
+
+    async def run_sync(self, microbatches: int, on_flush: Callable[[], Awaitable[None]],
+                       ready: Callable[[], bool] = lambda: True, flush_no: Callable[[], int] = lambda: 0) -> None:
+        """GPipe: M micro-batches, wait for all gradients (re-sending dropped ones), then ``on_flush``.
+
+        ``ready`` gates each flush (the daemon waits for a full mesh: the same number of replicas on every stage, so
+        that pipeline i is pinned to replica i of each stage and every replica gets exactly M micro-batches).
+        ``flush_no`` gives the number of the flush about to start (the stage's barrier step).
+        """
+        try:
+            while not self.done():
+                while not ready() and not self.stop.is_set():
+                    await asyncio.sleep(0.2)
+                self.flush = flush_no()
+                batch = [self._sample() for _ in range(microbatches)]
+                while batch and not self.stop.is_set():
+                    results = await asyncio.gather(*(self._train_one(s) for s in batch))
+                    batch = [s for s, ok in zip(batch, results, strict=True) if not ok]
+                    self.requeue.clear()  # re-sent here, within the same flush
+                if self.stop.is_set():
+                    break
+                await on_flush()
+        finally:
+            self.finished = time.monotonic()
+
+    async def evaluate(self) -> float | None:
+        """Validation loss over the fixed validation batches (mean of those that came back), or None."""
+        results = await asyncio.gather(*(self.one(b, is_eval=True) for b in self.val))
+        losses = [r for r in results if r is not None and math.isfinite(r)]
+        if not losses:
+            self.metrics.inc("eval_failed")
+            return None
+        value = sum(losses) / len(losses)
+        self.val_losses.append(value)
+        self.metrics.observe_val(value)
+        return value
+
+    async def eval_loop(self, every_s: float) -> None:
+        while not self.stop.is_set():
+            try:
+                await asyncio.wait_for(self.stop.wait(), timeout=every_s)
+            except TimeoutError:
+                await self.evaluate()
+
+    def tokens_per_s(self) -> float:
+        """Training tokens per second from the first completed micro-batch to the end (start-up excluded)."""
+        if self.first_done is None:
+            return 0.0
+        elapsed = (self.finished or time.monotonic()) - self.first_done
+        return self.tokens_timed / elapsed if elapsed > 0 else 0.0

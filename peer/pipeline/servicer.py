@@ -1,0 +1,411 @@
+"""The pipeline servicer: forward and backward RPCs of one stage, its compute thread, and the next-hop sends.
+
+A ``Forward`` RPC is answered as soon as the micro-batch is validated and queued (``Ack``), or refused with ``Busy``
+when the queue is full (backpressure), so no stream stays open across the pipeline. One consumer task feeds the
+single compute thread, backward work first (it frees stashed activations), then forward work. Outputs go to a peer of
+the next stage chosen by ``Router``; a failing or busy hop is retried elsewhere. When no hop works, the micro-batch is
+dropped and a ``Backward`` with no gradient and no loss travels back along the route so that every upstream stage
+forgets it and stage 0 re-queues its sample at once instead of waiting for the timeout.
+
+The last stage computes the loss and sends the gradient to the peer it received the micro-batch from; evaluation
+micro-batches stop at the last stage, whose loss goes straight back to the stage-0 peer that sent them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.membership.records import PeerRecord
+from peer.membership.routing import NoRouteError, Router
+from peer.seams import Compute, Send
+from protocol.codecs.registry import decode, encode
+from protocol.envelope import TensorEnvelope
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import Ack, Backward, Busy, Error, Forward, Message
+from protocol.validation import TensorSpec
+
+if TYPE_CHECKING:
+    from peer.config import PeerConfig
+    from peer.ops.metrics import PeerMetrics
+    from trainer.config import RunConfig
+    from trainer.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+MAX_LOSS = 1e4
+MAX_ACT_ABS = 1e6
+PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
+NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
+
+
+@dataclass
+class Pending:
+    """A micro-batch whose gradient this stage still waits for."""
+
+    prev_peer: str | None
+    next_peer: str | None
+    route: list[str]
+    deadline: float
+    is_eval: bool = False
+    sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
+    done: asyncio.Future | None = None  # stage 0: resolved with the loss (or None when dropped)
+    started: float = field(default_factory=time.monotonic)
+
+
+class PipelineStage:
+    """Serves one stage. The daemon owns it; ``rpc_forward``/``rpc_backward`` are registered with the RpcServer.
+
+    Args:
+        run: the run config (specs of every received tensor derive from it).
+        stage: the stage this peer serves.
+        worker: the StageWorker; touched only through ``compute`` (its dedicated thread).
+        compute: ``await compute(fn, *args)`` runs ``fn`` on the compute thread.
+        send: ``await send(peer_id, name, msg)`` one RPC with the configured timeout; returns the reply.
+        swarm: returns the latest validated DHT snapshot.
+        router, metrics, cfg: next-hop choice, PeerMetrics, PeerConfig.
+        my_id: this peer's id (base58).
+    """
+
+    def __init__(self, *, run: RunConfig, stage: int, worker: StageWorker, compute: Compute, send: Send,
+                 swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics, cfg: PeerConfig,
+                 my_id: str, cost: float) -> None:
+        self.run, self.stage, self.worker, self.compute, self.send = run, stage, worker, compute, send
+        self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
+        self.cost = cost
+        self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
+        b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+        self.act_spec = TensorSpec((b, t, d), torch.float32, max_abs=MAX_ACT_ABS)
+        self.tok_spec = TensorSpec((b, t), torch.int64)
+        self.pending: dict[int, Pending] = {}
+        self.backward_q: asyncio.Queue = asyncio.Queue()
+        self.forward_q: asyncio.Queue = asyncio.Queue(maxsize=cfg.max_queue)
+        self._wake = asyncio.Event()
+        self.accepting = True
+        self.tasks: set[asyncio.Task] = set()
+        self.last_forward = time.monotonic()
+        self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
+        self._fwd_s: dict[int, float] = {}
+        self._delay_seen = False
+        # sync mode, later stages: awaited with a training forward's flush number before it is computed
+        self.on_flush: Callable[[int], Awaitable[None]] | None = None
+        # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
+        self.on_first_measure: Callable[[], None] | None = None
+
+    # ----- helpers ------------------------------------------------------------------------------------------------
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def throughput(self) -> float:
+        """Announced work units per second: micro-batches/s of compute times this stage's cost."""
+        return self.cost / self.compute_s_per_mb if self.compute_s_per_mb > 0 else 0.0
+
+    async def timed(self, mb_id: int, backward: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the compute thread, timing it there (queue waits excluded) for the throughput estimate."""
+        def run() -> tuple[Any, float]:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - t0
+        out, seconds = await self.compute(run)
+        self._timed(mb_id, seconds, backward=backward)
+        return out
+
+    def _timed(self, mb_id: int, seconds: float, *, backward: bool) -> None:
+        if not backward:
+            self._fwd_s[mb_id] = seconds
+            if not self.is_last:
+                return
+        total = seconds + self._fwd_s.pop(mb_id, 0.0)
+        first = not self.compute_s_per_mb
+        a = 1.0 if first else 0.2
+        self.compute_s_per_mb = (1 - a) * self.compute_s_per_mb + a * total
+        if first and self.on_first_measure is not None:
+            self.on_first_measure()
+
+    def idle_s(self) -> float:
+        """Seconds since the last forward request was accepted (or since this stage started)."""
+        return time.monotonic() - self.last_forward
+
+    def queued(self) -> int:
+        return self.forward_q.qsize() + self.backward_q.qsize()
+
+    def _reject(self, reason: str, code: ErrorCode, message: str) -> Error:
+        self.metrics.inc(f"rejected:{reason}")
+        return Error(code=code, message=message)
+
+    async def _decode(self, env: TensorEnvelope, spec: TensorSpec, peer: str) -> torch.Tensor:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: decode(env, spec, peer=peer))
+
+    async def _encode(self, t: torch.Tensor, codec: str) -> TensorEnvelope:
+        return await asyncio.get_running_loop().run_in_executor(None, encode, t, codec)
+
+    # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
+    async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
+        if msg.run_id != self.run.run_id:
+            return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
+        if self.is_first or len(msg.route) != self.stage:
+            return self._reject("wrong_stage", ErrorCode.WRONG_STAGE, f"this peer serves stage {self.stage}")
+        if msg.route[-1] != peer_id:
+            return self._reject("unauthorized", ErrorCode.UNAUTHORIZED, "the route must end with the sender")
+        if not self.accepting:
+            return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
+        if msg.mb_id in self.pending:
+            return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
+        if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == "sync"):
+            return self._reject("mode_mismatch", ErrorCode.BAD_REQUEST,
+                                f"this peer runs --mode {self.cfg.mode}; peers of one swarm must share the mode")
+        if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
+            self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
+            return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
+        try:
+            x = await self._decode(msg.activations, self.act_spec, peer_id)
+            targets = None
+            if self.is_last:
+                if msg.targets is None:
+                    return self._reject("bad_request", ErrorCode.BAD_REQUEST, "the last stage needs targets")
+                targets = await self._decode(msg.targets, self.tok_spec, peer_id)
+                if int(targets.min()) < 0 or int(targets.max()) >= self.run.model.vocab_size:
+                    return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets outside the vocabulary")
+        except ProtocolError as e:
+            return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
+        if self.forward_q.full():  # filled while we decoded
+            return Busy(retry_after_s=0.1)
+        self.last_forward = time.monotonic()
+        self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
+                                          deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
+                                          is_eval=msg.is_eval)
+        self.forward_q.put_nowait(("fwd", msg, x, targets))
+        self._wake.set()
+        return Ack()
+
+    async def rpc_backward(self, msg: Message, peer_id: str) -> Message:
+        if msg.run_id != self.run.run_id:
+            return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
+        p = self.pending.get(msg.mb_id)
+        if p is None:
+            self.metrics.inc("late_backward")  # we already dropped it (timeout); not the sender's fault
+            return Ack()
+        if peer_id not in p.sent_to and not (p.is_eval and self.is_first):
+            return self._reject("unauthorized", ErrorCode.UNAUTHORIZED, "gradient from a peer we did not send to")
+        if p.is_eval != msg.is_eval:
+            return self._reject("bad_request", ErrorCode.BAD_REQUEST, "is_eval does not match the micro-batch")
+        if msg.loss is not None and not (math.isfinite(msg.loss) and 0.0 <= msg.loss < MAX_LOSS):
+            return self._reject("bad_loss", ErrorCode.BAD_REQUEST, "loss must be finite and in [0, 1e4)")
+        grad = None
+        if msg.gradient is not None and not msg.is_eval:
+            try:
+                grad = await self._decode(msg.gradient, self.act_spec, peer_id)
+            except ProtocolError as e:
+                return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
+        if msg.mb_id not in self.pending:  # dropped while we decoded
+            return Ack()
+        self.backward_q.put_nowait(("bwd", msg, grad))
+        self._wake.set()
+        return Ack()
+
+    # ----- the compute consumer --------------------------------------------------------------------------------------
+    async def serve(self) -> None:
+        """Feed the compute thread forever: backward first. Exceptions of one item are logged, never fatal."""
+        while True:
+            if self.backward_q.empty() and self.forward_q.empty():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            item = self.backward_q.get_nowait() if not self.backward_q.empty() else self.forward_q.get_nowait()
+            try:
+                if item[0] == "fwd":
+                    await self._process_forward(*item[1:])
+                else:
+                    await self._process_backward(*item[1:])
+            except Exception:  # a bad item must not stop the stage; the micro-batch times out upstream
+                logger.exception("processing micro-batch %d failed; dropping it", item[1].mb_id)
+                self.metrics.inc("compute_errors")
+                await self.drop(item[1].mb_id, notify=True)
+
+    async def _process_forward(self, msg: Forward, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+        p = self.pending.get(msg.mb_id)
+        if p is None:
+            return
+        if self.is_last:
+            if msg.is_eval:
+                loss = await self.compute(self.worker.evaluate, x, targets)
+                self.pending.pop(msg.mb_id, None)
+                self.spawn(self._send_backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
+                return
+            if self.on_flush is not None:
+                await self.on_flush(msg.flush)
+            loss, grad = await self.timed(msg.mb_id, True, self.worker.forward_loss, msg.mb_id, x, targets)
+            self.pending.pop(msg.mb_id, None)
+            self._count_step(float(loss), x)
+            env = await self._encode(grad, self.run.compression.gradients)
+            self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
+            return
+        if msg.is_eval:
+            y = await self.compute(self.worker.evaluate, x)
+            self.pending.pop(msg.mb_id, None)
+        else:
+            if self.on_flush is not None:
+                await self.on_flush(msg.flush)
+            y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
+        self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush))
+
+    def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
+        if loss is not None:
+            self.metrics.observe_loss(loss)
+        self.metrics.inc("tokens", int(x.shape[0] * x.shape[1]))
+        self.metrics.inc("samples", int(x.shape[0]))
+        self.metrics.local_step = self.worker.local_step
+
+    async def _process_backward(self, msg: Backward, grad: torch.Tensor | None) -> None:
+        p = self.pending.pop(msg.mb_id, None)
+        if p is None:
+            return
+        if p.is_eval:
+            if p.done is not None and not p.done.done():
+                p.done.set_result(msg.loss)
+            return
+        if grad is None:  # the route broke downstream
+            await self.compute(self.worker.drop, msg.mb_id)
+            self._fwd_s.pop(msg.mb_id, None)
+            if p.done is not None and not p.done.done():
+                p.done.set_result(None)
+            elif p.prev_peer is not None:
+                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, None, False))
+            return
+        grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
+        # observed pipeline staleness (tau_s of the papers, here whatever the network made it): a moving average
+        delay = float(self.worker.last_delay)
+        seen, self._delay_seen = self._delay_seen, True
+        self.metrics.pipeline_delay = 0.9 * self.metrics.pipeline_delay + 0.1 * delay if seen else delay
+        if not self.is_first:
+            self.metrics.inc("tokens", self.run.data.batch_size * self.run.model.block_size)
+            self.metrics.local_step = self.worker.local_step
+        if p.done is not None and not p.done.done():
+            p.done.set_result(msg.loss)
+        if p.prev_peer is not None and grad_in is not None:
+            env = await self._encode(grad_in, self.run.compression.gradients)
+            self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False))
+
+    # ----- sending ---------------------------------------------------------------------------------------------------
+    async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
+                           is_eval: bool, flush: int | None = None) -> bool:
+        """Send activations to a peer of the next stage, retrying elsewhere; on failure drop and tell upstream.
+
+        ``flush``: the sync mode's flush number, set by stage 0 and passed on unchanged (None in async mode).
+        """
+        env = await self._encode(y, self.run.compression.activations)
+        msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
+                      is_eval=is_eval, sent_at=time.time(), flush=flush)
+        p = self.pending.get(mb_id)
+        peer = await self._send_with_retries("forward", msg, self.stage + 1, p.sent_to if p else set())
+        if peer is not None:
+            if p is not None:
+                p.next_peer = peer
+            return True
+        if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample
+            self.metrics.inc("microbatches_dropped")
+        await self.drop(mb_id, notify=not self.is_first)
+        return False
+
+    async def _send_with_retries(self, name: str, msg: Message, stage: int, sent_to: set[str]) -> str | None:
+        tried: set[str] = set()
+        failures, waits = 0, 0
+        while failures < self.cfg.hop_retries and waits < 50:
+            try:
+                record = self.router.choose(self._next_hops(stage), stage, exclude=tried)
+            except NoRouteError:
+                if not self.accepting:  # draining: do not wait for a route to appear
+                    break
+                waits += 1
+                if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
+                    self.metrics.warn(f"no reachable peer serves stage {stage} (none announced, or all failed "
+                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}")
+                await asyncio.sleep(min(0.05 * 2 ** min(waits, 4), 1.0))
+                tried.clear()
+                continue
+            t0 = time.monotonic()
+            sent_to.add(record.peer_id)  # before sending: its gradient may arrive before its Ack
+            try:
+                reply = await self.send(record.peer_id, name, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failures += 1
+                tried.add(record.peer_id)
+                ban = self.router.failure(record.peer_id)
+                self.metrics.inc("retries")
+                logger.debug("%s to %s failed (%r); banned for %.1f s", name, record.peer_id[-6:], e, ban)
+                continue
+            if isinstance(reply, Ack):
+                self.router.success(record.peer_id, time.monotonic() - t0)
+                return record.peer_id
+            if isinstance(reply, Busy):
+                self.router.busy(record.peer_id, reply.retry_after_s)
+                self.metrics.inc("busy_received")
+                continue
+            failures += 1
+            tried.add(record.peer_id)
+            self.router.failure(record.peer_id)
+            self.metrics.inc("retries")
+        return None
+
+    def _next_hops(self, stage: int) -> list[PeerRecord]:
+        """Candidates for the next hop. Sync mode pins pipeline i to the i-th replica (by peer id) of every stage, so
+        each replica of a stage receives exactly the M micro-batches of one flush."""
+        records = [r for r in self.swarm().values() if r.state == "training"]
+        if self.cfg.mode != "sync":
+            return records
+        mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]
+        rank = mine.index(self.my_id) if self.my_id in mine else 0
+        nxt = sorted((r for r in records if r.stage == stage), key=lambda r: r.peer_id)
+        return [nxt[rank % len(nxt)]] if nxt else []
+
+    async def _send_backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
+                             loss: float | None, is_eval: bool) -> None:
+        if peer is None:
+            return
+        msg = Backward(run_id=self.run.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval)
+        for attempt in range(2):
+            try:
+                await self.send(peer, "backward", msg)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # upstream times the micro-batch out and re-queues it
+                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, peer[-6:], attempt + 1, e)
+                self.metrics.inc("retries")
+        self.router.failure(peer)
+
+    async def drop(self, mb_id: int, *, notify: bool) -> None:
+        """Forget a micro-batch here; with ``notify``, tell the previous stage so it forgets it too."""
+        p = self.pending.pop(mb_id, None)
+        self._fwd_s.pop(mb_id, None)
+        if p is None:
+            return
+        if not p.is_eval:
+            await self.compute(self.worker.drop, mb_id)
+        if p.done is not None and not p.done.done():
+            p.done.set_result(None)
+        if notify and p.prev_peer is not None and not p.is_eval:
+            self.spawn(self._send_backward(p.prev_peer, mb_id, p.route, None, None, False))
+
+    async def expire(self) -> int:
+        """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""
+        now = time.monotonic()
+        overdue = [mb for mb, p in self.pending.items() if p.deadline < now]
+        for mb in overdue:
+            if not self.is_first:
+                self.metrics.inc("microbatches_dropped")
+            await self.drop(mb, notify=False)
+        return len(overdue)
+

@@ -1,0 +1,24 @@
+"""The callables the daemon hands to its services, typed once so that every module reads the same shape.
+
+Objects that cross modules are typed by their own classes (``PeerMetrics``, ``StageWorker``, ``PipelineStage``,
+hivemind's ``P2P`` and ``DHT``) or by a ``Protocol`` where a test or a second implementation stands in
+(``protocol.rpc.Transport`` and ``HandlerTable``, ``peer.stage.StageHost``). This module holds the function types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from protocol.messages import Message
+    from trainer.worker import StageWorker
+
+T = TypeVar("T")
+
+#: run ``fn(worker)`` on the compute thread and return its result
+WorkerCall = Callable[[Callable[["StageWorker"], T]], Awaitable[T]]
+#: run ``fn(*args)`` on the compute thread and return its result
+Compute = Callable[..., Awaitable[Any]]
+#: send ``msg`` to RPC ``name`` of peer ``peer_id`` (keyword ``timeout`` in seconds) and return the reply
+Send = Callable[..., Awaitable["Message"]]

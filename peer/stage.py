@@ -1,0 +1,328 @@
+"""Serving one stage: one object owns everything a peer runs for its stage, created on entry and dropped as a whole.
+
+``StageService(host, stage)`` is created when the peer claims the stage; ``start()`` builds the ``StageWorker`` on the
+compute thread, loads the stage's state (donors, else the local checkpoint, else the run's seeded init), starts the
+pipeline servicer, the state server and the averaging loop (or, in ``--mode sync``, the blocking gradient average
+through ``SyncSchedule``), and on stage 0 the data driver. ``leave()`` stops taking work, drains within the deadline
+and stops those services, so a rebalancing move is ``leave`` on one object and ``start`` of the next: nothing of the
+old stage is reset field by field, it is dropped together.
+
+``StageHost`` is what a stage needs of the peer around it (the ``Daemon``): run and peer config, metrics, the P2P
+node and DHT, the handler table, the compute thread, sends, the swarm view and announcements.
+``StageHandlers`` lets per-stage services register RPC handlers once per name and be re-bound on a stage move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from peer.averaging.config import NetAveragingConfig
+from peer.averaging.loop import AveragingLoop
+from peer.averaging.sync import FlushClock, SyncAverager
+from peer.errors import DaemonError
+from peer.membership.records import PeerRecord
+from peer.membership.routing import Router
+from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.servicer import PipelineStage
+from peer.state.checkpoint import CheckpointError, load_checkpoint
+from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
+from protocol.errors import ErrorCode
+from protocol.messages import Error, Message
+from protocol.rpc import Handler, HandlerTable, RpcLimits
+from trainer.data import BatchStream, DataError, load_corpus, shard_seed, val_batches
+from trainer.worker import StageWorker, resolve_device
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    from peer.config import PeerConfig
+    from peer.ops.metrics import PeerMetrics
+    from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["DaemonError", "StageHost", "StageService", "StageHandlers", "SyncSchedule"]
+
+
+class StageHost(Protocol):
+    """What a stage uses of the peer that hosts it (``peer.daemon.Daemon``)."""
+
+    run: RunConfig
+    cfg: PeerConfig
+    metrics: PeerMetrics
+    router: Router
+    costs: list[float]
+    my_id: str
+    p2p: P2P
+    dht: DHT
+    handlers: StageHandlers
+    stop: asyncio.Event
+    swarm: dict[str, PeerRecord]
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message: ...
+
+    async def announce(self, state: str | None = None) -> None: ...
+
+    async def checkpoint(self) -> None: ...
+
+    async def refresh_swarm(self) -> dict[str, PeerRecord]: ...
+
+
+class StageService:
+    """Everything this peer runs for one stage: ``StageService(host, stage)``, then ``await start()``."""
+
+    def __init__(self, host: StageHost, stage: int) -> None:
+        self.host, self.stage = host, stage
+        self.worker: StageWorker | None = None
+        self.pipe: PipelineStage | None = None
+        self.state_server: StateServer | None = None
+        self.averager: AveragingLoop | None = None
+        self.sync: SyncSchedule | None = None
+        self.driver: Stage0Driver | None = None
+        self.driver_task: asyncio.Task | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    async def worker_call(self, fn: Callable[[StageWorker], T]) -> T:
+        """Run ``fn(worker)`` on the compute thread (the interface of averaging and state sync)."""
+        return await self.host.compute(fn, self.worker)
+
+    # ----- entry -----------------------------------------------------------------------------------------------------
+    async def load_state(self) -> str:
+        """Donors, else the local checkpoint, else the seeded init already in the worker. Returns the source."""
+        host = self.host
+        assert self.worker is not None
+        reference = await host.compute(self.worker.state_dict)
+        try:
+            state = await asyncio.wait_for(load_state_from_peers(
+                p2p=host.p2p, run=host.run, stage=self.stage, metrics=host.metrics, dht=host.dht,
+                reference=reference, config=StateSyncConfig()), timeout=host.cfg.state_load_timeout_s)
+        except TimeoutError:
+            state = None
+            logger.warning("loading state from donors took over %.0f s; falling back", host.cfg.state_load_timeout_s)
+        if state is not None:
+            await host.compute(self.worker.load_state_dict, state)
+            return "donor"
+        if host.cfg.checkpoint_dir is not None:
+            try:
+                state = await host.compute(load_checkpoint, host.cfg.checkpoint_dir, host.run, self.stage)
+            except CheckpointError as e:
+                raise DaemonError(str(e)) from e
+            if state is not None:
+                await host.compute(self.worker.load_state_dict, state)
+                return "checkpoint"
+        return "seeded init"
+
+    async def start(self) -> None:
+        """Build the worker, load the state and start every service of the stage (the caller announced the claim)."""
+        host, stage = self.host, self.stage
+        device = _device(host.cfg.device)
+        self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device,
+                                                             auto_step=host.cfg.mode == "async"))
+        source = await self.load_state()
+        logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
+        if source == "donor":  # a restart right after joining resumes from here instead of downloading again
+            await host.checkpoint()
+        host.metrics.local_step = self.worker.local_step
+        self.pipe = pipe = PipelineStage(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
+                                         send=host.send, swarm=lambda: host.swarm, router=host.router,
+                                         metrics=host.metrics, cfg=host.cfg, my_id=host.my_id,
+                                         cost=host.costs[stage])
+        # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
+        # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
+        pipe.on_first_measure = lambda: pipe.spawn(self._announce_measured())
+        age = host.cfg.state_snapshot_max_age_s
+        self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
+                                        worker_call=self.worker_call, metrics=host.metrics,
+                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age))
+        await self.state_server.start()
+        self.state_server.ready = True
+        if host.cfg.mode == "async":
+            self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
+                                          stage=stage, worker_call=self.worker_call, metrics=host.metrics,
+                                          config=NetAveragingConfig(period_s=host.cfg.averaging_period_s))
+            await self.averager.start()
+        else:
+            self.sync = await SyncSchedule.start(host, self)
+        self.tasks = [asyncio.ensure_future(pipe.serve())]
+        host.metrics.state = "training"
+        await host.announce("training")
+        await host.refresh_swarm()
+        if stage == 0:
+            await self._start_driver()
+
+    async def _start_driver(self) -> None:
+        host, run, cfg = self.host, self.host.run, self.host.cfg
+        assert self.pipe is not None
+        data_cfg = run.data if cfg.data_path is None else run.replace(data={"source": cfg.data_path}).data
+        try:
+            corpus = await asyncio.get_running_loop().run_in_executor(None, load_corpus, data_cfg,
+                                                                      run.model.vocab_size)
+        except DataError as e:
+            raise DaemonError(f"--data: {e}") from e
+        stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, shard_seed(run.seed, host.my_id))
+        val = val_batches(corpus, run.model.block_size, run.data.batch_size, cfg.eval_batches)
+        self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
+                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics)
+        if cfg.mode == "async":
+            self.driver_task = asyncio.ensure_future(self.driver.run_async())
+        else:
+            assert self.sync is not None
+            self.driver_task = asyncio.ensure_future(
+                self.driver.run_sync(cfg.sync_microbatches, self.sync.flush, self.sync.full_mesh,
+                                     lambda: self.sync.step))
+        self.tasks.append(self.driver_task)
+        if cfg.eval_every_s > 0:
+            self.tasks.append(asyncio.ensure_future(self.driver.eval_loop(cfg.eval_every_s)))
+
+    async def _announce_measured(self) -> None:
+        try:
+            await self.host.announce()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the periodic announcement follows within announce_every_s anyway
+            logger.debug("announcing the first measured throughput failed: %r", e)
+
+    # ----- exit ------------------------------------------------------------------------------------------------------
+    async def leave(self) -> None:
+        """Stop taking work, wait for in-flight micro-batches (bounded), stop the stage's services."""
+        pipe = self.pipe
+        if pipe is None:
+            return
+        pipe.accepting = False
+        deadline = time.monotonic() + self.host.cfg.drain_timeout_s
+        while pipe.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if pipe.pending:
+            logger.info("drain deadline reached with %d micro-batches in flight; dropping them", len(pipe.pending))
+        for mb in list(pipe.pending):
+            await pipe.drop(mb, notify=True)
+        if self.averager is not None:
+            await self.averager.stop()
+        for t in [*self.tasks, *pipe.tasks]:
+            t.cancel()
+        await asyncio.gather(*self.tasks, *pipe.tasks, return_exceptions=True)
+        self.host.handlers.clear()
+        self.pipe = self.averager = self.sync = self.driver_task = None
+
+
+class SyncSchedule:
+    """``--mode sync`` on one stage: a gradient barrier among the stage's replicas, then one optimiser step.
+
+    Stage 0 closes a flush when every gradient of it is back (``flush``); a later stage closes flush f-1 on the first
+    forward of flush f or when a replica of its stage opens the barrier with it (``FlushClock``).
+    """
+
+    def __init__(self, host: StageHost, service: StageService, averager: SyncAverager) -> None:
+        self.host, self.service, self.averager = host, service, averager
+        assert service.worker is not None
+        self.step = service.worker.local_step
+        self.clock: FlushClock = FlushClock()
+        self.lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, host: StageHost, service: StageService) -> SyncSchedule:
+        averager = SyncAverager(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=service.stage,
+                                metrics=host.metrics)
+        await averager.start()
+        self = cls(host, service, averager)
+        if service.stage > 0:
+            assert service.pipe is not None
+            service.pipe.on_flush = self.forward_flush
+            averager.on_remote_open = self.remote_barrier
+        return self
+
+    async def average_and_step(self, step: int) -> None:
+        """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
+        host, worker = self.host, self.service.worker
+        assert worker is not None
+        peers = [r.peer_id for r in host.swarm.values() if r.stage == self.service.stage and r.state == "training"]
+        grads = await host.compute(worker.grads)
+        mean, n = await self.averager.all_average(step, grads, peers)
+        await host.compute(worker.set_grads, mean)
+        await host.compute(worker.optimizer_step)
+        self.step = self.averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
+        host.metrics.local_step = worker.local_step
+        host.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
+
+    def full_mesh(self) -> bool:
+        """Every stage has the same number (>= 1) of training replicas and we are one of them."""
+        host = self.host
+        counts = [0] * host.run.n_stages
+        for r in host.swarm.values():
+            if r.state == "training" and 0 <= r.stage < host.run.n_stages:
+                counts[r.stage] += 1
+        return host.my_id in host.swarm and min(counts) >= 1 and len(set(counts)) == 1
+
+    async def flush(self) -> None:
+        """Stage 0: every gradient of the flush is back; average and step (the barrier is the flush number)."""
+        await self.average_and_step(self.step)
+
+    async def forward_flush(self, flush: int) -> None:
+        """A later stage: a training forward of ``flush`` arrived; close the previous flush first."""
+        async with self.lock:
+            if self.clock.current is not None and flush < self.clock.current:
+                self.host.metrics.inc("sync_late_forwards")  # a retry of an earlier flush: its gradient joins this one
+            barrier = self.clock.on_forward(flush)
+            if barrier is not None:
+                logger.debug("a forward of flush %d closes flush %d", flush, barrier)
+                await self.average_and_step(barrier)
+
+    def remote_barrier(self, step: int, peer: str) -> None:
+        """A later stage: a replica of our stage waits at barrier ``step``; join it unless we did already."""
+        stage = self.service.stage
+        if any(r.peer_id == peer and r.stage == stage for r in self.host.swarm.values()):
+            assert self.service.pipe is not None
+            self.service.pipe.spawn(self._join_barrier(step))
+        else:
+            logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, peer[-6:], stage)
+
+    async def _join_barrier(self, step: int) -> None:
+        async with self.lock:
+            barrier = self.clock.on_remote_barrier(step)
+            logger.debug("a replica opened barrier %d: %s", step, "joining it" if barrier is not None else "closed")
+            if barrier is not None:
+                await self.average_and_step(barrier)
+
+
+def _device(name: str) -> str:
+    try:
+        return resolve_device(name)
+    except ValueError as e:
+        raise DaemonError(f"--device: {e}") from e
+
+
+class StageHandlers:
+    """A handler table for the per-stage services (averaging, state): each name is registered once on the real
+    server and delegates to whichever service of the *current* stage registered it, so a stage move re-binds them."""
+
+    def __init__(self, rpc: HandlerTable, not_ready: Callable[[], Error]) -> None:
+        self.rpc, self.not_ready = rpc, not_ready
+        self.limits: RpcLimits = rpc.limits
+        self.count = rpc.count  # traffic accounting of the real server, for RpcTransport
+        self.table: dict[str, Handler | None] = {}
+
+    async def add_handler(self, name: str, fn: Handler) -> None:
+        if name not in self.table:
+            async def delegate(msg: Message, peer_id: str, _name: str = name) -> Message:
+                handler = self.table.get(_name)
+                return await handler(msg, peer_id) if handler is not None else self.not_ready()
+            await self.rpc.add_handler(name, delegate)
+        self.table[name] = fn
+
+    def clear(self) -> None:
+        for name in self.table:
+            self.table[name] = None
+
+
+def not_ready_error() -> Error:
+    return Error(code=ErrorCode.NOT_READY, message="this peer has not chosen its stage yet; retry elsewhere")
+
+

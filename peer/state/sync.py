@@ -1,0 +1,335 @@
+"""State sync: a joiner loads its stage's parameters, optimiser and averaging state from same-stage peers.
+
+**Serving** (``StateServer``): on a request for chunk 0 the server takes one snapshot of ``worker.state_dict()`` on the
+compute thread (the worker returns copies, so training goes on meanwhile), flattens it into a JSON skeleton plus a
+list of tensors, and plans fixed-size pieces (``chunk_bytes``) of those tensors. Chunks are encoded on request, in an
+executor, with the exact codec ('none'). One snapshot is shared by every concurrent transfer and replaced only when it
+is older than ``snapshot_max_age_s`` and no transfer touched it for ``snapshot_idle_s``, so memory stays bounded by one
+copy of the state plus ``max_concurrent`` chunks. Every chunk carries the snapshot's version: a client that sees it
+change restarts, never mixing two snapshots.
+
+**Loading** (``load_state_from_peers``): donors are the stage's training peers, highest state version first. From one
+donor at a time it fetches chunk 0 (skeleton, sizes, piece size) and then every other chunk, each with its own
+timeout and one retry; a donor that fails or changes version mid-way is dropped and the next one starts from scratch
+(replicas differ, so chunks of two donors never mix). Everything received is validated: the skeleton's structure and
+size, each piece's dtype, shape and exact place (no overlap, no gap), finite floats, the total bounded by
+``max_state_bytes``, and the result against a reference state (the local freshly built worker's: same parameter names,
+shapes and dtypes). It returns the state dict, or None when no donor delivered one; the caller then tries its
+checkpoint, else the run's seeded init (see ``peer.state.checkpoint``).
+
+Interface for the daemon::
+
+    server = StateServer(p2p=p2p, rpc_server=rpc_server, run=run, stage=stage, worker_call=worker_call,
+                         metrics=metrics, config=StateSyncConfig())
+    await server.start(); server.ready = True        # answer NOT_READY until this peer holds real state
+    state = await load_state_from_peers(p2p=p2p, dht=dht, run=run, stage=stage, metrics=metrics,
+                                        reference=fresh_worker.state_dict())   # -> dict | None
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.membership.records import fetch_swarm
+from peer.seams import WorkerCall
+from peer.state.codec import (
+    MAX_SKELETON_CHARS,
+    Plan,
+    StateFormatError,
+    assemble,
+    check_against_reference,
+    flatten_state,
+    plan_pieces,
+)
+from protocol.codecs.registry import decode, encode
+from protocol.errors import ErrorCode, PeerUnreachable, ProtocolError, RemoteError
+from protocol.messages import Busy, Error, Message, StateChunk, StateRequest
+from protocol.rpc import HandlerTable, RpcTransport, Transport
+from protocol.validation import TensorSpec
+from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    from peer.membership.records import PeerRecord
+    from peer.ops.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+STATE_RPC = "state"
+SKELETON_KEY = "skeleton"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSyncConfig:
+    """Limits of state transfers (both sides)."""
+
+    chunk_bytes: int = 4 * 2**20
+    """Payload bytes per chunk; a few MiB keeps one chunk per round trip well under the RPC message limit."""
+    chunk_timeout_s: float = 30.0
+    """Timeout of one chunk request; a slower donor is dropped for the next one."""
+    chunk_retries: int = 1
+    """Retries of a timed-out chunk at the same donor before moving on."""
+    max_donors: int = 4
+    """Donors tried, best first, before giving up (the caller then falls back to a checkpoint or the init)."""
+    swarm_timeout_s: float = 5.0
+    """Timeout of reading the stage's peers from the DHT."""
+    max_state_bytes: int = 64 * 2**30
+    """Client: refuse a state larger than this (also bounded by 4x the reference's size plus 64 MiB)."""
+    snapshot_max_age_s: float = 60.0
+    """Server: a snapshot younger than this is reused for new transfers instead of taking another."""
+    snapshot_idle_s: float = 60.0
+    """Server: a snapshot no transfer touched for this long may be replaced or dropped."""
+    max_concurrent: int = 2
+    """Server: chunks encoded at once (bounds the memory of replies in flight)."""
+    window: int = 2
+    """Client: chunk requests in flight at once (hides the round trip; memory is window x chunk_bytes)."""
+    worker_timeout_s: float = 120.0
+    """Server: timeout of taking a snapshot on the compute thread."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1024 or self.max_state_bytes < self.chunk_bytes:
+            raise ValueError("chunk_bytes must be >= 1024 and max_state_bytes >= chunk_bytes")
+        for name in ("chunk_timeout_s", "swarm_timeout_s", "snapshot_max_age_s", "snapshot_idle_s",
+                     "worker_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"state_sync.{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1 or self.window < 1:
+            raise ValueError("chunk_retries must be >= 0; max_donors, max_concurrent and window >= 1")
+
+
+class StateSyncError(Exception):
+    """One donor's transfer failed (the loader moves on to the next donor)."""
+
+
+@dataclass
+class _Snapshot:
+    version: int
+    taken_at: float
+    touched_at: float
+    skeleton: str
+    tensors: list[torch.Tensor]
+    plan: Plan
+    local_step: int
+
+
+class StateServer:
+    """Serves this peer's state to joiners in chunks; see the module docstring. ``ready`` gates serving."""
+
+    def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, run: RunConfig, stage: int,
+                 worker_call: WorkerCall, metrics: PeerMetrics,
+                 config: StateSyncConfig | None = None, transport: Transport | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
+        self.config = config or StateSyncConfig()
+        self.transport = transport or RpcTransport(p2p, rpc_server)
+        self.clock = clock
+        self.ready = False
+        self._snapshot: _Snapshot | None = None
+        self._versions = 0
+        self._lock = asyncio.Lock()
+        self._encoding = asyncio.Semaphore(self.config.max_concurrent)
+
+    async def start(self) -> None:
+        await self.transport.add_handler(STATE_RPC, self._handle)
+
+    def _refuse(self, code: ErrorCode, reason: str, message: str) -> Error:
+        self.metrics.inc(f"rejected:state_{reason}")
+        return Error(code=code, message=message)
+
+    async def _handle(self, msg: Message, peer: str) -> Message:
+        if not isinstance(msg, StateRequest):
+            return self._refuse(ErrorCode.BAD_REQUEST, "not_a_request", "state: expected a StateRequest")
+        if msg.run_id != self.run.run_id:
+            return self._refuse(ErrorCode.WRONG_RUN, "wrong_run", f"state: this peer trains run {self.run.run_id}")
+        if msg.stage != self.stage:
+            return self._refuse(ErrorCode.WRONG_STAGE, "wrong_stage", f"state: this peer serves stage {self.stage}")
+        if not self.ready:
+            return Error(code=ErrorCode.NOT_READY, message="state: this peer is still loading its own state")
+        snap = await self._snapshot_for(msg.chunk)
+        if snap is None:
+            return Error(code=ErrorCode.NOT_READY, message="state: no transfer in progress; request chunk 0 first")
+        if not 0 <= msg.chunk < snap.plan.n_chunks:
+            return self._refuse(ErrorCode.BAD_REQUEST, "bad_chunk",
+                                f"state: chunk {msg.chunk} out of range [0, {snap.plan.n_chunks})")
+        async with self._encoding:
+            chunk = await asyncio.get_running_loop().run_in_executor(None, self._build, snap, msg.chunk)
+        self.metrics.inc("state_chunks_served")
+        return chunk
+
+    async def _snapshot_for(self, chunk: int) -> _Snapshot | None:
+        async with self._lock:
+            now = self.clock()
+            snap = self._snapshot
+            if snap is not None and now - snap.touched_at > self.config.snapshot_idle_s:
+                snap = self._snapshot = None  # idle: release its memory
+            if chunk == 0 and (snap is None or now - snap.taken_at > self.config.snapshot_max_age_s):
+                if snap is None or now - snap.touched_at > self.config.snapshot_idle_s / 2:
+                    snap = self._snapshot = await self._take()
+            if snap is not None:
+                snap.touched_at = self.clock()
+            return snap
+
+    async def _take(self) -> _Snapshot:
+        state = await asyncio.wait_for(self.worker_call(lambda w: w.state_dict()), self.config.worker_timeout_s)
+        skeleton, tensors = await asyncio.get_running_loop().run_in_executor(None, flatten_state, state)
+        self._versions += 1
+        now = self.clock()
+        step = state.get("local_step", 0) if isinstance(state, dict) else 0
+        snap = _Snapshot(version=self._versions, taken_at=now, touched_at=now, skeleton=skeleton, tensors=tensors,
+                         plan=plan_pieces(tensors, self.config.chunk_bytes), local_step=int(step))
+        logger.info("state snapshot %d taken for joiners: %d tensors, %d chunks", snap.version, len(tensors),
+                    snap.plan.n_chunks)
+        return snap
+
+    def _build(self, snap: _Snapshot, chunk: int) -> StateChunk:
+        tensors = {}
+        for idx, offset, length in snap.plan.chunks[chunk]:
+            piece = snap.tensors[idx].reshape(-1)[offset:offset + length].contiguous()
+            tensors[f"{idx}:{offset}"] = encode(piece, "none")
+        meta: dict[str, int | float | str | bool] = {}
+        if chunk == 0:  # the skeleton travels as bytes: message meta strings are short by design
+            raw = torch.frombuffer(bytearray(snap.skeleton.encode()), dtype=torch.uint8)
+            tensors[SKELETON_KEY] = encode(raw, "none")
+            meta = {"piece_bytes": snap.plan.piece_bytes, "local_step": snap.local_step}
+        return StateChunk(run_id=self.run.run_id, stage=self.stage, version=snap.version, chunk=chunk,
+                          n_chunks=snap.plan.n_chunks, meta=meta, tensors=tensors)
+
+
+def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[str]:
+    """Training peers of ``stage`` other than ``me``: highest state version first, then highest throughput."""
+    donors = [r for r in records.values() if r.stage == stage and r.state == "training" and r.peer_id != me]
+    donors.sort(key=lambda r: (-r.version, -r.throughput, r.peer_id))
+    return [r.peer_id for r in donors]
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of all tensors in a nested state (used to bound what a donor may send)."""
+    _, tensors = flatten_state(state)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, metrics: PeerMetrics,
+                                dht: DHT | None = None,
+                                reference: dict | None = None, donors: list[str] | None = None,
+                                config: StateSyncConfig | None = None,
+                                transport: Transport | None = None) -> dict | None:
+    """Fetch ``stage``'s state from same-stage peers; None when no donor delivered a valid one (see module doc).
+
+    donors: peer ids to try in order; default: read from the DHT with ``choose_donors``. reference: a state dict of
+    the same stage (e.g. a freshly built worker's) that the result must match in parameter names, shapes and dtypes.
+    """
+    config = config or StateSyncConfig()
+    me = p2p.peer_id.to_base58() if p2p is not None else ""
+    transport = transport or RpcTransport(p2p, None)
+    if donors is None:
+        records = await fetch_swarm(dht, run.run_id, timeout=config.swarm_timeout_s)
+        donors = choose_donors(records, stage, me)
+    limit = config.max_state_bytes
+    if reference is not None:
+        limit = min(limit, 4 * state_nbytes(reference) + 64 * 2**20)
+    for donor in donors[:config.max_donors]:
+        try:
+            state = await _transfer(transport, donor, run, stage, config, limit)
+            if reference is not None:
+                check_against_reference(state, reference)
+        except (StateSyncError, StateFormatError) as e:
+            metrics.inc("state_sync_donor_failed")
+            logger.warning("state from %s failed: %s; trying the next donor", donor[:16], e)
+            continue
+        metrics.inc("state_sync_ok")
+        logger.info("loaded stage %d state from %s", stage, donor[:16])
+        return state
+    if donors:
+        logger.warning("no donor delivered stage %d's state (%d tried)", stage, min(len(donors), config.max_donors))
+    return None
+
+
+async def _request(transport: Transport, donor: str, run: RunConfig, stage: int, chunk: int,
+                   config: StateSyncConfig) -> StateChunk:
+    request = StateRequest(run_id=run.run_id, stage=stage, chunk=chunk)
+    for attempt in range(config.chunk_retries + 1):
+        try:
+            reply = await transport.call(donor, STATE_RPC, request, timeout=config.chunk_timeout_s)
+        except TimeoutError as e:
+            if attempt == config.chunk_retries:
+                raise StateSyncError(f"chunk {chunk} timed out {attempt + 1} times") from e
+            continue
+        except RemoteError as e:
+            raise StateSyncError(f"donor refused chunk {chunk}: {e}") from e
+        except (PeerUnreachable, ConnectionError, OSError) as e:  # a stream reset may be transient: retry once
+            if attempt == config.chunk_retries:
+                raise StateSyncError(f"chunk {chunk}: {type(e).__name__}: {e}") from e
+            continue
+        except ProtocolError as e:
+            raise StateSyncError(f"chunk {chunk}: {type(e).__name__}: {e}") from e
+        except Exception as e:  # any other transport failure costs this donor, not the joiner
+            raise StateSyncError(f"chunk {chunk}: unexpected {type(e).__name__}: {e}") from e
+        if isinstance(reply, Busy):
+            if attempt == config.chunk_retries:
+                raise StateSyncError(f"donor stayed busy for chunk {chunk}")
+            await asyncio.sleep(min(reply.retry_after_s, config.chunk_timeout_s))
+            continue
+        if isinstance(reply, Error):
+            raise StateSyncError(f"donor refused chunk {chunk}: {reply.message}")
+        if not isinstance(reply, StateChunk) or reply.run_id != run.run_id or reply.stage != stage \
+                or reply.chunk != chunk:
+            raise StateSyncError(f"donor answered chunk {chunk} with something else")
+        return reply
+    raise AssertionError("unreachable")
+
+
+async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
+                    limit: int) -> dict:
+    first = await _request(transport, donor, run, stage, 0, config)
+    piece_bytes, env = first.meta.get("piece_bytes"), first.tensors.get(SKELETON_KEY)
+    if type(piece_bytes) is not int or env is None:
+        raise StateSyncError("chunk 0 lacks the skeleton or the piece size")
+    loop = asyncio.get_running_loop()
+    try:
+        raw = decode(env, TensorSpec(shape=(-1,), dtype=torch.uint8), peer=donor, field="skeleton",
+                     max_elements=MAX_SKELETON_CHARS)
+        skeleton = raw.numpy().tobytes().decode()
+    except (ProtocolError, UnicodeDecodeError) as e:
+        raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
+    builder = await loop.run_in_executor(None, assemble, skeleton, piece_bytes, limit)
+    # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
+    pending = {c: asyncio.ensure_future(_request(transport, donor, run, stage, c, config))
+               for c in range(1, min(first.n_chunks, 1 + config.window))}
+    try:
+        for chunk in range(first.n_chunks):
+            reply = first if chunk == 0 else await pending.pop(chunk)
+            following = chunk + config.window
+            if chunk > 0 and following < first.n_chunks:  # chunks 1..window were requested up front
+                pending[following] = asyncio.ensure_future(_request(transport, donor, run, stage, following, config))
+            if reply.version != first.version or reply.n_chunks != first.n_chunks:
+                raise StateSyncError("the donor replaced its snapshot mid-transfer")
+            await loop.run_in_executor(None, _add_pieces, builder, reply, donor)
+    finally:
+        for task in pending.values():
+            task.cancel()
+        await asyncio.gather(*pending.values(), return_exceptions=True)
+    return await loop.run_in_executor(None, builder.finish)
+
+
+def _add_pieces(builder: Any, reply: StateChunk, donor: str) -> None:
+    for key, env in reply.tensors.items():
+        if key == SKELETON_KEY and reply.chunk == 0:
+            continue
+        idx, offset = builder.parse_key(key)
+        dtype, length = builder.expect(idx, offset)
+        try:
+            piece = decode(env, TensorSpec(shape=(length,), dtype=dtype), peer=donor)
+        except ProtocolError as e:
+            raise StateSyncError(f"piece {key}: {e}") from e
+        builder.put(idx, offset, piece)
+        if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+            raise StateSyncError(f"piece {key} holds NaN or Inf")

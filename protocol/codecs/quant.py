@@ -1,0 +1,145 @@
+"""Blockwise absmax quantization kernels (8-bit and 4-bit), pure functions on CPU tensors.
+
+Both codecs split the flattened tensor into fixed blocks, store one scale per block and one small code per value:
+- int8: blocks of 128, codes -127..127 on a uniform grid, scale = block absmax rounded *up* to bfloat16 (so codes
+  never clip and the scale keeps fp32's range: tiny gradients and huge activations both survive).
+- int4: blocks of 64, 16 levels from `INT4_LEVELS` (Lloyd-Max levels for absmax-normalised Gaussian blocks of 64 with
+  -1, 0 and +1 pinned, so a block's maximum and exact zeros are reproduced exactly), two codes per byte.
+
+Everything is vectorised over blocks (no Python loop), so the functions run at memory speed and release the GIL:
+callers on an event loop run them in an executor (see registry.encode_async). Block sizes and the level table
+are part of the wire format; changing them needs a new codec id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "INT8_BLOCK",
+    "INT4_BLOCK",
+    "INT4_LEVELS",
+    "quantize_int8",
+    "dequantize_int8",
+    "quantize_int4",
+    "dequantize_int4",
+    "int8_payload_bytes",
+    "int4_payload_bytes",
+]
+
+INT8_BLOCK = 128
+INT4_BLOCK = 64
+# fmt: off
+INT4_LEVELS = torch.tensor([
+    -1.0, -0.7643, -0.5908, -0.4489, -0.3249, -0.2116, -0.1043, 0.0,
+    0.0908, 0.1835, 0.2804, 0.3838, 0.4979, 0.6288, 0.7881, 1.0,
+], dtype=torch.float32)
+# fmt: on
+_INT4_BORDERS = (INT4_LEVELS[1:] + INT4_LEVELS[:-1]) / 2
+_SLAB_ROWS = 2048  # rows per slab in the int8 kernels: 1 MiB of fp32, stays in L2
+# Nearest-level search without torch.bucketize (2-3x slower): a fine grid over [-1, 1] whose cells hold at most one
+# border gives the code of a cell's lower edge; one comparison with the next border finishes the job. Exactly
+# bucketize(v, _INT4_BORDERS) (tests/test_protocol_codecs.py checks it).
+_GRID = 4096
+_GRID_CODES = torch.searchsorted(_INT4_BORDERS, torch.linspace(-1, 1, _GRID + 1)[:-1]).to(torch.uint8)
+_NEXT_BORDER = torch.cat([_INT4_BORDERS, torch.tensor([float("inf")])])
+assert float((_INT4_BORDERS[1:] - _INT4_BORDERS[:-1]).min()) > 2 / _GRID
+
+
+def int4_codes(normalised: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest INT4_LEVELS entry for values in [-1, 1] (uint8), as torch.bucketize would give."""
+    cell = (normalised + 1).mul_(_GRID / 2).floor_().clamp_(0, _GRID - 1).long()
+    codes = _GRID_CODES[cell]
+    return codes.add_(normalised > _NEXT_BORDER[codes.long()])
+
+
+def _n_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def int8_payload_bytes(n: int) -> int:
+    """Payload size of `n` values under the int8 codec: bf16 scales, then one byte per value."""
+    return 2 * _n_blocks(n, INT8_BLOCK) + n
+
+
+def int4_payload_bytes(n: int) -> int:
+    """Payload size of `n` values under the int4 codec: bf16 scales, then two values per byte."""
+    return 2 * _n_blocks(n, INT4_BLOCK) + (n + 1) // 2
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    pad = _n_blocks(flat.numel(), block) * block - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, block)
+
+
+def _scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax rounded up to bfloat16: (bf16 scales for the wire, the same values as fp32)."""
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
+    bits = absmax.view(torch.int32)
+    bits = (bits + 0xFFFF) & ~0xFFFF  # ceil to the next bfloat16 (absmax >= 0, so this rounds the magnitude up)
+    scales = (bits >> 16).to(torch.int16).view(torch.bfloat16)
+    as_float = scales.float()
+    if not bool(torch.isfinite(as_float).all()):
+        raise ValueError("cannot quantize a tensor with NaN or infinite values (or beyond 3e38); fix the source")
+    return scales, as_float
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float tensor: returns (bf16 scales [n_blocks], int8 codes [numel])."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    blocks = _blocks(flat, INT8_BLOCK)
+    scales, s = _scales(blocks)
+    inv = torch.where(s > 0, 127.0 / s, torch.zeros_like(s))[:, None]
+    codes = torch.empty(blocks.shape, dtype=torch.int8)
+    # slabs that fit in cache: one pass over memory instead of three (measured 2-3x faster on one core)
+    tmp = torch.empty(min(_SLAB_ROWS, blocks.shape[0]), INT8_BLOCK)
+    for start in range(0, blocks.shape[0], _SLAB_ROWS):
+        rows = blocks[start : start + _SLAB_ROWS]
+        scaled = tmp[: rows.shape[0]]
+        torch.mul(rows, inv[start : start + _SLAB_ROWS], out=scaled)
+        codes[start : start + _SLAB_ROWS].copy_(scaled.round_())
+    return scales, codes.view(-1)[:n]
+
+
+def dequantize_int8(scales: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of quantize_int8: fp32 tensor of `n` values (flat)."""
+    step = (scales.float() / 127.0)[:, None]
+    blocks = _blocks(codes, INT8_BLOCK)
+    out = torch.empty(blocks.shape, dtype=torch.float32)
+    for start in range(0, blocks.shape[0], _SLAB_ROWS):
+        rows = out[start : start + _SLAB_ROWS]
+        rows.copy_(blocks[start : start + _SLAB_ROWS]).mul_(step[start : start + _SLAB_ROWS])
+    return out.view(-1)[:n]
+
+
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float tensor: returns (bf16 scales [n_blocks], uint8 packed codes [ceil(numel / 2)])."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    blocks = _blocks(flat, INT4_BLOCK)
+    scales, s = _scales(blocks)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))[:, None]
+    packed = torch.empty(blocks.numel() // 2, dtype=torch.uint8)
+    rows_per_slab = _SLAB_ROWS * INT8_BLOCK // INT4_BLOCK
+    tmp = torch.empty(min(rows_per_slab, blocks.shape[0]), INT4_BLOCK)
+    for start in range(0, blocks.shape[0], rows_per_slab):
+        rows = blocks[start : start + rows_per_slab]
+        normalised = torch.mul(rows, inv[start : start + rows_per_slab], out=tmp[: rows.shape[0]])
+        pairs = int4_codes(normalised).view(-1, 2)
+        half = start * INT4_BLOCK // 2
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=packed[half : half + pairs.shape[0]])
+    if n % 2:  # the padding value after the last real code decodes to 0.0 but is not part of the payload
+        packed[n // 2] = (packed[n // 2] & 15) | (7 << 4)
+    return scales, packed[: (n + 1) // 2]
+
+
+def dequantize_int4(scales: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of quantize_int4: fp32 tensor of `n` values (flat)."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:n]
+    values = INT4_LEVELS[codes.long()]
+    blocks = _blocks(values, INT4_BLOCK)
+    out = blocks.mul_(scales.float()[:, None])
+    return out.view(-1)[:n]

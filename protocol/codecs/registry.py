@@ -1,0 +1,253 @@
+"""Tensor codecs: a registry keyed by the codec id that every `TensorEnvelope` carries.
+
+| name  | id | payload                                              | for                                   |
+|-------|----|------------------------------------------------------|---------------------------------------|
+| none  | 0  | raw little-endian bytes of the tensor's own dtype    | token ids, exact transfers            |
+| fp16  | 1  | float16, clamped to +-65504 (as hivemind's Float16)  | reference                             |
+| bf16  | 2  | bfloat16                                             | reference                             |
+| int8  | 3  | blockwise absmax, 128 values/block (protocol.codecs.quant)  | activations, gradients, averaging     |
+| int4  | 4  | blockwise absmax, 64 values/block, 16 Lloyd levels   | activations on slow links             |
+| topk  | 5  | k sorted int32 indices + k fp32 values (protocol.codecs.topk)| averaging deltas, with feedback.py  |
+| int8q | 6  | hivemind Quantile8BitQuantization: 256 levels + u8 | per-tensor quantile 8-bit (reference) |
+
+Quantizing codecs accept floating-point tensors only and decode back to the sender's dtype. `decode` validates
+everything before and after decoding (see protocol.validation) and raises `ValidationError` naming field and peer.
+(De)quantization of large tensors is CPU work that releases the GIL: on an event loop use `encode_async` /
+`decode_async`, which run it in an executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import math
+import re
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import torch
+
+from protocol.codecs import quant, topk
+from protocol.envelope import FLOAT_DTYPES, PayloadError, TensorEnvelope, dtype_name
+from protocol.errors import ValidationError
+from protocol.validation import DEFAULT_MAX_ELEMENTS, TensorSpec, check_header, check_values
+
+__all__ = [
+    "Codec",
+    "CODECS",
+    "CODEC_IDS",
+    "TensorEnvelope",
+    "encode",
+    "decode",
+    "roundtrip",
+    "encode_async",
+    "decode_async",
+    "parse_codec",
+]
+
+#: tensors smaller than this are (de)coded inline by the async helpers: a thread hop costs more than the work
+INLINE_BYTES = 256 * 1024
+# We only ever read from tensors made over received bytes (decoders allocate fresh outputs), so torch's warning
+# about non-writable buffers is noise here.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One wire codec: how to turn a tensor into a payload and back, and how long a valid payload is."""
+
+    name: str
+    id: int
+    floats_only: bool
+    encode: Callable[[torch.Tensor], bytes]
+    #: (payload bytes, numel, dtype) -> reason the length is wrong, or None
+    check_length: Callable[[int, int, torch.dtype], str | None]
+    #: (payload, numel, dtype) -> flat tensor (any float dtype for lossy codecs, exactly `dtype` for none)
+    decode: Callable[[bytes, int, torch.dtype], torch.Tensor]
+
+
+def _raw(*tensors: torch.Tensor) -> bytes:
+    """The tensors' bytes, concatenated with a single copy."""
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors)
+
+
+def _exact_length(bytes_per_value: Callable[[int, torch.dtype], int]) -> Callable[[int, int, torch.dtype], str | None]:
+    def check(n_bytes: int, numel: int, dtype: torch.dtype) -> str | None:
+        expected = bytes_per_value(numel, dtype)
+        return None if n_bytes == expected else f"payload is {n_bytes} bytes, expected {expected}"
+
+    return check
+
+
+def _frombuffer(data: bytes, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+
+
+def _none_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        raw = _frombuffer(data, torch.uint8, n)
+        if n and int(raw.max()) > 1:
+            raise PayloadError("bool tensor bytes must be 0 or 1")
+        return raw.to(torch.bool)
+    return _frombuffer(data, dtype, n).clone()
+
+
+def _int8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    n_scales = (len(data) - n) // 2
+    scales = _frombuffer(data, torch.bfloat16, n_scales)
+    return quant.dequantize_int8(scales, _frombuffer(data, torch.int8, n, 2 * n_scales), n)
+
+
+def _int4_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    n_scales = len(data) - (n + 1) // 2
+    n_scales //= 2
+    scales = _frombuffer(data, torch.bfloat16, n_scales)
+    return quant.dequantize_int4(scales, _frombuffer(data, torch.uint8, (n + 1) // 2, 2 * n_scales), n)
+
+
+def _fp16_encode(t: torch.Tensor) -> bytes:
+    fmax = torch.finfo(torch.float16).max
+    return _raw(t.to(torch.float32).clamp_(-fmax, fmax).to(torch.float16))
+
+
+def _quant(fn: Callable) -> Callable[[torch.Tensor], bytes]:
+    def encode_quantized(t: torch.Tensor) -> bytes:
+        return _raw(*fn(t))
+
+    return encode_quantized
+
+
+_Q8_CODEBOOK = 256  # hivemind's Quantile8BitQuantization: int64 codebook size, 256 fp32 levels, uint8 codes
+
+
+def _q8_encode(t: torch.Tensor) -> bytes:
+    from hivemind.compression import CompressionInfo, Quantile8BitQuantization
+
+    t32 = t.to(torch.float32).contiguous()
+    if t32.numel() == 0:  # hivemind's quantile estimate fails on empty arrays
+        return _Q8_CODEBOOK.to_bytes(8, "little") + bytes(4 * _Q8_CODEBOOK)
+    return Quantile8BitQuantization().compress(t32, CompressionInfo.from_tensor(t32)).buffer
+
+
+def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    # hivemind 1.1.12's Quantile8BitQuantization.extract fails under numpy 2 (int() of a 1-element array), and it
+    # trusts the codebook size in the buffer; this is the same lookup with the layout checked first.
+    if int.from_bytes(data[:8], "little", signed=True) != _Q8_CODEBOOK:
+        raise PayloadError(f"quantile codebook must have {_Q8_CODEBOOK} entries")
+    codebook = _frombuffer(data, torch.float32, _Q8_CODEBOOK, 8)
+    return codebook[_frombuffer(data, torch.uint8, n, 8 + 4 * _Q8_CODEBOOK).long()]
+
+
+_REGISTRY = (
+    Codec("none", 0, False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
+    Codec("fp16", 1, True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
+          lambda data, n, d: _frombuffer(data, torch.float16, n)),
+    Codec("bf16", 2, True, lambda t: _raw(t.to(torch.bfloat16)), _exact_length(lambda n, d: 2 * n),
+          lambda data, n, d: _frombuffer(data, torch.bfloat16, n)),
+    Codec("int8", 3, True, _quant(quant.quantize_int8), _exact_length(lambda n, d: quant.int8_payload_bytes(n)),
+          _int8_decode),
+    Codec("int4", 4, True, _quant(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)),
+          _int4_decode),
+    Codec("topk", 5, True, functools.partial(topk.topk_encode, fraction=0.01),
+          lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n)),
+    Codec("int8q", 6, True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode),
+)  # fmt: skip
+CODECS: dict[str, Codec] = {c.name: c for c in _REGISTRY}
+CODEC_IDS: dict[int, Codec] = {c.id: c for c in _REGISTRY}
+_TOPK_NAME = re.compile(r"^topk(?::|\()([0-9.eE+-]+)\)?$")
+
+
+@functools.lru_cache(maxsize=64)
+def parse_codec(name: str) -> Codec:
+    """Codec for a name: one of CODECS, or "topk:F" / "topk(F)" with the kept fraction F in (0, 1]."""
+    if not isinstance(name, str):
+        raise TypeError(f"codec name must be a string, got {type(name).__name__}")
+    if name in CODECS:
+        return CODECS[name]
+    match = _TOPK_NAME.match(name)
+    if match:
+        try:
+            fraction = float(match.group(1))
+        except ValueError:
+            fraction = math.nan
+        if not 0 < fraction <= 1:
+            raise ValueError(f"topk fraction must be in (0, 1], got {match.group(1)!r} in codec {name!r}")
+        return dataclasses.replace(CODECS["topk"], encode=functools.partial(topk.topk_encode, fraction=fraction))
+    raise ValueError(f"unknown codec {name!r}; use one of {sorted(CODECS)} or 'topk:FRACTION'")
+
+
+def encode(t: torch.Tensor, codec: str) -> TensorEnvelope:
+    """Encode a tensor (any device; moved to CPU) with the named codec."""
+    spec = parse_codec(codec)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"encode expects a torch.Tensor, got {type(t).__name__}")
+    t = t.detach().cpu()
+    name = dtype_name(t.dtype)
+    if spec.floats_only and t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"codec {codec!r} quantizes floating-point tensors only, got {t.dtype}; use 'none'")
+    return TensorEnvelope(codec=spec.id, dtype=name, shape=tuple(t.shape), data=spec.encode(t))
+
+
+def decode(
+    env: TensorEnvelope,
+    spec: TensorSpec | None = None,
+    *,
+    peer: str = "?",
+    field: str = "tensor",
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> torch.Tensor:
+    """Decode and validate an envelope received from `peer`; raises ValidationError naming `field` and `peer`.
+
+    Checks run before any allocation proportional to the tensor: dtype and shape against `spec`, element count
+    against `max_elements` (unless the spec fixes every dimension), codec id, payload length. After decoding:
+    finite values and the spec's max_abs / max_norm bounds.
+    """
+    dtype = check_header(env, spec, peer=peer, field=field, max_elements=max_elements)
+    codec = CODEC_IDS.get(env.codec) if type(env.codec) is int else None
+    if codec is None:
+        raise ValidationError(f"{field}.codec", peer, f"unknown codec id {env.codec!r}; known: {sorted(CODEC_IDS)}")
+    if codec.floats_only and dtype not in FLOAT_DTYPES:
+        raise ValidationError(f"{field}.codec", peer, f"codec {codec.name} cannot carry {env.dtype} tensors")
+    if not isinstance(env.data, bytes):
+        raise ValidationError(f"{field}.data", peer, f"payload must be bytes, got {type(env.data).__name__}")
+    numel = math.prod(env.shape)
+    reason = codec.check_length(len(env.data), numel, dtype)
+    if reason is not None:
+        raise ValidationError(f"{field}.data", peer, f"{codec.name}: {reason}")
+    try:
+        flat = codec.decode(env.data, numel, dtype)
+    except PayloadError as e:
+        raise ValidationError(f"{field}.data", peer, f"{codec.name}: {e}") from None
+    return check_values(flat.to(dtype).reshape(env.shape), spec, peer=peer, field=field)
+
+
+def roundtrip(t: torch.Tensor, codec: str) -> torch.Tensor:
+    """What the receiver gets when `t` is sent with `codec`: same shape, dtype and device, with the codec's error."""
+    return decode(encode(t, codec), peer="local").to(t.device)
+
+
+async def encode_async(t: torch.Tensor, codec: str, *, executor: Executor | None = None) -> TensorEnvelope:
+    """encode() off the event loop (inline for tensors under INLINE_BYTES)."""
+    if t.numel() * t.element_size() < INLINE_BYTES:
+        return encode(t, codec)
+    return await asyncio.get_running_loop().run_in_executor(executor, encode, t, codec)
+
+
+async def decode_async(
+    env: TensorEnvelope,
+    spec: TensorSpec | None = None,
+    *,
+    peer: str = "?",
+    field: str = "tensor",
+    executor: Executor | None = None,
+) -> torch.Tensor:
+    """decode() off the event loop (inline for payloads under INLINE_BYTES)."""
+    call = functools.partial(decode, env, spec, peer=peer, field=field)
+    if isinstance(env, TensorEnvelope) and isinstance(env.data, bytes) and len(env.data) < INLINE_BYTES:
+        return call()
+    return await asyncio.get_running_loop().run_in_executor(executor, call)
+

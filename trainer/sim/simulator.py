@@ -1,0 +1,376 @@
+"""The mesh simulator: K stages x R replicas of StageWorkers in one process, with exact, configurable delays.
+
+It drives the same ``StageWorker`` the daemon drives (DESIGN.md "One trainer, two drivers") through an event
+schedule, so what it shows about convergence holds for the daemon's code:
+
+* **async** methods (PipeDream 1F1B steady state, ALGORITHMS.md §2.2, §6A): at global tick t, stage s of every
+  replica forwards micro-batch ``t - s`` and backwards micro-batch ``t - (K - 1)``, whose forward ran
+  ``tau_s = K - 1 - s`` ticks earlier at that stage; the worker steps after the backward. Within a tick the last stage
+  runs ``forward_loss`` (forward and backward at once, delay 0), the other stages their forwards, then the gradient
+  sweeps from stage K - 2 down to 0. Ticks ``0 .. K - 2`` fill the pipe and the last ``K - 1`` drain it, so every
+  micro-batch is trained on and a stage makes exactly one step per micro-batch (fewer with accumulation).
+* **sync** (GPipe with M micro-batches and a flush): all micro-batches of a step see the same weights, so running
+  each one's forward and backward back to back is numerically identical to GPipe's all-forwards-then-all-backwards.
+* **Replicas**: 'grad' averages the replicas' summed gradients before every optimiser step (they stay identical);
+  'avg' runs the worker's averaging hooks after every local step: ``averaging_begin`` on every replica of the stage,
+  the mean over replicas of the partition's values (each replica's payload through the averaging codec), then
+  ``averaging_finish`` with that mean ``tau`` steps later (at once when tau is 0), i.e. the daemon's code path with
+  the network replaced by an exact delay. 'wagma' is the same with WAGMA groups (trainer/averaging.py).
+* **Compression**: activations and gradients crossing a stage boundary, and averaging payloads, go through
+  ``protocol.codecs.registry.roundtrip`` with the chosen codec, so quantisation error enters training as it
+  would on the wire.
+* **Same samples**: replica r of every method reads the same stream (``BatchStream`` seeded by
+  ``shard_seed(run.seed, r)``), one micro-batch per tick (async) or M per step (sync); a digest of every token batch
+  read is reported so this is checked, not assumed.
+
+Validation uses a fixed set of batches (``val_batches``) and, for parameter-averaging methods, the model averaged over
+replicas (as the AsyncMesh code evaluates), without compression.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.averaging import wagma_group, wagma_is_global
+from trainer.config import RunConfig
+from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+from trainer.sim.methods import METHODS, MethodSpec
+from trainer.worker import StageWorker, use_tf32_on_gpu
+
+logger = logging.getLogger(__name__)
+
+
+class SimulationError(RuntimeError):
+    """A simulation that cannot run as configured (e.g. a codec the protocol package does not provide)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulation: the base run (model, data, optimiser schedule) and the knobs every method shares."""
+
+    preset: str = "custom"
+    """Name shown in the outputs."""
+    run: RunConfig = field(default_factory=RunConfig.default)
+    """Base run: model, data, seed, lr and warm-up; n_stages is the pipeline depth K; compression the codecs."""
+    n_replicas: int = 2
+    """Data-parallel replicas R of every stage."""
+    steps: int = 200
+    """Micro-batches each replica trains on (= local steps of an async stage without accumulation)."""
+    micro_batches: int = 4
+    """M: micro-batches per fullsync (GPipe) step; must divide steps."""
+    tau: int = 10
+    """Averaging delay in local steps (asyncmesh, async-sparta, delta, wagma)."""
+    taus: tuple[int, ...] = ()
+    """Several delays: every tau-dependent method runs once per value (named 'method@tauN'); empty uses tau."""
+    fraction: float = 0.05
+    """p: fraction of each tensor averaged per round."""
+    accumulate: int = 4
+    """A: gradients summed per step by 'accum'; must divide steps."""
+    eval_every: int = 100
+    """Evaluate every this many micro-batches per replica (and once at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (a fixed set, the same for every method)."""
+    methods: tuple[str, ...] = ("fullsync", "asyncpp", "asyncmesh")
+    """Methods to run, in order."""
+    device: str = "cpu"
+    """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
+    On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
+
+    def __post_init__(self) -> None:
+        if self.n_replicas < 1 or self.steps < 1 or self.micro_batches < 1 or self.accumulate < 1:
+            raise ValueError("n_replicas, steps, micro_batches and accumulate must be >= 1")
+        if self.steps % self.micro_batches or self.steps % self.accumulate:
+            raise ValueError(f"steps ({self.steps}) must be a multiple of micro_batches ({self.micro_batches}) and "
+                             f"of accumulate ({self.accumulate}) so every method sees the same samples")
+        if self.tau < 0 or any(t < 0 for t in self.taus):
+            raise ValueError("tau must be >= 0")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.eval_every < 1 or self.eval_batches < 1:
+            raise ValueError("eval_every and eval_batches must be >= 1")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def variants(self) -> list[tuple[str, str, int]]:
+        """(result name, method, tau) for every run: tau-dependent methods once per tau when taus is set."""
+        out = []
+        for m in self.methods:
+            if self.taus and METHODS[m].combine in ("avg", "wagma") and m != "full-avg":
+                out.extend((f"{m}@tau{t}", m, t) for t in self.taus)
+            else:
+                out.append((m, m, self.tau))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+        """Inverse of to_dict (reads the 'config' of a results.json)."""
+        d = dict(d)
+        d.setdefault("device", "cpu")  # results written before the field existed ran on the CPU
+        d["run"] = RunConfig.from_dict(d["run"])
+        d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["run"] = self.run.to_dict()
+        d["methods"], d["taus"] = list(self.methods), list(self.taus)
+        return d
+
+
+def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "none":
+        return lambda t: t
+    try:
+        from protocol.codecs.registry import roundtrip
+    except ImportError as e:  # pragma: no cover - the protocol package ships codecs
+        raise SimulationError(f"compression '{name}' needs the codec registry's roundtrip: {e}") from e
+    return lambda t: roundtrip(t, name)
+
+
+class _Run:
+    """One method's simulation state: the R x K workers, the data streams and the curve."""
+
+    def __init__(self, sim: SimConfig, spec: MethodSpec, tau: int, corpus, val: list) -> None:
+        self.sim, self.spec, self.tau = sim, spec, tau
+        self.run = spec.configure(sim.run, _Knobs(sim, tau))
+        self.K, self.R = self.run.n_stages, sim.n_replicas
+        auto = spec.combine != "grad"
+        self.w = [[StageWorker(self.run, s, device=sim.device, replica=r, auto_step=auto) for s in range(self.K)]
+                  for r in range(self.R)]
+        b, t = self.run.data.batch_size, self.run.model.block_size
+        self.streams = [BatchStream(corpus.train, t, b, shard_seed(self.run.seed, r)) for r in range(self.R)]
+        self.digests = [hashlib.sha256() for _ in range(self.R)]
+        self.val = val
+        comp = self.run.compression
+        self.codec_errors: dict[str, list[float]] = {"act": [], "grad": []}  # relative L2 error per hop, since record
+        self.act = self._measured(comp.activations, "act")
+        self.grad = self._measured(comp.gradients, "grad")
+        self.avg_codec = _codec(comp.averaging)
+        self.consumed = 0  # micro-batches per replica read so far
+        self.losses: list[float] = []
+        self.curve: list[dict[str, float]] = []
+        self.fifo: list[deque] = [deque() for _ in range(self.K)]  # per stage: (round_no, per-replica means)
+        self.rounds = [0] * self.K
+        self.seen_steps = [0] * self.K
+        self.rounds_applied = 0
+
+    def _measured(self, name: str, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The codec's round trip, recording ||q(t) - t|| / ||t|| of every hop (the curve reports their mean)."""
+        codec = _codec(name)
+        if name == "none":
+            return codec
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            q = codec(t)
+            self.codec_errors[kind].append(float((q - t).norm() / t.norm().clamp_min(1e-30)))
+            return q
+        return apply
+
+    # --- data -------------------------------------------------------------------------------------------------------
+    def next_batch(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.streams[r].next()
+        self.digests[r].update(x.numpy().tobytes())
+        return x, y
+
+    # --- replicas ---------------------------------------------------------------------------------------------------
+    def combine_grads(self, s: int) -> None:
+        """'grad': replace every replica's summed gradient by the mean over replicas, then step."""
+        ws = [self.w[r][s] for r in range(self.R)]
+        if ws[0].accumulated < self.run.optim.accumulate:
+            return
+        if self.R > 1:
+            per = [w.grads() for w in ws]
+            mean = [torch.stack(gs).mean(0) for gs in zip(*per, strict=True)]
+            for w in ws:
+                w.set_grads(mean)
+        for w in ws:
+            w.optimizer_step()
+
+    def average(self, s: int) -> None:
+        """'avg'/'wagma': after a local step, begin a round on every replica; finish the one begun tau steps ago."""
+        ws = [self.w[r][s] for r in range(self.R)]
+        if ws[0].local_step == self.seen_steps[s] or self.R == 1:
+            return
+        self.seen_steps[s] = ws[0].local_step
+        if ws[0].local_step % self.run.averaging.every_steps:
+            return
+        rn = self.rounds[s]
+        self.rounds[s] += 1
+        sent = [[self.avg_codec(v) for v in w.averaging_begin(rn)] for w in ws]  # what each replica puts on the wire
+        if self.spec.combine == "wagma":
+            g = self.run.averaging.wagma_group_size
+            if wagma_is_global(rn, self.run.averaging.wagma_global_every):
+                groups = [list(range(self.R))] * self.R
+            else:
+                groups = [wagma_group(r, rn, self.R, g) for r in range(self.R)]
+            means = [[torch.stack([sent[j][i] for j in grp]).mean(0) for i in range(len(sent[0]))] for grp in groups]
+            sizes = [len(grp) for grp in groups]
+            if wagma_is_global(rn, self.run.averaging.wagma_global_every):  # a blocking global average: no delay
+                for w, m, n in zip(ws, means, sizes, strict=True):
+                    w.averaging_finish(rn, m, group_size=n)
+                self.rounds_applied += 1
+                return
+        else:
+            mean = [torch.stack(vs).mean(0) for vs in zip(*sent, strict=True)]
+            means, sizes = [mean] * self.R, [self.R] * self.R
+        self.fifo[s].append((rn, means, sizes))
+        while len(self.fifo[s]) > self.tau:
+            old, means, sizes = self.fifo[s].popleft()
+            for w, m, n in zip(ws, means, sizes, strict=True):
+                w.averaging_finish(old, m, group_size=n)
+            self.rounds_applied += 1
+
+    def after_backward_sweep(self) -> None:
+        for s in range(self.K):
+            if self.spec.combine == "grad":
+                self.combine_grads(s)
+            else:
+                self.average(s)
+
+    # --- evaluation -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss of replica 0, holding the replica-averaged weights when replicas may differ."""
+        swap = self.R > 1 and self.spec.combine != "grad"
+        saved: list[list[torch.Tensor]] = []
+        if swap:
+            for s in range(self.K):
+                ps = [self.w[r][s].parameters() for r in range(self.R)]
+                saved.append([p.detach().clone() for p in ps[0]])
+                for j, p in enumerate(ps[0]):
+                    p.copy_(torch.stack([ps[r][j] for r in range(self.R)]).mean(0))
+        try:
+            total = 0.0
+            for x, y in self.val:
+                h = x
+                for s in range(self.K - 1):
+                    h = self.w[0][s].evaluate(h)
+                total += float(self.w[0][self.K - 1].evaluate(h, y))
+            return total / len(self.val)
+        finally:
+            for s, ps in enumerate(saved):
+                for p, v in zip(self.w[0][s].parameters(), ps, strict=True):
+                    p.copy_(v)
+
+    def record(self) -> None:
+        val = self.evaluate()
+        train = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        self.losses.clear()
+        samples = self.consumed * self.R * self.run.data.batch_size
+        point = {"samples": samples, "train_loss": train, "val_loss": val}
+        for kind, errs in self.codec_errors.items():
+            if errs:
+                point[f"{kind}_codec_rel_err"] = sum(errs) / len(errs)
+                errs.clear()
+        self.curve.append(point)
+        logger.info("%s: %d samples, train %.4f, val %.4f", self.spec.name, samples, train, val)
+
+    # --- schedules --------------------------------------------------------------------------------------------------
+    def run_async(self) -> None:
+        K, N = self.K, self.sim.steps
+        outs: list[list[Any]] = [[None] * K for _ in range(self.R)]  # stage s's output of the previous tick
+        targets: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]
+        for t in range(N + K - 1):
+            for r in range(self.R):
+                w, grad = self.w[r], None
+                mb = t - (K - 1)
+                if mb >= 0:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
+                    if K == 1:
+                        x, y = self.next_batch(r)
+                    else:
+                        x, y = outs[r][K - 2], targets[r].pop(mb)
+                    loss, grad = w[K - 1].forward_loss(mb, x, y)
+                    self.losses.append(loss)
+                for s in range(K - 2, -1, -1):  # forwards, deepest first so each reads the previous tick's output
+                    m = t - s
+                    if 0 <= m < N:
+                        if s == 0:
+                            inp, targets[r][m] = self.next_batch(r)
+                        else:
+                            inp = outs[r][s - 1]
+                        outs[r][s] = self.act(w[s].forward(m, inp))
+                if mb >= 0:  # backward sweep of micro-batch t - (K - 1): stage s's forward ran tau_s ticks ago
+                    for s in range(K - 2, -1, -1):
+                        grad = w[s].backward(mb, self.grad(grad))
+            self.after_backward_sweep()
+            if t < N:
+                self.consumed = t + 1
+                if self.consumed % self.sim.eval_every == 0 and self.consumed < N:
+                    self.record()
+        self.record()
+
+    def run_sync(self) -> None:
+        K, M = self.K, self.sim.micro_batches
+        for step in range(self.sim.steps // M):
+            for r in range(self.R):
+                w = self.w[r]
+                for i in range(M):
+                    mb = step * M + i
+                    h, y = self.next_batch(r)
+                    for s in range(K - 1):
+                        h = self.act(w[s].forward(mb, h))
+                    loss, grad = w[K - 1].forward_loss(mb, h, y)
+                    self.losses.append(loss)
+                    for s in range(K - 2, -1, -1):
+                        grad = w[s].backward(mb, self.grad(grad))
+            for s in range(K):  # flush: mean over replicas of the micro-batch mean, then one step
+                ws = [self.w[r][s] for r in range(self.R)]
+                per = [w.grads() for w in ws]
+                mean = [torch.stack(gs).sum(0) / (self.R * M) for gs in zip(*per, strict=True)]
+                for w in ws:
+                    w.set_grads(mean)
+                    w.optimizer_step()
+            before = self.consumed
+            self.consumed += M
+            if self.consumed // self.sim.eval_every > before // self.sim.eval_every and self.consumed < self.sim.steps:
+                self.record()
+        self.record()
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    """What a method's configure() may read: the simulation knobs with this variant's tau."""
+
+    sim: SimConfig
+    tau: int
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sim, name)
+
+
+def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, Any]:
+    """Train one method (variant ``name``) and return its result record (JSON-able)."""
+    torch.set_num_threads(1)
+    use_tf32_on_gpu(sim.device)
+    torch.manual_seed(sim.run.seed)
+    corpus = load_corpus(sim.run.data, sim.run.model.vocab_size)
+    val = val_batches(corpus, sim.run.model.block_size, sim.run.data.batch_size, sim.eval_batches)
+    spec = METHODS[method]
+    t0 = time.perf_counter()
+    state = _Run(sim, spec, tau, corpus, val)
+    state.run_async() if spec.schedule == "async" else state.run_sync()
+    final = state.curve[-1]
+    first = state.curve[0]
+    return {
+        "name": name, "method": method, "tau": tau if spec.combine in ("avg", "wagma") else None,
+        "summary": spec.summary,
+        "final_val_loss": final["val_loss"], "first_val_loss": first["val_loss"],
+        "final_train_loss": final["train_loss"],
+        "samples": final["samples"], "updates": state.w[0][0].local_step,
+        "averaging_rounds_applied": state.rounds_applied,
+        "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
+        "compute_s": round(time.perf_counter() - t0, 2),
+        "data_digests": [d.hexdigest()[:16] for d in state.digests],
+        "curve": state.curve,
+    }
