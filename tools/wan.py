@@ -489,11 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Emulated WAN (network namespaces + tools/netem.py): probe it or clean "
                                             "up.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("probe", help="bring up N namespaces, print the measured RTT between the first two, tear down")
+    pr = sub.add_parser("probe", help="bring up N namespaces, measure RTT (and TCP goodput) between the first two, "
+                                      "print the emulator's counters, tear down")
     pr.add_argument("--n", type=int, default=2)
     pr.add_argument("--delay-ms", type=float, default=25.0)
     pr.add_argument("--rate-mbit", type=float, default=100.0)
     pr.add_argument("--loss", type=float, default=0.0)
+    pr.add_argument("--samples", type=int, default=5, help="RTT probes (the median is printed)")
+    pr.add_argument("--throughput-mb", type=float, default=0.0,
+                    help="also time one TCP transfer of this many MB from the first namespace to the second")
     pr.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR,
                     help="path of the link emulator (default: tools/netem.py of this repository)")
     cl = sub.add_parser("clean", help="delete namespaces left behind by killed runs (only <prefix><dead pid>-<i>)")
@@ -508,8 +512,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Wan(WanConfig(n=max(2, args.n), delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, loss=args.loss,
                            emulator=args.emulator)) as wan:
-            rtt = wan.rtt(0, 1)
+            rtt = wan.rtt(0, 1, samples=max(1, args.samples))
             print(f"RTT {wan.names[0]} -> {wan.names[1]}: {rtt * 1000:.1f} ms (configured {2 * args.delay_ms:.1f})")
+            if args.throughput_mb > 0:
+                bps = wan.tcp_throughput(0, 1, nbytes=int(args.throughput_mb * 1e6))
+                cap = f"{args.rate_mbit:g} Mbit/s" if args.rate_mbit else "none"
+                print(f"TCP goodput {wan.names[0]} -> {wan.names[1]}: {bps / 1e6:.1f} Mbit/s "
+                      f"({args.throughput_mb:g} MB; uplink cap {cap})")
+            print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} cores")
         print(f"emulator counters: {json.dumps(wan.counters(refresh=False))}")
     except WanError as e:
         print(f"wan: error: {e}", file=sys.stderr)
