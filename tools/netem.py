@@ -383,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queue-bytes", type=int, default=None, help="uplink buffer in bytes (overrides --queue-ms)")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--subnet", default="100.64.7", help="first three octets; namespace i (1-based) gets <subnet>.<i>")
-    p.add_argument("--seed", type=int, default=None, help="seed of the loss and jitter draws (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the loss and jitter draws (None: a random seed)")
     p.add_argument("--stats-every", type=float, default=0.0, help="print the counters every this many s (0: never)")
     args = p.parse_args(argv)
     if reason := check_subnet(args.subnet):
