@@ -4,7 +4,7 @@ One stream per call: the caller opens a libp2p stream to `asyncmesh.<name>`, wri
 framed reply. The server checks every frame header against `RpcLimits` and the sender's byte budget before reading
 its body, and *always* answers: a refused or failed request gets an `Error` (or `Busy`) reply as soon as the problem
 is known, never silence. hivemind's own protobuf streams read a length with no bound and its unary calls drop
-messages over ~4 MiB silently (DESIGN.md), which is why this module exists.
+messages over ~4 MiB silently (docs/design.md), which is why this module exists.
 
     server = RpcServer(p2p, RpcLimits())
     await server.add_handler("forward", on_forward)          # async (msg, peer_id: str) -> Message

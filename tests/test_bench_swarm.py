@@ -84,11 +84,11 @@ def test_table_lists_every_case_and_ratio():
 def test_plan_interleaves_modes_and_adds_the_zero_delay_reference(tmp_path):
     args = parse_args(["--delays-ms", "50", "--wan", "no"])
     assert [c.label for c in plan(args)] == ["async/loopback", "sync/loopback"]
-    args = argparse.Namespace(loopback=False, wan="auto", tunem=tmp_path / "missing.py", delays_ms=[50.0],
+    args = argparse.Namespace(loopback=False, wan="auto", emulator=tmp_path / "missing.py", delays_ms=[50.0],
                               rate_mbit=100.0, modes=["async", "sync"])
     assert plan(args) == []  # the emulator is missing: the WAN is skipped with a warning
-    args.tunem = tmp_path / "tunem.py"
-    args.tunem.write_text("")
+    args.emulator = tmp_path / "netem.py"
+    args.emulator.write_text("")
     cases = plan(args)
     if cases:  # root with ip and /dev/net/tun: 0 ms is always measured as latency hiding's reference
         assert cases == [Case("async", "wan", 0.0, 100.0), Case("sync", "wan", 0.0, 100.0),

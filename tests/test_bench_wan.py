@@ -1,6 +1,7 @@
-"""tools/wan.py on this machine: namespaces come up, tunem adds the configured delay, nothing is left behind.
+"""tools/wan.py on this machine: namespaces come up, the emulator adds the configured delay, nothing is left behind.
 
-Needs root, iproute2, /dev/net/tun and ../shared/lab/tunem.py; marked ``wan`` (run with ``pytest -m wan``).
+Needs root, iproute2 and /dev/net/tun (the emulator is tools/netem.py, tested on its own in tests/test_netem.py);
+marked ``wan`` (run with ``pytest -m wan``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def test_rtt_is_twice_the_delay_and_teardown_is_complete(delay_ms: float):
     with Wan(WanConfig(n=3, delay_ms=delay_ms, rate_mbit=100)) as wan:
         assert sorted(our_namespaces()) == sorted(wan.names)
         rtt = wan.rtt(0, 2, samples=7)
-        # tunem adds delay once per direction; scheduling on a busy 2-core machine adds a few ms, never removes any
+        # delay is added once per direction; scheduling on a busy 2-core machine adds a few ms, never removes any
         assert 2 * delay_ms / 1000 * 0.95 <= rtt <= 2 * delay_ms / 1000 + 0.025, rtt
         assert wan.run(1, ["ip", "-br", "addr"]).stdout.count(wan.ip(1)) == 1
         sleeper = wan.popen(1, ["sleep", "60"])
-        tunem = wan.tunem
+        emulator = wan.emulator
     assert our_namespaces() == []
-    assert sleeper.poll() is not None and tunem.poll() is not None
+    assert sleeper.poll() is not None and emulator.poll() is not None
 
 
 def test_link_counters_see_traffic():
@@ -52,7 +53,8 @@ def test_link_counters_see_traffic():
         wan.rtt(0, 1, samples=3)
         after = wan.link_bytes(0)
         assert after["tx"] > before["tx"] and after["rx"] > before["rx"]
-    assert wan.tunem_log[-1].startswith("tunem exit")  # the emulator's own packet counts are kept
+    assert wan.emulator_log[-1].startswith("netem exit")  # the emulator's own packet counts are kept
+    assert wan.counters(refresh=False)["forwarded"] >= 6
 
 
 def test_cleanup_after_an_error_inside_the_block():
@@ -82,6 +84,6 @@ def test_bad_configs_are_refused_with_advice():
         WanConfig(n=2, subnet="198.18.0")
     with pytest.raises(ValueError, match="loss"):
         WanConfig(n=2, loss=1.5)
-    with pytest.raises(WanError, match="does not exist"), Wan(WanConfig(n=2, tunem=Path("/nonexistent/tunem.py"))):
+    with pytest.raises(WanError, match="does not exist"), Wan(WanConfig(n=2, emulator=Path("/nonexistent/netem.py"))):
         pass
     assert our_namespaces() == []

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Swarm throughput benchmark: tokens/s of a real ``asyncmesh-peer join`` swarm, async against ``--mode sync``.
 
-For each network (loopback, then -- as root -- network namespaces joined by tunem with one-way delays of, by
+For each network (loopback, then -- as root -- network namespaces joined by tools/netem.py with one-way delays of, by
 default, 0 / 25 / 50 ms and a 100 Mbit/s uplink cap per peer) and each mode, the tool starts a fresh swarm of
 ``n_stages x replicas`` peers (one process per peer, one namespace per peer, each with ``--stage`` fixed: the first
 peer starts the swarm and the others join through its multiaddr; the later stages start first, stage 0 -- which
@@ -9,10 +9,11 @@ feeds the pipeline -- last, all its replicas at once), waits until every peer tr
 over a fixed wall-clock window by reading every peer's ``/status`` at both ends and polling it in between:
 
 * swarm tokens/s = sum over stage-0 peers of (training tokens completed in the window) / window. Every token enters
-  the pipeline once, at stage 0, and counts when its gradient has come back (DESIGN.md "Measuring");
+  the pipeline once, at stage 0, and counts when its gradient has come back (docs/design.md, "How we measure");
 * wire bytes per token (namespaces only) from the emulated links' counters, which include TCP/IP, libp2p, DHT and
   averaging traffic: everything a peer sent;
-* CPU seconds each process used in the window (the peers and tunem share this machine's cores);
+* CPU seconds each process used in the window (the peers and the emulator share this machine's cores);
+* packets the emulator forwarded and dropped (random loss, full uplink queue) in the window;
 * stalled seconds: poll intervals in the window in which no stage-0 micro-batch completed.
 
 Then it stops the peers with SIGTERM and keeps their ``--summary-json`` files in the results. Ratios come from one
@@ -53,7 +54,7 @@ from tools.bench_report import (  # noqa: F401 - re-exported: the figures belong
     stalled_seconds,
     window_tokens_per_s,
 )
-from tools.wan import DEFAULT_TUNEM, LocalNet, Wan, WanConfig, check_available, install_signal_handlers
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, check_available, install_signal_handlers
 
 logger = logging.getLogger("bench_swarm")
 
@@ -72,7 +73,7 @@ class Case:
 
     mode: str          # 'async' or 'sync'
     net: str           # 'loopback' or 'wan'
-    delay_ms: float    # one-way delay added by tunem (0 on loopback)
+    delay_ms: float    # one-way delay added by the emulator (0 on loopback)
     rate_mbit: float   # per-peer uplink cap (0: none)
 
     @property
@@ -193,7 +194,9 @@ class SwarmCase:
             "dropped": [int(s["counters"].get("microbatches_dropped", 0)) for s in statuses],
             "links": [self.net.link_bytes(p["i"]) for p in self.peers],
             "cpu": [cpu_seconds(p["proc"].pid) for p in self.peers],
-            "tunem_cpu": cpu_seconds(self.net.tunem.pid) if isinstance(self.net, Wan) and self.net.tunem else None,
+            "emulator_cpu": (cpu_seconds(self.net.emulator.pid) if isinstance(self.net, Wan) and self.net.emulator
+                             else None),
+            "emulator": self.net.counters() if isinstance(self.net, Wan) else None,
             "t": time.monotonic(), "loadavg": os.getloadavg(), "snapshots": statuses,
         }
 
@@ -212,13 +215,29 @@ class SwarmCase:
         return [PeerProcess(f"peer{p['i']}", p["proc"], p["dir"], p["port"]).summary() for p in self.peers]
 
 
+def counter_deltas(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, int] | None:
+    """The emulator's packet counters over the window (forwarded, dropped by loss, by a full queue, ...)."""
+    if not before or not after:
+        return None
+    keys = ("forwarded", "forwarded_bytes", "dropped_loss", "dropped_queue", "dropped_noroute", "write_errors")
+    return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
+
+
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (results name no machine's directories)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) -> dict[str, Any]:
     """Run one case from start to teardown and return its figures."""
     n = n_stages * args.replicas
     if case.net == "loopback":
         net: Wan | LocalNet = LocalNet(n, stop_timeout_s=args.drain_timeout_s + 20)
     else:
-        net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, tunem=args.tunem,
+        net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, emulator=args.emulator,
                             subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20))
     with net:
         rtt = net.rtt(0, 1) * 1000 if isinstance(net, Wan) else None
@@ -238,7 +257,7 @@ def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) 
     window = after["t"] - before["t"]
     cpu = [(a - b) if a is not None and b is not None else 0.0
            for a, b in zip(after["cpu"], before["cpu"], strict=True)]
-    tunem_cpu = (after["tunem_cpu"] - before["tunem_cpu"]) if after["tunem_cpu"] is not None else None
+    emulator_cpu = (after["emulator_cpu"] - before["emulator_cpu"]) if after["emulator_cpu"] is not None else None
     stages = [p["stage"] for p in sc.peers]
     return {
         **asdict(case), "label": case.label, "tokens_per_s": tps, "window_s": window, "rtt_ms": rtt,
@@ -247,12 +266,13 @@ def measure(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) 
         "bytes_per_token": bytes_per_token(before["links"], after["links"], stages, tps * window),
         "dropped": sum(after["dropped"]) - sum(before["dropped"]),
         "stage0_steps": min(a - b for a, b, s in zip(after["steps"], before["steps"], stages, strict=True) if s == 0),
-        "cpu_s_per_peer": cpu, "tunem_cpu_s": tunem_cpu,
-        "cpu_util": (sum(cpu) + (tunem_cpu or 0.0)) / (window * (os.cpu_count() or 1)),
+        "cpu_s_per_peer": cpu, "emulator_cpu_s": emulator_cpu,
+        "cpu_util": (sum(cpu) + (emulator_cpu or 0.0)) / (window * (os.cpu_count() or 1)),
         "loadavg": [before["loadavg"], after["loadavg"]],
         "pipeline_delay": [s.get("pipeline_delay") for s in after["snapshots"]],
         "avg_rounds_ok": [int(s["counters"].get("averaging_rounds_ok", 0)) for s in after["snapshots"]],
-        "emulator": net.tunem_log[-1].strip() if isinstance(net, Wan) and net.tunem_log else None,
+        "emulator": net.counters(refresh=False) if isinstance(net, Wan) else None,  # whole run, from its exit line
+        "emulator_window": counter_deltas(before["emulator"], after["emulator"]),
         "summaries": summaries, "workdir": str(workdir),
     }
 
@@ -266,10 +286,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     p.add_argument("--loopback", action=argparse.BooleanOptionalAction, default=True, help="measure on loopback")
     p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto",
-                   help="namespaces + tunem: auto runs them when root and the emulator are available")
+                   help="namespaces + tools/netem.py: auto runs them when root and the emulator are available")
     p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 25.0, 50.0], help="one-way delays (RTT = 2x)")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the emulated WAN (0: none)")
-    p.add_argument("--tunem", type=Path, default=DEFAULT_TUNEM, help="path of the emulator")
+    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
     p.add_argument("--subnet", default="100.64.7", help="first three octets of the namespaces' addresses")
     p.add_argument("--warmup-s", type=float, default=20.0, help="seconds after all peers train, before measuring")
     p.add_argument("--measure-s", type=float, default=60.0, help="measurement window in seconds")
@@ -303,7 +323,7 @@ def plan(args: argparse.Namespace) -> list[Case]:
     """The cases in running order: per network, every mode back to back (so ratios compare neighbours in time)."""
     nets: list[tuple[str, float, float]] = [("loopback", 0.0, 0.0)] if args.loopback else []
     if args.wan != "no":
-        reason = check_available(args.tunem)
+        reason = check_available(args.emulator)
         if reason and args.wan == "yes":
             raise BenchError(f"--wan yes: {reason}")
         if reason:
@@ -362,9 +382,9 @@ def write_outputs(args: argparse.Namespace, run: Any, results: list[dict[str, An
                   figures: dict[str, dict[str, float | None]], argv: list[str] | None,
                   failed: list[dict[str, str]]) -> None:
     meta = {"command": " ".join(["python tools/bench_swarm.py", *(argv if argv is not None else sys.argv[1:])]),
-            "run": str(args.run), "run_id": run.run_id, "n_stages": run.n_stages, "replicas": args.replicas,
+            "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages, "replicas": args.replicas,
             "tokens_per_microbatch": run.data.batch_size * run.model.block_size, "nproc": os.cpu_count(),
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "settings": {k: (repo_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "figures": figures, "cases": results,

@@ -1,6 +1,6 @@
 """Data-parallel averaging math: sparse partitions, the avg/delta/EMA update rules, and WAGMA groups.
 
-AsyncMesh (DESIGN.md "Data-parallel axis", ALGORITHMS.md §1.3, §6B). Per parameter tensor, coordinates are randomly
+AsyncMesh (docs/design.md, "Data-parallel axis"). Per parameter tensor, coordinates are randomly
 permuted into n = ceil(1/p) disjoint partitions, cycled one per round and redrawn after each cycle. The permutation
 of cycle c for parameter j of stage s is keyed by (run seed, s, j, c) only and computed with explicit integer
 arithmetic (``keyed_permutation``), so every replica computes the same partitions, whatever its library versions, and
@@ -14,9 +14,10 @@ W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] 
 mu is mu_start for the first mu_warmup_steps local steps, then cosine-annealed to mu_end at optim.total_steps:
   mu = mu_start + (mu_end - mu_start) * (1 - cos(pi * t)) / 2,  t = (k - W) / (T - W - 1) clamped to [0, 1].
 
-WAGMA (ALGORITHMS.md §3, §6C) as pure functions the simulator and the worker share: groups rotate over the base-G
-digit fields of the replica index; w_i <- (sum of the group's last published models + w_i) / (|group| + 1), the
-released code's divisor (own model counted twice); every ``wagma_global_every`` steps a global average.
+WAGMA (docs/design.md, "WAGMA group averaging") as pure functions the simulator and the worker share: groups rotate
+over the base-G digit fields of the replica index; w_i <- (sum of the group's last published models + w_i) /
+(|group| + 1), the released code's divisor (own model counted twice); every ``wagma_global_every`` steps a global
+average.
 """
 
 from __future__ import annotations

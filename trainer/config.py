@@ -54,7 +54,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """The per-stage optimiser. Defaults are AsyncPP's released code (NAdam, beta1 0.99), see DESIGN.md."""
+    """The per-stage optimiser. Defaults are AsyncPP's released code (NAdam, beta1 0.99), see docs/design.md."""
 
     optimizer: str = "nadam"
     """'nadam' (AsyncPP look-ahead, torch.optim.NAdam with decoupled weight decay) or 'adamw' (naive/sync)."""

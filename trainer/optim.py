@@ -2,7 +2,7 @@
 
 'nadam' is the AsyncPP look-ahead: ``torch.optim.NAdam`` with decoupled weight decay and beta1 0.99, whose
 (1 - mu_t)-discounted gradient term and mu_{t+1} look-ahead are exactly the paper's Nesterov correction for stale
-gradients (see DESIGN.md); ``momentum_decay`` is kept as its built-in momentum warm-up. 'adamw' is the synchronous
+gradients (see docs/design.md); ``momentum_decay`` is kept as its built-in momentum warm-up. 'adamw' is the synchronous
 baseline's optimiser. Weight decay applies to every parameter of the stage, as the AsyncPP/AsyncMesh code does
 (``NAdamWithWeightStashing(r.master_parameters, ...)``), not nanoGPT's matrices-only grouping.
 

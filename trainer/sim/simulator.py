@@ -1,9 +1,9 @@
 """The mesh simulator: K stages x R replicas of StageWorkers in one process, with exact, configurable delays.
 
-It drives the same ``StageWorker`` the daemon drives (DESIGN.md "One trainer, two drivers") through an event
+It drives the same ``StageWorker`` the daemon drives (docs/design.md, "One trainer, two drivers") through an event
 schedule, so what it shows about convergence holds for the daemon's code:
 
-* **async** methods (PipeDream 1F1B steady state, ALGORITHMS.md §2.2, §6A): at global tick t, stage s of every
+* **async** methods (PipeDream 1F1B steady state, docs/design.md, "Pipeline axis"): at global tick t, stage s of every
   replica forwards micro-batch ``t - s`` and backwards micro-batch ``t - (K - 1)``, whose forward ran
   ``tau_s = K - 1 - s`` ticks earlier at that stage; the worker steps after the backward. Within a tick the last stage
   runs ``forward_loss`` (forward and backward at once, delay 0), the other stages their forwards, then the gradient

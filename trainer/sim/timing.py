@@ -5,7 +5,7 @@ with its recompute and the optimiser step) on the simulation's device, so they a
 model unless the simulation runs on a GPU (``--device cuda``, e.g. the base preset); a GPU-like mesh is also given as
 stated numbers (``GPU_LIKE``). The network is the same for every method: one-way latency and bandwidth per
 link, activations and gradients in int8 (1 byte per value) on pipeline hops, fullsync's gradient all-reduce in fp32,
-sparse averaging payloads in int8 (DESIGN.md: "the partition (5 % of the weights) in 8-bit").
+sparse averaging payloads in int8 (docs/design.md, "Compression").
 
 How each method maps onto the two schedules of ``trainer.sim.wallclock``:
 fullsync -> GPipe with M micro-batches; asyncmesh / async-sparta / delta -> 1F1B, p of the weights per step in int8
