@@ -43,6 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+if __package__ in (None, ""):  # run as a script: make the packages importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.ops.procs import terminate  # noqa: E402 - one place reaps child processes
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,44 +137,6 @@ def _setns(name: str) -> None:
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def descendants(root: int) -> list[int]:
-    """PIDs of every live descendant of ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
-def terminate(procs: list[subprocess.Popen], stop_timeout_s: float) -> None:
-    """SIGTERM every live process, wait up to ``stop_timeout_s`` in all, SIGKILL the rest; all are reaped."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + stop_timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d ignored SIGTERM for %.0f s; killing it and its descendants", p.pid,
-                           stop_timeout_s)
-            for pid in [*descendants(p.pid), p.pid]:  # a peer's DHT process and p2pd die with it
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            p.wait()
 
 
 class Wan:
