@@ -1,7 +1,8 @@
 """Data-parallel averaging math: sparse partitions, the avg/delta/EMA update rules, and WAGMA groups.
 
 AsyncMesh (docs/design.md, "Data-parallel axis"). Per parameter tensor, coordinates are randomly
-permuted into n = ceil(1/p) disjoint partitions, cycled one per round and redrawn after each cycle. The permutation
+permuted into n = ceil(1/(p * round_steps)) disjoint partitions (p per local step, one round per round_steps
+steps), cycled one per round and redrawn after each cycle. The permutation
 of cycle c for parameter j of stage s is keyed by (run seed, s, j, c) only and computed with explicit integer
 arithmetic (``keyed_permutation``), so every replica computes the same partitions, whatever its library versions, and
 no mask crosses the wire. Round r uses partition r % n of cycle r // n.
@@ -155,7 +156,7 @@ class SparseAveragingState:
     def __init__(self, cfg: AveragingConfig, total_steps: int, seed: int, stage: int,
                  params: Sequence[torch.Tensor]) -> None:
         self.cfg, self.total_steps = cfg, total_steps
-        fraction = 1.0 if cfg.rule == "wagma" else cfg.fraction
+        fraction = 1.0 if cfg.rule == "wagma" else cfg.round_fraction
         self.partitioner = Partitioner(seed, stage, [p.shape for p in params], fraction)
         self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if cfg.rule == "ema" else []
         self.snapshots: dict[int, _Snapshot] = {}

@@ -72,8 +72,9 @@ def _asyncpp_nows(run: RunConfig, sim) -> RunConfig:
 def _sparse(rule: str, *, full: bool = False) -> Callable[[RunConfig, object], RunConfig]:
     def configure(run: RunConfig, sim) -> RunConfig:
         run = run.replace(optim={"optimizer": "nadam", "beta1": 0.99, "weight_stashing": True, "accumulate": 1})
-        return run.replace(averaging={"rule": rule, "fraction": 1.0 if full else sim.fraction,
-                                      "delay_steps": 0 if full else sim.tau, "every_steps": 1})
+        # the cadence (round_steps) is the base run's, as the daemon runs it; full-avg averages everything each step
+        avg: dict = {"rule": rule, "fraction": 1.0 if full else sim.fraction}
+        return run.replace(averaging=avg | ({"round_steps": 1} if full else {}))
     return configure
 
 
