@@ -255,9 +255,7 @@ class _Run:
             else:
                 groups = [wagma_group(r, rn, self.R, cfg.wagma_group_size) for r in range(self.R)]
             means = [[torch.stack([sent[j][i] for j in grp]).mean(0) for i in range(len(sent[0]))] for grp in groups]
-            sizes = [len(grp) for grp in groups]
-            if wagma_is_global(rn, cfg.wagma_global_every):  # a blocking global average: no delay
-                tau = 0
+            sizes = [len(grp) for grp in groups]  # a global round arrives as late as the others, as a correction
         else:
             mean = [torch.stack(vs).mean(0) for vs in zip(*sent, strict=True)]
             means, sizes = [mean] * self.R, [self.R] * self.R
