@@ -176,6 +176,10 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         for name in ("activations", "gradients", "averaging"):
+            if str(getattr(self, name)).startswith("topk"):
+                raise ValueError(f"compression.{name} cannot be TopK: activations, gradients and averaging rounds "
+                                 "send values, not deltas, and a TopK of values zeroes what it drops (see "
+                                 "docs/design.md, Compression); use int8 or int4")
             if getattr(self, name) not in CODEC_NAMES:
                 raise ValueError(f"compression.{name} must be one of {CODEC_NAMES}, got {getattr(self, name)!r}")
 
