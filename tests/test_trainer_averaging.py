@@ -74,13 +74,13 @@ def test_rule_delta():
 def test_rule_ema_two_rounds():
     state, w = _state("ema", lam=1.0, mu_start=0.5, mu_warmup_steps=10)
     _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, 0.0], [10.0, 10.0, 10.0, 10.0])
-    # e = 0.5*0 + 0.5*drift = [0.5, 0, 1, 0]; W = a + e
-    assert state.ema[0].tolist() == [0.5, 0.0, 1.0, 0.0]
-    assert w[0].tolist() == [10.5, 10.0, 11.0, 10.0]
+    # first update of a coordinate: e = drift (the reference code's start, not (1 - mu) * drift); W = a + e
+    assert state.ema[0].tolist() == [1.0, 0.0, 2.0, 0.0]
+    assert w[0].tolist() == [11.0, 10.0, 12.0, 10.0]
     _drift_and_finish(state, w, 1, [1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0])
-    # e = 0.5*[0.5, 0, 1, 0] + 0.5*[1, 2, 0, 0] = [0.75, 1, 0.5, 0]
-    assert state.ema[0].tolist() == [0.75, 1.0, 0.5, 0.0]
-    assert w[0].tolist() == [0.75, 1.0, 0.5, 0.0]
+    # e = 0.5*[1, -, 2, -] + 0.5*[1, -, 0, -]; coordinates 1 and 3 had no drift yet, so theirs starts now
+    assert state.ema[0].tolist() == [1.0, 2.0, 1.0, 0.0]
+    assert w[0].tolist() == [1.0, 2.0, 1.0, 0.0]
 
 
 def test_ema_sparse_partition_touches_only_its_coordinates():
@@ -96,7 +96,7 @@ def test_ema_sparse_partition_touches_only_its_coordinates():
     untouched = torch.ones(6, dtype=torch.bool)
     untouched[idx] = False
     assert torch.equal(w[0][untouched], before[untouched] + 1.0)
-    assert torch.equal(w[0][idx], torch.full((3,), -4.5))  # a + 0.5 * drift
+    assert torch.equal(w[0][idx], torch.full((3,), -4.0))  # a + drift: the first EMA value is the drift
     assert torch.equal(state.ema[0][untouched], torch.zeros(3))
 
 
@@ -114,7 +114,9 @@ def test_ema_uses_mu_of_the_local_step():
     state, w = _state("ema", lam=1.0, mu_start=0.5, mu_end=0.9, mu_warmup_steps=0)
     mu = mu_at(state.cfg, 50, 100)
     _drift_and_finish(state, w, 0, [2.0, 0.0, 0.0, 0.0], [0.0] * 4, step=50)
-    assert state.ema[0][0].item() == pytest.approx((1 - mu) * 2.0)
+    assert state.ema[0][0].item() == pytest.approx(2.0)
+    _drift_and_finish(state, w, 1, [0.0, 0.0, 0.0, 0.0], [0.0] * 4, step=50)
+    assert state.ema[0][0].item() == pytest.approx(mu * 2.0)
 
 
 def test_finish_rejects_bad_input_and_leaves_weights():

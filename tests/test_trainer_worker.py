@@ -226,6 +226,18 @@ def test_averaging_hooks_apply_rule_and_abort_leaves_weights():
         none.averaging_begin(0)
 
 
+def test_mean_grads_is_the_flush_mean_the_simulator_steps_with():
+    run = tiny(2, optim={"lr": 1e-2})
+    w1 = StageWorker(run, 1, auto_step=False)
+    for i in range(3):
+        w1.forward_loss(i, torch.randn(2, 8, 16), batch(i)[1])
+    assert w1.accumulated == 3
+    for m, g in zip(w1.mean_grads(), w1.grads(), strict=True):
+        torch.testing.assert_close(m, g / 3)
+    w1.optimizer_step()
+    assert all(not m.any() for m in w1.mean_grads())  # nothing accumulated: zeros, no division by zero
+
+
 def test_accumulation_sums_gradients_and_steps_once():
     run = tiny(2, optim={"accumulate": 3, "lr": 1e-2})
     acc = StageWorker(run, 1)  # auto_step with accumulate=3

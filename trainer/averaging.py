@@ -11,7 +11,10 @@ A round on partition S: the replicas' mean a = mean_j W_j[S] arrives some local 
 W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] - W_then:
   'avg'   W[S] <- a                                   (stale overwrite, "AsyncSPARTA")
   'delta' W[S] <- a + lam * delta
-  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh; e starts at 0)
+  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh)
+          the first update of a coordinate sets e to delta itself, as the reference code does (not (1 - mu) * delta);
+          "first" is read from e == 0, so no extra state travels with the weights (a coordinate whose first
+          drift was exactly 0 starts again at its next, which is the same)
 mu is mu_start for the first mu_warmup_steps local steps, then cosine-annealed to mu_end at optim.total_steps:
   mu = mu_start + (mu_end - mu_start) * (1 - cos(pi * t)) / 2,  t = (k - W) / (T - W - 1) clamped to [0, 1].
 
@@ -215,7 +218,8 @@ class SparseAveragingState:
                 new = a + lam * (flat[i] - then[j])
             elif rule == "ema" and then is not None:
                 e = self.ema[j].view(-1)
-                e[i] = mu * e[i] + (1.0 - mu) * (flat[i] - then[j])
+                drift, prev = flat[i] - then[j], e[i]
+                e[i] = torch.where(prev == 0, drift, mu * prev + (1.0 - mu) * drift)
                 new = a + lam * e[i]
             elif rule == "wagma" and then is not None and wagma_is_global(round_no, self.cfg.wagma_global_every):
                 new = a + (flat[i] - then[j])

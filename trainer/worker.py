@@ -312,6 +312,11 @@ class StageWorker:
         """Copies of the summed gradients (zeros where none has arrived), in parameters() order."""
         return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self._params]
 
+    def mean_grads(self) -> list[torch.Tensor]:
+        """The summed gradients divided by the contributions summed into them (a synchronous flush's mean over its
+        micro-batches, what the simulator's fullsync steps with, so clipping sees the same norm)."""
+        return [g / max(1, self.accumulated) for g in self.grads()]
+
     def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """Replace the summed gradients (e.g. by the mean over replicas of a synchronous step)."""
         if len(grads) != len(self._params):

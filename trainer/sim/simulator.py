@@ -46,7 +46,7 @@ import torch
 
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
-from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
@@ -415,5 +415,6 @@ def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, An
         "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
         "compute_s": round(time.perf_counter() - t0, 2),
         "data_digests": [d.hexdigest()[:16] for d in state.digests],
+        "data": corpus_identity(corpus),
         "curve": state.curve,
     }
