@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--no-controls", action="store_true",
+                    help="skip the runs without attackers (the simulator is deterministic: reuse another sweep's)")
     args = ap.parse_args()
     aggs, attacks = args.aggregators.split(","), args.attacks.split(",")
     base = with_overrides(preset(args.preset), steps=args.steps, stages=args.stages, methods=(args.method,))
@@ -59,7 +61,8 @@ def main() -> int:
     for r, f in _grid(args.grid):
         for agg in aggs:
             sim = with_overrides(base, replicas=r, aggregator=agg)
-            if (r, agg) not in {(s.n_replicas, s.run.averaging.aggregator) for s in sims if not s.byzantine}:
+            if not args.no_controls and (r, agg) not in {(s.n_replicas, s.run.averaging.aggregator)
+                                                         for s in sims if not s.byzantine}:
                 sims.append(sim)
             sims.extend(dataclasses.replace(sim, byzantine=f, attack=a) for a in attacks)
     args.out.mkdir(parents=True, exist_ok=True)
