@@ -5,6 +5,7 @@ with the simulator (trainer/sim), and reports the honest replicas' final validat
 of the same aggregator. Writes DIR/robust.json (every record) and DIR/robust.md (the table).
 
     python tools/robust_sweep.py --preset smoke --grid 4:1,8:2,4:2,8:3 --out /tmp/robust --jobs 2
+    python tools/robust_sweep.py --table A/robust.json B/log.txt   # one table from several sweeps' records
 """
 
 from __future__ import annotations
@@ -50,11 +51,18 @@ def main() -> int:
     ap.add_argument("--grid", default="4:1,8:2", help="replicas:byzantine pairs, comma-separated")
     ap.add_argument("--aggregators", default=",".join(AGGREGATORS))
     ap.add_argument("--attacks", default=",".join(ATTACKS))
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="output folder (required unless --table)")
+    ap.add_argument("--table", type=Path, nargs="+", default=None, metavar="FILE",
+                    help="train nothing: print one table from robust.json files or logs of printed records")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--no-controls", action="store_true",
                     help="skip the runs without attackers (the simulator is deterministic: reuse another sweep's)")
     args = ap.parse_args()
+    if args.table:
+        print(table([rec for path in args.table for rec in _records(path)]), end="")
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
     aggs, attacks = args.aggregators.split(","), args.attacks.split(",")
     base = with_overrides(preset(args.preset), steps=args.steps, stages=args.stages, methods=(args.method,))
     sims: list[SimConfig] = []
@@ -85,20 +93,32 @@ def main() -> int:
     return 0
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a robust.json, or of a log holding one printed JSON record a line."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)["records"]
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 100 else f"{x:.1e}"
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: one row per (replicas, byzantine, attack), one column per aggregator: loss (ratio to its control)."""
     control = {(r["replicas"], r["aggregator"]): r["final_val_loss"] for r in records if not r["byzantine"]}
     aggs = [a for a in AGGREGATORS if any(r["aggregator"] == a for r in records)]
     rows: dict[tuple[int, int, str], dict[str, str]] = {}
     for (n, agg), loss in control.items():
-        rows.setdefault((n, 0, "none (control)"), {})[agg] = f"{loss:.3f}"
+        rows.setdefault((n, 0, "none (control)"), {})[agg] = _fmt(loss)
     for r in records:
         if not r["byzantine"]:
             continue
         ref = control.get((r["replicas"], r["aggregator"]))
-        ratio = f" ({r['final_val_loss'] / ref:.3f})" if ref else ""
+        ratio = f" ({_fmt(r['final_val_loss'] / ref)})" if ref else ""
         rows.setdefault((r["replicas"], r["byzantine"], r["attack"]), {})[r["aggregator"]] = \
-            f"{r['final_val_loss']:.3f}{ratio}"
+            _fmt(r["final_val_loss"]) + ratio
     lines = ["| replicas | Byzantine | attack | " + " | ".join(aggs) + " |",
              "|---|---|---|" + "---|" * len(aggs)]
     for (n, f, attack), cells in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
