@@ -131,3 +131,21 @@ def test_robust_combine_bounds_one_in_four_and_two_in_eight(attack: str, aggrega
                                   outlier_factor=1e9, outlier_rms=1e9)
         if attack in ("scale", "signflip", "zeros"):
             assert _rel(plain[0], _honest_mean(workers, 0)) > 0.2  # what the unprotected mean would have done
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_the_red_team_knob_makes_a_real_loop_send_attacked_parts_that_the_honest_peers_drop():
+    net, names = MemTransport(), ["p0", "p1", "p2", "x"]
+    workers = [FakeWorker(i) for i in range(4)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    peers[3][0].attack = "zeros"  # PeerConfig.byzantine_attack reaches AveragingLoop(attack=...) in peer/stage.py
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    honest = workers[:3]
+    assert all(w.finished for w in honest)
+    for _, metrics in peers[:3]:
+        assert metrics.snapshot()["counters"].get("rejected:avg_outlier", 0) >= 1
+    for w in honest:
+        for mean in w.finished.values():
+            for j in range(len(SHAPES)):
+                assert _rel(mean[j], _honest_mean(honest, j)) < 0.1

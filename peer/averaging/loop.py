@@ -77,6 +77,7 @@ from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
+from trainer.attacks import byzantine_part
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 
@@ -145,14 +146,20 @@ class AveragingLoop:
         metrics: PeerMetrics; rounds, tau, group size and rejected parts are recorded there.
         config: NetAveragingConfig. transport, clock, fetch_peers, me: test seams (default: protocol.rpc over p2p,
             time.time, the DHT's records of this stage, p2p's peer id).
+        attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this trainer.attacks attack
+            before they are published (and so also enter our own aggregate); '' for an honest peer.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
                  stage: int, worker_call: WorkerCall, metrics: PeerMetrics, config: NetAveragingConfig | None = None,
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
-                 fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None) -> None:
+                 fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
+                 attack: str = "") -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.config = config or NetAveragingConfig()
+        self.attack = attack
+        if attack:
+            logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", attack)
         self.dht, self.clock = dht, clock
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
@@ -268,6 +275,8 @@ class AveragingLoop:
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
+            if self.attack:
+                values = [byzantine_part(self.attack, v) for v in values]
             await self.exchange.publish(slot, values)
             peers = self.partners(r)
             start = max(self.clock(), round_start(r, self.config.period_s))
