@@ -96,6 +96,9 @@ class PeerConfig:
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
+    byzantine_attack: str = ""
+    """Red-team knob, never for a real peer: send averaging parts replaced by this trainer.attacks attack ('zeros',
+    'scale', 'signflip', 'noise'); '' (the default) is an honest peer. Set only with --set, for measurements."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -134,6 +137,9 @@ class PeerConfig:
             raise ValueError(f"rebalance_quality must be in (0, 1], got {self.rebalance_quality}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be a TCP port (0-65535), got {self.metrics_port}")
+        if self.byzantine_attack not in ("", "zeros", "scale", "signflip", "noise"):
+            raise ValueError(f"byzantine_attack must be '', zeros, scale, signflip or noise, "
+                             f"got {self.byzantine_attack!r}")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 

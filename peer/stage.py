@@ -147,7 +147,7 @@ class StageService:
         if host.cfg.mode == "async":
             self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
                                           stage=stage, worker_call=self.worker_call, metrics=host.metrics,
-                                          config=NetAveragingConfig())
+                                          config=NetAveragingConfig(), attack=host.cfg.byzantine_attack)
             await self.averager.start()
         else:
             self.sync = await SyncSchedule.start(host, self)

@@ -140,6 +140,19 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
     return loop, metrics
 
 
+def _returning(*views: list[str]):
+    """A fetch_peers seam returning ``views`` in turn, then the last one for ever."""
+    calls = iter(views)
+    last: list[str] = []
+
+    async def fetch() -> list[str]:
+        nonlocal last
+        last = next(calls, last)
+        return list(last)
+
+    return fetch
+
+
 def _int8_step(*tensors: torch.Tensor) -> float:
     return max(float(t.abs().max()) for t in tensors) / 127
 
@@ -188,7 +201,8 @@ def test_same_stage_peers_and_equal_mean_are_order_independent():
 async def test_three_peers_average_to_the_mean_within_int8_error_and_agree_bitwise():
     net, names = MemTransport(), ["p0", "p1", "p2"]
     workers = [FakeWorker(i) for i in range(3)]
-    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    run = RUN.replace(averaging={"aggregator": "mean"})  # the robust aggregators: test_netavg_robust.py
+    peers = [_make_peer(net, n, w, names, run=run) for n, w in zip(names, workers, strict=True)]
     await _run_rounds([lp for lp, _ in peers], 2.6)
     common = set.intersection(*(set(w.finished) for w in workers))
     assert common, "no round completed on every peer"
@@ -327,6 +341,8 @@ async def test_parts_for_a_stale_or_far_future_round_are_refused_with_a_clock_hi
     net = MemTransport()
     worker = FakeWorker(0)
     loop, metrics = _make_peer(net, "p0", worker, ["p0"])
+    loop.peers = ["x"]  # x announced itself (a stranger's part is refused before its round is looked at)
+    loop.fetch_peers = _returning(["x"])
     await loop.start()
     try:
         now_round = int(time.time() // RUN.averaging.period_s)
@@ -432,7 +448,9 @@ async def test_wagma_rule_averages_within_rotating_pairs():
 async def test_a_peer_that_sees_nobody_yet_joins_the_rounds_it_is_asked_for():
     net = MemTransport()
     workers = [FakeWorker(0), FakeWorker(1)]
-    newcomer, _ = _make_peer(net, "p0", workers[0], ["p0"])  # its DHT view does not show p1 yet
+    newcomer, _ = _make_peer(net, "p0", workers[0], ["p0"])
+    # its first read of the DHT does not show p1 yet; p1's first part makes it read again, and p1 is there now
+    newcomer.fetch_peers = _returning([], ["p1"])
     veteran, _ = _make_peer(net, "p1", workers[1], ["p0", "p1"])
     await _run_rounds([newcomer, veteran], 2.6)
     common = set(workers[0].finished) & set(workers[1].finished)

@@ -22,6 +22,8 @@ from typing import Any
 
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4")
 AVERAGING_RULES = ("ema", "delta", "avg", "wagma", "none")
+AGGREGATORS = ("mean", "trimmed", "centered_clip")  # implemented in trainer/robust.py (kept torch-free here)
+CLIP_STARTS = ("median", "own")
 OPTIMIZERS = ("nadam", "adamw")
 
 
@@ -134,8 +136,26 @@ class AveragingConfig:
     """WAGMA: every this many steps a global average bounds staleness (tau + 1 = 11 in the paper)."""
     timeout_s: float = 30.0
     """Daemon: a round stops collecting partners' parts at most this many seconds after it opens."""
+    aggregator: str = "trimmed"
+    """How a replica combines the round's contributions (trainer/robust.py): 'mean', 'trimmed' or 'centered_clip'."""
+    trim: float = 0.25
+    """'trimmed': fraction of values dropped at each end of every coordinate (rounded up, at most (n-1)//2 of n)."""
+    clip_scale: float = 1.0
+    """'centered_clip': tau = clip_scale x the median L2 distance of the contributions from the start."""
+    clip_iters: int = 3
+    """'centered_clip': iterations of v <- v + mean clip(x_i - v, tau)."""
+    clip_start: str = "median"
+    """'centered_clip': start from the coordinate-wise 'median' or from the replica's 'own' values."""
 
     def __post_init__(self) -> None:
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(f"averaging.aggregator must be one of {AGGREGATORS}, got {self.aggregator!r}")
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"averaging.trim must be in [0, 0.5), got {self.trim}")
+        if self.clip_scale <= 0 or self.clip_iters < 1:
+            raise ValueError("averaging.clip_scale must be positive and averaging.clip_iters >= 1")
+        if self.clip_start not in CLIP_STARTS:
+            raise ValueError(f"averaging.clip_start must be one of {CLIP_STARTS}, got {self.clip_start!r}")
         if self.rule not in AVERAGING_RULES:
             raise ValueError(f"averaging.rule must be one of {AVERAGING_RULES}, got {self.rule!r}")
         if not 0.0 < self.fraction <= 1.0:

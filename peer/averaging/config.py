@@ -27,6 +27,12 @@ class NetAveragingConfig:
     """Reject a part farther from our values than this times their L2 norm (plus the rms allowance below)."""
     max_rms_distance: float = 0.1
     """Absolute allowance per coordinate (rms) for the distance check; lets zero-initialised tensors average."""
+    outlier_factor: float = 4.0
+    """Drop a part farther from the round's coordinate-wise median than this times the median distance (plus below)."""
+    outlier_rms: float = 0.01
+    """Absolute allowance per coordinate (rms) of the outlier check; lets parts that differ by codec noise through."""
+    member_refresh_s: float = 2.0
+    """A part from a peer not in our DHT view re-reads the view at most this often before it is refused."""
     sync_timeout_s: float = 60.0
     """Blocking average: how long the barrier waits for the stage's other replicas."""
     sync_grace_s: float = 1.0
@@ -45,5 +51,7 @@ class NetAveragingConfig:
             raise ValueError("collect_fraction and initiator_grace must be in (0, 1)")
         if self.clock_skew_s < 0 or self.max_rms_distance < 0:
             raise ValueError("clock_skew_s and max_rms_distance must be >= 0")
+        if self.outlier_factor < 1 or self.outlier_rms < 0 or self.member_refresh_s < 0:
+            raise ValueError("outlier_factor must be >= 1; outlier_rms and member_refresh_s >= 0")
         if self.sync_codec not in CODEC_NAMES:
             raise ValueError(f"sync_codec must be one of {CODEC_NAMES}, got {self.sync_codec!r}")

@@ -8,9 +8,12 @@ of the slot's window (a peer may not see the other in the DHT yet, or may only b
 
 Everything received is validated before it is kept: run, stage and key; the claimed sender equals the authenticated
 libp2p id that the RPC layer reports; the payload decodes to exactly the local shapes and dtype, all finite; and the
-slot owner's ``check`` (e.g. bounded distance from the local values) passes. A rejected part is answered with an error
-code, counted as ``rejected:avg_<reason>`` in PeerMetrics, and never reaches the weights. The ``weight`` field of the
-message is ignored: every accepted contribution counts equally, as chosen by the receiver.
+slot owner's ``check`` (e.g. bounded distance from the local values) passes. An optional ``member`` hook refuses
+senders that are not announced peers of the stage before anything is decoded (UNAUTHORIZED,
+``rejected:avg_not_member``).
+A rejected part is answered with an error code, counted as ``rejected:avg_<reason>`` in PeerMetrics, and never
+reaches the weights. The ``weight`` field of the message is ignored: every accepted contribution counts equally, one
+per authenticated peer id, as chosen by the receiver.
 
 Own values are quantised with the run's averaging codec and then *decoded again locally*, so every peer averages the
 very same numbers: two peers that hold the same set of contributions compute bit-identical means.
@@ -22,7 +25,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,13 +118,16 @@ class PartExchange:
             opening) or raises Refused. Lets the asynchronous loop open a round on demand and the synchronous barrier
             wait for its step.
         metrics: PeerMetrics (counters). clock: time source of slot deadlines (unix time).
+        member: async fn(sender) -> whether the sender may take part at all (None: anyone who passes the checks).
     """
 
     def __init__(self, *, transport: Transport, name: str, run_id: str, stage: int, me: str, codec: str,
                  check: Check, admit: Callable[[int, str], Slot], metrics: PeerMetrics,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 member: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.transport, self.name, self.run_id, self.stage, self.me = transport, name, run_id, stage, me
         self.codec, self.check, self.admit, self.metrics, self.clock = codec, check, admit, metrics, clock
+        self.member = member
         self.slots: dict[int, Slot] = {}
 
     async def register(self) -> None:
@@ -219,6 +225,8 @@ class PartExchange:
             self._reject(err, peer, getattr(msg, "round_no", "?"))
             return Error(code=err.code, message=f"{self.name}: {err}")
         try:
+            if self.member is not None and not await self.member(peer):
+                raise Refused(ErrorCode.UNAUTHORIZED, "not_member")
             slot = self.slots.get(msg.round_no) or self.admit(msg.round_no, peer)
             timeout = slot.deadline - self.clock()
             if timeout <= 0:

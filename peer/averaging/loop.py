@@ -18,11 +18,17 @@ operator with a wrong clock sees why.
 (``records.fetch_swarm``), asks the compute thread for the partition's values (``averaging_begin``), quantises
 them with the run's averaging codec, and exchanges them pairwise with every same-stage peer it knows
 (``averaging.exchange``: one call per pair carries both parts). At the deadline, or as soon as every known peer has
-answered, it averages its own part and every *validated* part that arrived, each weighted equally, and hands the mean
+answered, it combines its own part and every *validated* part that arrived (``peer.averaging.aggregate``: outliers
+from the robust centre dropped, then the run's aggregator, one equal weight per peer id), and hands the result
 to ``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
 since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``.
 A round with no valid partner part is aborted (``averaging_abort``): weights untouched. A peer that is asked for a
 round it has not begun yet begins it on demand, so a joiner that the others already see takes part at once.
+
+**Who takes part.** Only announced peers of the stage: a part from a peer id that is not in our view of the DHT
+(same stage, state 'training') is refused (UNAUTHORIZED, ``rejected:avg_not_member``) after at most one re-read of the
+view per ``member_refresh_s`` (a joiner's record may be newer than our view). A sybil must therefore announce a
+record first, and even then it is one equal-weight contribution among the stage's, which the robust aggregate bounds.
 
 **Why not hivemind's DecentralizedAverager.** Its butterfly all-reduce makes each peer the reducer of one slice of
 every other peer's vector, so each sender's numbers reach the others only through a reducer, which 1.1.12 does not
@@ -64,12 +70,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peer.averaging.aggregate import robust_combine
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
     Refused,
     Slot,
-    equal_mean,
+    equal_mean,  # noqa: F401 - re-exported: the sync barrier and tests use the plain mean
     exchange_all,
     relative_distance_check,
 )
@@ -77,6 +84,7 @@ from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
+from trainer.attacks import byzantine_part
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 
@@ -146,26 +154,34 @@ class AveragingLoop:
         metrics: PeerMetrics; rounds, tau, group size and rejected parts are recorded there.
         config: NetAveragingConfig. transport, clock, fetch_peers, me, local_step: test seams (default:
             protocol.rpc over p2p, time.time, the DHT's records of this stage, p2p's peer id, metrics.local_step).
+        attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this trainer.attacks attack
+            before they are published (and so also enter our own aggregate); '' for an honest peer.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
                  stage: int, worker_call: WorkerCall, metrics: PeerMetrics, config: NetAveragingConfig | None = None,
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
-                 local_step: Callable[[], int] | None = None) -> None:
+                 local_step: Callable[[], int] | None = None, attack: str = "") -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.config = config or NetAveragingConfig()
         self.period_s = run.averaging.period_s
         self.local_step = local_step or (lambda: metrics.local_step)
         self._last_begun: int | None = None  # local step at the last round this peer began (None: none yet)
+        self.attack = attack
+        if attack:
+            logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", attack)
         self.dht, self.clock = dht, clock
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=AVG_RPC, run_id=run.run_id, stage=stage,
             me=self.me, codec=run.compression.averaging, metrics=metrics, clock=clock, admit=self._admit,
-            check=relative_distance_check(self.config.max_rel_distance, self.config.max_rms_distance))
+            check=relative_distance_check(self.config.max_rel_distance, self.config.max_rms_distance),
+            member=self._is_member)
         self.peers: list[str] = []
+        self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
+        self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
         self._stopped = False
@@ -196,6 +212,25 @@ class AveragingLoop:
     async def _fetch_peers_from_dht(self) -> list[str]:
         records = await fetch_swarm(self.dht, self.run.run_id, timeout=self.config.swarm_timeout_s)
         return same_stage_peers(records, self.stage, self.me)
+
+    async def _is_member(self, peer: str) -> bool:
+        """Whether ``peer`` is an announced training peer of our stage; re-reads the view (rate-limited) if not."""
+        if peer in self.peers:
+            return True
+        if self._view_task is None and self.clock() - self._view_read_at >= self.config.member_refresh_s:
+            self._view_read_at = self.clock()
+            self._view_task = asyncio.create_task(self._reread_view())
+        if self._view_task is not None:
+            await asyncio.shield(self._view_task)
+        return peer in self.peers
+
+    async def _reread_view(self) -> None:
+        try:
+            self.peers = await asyncio.wait_for(self.fetch_peers(), self.config.swarm_timeout_s)
+        except Exception as e:  # keep the old view; the sender is asked again next time
+            logger.debug("re-reading the stage's peers failed: %r", e)
+        finally:
+            self._view_task = None
 
     def _deadline(self, round_no: int) -> float:
         return round_deadline(round_no, self.period_s, self.config, self.run.averaging.timeout_s)
@@ -257,6 +292,8 @@ class AveragingLoop:
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
             self._last_begun = step0 if self._last_begun is None else max(self._last_begun, step0)
+            if self.attack:
+                values = [byzantine_part(self.attack, v) for v in values]
             await self.exchange.publish(slot, values)
             peers = self.partners(r)
             start = max(self.clock(), round_start(r, self.period_s))
@@ -269,9 +306,7 @@ class AveragingLoop:
                 begun = False
                 self.metrics.observe_round(ok=False)
                 return
-            mean = await asyncio.get_running_loop().run_in_executor(
-                None, equal_mean, self.me, slot.own_values, slot.contributions)
-            group = len(slot.contributions) + 1
+            mean, group = await self._combine(slot)
             finish = self._finisher(r, mean, group)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
@@ -298,6 +333,17 @@ class AveragingLoop:
     def _round_fraction(self) -> float:
         """Fraction of every tensor a round averages ('wagma' averages whole tensors)."""
         return 1.0 if self.run.averaging.rule == "wagma" else self.run.averaging.round_fraction
+
+    async def _combine(self, slot: Slot) -> tuple[list[torch.Tensor], int]:
+        """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
+        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
+                                         outlier_factor=self.config.outlier_factor,
+                                         outlier_rms=self.config.outlier_rms))
+        for peer in dropped:
+            self.metrics.inc("rejected:avg_outlier")
+            logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
+        return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:
         def finish(w: StageWorker) -> int:

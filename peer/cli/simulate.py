@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--avg-compression", choices=CODECS, default=None, help="codec for averaging payloads")
     parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N micro-batches per replica")
     parser.add_argument("--seed", type=int, default=None, help="run seed (init, data shards, partitions)")
+    parser.add_argument("--aggregator", choices=("mean", "trimmed", "centered_clip"), default=None,
+                        help="how replicas combine averaging parts (default: the run's, 'trimmed')")
+    parser.add_argument("--byzantine", type=int, default=None, metavar="N",
+                        help="the last N replicas send attacked averaging parts (red-team measurement)")
+    parser.add_argument("--attack", choices=("zeros", "scale", "signflip", "noise", "alie"), default=None,
+                        help="what the --byzantine replicas send (default: zeros)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                         help="where the workers compute (default: cpu; auto takes a GPU when torch sees one)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -106,7 +112,7 @@ def _build_config(args: argparse.Namespace):
         preset(args.preset), stages=args.stages, replicas=args.replicas, steps=args.steps, tau=tau, taus=taus,
         fraction=args.fraction, methods=parse_methods(args.methods) if args.methods else None,
         compression=compression, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-        device=resolve_device(args.device),
+        device=resolve_device(args.device), byzantine=args.byzantine, attack=args.attack, aggregator=args.aggregator,
     )
     if args.round_steps is not None:
         sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": args.round_steps}))

@@ -73,7 +73,9 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
                    steps: int | None = None, tau: int | None = None, taus: tuple[int, ...] | None = None,
                    fraction: float | None = None, methods: tuple[str, ...] | None = None,
                    compression: dict[str, str] | None = None, lr: float | None = None,
-                   eval_every: int | None = None, seed: int | None = None, device: str | None = None) -> SimConfig:
+                   eval_every: int | None = None, seed: int | None = None, device: str | None = None,
+                   byzantine: int | None = None, attack: str | None = None,
+                   aggregator: str | None = None) -> SimConfig:
     """Apply command-line overrides; the schedule length follows ``steps`` and the layer count the stages."""
     run, kw = sim.run, {}
     if stages is not None:
@@ -90,8 +92,11 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
         run = run.replace(compression=compression)
     if seed is not None:
         run = run.replace(seed=seed)
+    if aggregator is not None:
+        run = run.replace(averaging={"aggregator": aggregator})
     for key, value in (("n_replicas", replicas), ("tau", tau), ("taus", taus), ("fraction", fraction),
-                       ("methods", methods), ("eval_every", eval_every), ("device", device)):
+                       ("methods", methods), ("eval_every", eval_every), ("device", device),
+                       ("byzantine", byzantine), ("attack", attack)):
         if value is not None:
             kw[key] = value
     return dataclasses.replace(sim, run=run, **kw)

@@ -24,6 +24,11 @@ schedule, so what it shows about convergence holds for the daemon's code:
 * **Compression**: activations and gradients crossing a stage boundary, and averaging payloads, go through
   ``protocol.codecs.registry.roundtrip`` with the chosen codec, so quantisation error enters training as it
   would on the wire.
+* **Byzantine replicas** (``byzantine``, ``attack``): the last ``byzantine`` replicas train honestly but put an
+  attacked part on the wire (``trainer.attacks``: zeros, x-10, sign flip, noise, 'a little is enough' from the honest
+  parts); every replica combines the parts with the run's ``averaging.aggregator`` (``trainer.robust``), so the
+  sparse averaging sees the attack as the daemon's would. The validation loss is then that of the honest replicas'
+  averaged weights. Applies to the parameter-averaging methods only.
 * **Same samples**: replica r of every method reads the same stream (``BatchStream`` seeded by
   ``shard_seed(run.seed, r)``), one micro-batch per tick (async) or M per step (sync); a digest of every token batch
   read is reported so this is checked, not assumed.
@@ -44,9 +49,11 @@ from typing import Any
 
 import torch
 
+from trainer.attacks import ATTACKS, byzantine_part
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
+from trainer.robust import aggregate
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
@@ -87,6 +94,10 @@ class SimConfig:
     """Validation batches per evaluation (a fixed set, the same for every method)."""
     methods: tuple[str, ...] = ("fullsync", "asyncpp", "asyncmesh")
     """Methods to run, in order."""
+    byzantine: int = 0
+    """The last this many replicas send attacked averaging parts (parameter-averaging methods); 0: all honest."""
+    attack: str = "zeros"
+    """What the Byzantine replicas send: one of trainer.attacks.ATTACKS."""
     device: str = "cpu"
     """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
     On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
@@ -106,6 +117,9 @@ class SimConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not 0 <= self.byzantine < self.n_replicas or self.attack not in ATTACKS:
+            raise ValueError(f"byzantine must be in [0, n_replicas) and attack one of {ATTACKS}, "
+                             f"got {self.byzantine}, {self.attack!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -133,6 +147,8 @@ class SimConfig:
                 avg["round_steps"] = avg.pop("every_steps")
             avg.pop("delay_steps", None)  # the delay was always the simulation's tau
             run["averaging"] = avg
+        d.setdefault("byzantine", 0)
+        d.setdefault("attack", "zeros")
         d["run"] = RunConfig.from_dict(run)
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
         d["tau_samples"] = tuple(d.get("tau_samples", ()))
@@ -186,6 +202,8 @@ class _Run:
         self.fraction_applied = 0.0  # sum over applied rounds (of replica 0, stage 0) of the fraction they averaged
         self.delays: list[int] = []  # tau of every round begun (stage 0)
         self._tau_rng = random.Random(self.run.seed)
+        self.honest = self.R - (sim.byzantine if spec.combine != "grad" else 0)  # replicas 0 .. honest-1
+        self.attack_rng = torch.Generator().manual_seed(self.run.seed + 7)
 
     def _measured(self, name: str, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The codec's round trip, recording ||q(t) - t|| / ||t|| of every hop (the curve reports their mean)."""
@@ -246,6 +264,7 @@ class _Run:
         rn = self.rounds[s]
         self.rounds[s] += 1
         sent = [[self.avg_codec(v) for v in w.averaging_begin(rn)] for w in ws]  # what each replica puts on the wire
+        self._attack(sent)
         tau = self._draw_tau()
         if s == 0:
             self.delays.append(tau)
@@ -254,11 +273,14 @@ class _Run:
                 groups = [list(range(self.R))] * self.R
             else:
                 groups = [wagma_group(r, rn, self.R, cfg.wagma_group_size) for r in range(self.R)]
-            means = [[torch.stack([sent[j][i] for j in grp]).mean(0) for i in range(len(sent[0]))] for grp in groups]
+            means = [self._combine([sent[j] for j in grp], grp.index(r)) for r, grp in enumerate(groups)]
             sizes = [len(grp) for grp in groups]  # a global round arrives as late as the others, as a correction
         else:
-            mean = [torch.stack(vs).mean(0) for vs in zip(*sent, strict=True)]
-            means, sizes = [mean] * self.R, [self.R] * self.R
+            if cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
+                means = [self._combine(sent, r) for r in range(self.R)]
+            else:  # every replica computes the same aggregate
+                means = [self._combine(sent, 0)] * self.R
+            sizes = [self.R] * self.R
         if tau == 0:
             self._finish(s, ws, rn, means, sizes)
         else:
@@ -271,6 +293,20 @@ class _Run:
         if s == 0:
             self.fraction_applied += 1.0 if self.spec.combine == "wagma" else self.run.averaging.round_fraction
 
+    def _attack(self, sent: list[list[torch.Tensor]]) -> None:
+        """Replace the Byzantine replicas' parts (in place) by the configured attack."""
+        for j in range(self.honest, self.R):
+            for i in range(len(sent[j])):
+                honest = torch.stack([sent[h][i] for h in range(self.honest)])
+                sent[j][i] = byzantine_part(self.sim.attack, sent[j][i], honest, generator=self.attack_rng)
+
+    def _combine(self, parts: list[list[torch.Tensor]], own: int) -> list[torch.Tensor]:
+        """The run's aggregator over ``parts`` (one list of tensors per replica), seen by the replica at ``own``."""
+        a = self.run.averaging
+        return [aggregate(torch.stack(vs), a.aggregator, trim=a.trim, clip_scale=a.clip_scale,
+                          clip_iters=a.clip_iters, clip_start=a.clip_start, own=own)
+                for vs in zip(*parts, strict=True)]
+
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
             if self.spec.combine == "grad":
@@ -281,15 +317,16 @@ class _Run:
     # --- evaluation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss of replica 0, holding the replica-averaged weights when replicas may differ."""
+        """Mean validation loss of replica 0, holding the weights averaged over the honest replicas when replicas may
+        differ."""
         swap = self.R > 1 and self.spec.combine != "grad"
         saved: list[list[torch.Tensor]] = []
         if swap:
             for s in range(self.K):
-                ps = [self.w[r][s].parameters() for r in range(self.R)]
+                ps = [self.w[r][s].parameters() for r in range(self.honest)]
                 saved.append([p.detach().clone() for p in ps[0]])
                 for j, p in enumerate(ps[0]):
-                    p.copy_(torch.stack([ps[r][j] for r in range(self.R)]).mean(0))
+                    p.copy_(torch.stack([ps[r][j] for r in range(self.honest)]).mean(0))
         try:
             total = 0.0
             for x, y in self.val:

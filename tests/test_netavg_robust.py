@@ -1,0 +1,151 @@
+"""Sybils against averaging rounds: strangers are refused, announced liars are bounded by the robust aggregate.
+
+Whole rounds among in-process peers over test_netavg_rounds.py's in-memory transport (the real protocol codec, the
+real AveragingLoop); the sybils are raw callers that send crafted parts for every round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from test_netavg_rounds import FAST, RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
+
+from peer.averaging.aggregate import robust_combine
+from peer.averaging.loop import next_round
+from protocol.codecs.registry import encode
+from protocol.errors import RemoteError
+from protocol.messages import AveragingPart
+from trainer.attacks import byzantine_part
+from trainer.config import AveragingConfig
+
+
+def _honest_mean(workers: list[FakeWorker], j: int) -> torch.Tensor:
+    return sum(w.values[j] for w in workers) / len(workers)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+async def _sybils(net: MemTransport, parts: dict[str, list[torch.Tensor]], targets: list[str], seconds: float,
+                  replies: dict[str, list[str]]) -> None:
+    """Each sybil sends its part to every target at the start of every round for ``seconds``; records the replies."""
+    end = time.time() + seconds
+    while time.time() < end - FAST.period_s * 0.5:
+        r = next_round(time.time(), FAST.period_s)
+        await asyncio.sleep(max(0.0, r * FAST.period_s - time.time()) + 0.05)
+
+        async def send(sybil: str, target: str, tensors: list[torch.Tensor], r: int) -> None:
+            part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender=sybil,
+                                 tensors=[encode(t, "int8") for t in tensors], weight=1e6)
+            try:
+                await net.for_peer(sybil).call(target, "avg_part", part, timeout=0.5)
+                replies.setdefault(sybil, []).append("accepted")
+            except RemoteError as e:
+                replies.setdefault(sybil, []).append(e.code.name)
+            except TimeoutError:
+                replies.setdefault(sybil, []).append("timeout")
+
+        await asyncio.gather(*(send(s, t, v, r) for s, v in parts.items() for t in targets))
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_parts_from_ids_outside_the_stage_view_are_refused_and_counted():
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    workers = [FakeWorker(i) for i in range(3)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    zeros = [torch.zeros(s) for s in SHAPES]
+    replies: dict[str, list[str]] = {}
+    sybils = asyncio.create_task(_sybils(net, {f"s{i}": zeros for i in range(3)}, names, 2.6, replies))
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    await sybils
+    assert replies and all(set(r) == {"UNAUTHORIZED"} for r in replies.values()), replies
+    for _, metrics in peers:
+        assert metrics.snapshot()["counters"].get("rejected:avg_not_member", 0) >= 3
+    assert all(w.finished for w in workers)
+    for w in workers:
+        for mean in w.finished.values():
+            for j in range(len(SHAPES)):
+                assert _rel(mean[j], _honest_mean(workers, j)) < 0.1  # the median of 3 honest parts
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_announced_sybils_sending_zeros_scaled_and_flipped_parts_barely_move_the_honest_result():
+    net, honest = MemTransport(), ["p0", "p1", "p2", "p3", "p4"]
+    sybil_names = ["s-zeros", "s-scale", "s-flip"]
+    workers = [FakeWorker(i) for i in range(len(honest))]
+    # the sybils announced DHT records of the stage: they are in every honest peer's view
+    peers = [_make_peer(net, n, w, honest + sybil_names) for n, w in zip(honest, workers, strict=True)]
+    own = FakeWorker(99).values
+    parts = {"s-zeros": [byzantine_part("zeros", v) for v in own],
+             "s-scale": [byzantine_part("scale", v) for v in own],
+             "s-flip": [byzantine_part("signflip", v) for v in own]}
+    replies: dict[str, list[str]] = {}
+    sybils = asyncio.create_task(_sybils(net, parts, honest, 2.6, replies))
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    await sybils
+    # x-10 and sign flip are refused on arrival (too far from the receiver's values); zeros pass that check ...
+    assert set(replies["s-scale"]) == {"BAD_REQUEST"} and set(replies["s-flip"]) == {"BAD_REQUEST"}
+    assert "accepted" in replies["s-zeros"]
+    for _, metrics in peers:
+        counters = metrics.snapshot()["counters"]
+        assert counters.get("rejected:avg_too_far", 0) >= 2
+        assert counters.get("rejected:avg_outlier", 0) >= 1  # ... and are dropped as far from the robust centre
+    assert all(w.finished for w in workers)
+    for w in workers:
+        for mean in w.finished.values():
+            for j in range(len(SHAPES)):
+                assert _rel(mean[j], _honest_mean(workers, j)) < 0.1
+
+
+def _contributions(n_honest: int, attack: str, n_bad: int) -> tuple[dict[str, list[torch.Tensor]], list[FakeWorker]]:
+    workers = [FakeWorker(i) for i in range(n_honest)]
+    parts = {f"h{i}": w.values for i, w in enumerate(workers)}
+    g = torch.Generator().manual_seed(5)
+    for k in range(n_bad):
+        honest = [torch.stack([w.values[j] for w in workers]) for j in range(len(SHAPES))]
+        parts[f"z{k}"] = [byzantine_part(attack, workers[k].values[j], honest[j], generator=g)
+                          for j in range(len(SHAPES))]
+    return parts, workers
+
+
+@pytest.mark.parametrize("attack", ["zeros", "scale", "signflip", "noise", "alie"])
+@pytest.mark.parametrize("aggregator", ["trimmed", "centered_clip"])
+def test_robust_combine_bounds_one_in_four_and_two_in_eight(attack: str, aggregator: str):
+    cfg = AveragingConfig(aggregator=aggregator)
+    for n_honest, n_bad in ((3, 1), (6, 2)):
+        parts, workers = _contributions(n_honest, attack, n_bad)
+        others = {k: v for k, v in parts.items() if k != "h0"}
+        values, dropped = robust_combine("h0", parts["h0"], others, cfg, outlier_factor=4.0, outlier_rms=0.01)
+        assert not any(d.startswith("h") for d in dropped)
+        if attack in ("zeros", "scale", "signflip"):
+            assert sorted(dropped) == [f"z{k}" for k in range(n_bad)]
+        for j in range(len(SHAPES)):
+            assert _rel(values[j], _honest_mean(workers, j)) < 0.15, (attack, n_honest, n_bad, j)
+        plain, _ = robust_combine("h0", parts["h0"], others, AveragingConfig(aggregator="mean"),
+                                  outlier_factor=1e9, outlier_rms=1e9)
+        if attack in ("scale", "signflip", "zeros"):
+            assert _rel(plain[0], _honest_mean(workers, 0)) > 0.2  # what the unprotected mean would have done
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_the_red_team_knob_makes_a_real_loop_send_attacked_parts_that_the_honest_peers_drop():
+    net, names = MemTransport(), ["p0", "p1", "p2", "x"]
+    workers = [FakeWorker(i) for i in range(4)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
+    peers[3][0].attack = "zeros"  # PeerConfig.byzantine_attack reaches AveragingLoop(attack=...) in peer/stage.py
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    honest = workers[:3]
+    assert all(w.finished for w in honest)
+    for _, metrics in peers[:3]:
+        assert metrics.snapshot()["counters"].get("rejected:avg_outlier", 0) >= 1
+    for w in honest:
+        for mean in w.finished.values():
+            for j in range(len(SHAPES)):
+                assert _rel(mean[j], _honest_mean(honest, j)) < 0.1
