@@ -29,7 +29,7 @@ import torch
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
-from peer.membership.dht import start_dht, stop_dht
+from peer.membership.dht import JoinInterrupted, start_dht, stop_dht
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
 from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.membership.routing import Router
@@ -135,7 +135,7 @@ class Daemon:
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        self.dht = dht = await start_dht(self.cfg)
+        self.dht = dht = await start_dht(self.cfg, self.stop)
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
         self.metrics.peer_id = self.my_id
@@ -319,6 +319,8 @@ class Daemon:
                 self.tasks.append(asyncio.ensure_future(self._every(self.cfg.rebalance_every_s,
                                                                     self._tick_rebalance)))
             await self._serve()
+        except JoinInterrupted as e:
+            logger.info("%s: %s before serving anything", self.exit_reason, e)
         finally:
             await self._shutdown(status)
         return 0
