@@ -37,7 +37,7 @@ from peer.membership.stage_choice import capacities, choose_stage, estimate_thro
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
 from peer.stage import StageHandlers, StageService, not_ready_error
-from peer.state.checkpoint import save_checkpoint
+from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
 from protocol.messages import Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
@@ -188,9 +188,15 @@ class Daemon:
     async def _choose_stage(self) -> int:
         if self.cfg.stage is not None:
             return self.cfg.stage
-        first = choose_stage(await self.refresh_swarm(), self.costs)
+        held: dict[int, int] = {}
+        if self.cfg.checkpoint_dir is not None:
+            held = await asyncio.get_running_loop().run_in_executor(None, checkpoint_steps, self.cfg.checkpoint_dir,
+                                                                    self.run)
+            if held:
+                logger.info("checkpoints held (stage: step): %s", held)
+        first = choose_stage(await self.refresh_swarm(), self.costs, held=held)
         await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        chosen = choose_stage(await self.refresh_swarm(), self.costs)
+        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
         caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))
@@ -258,6 +264,9 @@ class Daemon:
             logger.info("checkpoint of stage %d at step %d written to %s", self.stage, state["local_step"], path)
         except OSError as e:
             self.metrics.warn(f"checkpoint failed: {e}; check free space and permissions of --checkpoint-dir")
+        except StaleCheckpointError as e:  # the file holds more training than this state: keep the file
+            logger.warning("%s", e)
+            self.metrics.warn(f"checkpoint of stage {self.stage} kept: {e}")
 
     async def _tick_rebalance(self) -> None:
         if self.cfg.stage is not None or self.stage is None or self.stop.is_set():

@@ -52,13 +52,34 @@ def estimate_throughput(records: Mapping[str, PeerRecord], *, default: float = 1
     return statistics.median(known) if known else default
 
 
-def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, rng: random.Random | None = None,
-                 tolerance: float = 0.05) -> int:
-    """The stage of least capacity; ties (within ``tolerance`` relative) are broken at random to spread joiners."""
+def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]:
+    """The highest state version announced on each stage (-1 for a stage nobody serves)."""
+    best = [-1] * n_stages
+    for r in records.values():
+        if r.state != "stopped" and 0 <= r.stage < n_stages:
+            best[r.stage] = max(best[r.stage], r.version)
+    return best
+
+
+def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held: Mapping[int, int] | None = None,
+                 rng: random.Random | None = None, tolerance: float = 0.05) -> int:
+    """The stage of least capacity; ties (within ``tolerance`` relative) are settled by the checkpoints this peer
+    holds, then at random to spread joiners.
+
+    held: stage -> step of this peer's checkpoints. Among the tied stages, one whose checkpoint is ahead of every
+    announced version of that stage comes first (the most advanced such checkpoint): without this peer, that
+    training would be lost. Then any stage it holds a checkpoint for (it resumes without a download).
+    """
     cap = capacities(records, costs)
     lowest = min(cap)
     candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]
-    return (rng or random).choice(candidates)
+    held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
+    best = best_versions(records, len(costs))
+    ahead = [s for s in candidates if s in held and held[s] > best[s]]
+    if ahead:
+        return max(ahead, key=lambda s: (held[s], -s))
+    kept = [s for s in candidates if s in held]
+    return (rng or random).choice(kept or candidates)
 
 
 def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: str, *, quality: float = 0.75,
