@@ -30,10 +30,11 @@ import torch
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.membership.dht import JoinInterrupted, start_dht, stop_dht
+from peer.membership.moves import Mover, MoveTiming
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
 from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.membership.routing import Router
-from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
 from peer.stage import StageHandlers, StageService, not_ready_error
@@ -93,6 +94,8 @@ class Daemon:
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
         self.tasks: list[asyncio.Task] = []
+        self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
+            jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s))
 
     # ----- the stage served now --------------------------------------------------------------------------------------
     @property
@@ -271,19 +274,27 @@ class Daemon:
     async def _tick_rebalance(self) -> None:
         if self.cfg.stage is not None or self.stage is None or self.stop.is_set():
             return
-        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
+        target = await self.mover.decide(my_id=self.my_id, read=self.refresh_swarm, claim=self._claim_move,
+                                         release=self._release_move)
         if target is None:
             return
-        await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
-        if target is None or self.stop.is_set():
-            return
+        if self.stop.is_set():
+            return  # the claim ('draining') stands: the shutdown that follows leaves anyway
         logger.info("moving from stage %d to under-served stage %d", self.stage, target)
         self.metrics.inc("stage_moves")
         await self.checkpoint()
-        await self.announce("draining")
         await self._leave_stage()
         await self._enter_stage(target)
+
+    async def _claim_move(self) -> None:
+        self.metrics.state = "draining"  # also what the periodic announcement says until the move or back-off
+        await self.announce("draining")
+
+    async def _release_move(self) -> None:
+        self.metrics.inc("stage_move_backoffs")
+        if not self.stop.is_set():
+            self.metrics.state = "training"
+            await self.announce("training")
 
     async def _enter_stage(self, stage: int) -> None:
         """Claim ``stage`` in the DHT at once (so that joiners see it is taken), then start serving it."""

@@ -6,6 +6,10 @@ needs more peers). A joining peer takes the stage of least capacity. A serving p
 minimum capacity of the swarm by more than the hysteresis factor ``1 / quality``: the objective (min capacity)
 strictly improves with each move, so peers can never flap back and forth. The daemon waits a random jitter before
 acting and re-checks against a fresh snapshot, so peers that decide at the same time do not all pile onto one stage.
+
+Leaving a stage is a claim (``peer.membership.moves``): a mover first announces itself 'draining', waits until the
+claim is visible, and leaves only if ``may_leave`` holds on a snapshot read after that, i.e. another peer of its stage
+is still training and none of them is leaving too. A 'draining' peer counts for no capacity: it is already gone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Mapping
 from peer.membership.records import PeerRecord
 
 EPS = 1e-9
+#: record states of peers that no longer count for their stage's capacity
+LEAVING = ("draining", "stopped")
 
 
 def stage_costs(n_layer_per_stage: list[int], *, n_embd: int, vocab_size: int) -> list[float]:
@@ -40,7 +46,7 @@ def capacities(records: Mapping[str, PeerRecord], costs: list[float], *, exclude
     """Micro-batches per second each stage can serve: summed announced throughput / stage cost."""
     cap = [0.0] * len(costs)
     for pid, r in records.items():
-        if pid == exclude or r.state == "stopped" or not 0 <= r.stage < len(costs):
+        if pid == exclude or r.state in LEAVING or not 0 <= r.stage < len(costs):
             continue
         cap[r.stage] += r.throughput / costs[r.stage]
     return cap
@@ -105,3 +111,19 @@ def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: st
     if min(without) > min(current) / quality + EPS:
         return target
     return None
+
+
+def may_leave(records: Mapping[str, PeerRecord], my_id: str) -> bool:
+    """Whether this peer, having claimed its move (its record says 'draining'), may now leave its stage.
+
+    Only when another peer of its stage is still training (its stage never empties) and no other peer of its stage
+    is leaving at the same time: of two simultaneous claimants both back off (and retry after a random cool-down),
+    which is safe whatever the order in which they read each other's claims.
+    """
+    me = records.get(my_id)
+    if me is None:
+        return False
+    others = [r for pid, r in records.items() if pid != my_id and r.stage == me.stage]
+    if any(r.state == "draining" for r in others):
+        return False
+    return any(r.state == "training" for r in others)
