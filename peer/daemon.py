@@ -37,6 +37,7 @@ from peer.membership.routing import Router
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
+from peer.pipeline.ledger import SampleLedger
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
 from protocol.messages import Error, Message
@@ -94,6 +95,7 @@ class Daemon:
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
         self.tasks: list[asyncio.Task] = []
+        self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
         self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
             jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s))
 
@@ -328,6 +330,8 @@ class Daemon:
                 status = StatusServer(self.metrics, port=self.cfg.metrics_port)
                 await status.start()
             self._print_join_hint()
+            if self.cfg.checkpoint_dir is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)
             await self._check_reachability()
             await self._enter_stage(await self._choose_stage())
             self.tasks = [asyncio.ensure_future(self._every(self.cfg.announce_every_s, self._tick_announce)),
@@ -396,6 +400,7 @@ class Daemon:
                     await self.announce("draining")
             await self._leave_stage()
             await self.checkpoint()
+            await self._settle_samples()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
                     await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
@@ -410,6 +415,22 @@ class Daemon:
             if self.dht is not None:
                 await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
             self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _settle_samples(self) -> None:
+        """At exit: keep the samples still owed next to the checkpoints, or count them lost (and say so)."""
+        if self.cfg.checkpoint_dir is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, self.cfg.checkpoint_dir)
+                return
+            except OSError as e:
+                why = f"saving them to {self.cfg.checkpoint_dir} failed: {e}"
+        else:
+            why = "no --checkpoint-dir to keep them in for the next run"
+        if self.exit_reason == "max_steps":
+            return  # the run is over: nothing would train them anyway (reported as samples_owed)
+        lost = self.ledger.lose_all(why)
+        if lost:
+            self.metrics.warn(f"{lost} training samples lost at exit: {why}")
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""
@@ -430,6 +451,8 @@ class Daemon:
             "final_loss": sum(losses[-5:]) / len(losses[-5:]) if losses else self.metrics.train_loss,
             "final_val_loss": val,
             "val_losses": list(d.val_losses) if d is not None else [],
+            "samples_lost": self.ledger.lost, "samples_owed": len(self.ledger),
+            "samples_handed_back": self.ledger.handed_back,
             **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
                                                       "averaging_rounds_ok", "averaging_rounds_failed")},
         }

@@ -27,6 +27,7 @@ from peer.errors import DaemonError
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.servicer import PipelineStage
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
@@ -65,6 +66,7 @@ class StageHost(Protocol):
     handlers: StageHandlers
     stop: asyncio.Event
     swarm: dict[str, PeerRecord]
+    ledger: SampleLedger
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T: ...
 
@@ -163,7 +165,7 @@ class StageService:
         stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, shard_seed(run.seed, host.my_id))
         val = val_batches(corpus, run.model.block_size, run.data.batch_size, cfg.eval_batches)
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
-                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics)
+                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics, ledger=host.ledger)
         if cfg.mode == "async":
             self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
