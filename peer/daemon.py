@@ -260,8 +260,8 @@ class Daemon:
 
     async def checkpoint(self) -> None:
         worker = self.worker
-        if self.cfg.checkpoint_dir is None or worker is None:
-            return
+        if self.cfg.checkpoint_dir is None or worker is None or not self.service.loaded:
+            return  # (a start-up interrupted before the state was loaded has nothing worth keeping)
         state = await self.compute(worker.state_dict)
         try:
             path = await asyncio.get_running_loop().run_in_executor(
@@ -332,8 +332,7 @@ class Daemon:
             self._print_join_hint()
             if self.cfg.checkpoint_dir is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)
-            await self._check_reachability()
-            await self._enter_stage(await self._choose_stage())
+            await self._unless_stopped(self._take_a_stage())
             self.tasks = [asyncio.ensure_future(self._every(self.cfg.announce_every_s, self._tick_announce)),
                           asyncio.ensure_future(self._every(1.0, self._tick_expire))]
             if self.cfg.checkpoint_every_s > 0:
@@ -348,6 +347,24 @@ class Daemon:
         finally:
             await self._shutdown(status)
         return 0
+
+    async def _take_a_stage(self) -> None:
+        await self._check_reachability()
+        await self._enter_stage(await self._choose_stage())
+
+    async def _unless_stopped(self, work: Awaitable[None]) -> None:
+        """Run a start-up phase, abandoned at once if the peer is asked to stop (SIGTERM, Ctrl-C) meanwhile."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise JoinInterrupted(f"stopped while starting up (state: {self.metrics.state})")
+        task.result()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():

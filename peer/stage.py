@@ -92,6 +92,7 @@ class StageService:
         self.driver: Stage0Driver | None = None
         self.driver_task: asyncio.Task | None = None
         self.tasks: list[asyncio.Task] = []
+        self.loaded = False  # the stage's state is loaded: only then may a checkpoint of this worker be written
 
     async def worker_call(self, fn: Callable[[StageWorker], T]) -> T:
         """Run ``fn(worker)`` on the compute thread (the interface of averaging and state sync)."""
@@ -122,6 +123,7 @@ class StageService:
         self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device,
                                                              auto_step=host.cfg.mode == "async"))
         source = await self.load_state()
+        self.loaded = True
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
         if source == "donor":  # a restart right after joining resumes from here instead of downloading again
             await host.checkpoint()
@@ -196,7 +198,10 @@ class StageService:
         while pipe.pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if pipe.pending:
-            logger.info("drain deadline reached with %d micro-batches in flight; dropping them", len(pipe.pending))
+            text = (f"leaving stage {self.stage}: drain deadline reached with {len(pipe.pending)} micro-batches in "
+                    f"flight; dropping their work (stage 0 re-trains their samples)")
+            logger.warning("%s", text)
+            self.host.metrics.warn(text)
         for mb in list(pipe.pending):
             await pipe.drop(mb, notify=True)
         if self.averager is not None:

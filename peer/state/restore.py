@@ -83,8 +83,8 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str, records: dict
         candidates.append(StateSource(kind="donor", step=_step_of(delivered), label="the donor's delivered state"))
     chosen = most_advanced(candidates)
     if delivered is not None and chosen.kind != "donor":
-        logger.info("stage %d: the donor's state (step %d) is behind the %s (step %d); keeping the %s", stage,
-                    _step_of(delivered), chosen.kind, chosen.step, chosen.kind)
+        logger.warning("stage %d: discarding the donor's state (step %d): it is behind the %s (step %d)", stage,
+                       _step_of(delivered), chosen.kind, chosen.step)
     if chosen.kind == "donor":
         return Restored(source=chosen, state=delivered)
     if chosen.kind == "checkpoint":
@@ -92,4 +92,10 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str, records: dict
         if state is not None:
             return Restored(source=StateSource(kind="checkpoint", step=_step_of(state), label=chosen.label),
                             state=state)
+    swarm_step = max((r.version for r in records.values()), default=0)
+    if swarm_step > 0:  # the swarm has trained, and this stage starts over: that training of the stage is lost
+        text = (f"stage {stage} starts from the run's seeded init while the swarm is at step {swarm_step}: no donor, "
+                f"checkpoint or copy of this stage was available, so its training so far is lost")
+        logger.warning("%s", text)
+        metrics.warn(text)
     return Restored(source=most_advanced(files[:1]), state=None)
