@@ -107,7 +107,7 @@ class StageService:
         reference = await host.compute(self.worker.state_dict)
         try:
             restored = await restore_state(
-                run=host.run, stage=self.stage, my_id=host.my_id, records=await host.refresh_swarm(), p2p=host.p2p,
+                run=host.run, stage=self.stage, my_id=host.my_id, refresh=host.refresh_swarm, p2p=host.p2p,
                 dht=host.dht, metrics=host.metrics, reference=reference, checkpoint_dir=host.cfg.checkpoint_dir,
                 io=host.compute, timeout_s=host.cfg.state_load_timeout_s)
         except CheckpointError as e:

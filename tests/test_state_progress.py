@@ -122,9 +122,12 @@ def _restore(tmp_path, monkeypatch, records, delivered, run=None):
     async def io(fn, *args):
         return fn(*args)
 
+    async def refresh():
+        return records
+
     out = asyncio.run(restore_mod.restore_state(
-        run=run, stage=1, my_id="me", records=records, p2p=None, dht=None, metrics=PeerMetrics(),
-        reference=state(0), checkpoint_dir=tmp_path, io=io, timeout_s=5.0))
+        run=run, stage=1, my_id="me", refresh=refresh, p2p=None, dht=None, metrics=PeerMetrics(),
+        reference=state(0), checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=0.0))
     return out, asked
 
 
@@ -152,3 +155,26 @@ def test_no_checkpoint_and_no_donor_is_the_seeded_init(tmp_path, monkeypatch):
     assert out.source.kind == "init" and out.state is None and asked == []
     out, asked = _restore(tmp_path, monkeypatch, {"d": rec("d", 1, version=0)}, None)  # the donor failed
     assert out.source.kind == "init" and asked == [["d"]]
+
+
+def test_a_joiner_looks_again_for_a_donor_before_throwing_a_trained_stage_away(tmp_path, monkeypatch):
+    views = [{"d": rec("d", 1, version=40, st="loading_state"), "s0": rec("s0", 0, version=40)},
+             {"d": rec("d", 1, version=40), "s0": rec("s0", 0, version=40)}]
+    reads = []
+
+    async def fake_load(*, donors, **kw):
+        return state(41)
+
+    async def refresh():
+        reads.append(1)
+        return views[min(len(reads), 2) - 1]
+
+    async def io(fn, *args):
+        return fn(*args)
+
+    monkeypatch.setattr(restore_mod, "load_state_from_peers", fake_load)
+    monkeypatch.setattr(restore_mod, "DONOR_RETRY_S", 0.01)
+    out = asyncio.run(restore_mod.restore_state(
+        run=RunConfig.default(), stage=1, my_id="me", refresh=refresh, p2p=None, dht=None, metrics=PeerMetrics(),
+        reference=state(0), checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=1.0))
+    assert out.source.kind == "donor" and out.state["local_step"] == 41 and len(reads) == 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DONOR_WAIT_S = 8.0  # how long a joiner with nothing but the init keeps looking for a donor in a swarm that trained
+DONOR_RETRY_S = 2.0  # between two reads of the swarm while it looks
+
 
 @dataclass(frozen=True, kw_only=True)
 class Restored:
@@ -45,13 +48,18 @@ def _step_of(state: Any) -> int:
     return int(step) if isinstance(step, int) else -1
 
 
-async def restore_state(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], p2p: P2P,
-                        dht: DHT, metrics: PeerMetrics, reference: dict[str, Any], checkpoint_dir: Path | None,
-                        io: Callable[..., Any], timeout_s: float) -> Restored:
+async def restore_state(*, run: RunConfig, stage: int, my_id: str,
+                        refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
+                        metrics: PeerMetrics, reference: dict[str, Any],
+                        checkpoint_dir: Path | None, io: Callable[..., Any], timeout_s: float,
+                        donor_wait_s: float = DONOR_WAIT_S) -> Restored:
     """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
 
-    io: runs a blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor
-    transfer (the files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable.
+    refresh: reads the swarm's records. When the swarm has trained but no donor of the stage is visible and there is
+    no checkpoint, the records are read again for up to ``donor_wait_s`` (a view read while the stage's peers were
+    still starting, or a DHT read that timed out, would otherwise throw the stage's training away). io: runs a
+    blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
+    files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable.
     """
     files = [StateSource(kind="init", step=0, label="the run's seeded init")]
     if checkpoint_dir is not None:
@@ -59,6 +67,14 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str, records: dict
         if held is not None:
             files.append(StateSource(kind="checkpoint", step=held, label=str(checkpoint_dir)))
     best_file = most_advanced(files)
+    records = await refresh()
+    waited = 0.0
+    while not choose_donors(records, stage, my_id) and best_file.kind == "init" and waited < donor_wait_s \
+            and max((r.version for r in records.values()), default=0) > 0:
+        logger.info("no donor of stage %d visible yet while the swarm has trained; reading the swarm again", stage)
+        await asyncio.sleep(DONOR_RETRY_S)
+        waited += DONOR_RETRY_S
+        records = await refresh()
     donors = [StateSource(kind="donor", step=records[d].version, label=d)
               for d in choose_donors(records, stage, my_id)]
     listed = ", ".join(f"{s.kind} {s.label[:16]} step {s.step}" for s in rank([*donors, *files]))
