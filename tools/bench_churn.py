@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Churn benchmark: a swarm of ``join --stage auto`` peers on loopback, a clean control run against a churn run.
 
-Both runs train the same run file (tests/runs/tiny.toml by default) for the same number of stage-0 steps
-(``--steps``, passed as ``--max-steps``: stage 0 stops there after a final evaluation) with the same peer settings.
+Both runs train the same run file (tests/runs/tiny.toml by default) until a stage-0 peer reaches ``--steps`` local
+steps, with the same peer settings; the validation loss is then read from the stage-0 peers' ``/status`` (they
+evaluate every 5 s) and every peer is stopped with SIGTERM.
 The churn run, at points of training progress drawn from ``--seed``, does what a month of unattended volunteers does:
 
 * ``kill_bootstrap``: kill -9 of the first peer (whose address everybody joined through), restarted at once with
@@ -22,7 +23,7 @@ What it reports (``--json OUT``), per run and for the churn run against the cont
   of any peer left after the final reap;
 * ``stalls_over_10s``: stretches of over 10 s in which no stage-0 peer made a step, outside the whole-stage loss and
   the whole-swarm restart (listed separately, with their cause);
-* ``final_val_loss``: ``{"clean": c, "churn": x}``, the mean final validation loss of the stage-0 peers;
+* ``final_val_loss``: ``{"clean": c, "churn": x}``, the mean latest validation loss of the stage-0 peers at the end;
 * ``joiner_first_step_s``: seconds from starting a replacement to its first own training step;
 * ``restart_resumed_step``: ``{"before": a, "after": b}`` per restarted peer: its step at exit, and its step when it
   trained again (``after >= before``: it resumed where it stopped).
@@ -54,7 +55,7 @@ from peer.ops.procs import PeerProcess, descendants, free_port, join_command, te
 logger = logging.getLogger("bench_churn")
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = ("kill_bootstrap", "kill_stage", "graceful", "swarm_restart")
-AT = {"kill_bootstrap": 0.15, "kill_stage": 0.35, "graceful": 0.55, "swarm_restart": 0.7}  # fractions of --steps
+GAP_S = 12.0  # between the end of one event's recovery and the next event (plus up to as much again at random)
 LOST_LINE = "starts from the run's seeded init while the swarm is at step"
 STALL_S = 10.0
 SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_timeout_s=5", "microbatch_timeout_s=15",
@@ -81,6 +82,7 @@ class Swarm:
         self.t0 = time.monotonic()
         self.events: list[dict[str, Any]] = []
         self.orphans = 0
+        self.samples_lost = 0  # from the summaries of peers stopped and restarted during the run
         self.joiners: list[dict[str, Any]] = []  # restarted peers waiting for their first own step
         self.resumed: list[dict[str, Any]] = []
 
@@ -91,8 +93,7 @@ class Swarm:
         d = self.root / name
         (d / "maddrs.txt").unlink(missing_ok=True)
         port = free_port()
-        cmd = join_command(d, port=port, run=self.args.run, stage="auto", max_steps=self.args.steps,
-                           settings=SETTINGS, initial=initial)
+        cmd = join_command(d, port=port, run=self.args.run, stage="auto", settings=SETTINGS, initial=initial)
         p = PeerProcess.spawn(name, cmd, d, port, cwd=REPO)
         self.peers[name] = p
         self.all.append(p)
@@ -146,7 +147,9 @@ class Swarm:
                 self.peers[n].wait_exit(60)
             except Exception:
                 terminate([self.peers[n].proc], 1.0)
-            steps[n] = int(self.peers[n].summary().get("steps", 0))
+            summary = self.peers[n].summary()
+            steps[n] = int(summary.get("steps", 0))
+            self.samples_lost += int(summary.get("samples_lost", 0))  # its folder's summary is rewritten on restart
         return steps
 
     def poll_joiners(self, snaps: dict[str, dict[str, Any]]) -> None:
@@ -176,7 +179,7 @@ class Swarm:
 
 def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root: Path) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    at = {e: AT[e] + rng.uniform(-0.03, 0.03) for e in events}
+    next_at: float | None = None  # when the next event is due (set once the whole swarm trains)
     sw = Swarm(root / label, args)
     sw.first_steps = []
     excused: list[tuple[float, float, str]] = []  # (from, to, why): stalls there are expected
@@ -185,6 +188,7 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
     deadline = time.monotonic() + args.timeout_s
     done: set[str] = set()
     loads = []
+    vals: list[float] = []
     try:
         sw.start()
         while time.monotonic() < deadline:
@@ -201,30 +205,35 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
                 progress_t, best = time.monotonic(), step
             if best > 0 and not any(p.alive() for p in sw.peers.values()):
                 break
-            if best >= args.steps and not any(s.get("stage") == 0 for s in snaps.values()):
-                break  # stage 0 finished (final evaluation done); later stages are stopped below
             everyone = all(snaps.get(n, {}).get("state") == "training" for n, p in sw.peers.items() if p.alive())
-            for e in events:
-                if e in done or best < at[e] * args.steps or not everyone or sw.joiners:
-                    continue  # one event at a time: the swarm has recovered from the previous one
-                done.add(e)
-                t = time.monotonic()
-                _event(sw, e, snaps, rng)
-                if e in ("kill_stage", "swarm_restart"):
-                    excused.append((t, time.monotonic() + 60.0, e))
-                sw.events.append({"t": sw.now(), "event": e, "at_step": best})
-                progress_t = max(progress_t, t)
+            pending = [e for e in events if e not in done]
+            if best >= args.steps and not pending and not sw.joiners:
+                vals = [s["val_loss"] for s in snaps.values() if s.get("stage") == 0 and s.get("val_loss") is not None]
+                break
+            if not pending or not everyone or sw.joiners or best == 0:
+                next_at = None  # one event at a time: the swarm recovers fully from the previous one first
+                continue
+            if next_at is None:
+                next_at = time.monotonic() + GAP_S + rng.uniform(0, GAP_S)
+            if time.monotonic() < next_at:
+                continue
+            e = pending[0]
+            done.add(e)
+            t = time.monotonic()
+            _event(sw, e, snaps, rng)
+            if e in ("kill_stage", "swarm_restart"):
+                excused.append((t, time.monotonic() + 60.0, e))
+            sw.events.append({"t": sw.now(), "event": e, "at_step": best})
+            progress_t, next_at = max(progress_t, t), None
     finally:
         sw.close()
     summaries = {p.name: p.summary() for p in sw.peers.values()}
     logs = "".join(p.log() for p in {id(p): p for p in sw.all}.values())
-    vals = [s["final_val_loss"] for s in summaries.values() if s.get("final_val_loss") is not None
-            and s.get("exit_reason") == "max_steps"]
     real = [s for s in stalls if not any(a <= sw.t0 + s["from_s"] <= b for a, b, _ in excused)]
     return {
         "label": label, "events": sw.events, "steps_reached": best,
         "states_lost": logs.count(LOST_LINE),
-        "samples_lost": sum(int(s.get("samples_lost", 0)) for s in summaries.values()),
+        "samples_lost": sw.samples_lost + sum(int(s.get("samples_lost", 0)) for s in summaries.values()),
         "orphans": sw.orphans,
         "stalls_over_10s": len(real), "stalls": stalls,
         "final_val_loss": sum(vals) / len(vals) if vals else None,
