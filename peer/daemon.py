@@ -435,19 +435,10 @@ class Daemon:
 
     async def _settle_samples(self) -> None:
         """At exit: keep the samples still owed next to the checkpoints, or count them lost (and say so)."""
-        if self.cfg.checkpoint_dir is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, self.cfg.checkpoint_dir)
-                return
-            except OSError as e:
-                why = f"saving them to {self.cfg.checkpoint_dir} failed: {e}"
-        else:
-            why = "no --checkpoint-dir to keep them in for the next run"
-        if self.exit_reason == "max_steps":
-            return  # the run is over: nothing would train them anyway (reported as samples_owed)
-        lost = self.ledger.lose_all(why)
-        if lost:
-            self.metrics.warn(f"{lost} training samples lost at exit: {why}")
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.ledger.settle(self.cfg.checkpoint_dir, run_over=self.exit_reason == "max_steps"))
+        if text:
+            self.metrics.warn(text)
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""

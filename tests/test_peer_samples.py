@@ -130,3 +130,16 @@ def test_giving_up_owed_samples_is_counted():
     ledger = SampleLedger()
     ledger.give_back([(torch.zeros(1), torch.zeros(1))] * 2)
     assert ledger.lose_all("test") == 2 and ledger.lost == 2 and len(ledger) == 0
+
+
+def test_settling_at_exit_keeps_owed_samples_or_says_they_are_lost(tmp_path):
+    sample = (torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long))
+    kept = SampleLedger()
+    kept.give_back([sample])
+    assert kept.settle(tmp_path, run_over=False) is None and (tmp_path / SAMPLES_FILE).exists()
+    lost = SampleLedger()
+    lost.give_back([sample, sample])
+    assert "2 training samples lost" in lost.settle(None, run_over=False) and lost.lost == 2
+    over = SampleLedger()
+    over.give_back([sample])
+    assert over.settle(None, run_over=True) is None and over.lost == 0

@@ -60,6 +60,22 @@ class SampleLedger:
             logger.warning("%d training samples lost: %s", n, why)
         return n
 
+    def settle(self, directory: Path | None, *, run_over: bool) -> str | None:
+        """At exit: save what is owed in ``directory``, else give it up (unless the run is over: nothing would train
+        it then). Returns the operator-facing warning when samples were lost, else None."""
+        if directory is not None:
+            try:
+                self.save(directory)
+                return None
+            except OSError as e:
+                why = f"saving them to {directory} failed: {e}"
+        else:
+            why = "no --checkpoint-dir to keep them in for the next run"
+        if run_over:
+            return None
+        lost = self.lose_all(why)
+        return f"{lost} training samples lost at exit: {why}" if lost else None
+
     def save(self, directory: Path) -> Path:
         """Write the owed samples to ``directory`` atomically (an empty ledger removes the file)."""
         path = Path(directory) / SAMPLES_FILE
