@@ -89,7 +89,8 @@ class Swarm:
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 1)
 
-    def spawn(self, name: str, initial: list[str], *, joiner: bool = False, before: int | None = None) -> PeerProcess:
+    def spawn(self, name: str, initial: list[str], *, joiner: bool = False,
+              before: tuple[int, int] | None = None) -> PeerProcess:
         d = self.root / name
         (d / "maddrs.txt").unlink(missing_ok=True)
         port = free_port()
@@ -137,8 +138,8 @@ class Swarm:
         if left:
             logger.warning("orphans 5 s after kill -9 of %s: %s", names, left)
 
-    def stop(self, names: list[str]) -> dict[str, int]:
-        """SIGTERM ``names`` and wait; their steps at exit from their summaries."""
+    def stop(self, names: list[str]) -> dict[str, tuple[int, int]]:
+        """SIGTERM ``names`` and wait; their (step, stage) at exit from their summaries."""
         for n in names:
             self.peers[n].signal(signal.SIGTERM)
         steps = {}
@@ -148,7 +149,7 @@ class Swarm:
             except Exception:
                 terminate([self.peers[n].proc], 1.0)
             summary = self.peers[n].summary()
-            steps[n] = int(summary.get("steps", 0))
+            steps[n] = (int(summary.get("steps", 0)), int(summary.get("stage") or 0))
             self.samples_lost += int(summary.get("samples_lost", 0))  # its folder's summary is rewritten on restart
         return steps
 
@@ -161,7 +162,9 @@ class Swarm:
             if j["start_step"] is None:
                 j["start_step"] = s["local_step"]
                 if j["before"] is not None:
-                    self.resumed.append({"peer": p.name, "before": j["before"], "after": s["local_step"]})
+                    before, stage_before = j["before"]
+                    self.resumed.append({"peer": p.name, "stage_before": stage_before, "before": before,
+                                         "stage": s["stage"], "after": s["local_step"]})
             elif s["local_step"] > j["start_step"]:
                 j["first_step_s"] = round(time.monotonic() - j["spawned"], 1)
                 self.joiners.remove(j)
@@ -209,7 +212,8 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
             pending = [e for e in events if e not in done]
             if best >= args.steps and not pending and not sw.joiners:
                 vals = [s["val_loss"] for s in snaps.values() if s.get("stage") == 0 and s.get("val_loss") is not None]
-                break
+                if vals or time.monotonic() > deadline - 30:
+                    break  # (after a restart, wait for the stage-0 peers' first evaluation)
             if not pending or not everyone or sw.joiners or best == 0:
                 next_at = None  # one event at a time: the swarm recovers fully from the previous one first
                 continue
@@ -228,7 +232,7 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
     finally:
         sw.close()
     summaries = {p.name: p.summary() for p in sw.peers.values()}
-    logs = "".join(p.log() for p in {id(p): p for p in sw.all}.values())
+    logs = "".join(p.log() for p in {p.dir: p for p in sw.all}.values())  # a restarted peer appends to its log
     real = [s for s in stalls if not any(a <= sw.t0 + s["from_s"] <= b for a, b, _ in excused)]
     return {
         "label": label, "events": sw.events, "steps_reached": best,
@@ -238,11 +242,24 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
         "stalls_over_10s": len(real), "stalls": stalls,
         "final_val_loss": sum(vals) / len(vals) if vals else None,
         "joiner_first_step_s": sw.first_steps, "restart_resumed_step": sw.resumed,
+        "stage_resumed_step": stage_resumed(sw.resumed),
         "stage_moves": logs.count("moving from stage"),
         "move_backoffs": logs.count("not moving to stage"),
         "elapsed_s": sw.now(), "loadavg_mean": round(sum(loads) / max(len(loads), 1), 2),
         "summaries": summaries,
     }
+
+
+def stage_resumed(resumed: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+    """Per stage: the most advanced step any peer held at exit, and the most advanced step it resumed at (a peer may
+    come back on the other stage; the stage's training resumes where its best replica stopped)."""
+    out: dict[int, dict[str, int]] = {}
+    for r in resumed:
+        out.setdefault(r["stage_before"], {"before": 0, "after": 0})
+        out.setdefault(r["stage"], {"before": 0, "after": 0})
+        out[r["stage_before"]]["before"] = max(out[r["stage_before"]]["before"], r["before"])
+        out[r["stage"]]["after"] = max(out[r["stage"]]["after"], r["after"])
+    return out
 
 
 def _event(sw: Swarm, event: str, snaps: dict[str, dict[str, Any]], rng: random.Random) -> None:
@@ -263,8 +280,7 @@ def _event(sw: Swarm, event: str, snaps: dict[str, dict[str, Any]], rng: random.
             sw.spawn(n, sw.entry(), joiner=True)
     elif event == "graceful":
         n = rng.choice([n for n in live if n != "p0"] or live)
-        before = sw.stop([n])[n]
-        sw.spawn(n, sw.entry(), before=before)
+        sw.spawn(n, sw.entry(), before=sw.stop([n])[n])
     elif event == "swarm_restart":
         steps = sw.stop(live)
         first = sw.spawn(live[0], [], before=steps[live[0]])
@@ -310,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "stalls_over_10s": churn["stalls_over_10s"],
         "final_val_loss": {k: r["final_val_loss"] for k, r in runs.items()},
         "joiner_first_step_s": churn["joiner_first_step_s"], "restart_resumed_step": churn["restart_resumed_step"],
+        "stage_resumed_step": churn["stage_resumed_step"],
         "runs": {k: {kk: vv for kk, vv in r.items() if kk != "summaries"} for k, r in runs.items()},
         "summaries": {k: r["summaries"] for k, r in runs.items()},
     }
