@@ -74,6 +74,11 @@ class PeerConfig:
     """How often a peer checks whether moving to another stage would help the swarm (0 disables)."""
     rebalance_quality: float = 0.75
     """Hysteresis: move only if the slowest stage's capacity would rise above current / quality."""
+    rebalance_settle_s: float = 2.0
+    """A peer about to move announces its claim ('draining'), waits this long for it to reach the DHT, then re-reads
+    the swarm and backs off if its stage would empty or another peer of its stage claimed too."""
+    rebalance_cooldown_s: float = 120.0
+    """No move decision for this long (plus up to as much again at random) after joining, moving or backing off."""
     join_jitter_s: float = 1.0
     """Random wait before acting on a stage choice, then re-check (spreads peers that join at the same time)."""
     checkpoint_every_s: float = 120.0
@@ -127,7 +132,8 @@ class PeerConfig:
                      "state_snapshot_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
-        for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s"):
+        for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s", "rebalance_settle_s",
+                     "rebalance_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
         if self.record_ttl_s <= self.announce_every_s:

@@ -29,15 +29,17 @@ import torch
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
-from peer.membership.dht import start_dht, stop_dht
+from peer.membership.dht import JoinInterrupted, start_dht, stop_dht
+from peer.membership.moves import Mover, MoveTiming
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
 from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.membership.routing import Router
-from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
+from peer.pipeline.ledger import SampleLedger
 from peer.stage import StageHandlers, StageService, not_ready_error
-from peer.state.checkpoint import save_checkpoint
+from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
 from protocol.messages import Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
@@ -93,6 +95,9 @@ class Daemon:
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
         self.tasks: list[asyncio.Task] = []
+        self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
+        self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
+            jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s))
 
     # ----- the stage served now --------------------------------------------------------------------------------------
     @property
@@ -135,7 +140,7 @@ class Daemon:
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        self.dht = dht = await start_dht(self.cfg)
+        self.dht = dht = await start_dht(self.cfg, self.stop)
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
         self.metrics.peer_id = self.my_id
@@ -188,9 +193,15 @@ class Daemon:
     async def _choose_stage(self) -> int:
         if self.cfg.stage is not None:
             return self.cfg.stage
-        first = choose_stage(await self.refresh_swarm(), self.costs)
+        held: dict[int, int] = {}
+        if self.cfg.checkpoint_dir is not None:
+            held = await asyncio.get_running_loop().run_in_executor(None, checkpoint_steps, self.cfg.checkpoint_dir,
+                                                                    self.run)
+            if held:
+                logger.info("checkpoints held (stage: step): %s", held)
+        first = choose_stage(await self.refresh_swarm(), self.costs, held=held)
         await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        chosen = choose_stage(await self.refresh_swarm(), self.costs)
+        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
         caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))
@@ -249,8 +260,8 @@ class Daemon:
 
     async def checkpoint(self) -> None:
         worker = self.worker
-        if self.cfg.checkpoint_dir is None or worker is None:
-            return
+        if self.cfg.checkpoint_dir is None or worker is None or not self.service.loaded:
+            return  # (a start-up interrupted before the state was loaded has nothing worth keeping)
         state = await self.compute(worker.state_dict)
         try:
             path = await asyncio.get_running_loop().run_in_executor(
@@ -258,23 +269,34 @@ class Daemon:
             logger.info("checkpoint of stage %d at step %d written to %s", self.stage, state["local_step"], path)
         except OSError as e:
             self.metrics.warn(f"checkpoint failed: {e}; check free space and permissions of --checkpoint-dir")
+        except StaleCheckpointError as e:  # the file holds more training than this state: keep the file
+            logger.warning("%s", e)
+            self.metrics.warn(f"checkpoint of stage {self.stage} kept: {e}")
 
     async def _tick_rebalance(self) -> None:
         if self.cfg.stage is not None or self.stage is None or self.stop.is_set():
             return
-        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
+        target = await self.mover.decide(my_id=self.my_id, read=self.refresh_swarm, claim=self._claim_move,
+                                         release=self._release_move)
         if target is None:
             return
-        await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        target = should_move(await self.refresh_swarm(), self.costs, self.my_id, quality=self.cfg.rebalance_quality)
-        if target is None or self.stop.is_set():
-            return
+        if self.stop.is_set():
+            return  # the claim ('draining') stands: the shutdown that follows leaves anyway
         logger.info("moving from stage %d to under-served stage %d", self.stage, target)
         self.metrics.inc("stage_moves")
         await self.checkpoint()
-        await self.announce("draining")
         await self._leave_stage()
         await self._enter_stage(target)
+
+    async def _claim_move(self) -> None:
+        self.metrics.state = "draining"  # also what the periodic announcement says until the move or back-off
+        await self.announce("draining")
+
+    async def _release_move(self) -> None:
+        self.metrics.inc("stage_move_backoffs")
+        if not self.stop.is_set():
+            self.metrics.state = "training"
+            await self.announce("training")
 
     async def _enter_stage(self, stage: int) -> None:
         """Claim ``stage`` in the DHT at once (so that joiners see it is taken), then start serving it."""
@@ -308,8 +330,9 @@ class Daemon:
                 status = StatusServer(self.metrics, port=self.cfg.metrics_port)
                 await status.start()
             self._print_join_hint()
-            await self._check_reachability()
-            await self._enter_stage(await self._choose_stage())
+            if self.cfg.checkpoint_dir is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)
+            await self._unless_stopped(self._take_a_stage())
             self.tasks = [asyncio.ensure_future(self._every(self.cfg.announce_every_s, self._tick_announce)),
                           asyncio.ensure_future(self._every(1.0, self._tick_expire))]
             if self.cfg.checkpoint_every_s > 0:
@@ -319,9 +342,29 @@ class Daemon:
                 self.tasks.append(asyncio.ensure_future(self._every(self.cfg.rebalance_every_s,
                                                                     self._tick_rebalance)))
             await self._serve()
+        except JoinInterrupted as e:
+            logger.info("%s: %s before serving anything", self.exit_reason, e)
         finally:
             await self._shutdown(status)
         return 0
+
+    async def _take_a_stage(self) -> None:
+        await self._check_reachability()
+        await self._enter_stage(await self._choose_stage())
+
+    async def _unless_stopped(self, work: Awaitable[None]) -> None:
+        """Run a start-up phase, abandoned at once if the peer is asked to stop (SIGTERM, Ctrl-C) meanwhile."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise JoinInterrupted(f"stopped while starting up (state: {self.metrics.state})")
+        task.result()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
@@ -374,6 +417,7 @@ class Daemon:
                     await self.announce("draining")
             await self._leave_stage()
             await self.checkpoint()
+            await self._settle_samples()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
                     await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
@@ -388,6 +432,13 @@ class Daemon:
             if self.dht is not None:
                 await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
             self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _settle_samples(self) -> None:
+        """At exit: keep the samples still owed next to the checkpoints, or count them lost (and say so)."""
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.ledger.settle(self.cfg.checkpoint_dir, run_over=self.exit_reason == "max_steps"))
+        if text:
+            self.metrics.warn(text)
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""
@@ -408,6 +459,8 @@ class Daemon:
             "final_loss": sum(losses[-5:]) / len(losses[-5:]) if losses else self.metrics.train_loss,
             "final_val_loss": val,
             "val_losses": list(d.val_losses) if d is not None else [],
+            "samples_lost": self.ledger.lost, "samples_owed": len(self.ledger),
+            "samples_handed_back": self.ledger.handed_back,
             **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
                                                       "averaging_rounds_ok", "averaging_rounds_failed")},
             **self.metrics.averaging_cadence(),

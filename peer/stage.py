@@ -1,11 +1,11 @@
 """Serving one stage: one object owns everything a peer runs for its stage, created on entry and dropped as a whole.
 
 ``StageService(host, stage)`` is created when the peer claims the stage; ``start()`` builds the ``StageWorker`` on the
-compute thread, loads the stage's state (donors, else the local checkpoint, else the run's seeded init), starts the
-pipeline servicer, the state server and the averaging loop (or, in ``--mode sync``, the blocking gradient average
-through ``SyncSchedule``), and on stage 0 the data driver. ``leave()`` stops taking work, drains within the deadline
-and stops those services, so a rebalancing move is ``leave`` on one object and ``start`` of the next: nothing of the
-old stage is reset field by field, it is dropped together.
+compute thread, loads the stage's state (the most advanced of donors, the local checkpoint and the run's seeded
+init), starts the pipeline servicer, the state server and the averaging loop (or, in ``--mode sync``, the blocking
+gradient average through ``SyncSchedule``), and on stage 0 the data driver. ``leave()`` stops taking work, drains
+within the deadline and stops those services, so a rebalancing move is ``leave`` on one object and ``start`` of the
+next: nothing of the old stage is reset field by field, it is dropped together.
 
 ``StageHost`` is what a stage needs of the peer around it (the ``Daemon``): run and peer config, metrics, the P2P
 node and DHT, the handler table, the compute thread, sends, the swarm view and announcements.
@@ -27,9 +27,11 @@ from peer.errors import DaemonError
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.servicer import PipelineStage
-from peer.state.checkpoint import CheckpointError, load_checkpoint
-from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
+from peer.state.checkpoint import CheckpointError
+from peer.state.restore import restore_state
+from peer.state.sync import StateServer, StateSyncConfig
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
 from protocol.rpc import Handler, HandlerTable, RpcLimits
@@ -64,6 +66,7 @@ class StageHost(Protocol):
     handlers: StageHandlers
     stop: asyncio.Event
     swarm: dict[str, PeerRecord]
+    ledger: SampleLedger
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T: ...
 
@@ -89,6 +92,7 @@ class StageService:
         self.driver: Stage0Driver | None = None
         self.driver_task: asyncio.Task | None = None
         self.tasks: list[asyncio.Task] = []
+        self.loaded = False  # the stage's state is loaded: only then may a checkpoint of this worker be written
 
     async def worker_call(self, fn: Callable[[StageWorker], T]) -> T:
         """Run ``fn(worker)`` on the compute thread (the interface of averaging and state sync)."""
@@ -96,29 +100,21 @@ class StageService:
 
     # ----- entry -----------------------------------------------------------------------------------------------------
     async def load_state(self) -> str:
-        """Donors, else the local checkpoint, else the seeded init already in the worker. Returns the source."""
+        """The most advanced of donors, the local checkpoint and the seeded init (``peer.state.restore``). Returns
+        the source's kind."""
         host = self.host
         assert self.worker is not None
         reference = await host.compute(self.worker.state_dict)
         try:
-            state = await asyncio.wait_for(load_state_from_peers(
-                p2p=host.p2p, run=host.run, stage=self.stage, metrics=host.metrics, dht=host.dht,
-                reference=reference, config=StateSyncConfig()), timeout=host.cfg.state_load_timeout_s)
-        except TimeoutError:
-            state = None
-            logger.warning("loading state from donors took over %.0f s; falling back", host.cfg.state_load_timeout_s)
-        if state is not None:
-            await host.compute(self.worker.load_state_dict, state)
-            return "donor"
-        if host.cfg.checkpoint_dir is not None:
-            try:
-                state = await host.compute(load_checkpoint, host.cfg.checkpoint_dir, host.run, self.stage)
-            except CheckpointError as e:
-                raise DaemonError(str(e)) from e
-            if state is not None:
-                await host.compute(self.worker.load_state_dict, state)
-                return "checkpoint"
-        return "seeded init"
+            restored = await restore_state(
+                run=host.run, stage=self.stage, my_id=host.my_id, refresh=host.refresh_swarm, p2p=host.p2p,
+                dht=host.dht, metrics=host.metrics, reference=reference, checkpoint_dir=host.cfg.checkpoint_dir,
+                io=host.compute, timeout_s=host.cfg.state_load_timeout_s)
+        except CheckpointError as e:
+            raise DaemonError(str(e)) from e
+        if restored.state is not None:
+            await host.compute(self.worker.load_state_dict, restored.state)
+        return restored.source.kind
 
     async def start(self) -> None:
         """Build the worker, load the state and start every service of the stage (the caller announced the claim)."""
@@ -127,6 +123,7 @@ class StageService:
         self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device,
                                                              auto_step=host.cfg.mode == "async"))
         source = await self.load_state()
+        self.loaded = True
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
         if source == "donor":  # a restart right after joining resumes from here instead of downloading again
             await host.checkpoint()
@@ -170,7 +167,7 @@ class StageService:
         stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, shard_seed(run.seed, host.my_id))
         val = val_batches(corpus, run.model.block_size, run.data.batch_size, cfg.eval_batches)
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
-                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics)
+                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics, ledger=host.ledger)
         if cfg.mode == "async":
             self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
@@ -201,7 +198,10 @@ class StageService:
         while pipe.pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if pipe.pending:
-            logger.info("drain deadline reached with %d micro-batches in flight; dropping them", len(pipe.pending))
+            text = (f"leaving stage {self.stage}: drain deadline reached with {len(pipe.pending)} micro-batches in "
+                    f"flight; dropping their work (stage 0 re-trains their samples)")
+            logger.warning("%s", text)
+            self.host.metrics.warn(text)
         for mb in list(pipe.pending):
             await pipe.drop(mb, notify=True)
         if self.averager is not None:

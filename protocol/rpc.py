@@ -117,7 +117,6 @@ class RpcServer:
     ) -> None:
         limits = self.limits
         buffered = 0
-        request_read = False  # the whole request arrived (else the caller may still be sending it)
 
         def admit(n: int) -> None:
             nonlocal buffered
@@ -140,7 +139,6 @@ class RpcServer:
                         )  # fmt: skip
                 except TimeoutError:
                     raise TimeoutError(f"request not received within {limits.read_timeout_s} s") from None
-                request_read = True
                 self.bytes_in += len(data)
                 if self.count is not None:
                     self.count("bytes_in", len(data))
@@ -189,11 +187,10 @@ class RpcServer:
                 self.bytes_out += len(payload)
                 if self.count is not None:
                     self.count("bytes_out", len(payload))
-                # Half-closing makes p2pd close the whole libp2p stream, and a caller still sending gets a reset
-                # that loses the reply in its socket (its write fails first and asyncio then discards what was
-                # read). So only half-close after a complete request; the end flag of the reply frames suffices.
-                if request_read and writer.can_write_eof():
-                    writer.write_eof()
+                # Never half-close: p2pd turns our half-close into a full close of the libp2p stream, its copy of
+                # the caller's direction then fails and it *resets* the stream, and a reset that overtakes the
+                # reply inside the caller's p2pd discards the reply (docs/protocol.md, "Lost replies"). The end
+                # flag of the reply's last frame tells the caller the reply is complete; the caller hangs up.
             # A refused sender may still be writing its request. Closing now would reset the stream and could
             # destroy our reply in flight, so discard what arrives until the caller hangs up (bounded in time and
             # bytes; a caller reading our reply hangs up at once).

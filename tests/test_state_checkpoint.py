@@ -43,11 +43,12 @@ def test_round_trip_is_exact_and_leaves_no_temp_files(tmp_path):
     path = save_checkpoint(tmp_path, run, 1, state)
     assert path == checkpoint_path(tmp_path, 1)
     _assert_same(state, load_checkpoint(tmp_path, run, 1))
-    # overwrite with a newer state: the file is replaced, not appended to, and no temporary file is left behind
+    # overwrite with a newer state: the file is replaced (the old one kept as the previous checkpoint), not
+    # appended to, and no temporary file is left behind
     newer = _state(1)
     save_checkpoint(tmp_path, run, 1, newer)
     _assert_same(newer, load_checkpoint(tmp_path, run, 1))
-    assert sorted(os.listdir(tmp_path)) == ["stage-1.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["stage-1.prev.pt", "stage-1.pt"]
     assert checkpoint_stages(tmp_path, run) == [1]
 
 

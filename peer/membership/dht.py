@@ -1,9 +1,11 @@
 """Joining and leaving the DHT: hivemind's DHT process started with this peer's identity, retried while the bootstrap
-peer may still be starting, and stopped so that it never outlives the peer."""
+peer may still be starting, interrupted at once when the peer is asked to stop, and stopped so that it never outlives
+the peer (``peer.membership.lifeline`` ties it and its p2pd to the peer's life, even through a kill -9)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import hivemind
@@ -11,17 +13,24 @@ import hivemind
 from peer.config import PeerConfig
 from peer.errors import DaemonError
 from peer.membership.identity import IdentityError, check_permissions, ensure_identity
+from peer.membership.lifeline import LifelineDHT
 
 logger = logging.getLogger(__name__)
 
 DHT_START_ATTEMPTS = 5
+READY_POLL_S = 0.25  # how often a DHT start-up in progress checks whether the peer was asked to stop
 
 
-async def start_dht(cfg: PeerConfig) -> hivemind.DHT:
+class JoinInterrupted(Exception):
+    """The peer was asked to stop (SIGTERM, Ctrl-C) while it was still joining the DHT."""
+
+
+async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None) -> hivemind.DHT:
     """Start this peer's DHT node (a child process running p2pd), joining ``cfg.initial_peers``.
 
     A joiner retries with backoff (1, 2, 4, 8 s) because the bootstrap peer may be busy starting up itself; a new swarm
-    fails at once. Raises DaemonError saying what to check.
+    fails at once. Raises DaemonError saying what to check, or JoinInterrupted as soon as ``stop`` is set (the
+    half-started DHT process is killed first).
     """
     try:
         identity = ensure_identity(cfg.identity_path)
@@ -29,25 +38,55 @@ async def start_dht(cfg: PeerConfig) -> hivemind.DHT:
     except IdentityError as e:
         raise DaemonError(str(e)) from e
 
-    def make() -> hivemind.DHT:
-        return hivemind.DHT(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
-                            announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=str(identity),
-                            use_ipfs=cfg.use_ipfs, start=True, client_mode=False)
-
-    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
     for attempt in range(DHT_START_ATTEMPTS):
         try:
-            return await loop.run_in_executor(None, make)
+            return await _start_once(cfg, str(identity), stop)
+        except JoinInterrupted:
+            raise
         except Exception as e:  # the bootstrap peer may be busy starting up itself: retry before giving up
             if attempt + 1 < DHT_START_ATTEMPTS and cfg.initial_peers:
                 logger.warning("joining the DHT failed (%s); retrying in %d s", str(e).splitlines()[0], 2 ** attempt)
-                await asyncio.sleep(2 ** attempt)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=2 ** attempt)
+                if stop.is_set():
+                    raise JoinInterrupted("stopped while waiting to retry the DHT join") from e
                 continue
             hint = ("check that --initial-peers are full multiaddrs of running peers (/ip4/HOST/tcp/PORT/p2p/PEER_ID) "
                     "and that this machine can reach them" if cfg.initial_peers
                     else "check --host-maddrs (the port may be taken)")
             raise DaemonError(f"could not start or join the DHT: {e}; {hint}") from e
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def _start_once(cfg: PeerConfig, identity: str, stop: asyncio.Event) -> hivemind.DHT:
+    """One attempt. The DHT process is forked from this (the main) thread, which lives as long as the peer: its
+    parent-death signal is bound to the forking thread. Readiness is awaited in an executor, checking ``stop``."""
+    dht = LifelineDHT(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
+                      announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=identity,
+                      use_ipfs=cfg.use_ipfs, start=False, client_mode=False)
+    dht.start()
+    loop = asyncio.get_running_loop()
+    try:
+        while True:  # short waits, so that no executor thread is left blocked on a future that will never resolve
+            if stop.is_set():
+                raise JoinInterrupted("stopped while joining the DHT")
+            try:
+                await loop.run_in_executor(None, dht.wait_until_ready, READY_POLL_S)
+                return dht
+            except TimeoutError:
+                if not dht.is_alive():
+                    raise DaemonError(f"the DHT process exited during start-up (exit code {dht.exitcode})") from None
+    except BaseException:
+        _kill(dht)
+        raise
+
+
+def _kill(dht: hivemind.DHT) -> None:
+    """End a DHT process that never became ready (its p2pd follows it through the parent-death signal)."""
+    if dht.is_alive():
+        dht.kill()
+        dht.join(timeout=5)
 
 
 def stop_dht(dht: hivemind.DHT) -> None:

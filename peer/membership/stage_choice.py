@@ -6,6 +6,10 @@ needs more peers). A joining peer takes the stage of least capacity. A serving p
 minimum capacity of the swarm by more than the hysteresis factor ``1 / quality``: the objective (min capacity)
 strictly improves with each move, so peers can never flap back and forth. The daemon waits a random jitter before
 acting and re-checks against a fresh snapshot, so peers that decide at the same time do not all pile onto one stage.
+
+Leaving a stage is a claim (``peer.membership.moves``): a mover first announces itself 'draining', waits until the
+claim is visible, and leaves only if ``may_leave`` holds on a snapshot read after that, i.e. another peer of its stage
+is still training and none of them is leaving too. A 'draining' peer counts for no capacity: it is already gone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Mapping
 from peer.membership.records import PeerRecord
 
 EPS = 1e-9
+#: record states of peers that no longer count for their stage's capacity
+LEAVING = ("draining", "stopped")
 
 
 def stage_costs(n_layer_per_stage: list[int], *, n_embd: int, vocab_size: int) -> list[float]:
@@ -40,7 +46,7 @@ def capacities(records: Mapping[str, PeerRecord], costs: list[float], *, exclude
     """Micro-batches per second each stage can serve: summed announced throughput / stage cost."""
     cap = [0.0] * len(costs)
     for pid, r in records.items():
-        if pid == exclude or r.state == "stopped" or not 0 <= r.stage < len(costs):
+        if pid == exclude or r.state in LEAVING or not 0 <= r.stage < len(costs):
             continue
         cap[r.stage] += r.throughput / costs[r.stage]
     return cap
@@ -52,13 +58,34 @@ def estimate_throughput(records: Mapping[str, PeerRecord], *, default: float = 1
     return statistics.median(known) if known else default
 
 
-def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, rng: random.Random | None = None,
-                 tolerance: float = 0.05) -> int:
-    """The stage of least capacity; ties (within ``tolerance`` relative) are broken at random to spread joiners."""
+def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]:
+    """The highest state version announced on each stage (-1 for a stage nobody serves)."""
+    best = [-1] * n_stages
+    for r in records.values():
+        if r.state != "stopped" and 0 <= r.stage < n_stages:
+            best[r.stage] = max(best[r.stage], r.version)
+    return best
+
+
+def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held: Mapping[int, int] | None = None,
+                 rng: random.Random | None = None, tolerance: float = 0.05) -> int:
+    """The stage of least capacity; ties (within ``tolerance`` relative) are settled by the checkpoints this peer
+    holds, then at random to spread joiners.
+
+    held: stage -> step of this peer's checkpoints. Among the tied stages, one whose checkpoint is ahead of every
+    announced version of that stage comes first (the most advanced such checkpoint): without this peer, that
+    training would be lost. Then any stage it holds a checkpoint for (it resumes without a download).
+    """
     cap = capacities(records, costs)
     lowest = min(cap)
     candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]
-    return (rng or random).choice(candidates)
+    held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
+    best = best_versions(records, len(costs))
+    ahead = [s for s in candidates if s in held and held[s] > best[s]]
+    if ahead:
+        return max(ahead, key=lambda s: (held[s], -s))
+    kept = [s for s in candidates if s in held]
+    return (rng or random).choice(kept or candidates)
 
 
 def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: str, *, quality: float = 0.75,
@@ -84,3 +111,19 @@ def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: st
     if min(without) > min(current) / quality + EPS:
         return target
     return None
+
+
+def may_leave(records: Mapping[str, PeerRecord], my_id: str) -> bool:
+    """Whether this peer, having claimed its move (its record says 'draining'), may now leave its stage.
+
+    Only when another peer of its stage is still training (its stage never empties) and no other peer of its stage
+    is leaving at the same time: of two simultaneous claimants both back off (and retry after a random cool-down),
+    which is safe whatever the order in which they read each other's claims.
+    """
+    me = records.get(my_id)
+    if me is None:
+        return False
+    others = [r for pid, r in records.items() if pid != my_id and r.stage == me.stage]
+    if any(r.state == "draining" for r in others):
+        return False
+    return any(r.state == "training" for r in others)

@@ -2,7 +2,10 @@
 
 Each stage-0 peer reads its own shard of the training split (seeded by its peer id) and never loses a sample: a
 micro-batch whose route broke or whose gradient did not come back in time is dropped everywhere, counted
-(``microbatches_dropped``) and its sample goes back to the front of the queue (``microbatches_requeued``).
+(``microbatches_dropped``) and its sample goes back to the front of the queue (``microbatches_requeued``). Consecutive
+drops back off exponentially (an empty next stage costs a forward per attempt, so the driver must not spin), and a
+driver that stops (its peer leaves stage 0, or exits) gives its re-queued and in-flight samples back to the peer's
+``SampleLedger`` (``peer.pipeline.ledger``), from which the next driver draws first.
 Evaluation sends the fixed validation batches forward only; the last stage answers each with its loss.
 
 In ``sync`` mode the driver runs GPipe: it sends M micro-batches, waits until all their gradients are back (re-sending
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peer.pipeline.ledger import Sample, SampleLedger
 from peer.pipeline.servicer import Pending, PipelineStage
 from protocol.codecs.registry import encode
 
@@ -32,6 +36,9 @@ if TYPE_CHECKING:
     from trainer.data import BatchStream
 
 logger = logging.getLogger(__name__)
+
+DROP_BACKOFF_BASE_S = 0.1  # first pause after a dropped micro-batch; doubles per consecutive drop
+DROP_BACKOFF_MAX_S = 2.0  # longest pause between attempts while the next stage stays unreachable
 
 
 class Stage0Driver:
@@ -44,13 +51,19 @@ class Stage0Driver:
         inflight: micro-batches kept in flight (async mode).
         stop: set when the peer should stop feeding work.
         max_steps: stop after this many local optimiser steps (0: never).
+        ledger: the peer's samples owed across stage moves (drawn from first, given back to on stop).
     """
 
     def __init__(self, *, pipe: PipelineStage, stream: BatchStream, val: list[tuple[torch.Tensor, torch.Tensor]],
-                 inflight: int, stop: asyncio.Event, max_steps: int, metrics: PeerMetrics) -> None:
+                 inflight: int, stop: asyncio.Event, max_steps: int, metrics: PeerMetrics,
+                 ledger: SampleLedger | None = None) -> None:
         self.pipe, self.stream, self.val, self.inflight = pipe, stream, val, inflight
         self.stop, self.max_steps, self.metrics = stop, max_steps, metrics
-        self.requeue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.ledger = ledger if ledger is not None else SampleLedger()
+        self.requeue: deque[Sample] = deque()
+        self.in_flight: dict[int, Sample] = {}  # drawn, sent, not yet trained nor re-queued
+        self._keys = 0
+        self.drop_streak = 0
         self._prefix = random.getrandbits(30) << 32
         self._next = 0
         self.losses: list[float] = []
@@ -97,13 +110,20 @@ class Stage0Driver:
                 pipe.spawn(pipe.compute(pipe.worker.drop, mb_id))
             raise
 
-    async def _train_one(self, sample: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    async def _train_one(self, sample: Sample) -> bool:
+        self._keys += 1
+        key = self._keys
+        self.in_flight[key] = sample  # stays there if we are cancelled: given back when the driver stops
         loss = await self.one(sample)
+        self.in_flight.pop(key, None)
         if loss is None:
             self.metrics.inc("microbatches_dropped")
             self.metrics.inc("microbatches_requeued")
             self.requeue.appendleft(sample)
+            self.drop_streak += 1  # back off while the route stays broken: each attempt costs a forward
+            await asyncio.sleep(min(DROP_BACKOFF_BASE_S * 2 ** (self.drop_streak - 1), DROP_BACKOFF_MAX_S))
             return False
+        self.drop_streak = 0
         n_tokens = int(sample[0].numel())
         if self.first_done is None:  # throughput counts from the first completed micro-batch (pipeline full)
             self.first_done = time.monotonic()
@@ -120,8 +140,18 @@ class Stage0Driver:
             self.metrics.observe_loss(loss)
         return True
 
-    def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.requeue.popleft() if self.requeue else self.stream.next()
+    def _sample(self) -> Sample:
+        if self.requeue:
+            return self.requeue.popleft()
+        owed = self.ledger.take()
+        return owed if owed is not None else self.stream.next()
+
+    def _give_back(self, extra: list[Sample] = ()) -> None:
+        """Return every sample drawn and not trained to the peer's ledger (the driver is stopping)."""
+        owed = {id(s): s for s in (*extra, *self.requeue, *self.in_flight.values())}  # one entry per sample
+        self.ledger.give_back(list(owed.values()))
+        self.requeue.clear()
+        self.in_flight.clear()
 
     # ----- loops -----------------------------------------------------------------------------------------------------
     async def run_async(self) -> None:
@@ -129,9 +159,9 @@ class Stage0Driver:
         slots = asyncio.Semaphore(self.inflight)
         running: set[asyncio.Task] = set()
         try:
-            while not self.done():
+            while not self.done() and self.pipe.accepting:  # not accepting: the peer is leaving stage 0
                 await slots.acquire()
-                if self.done():
+                if self.done() or not self.pipe.accepting:
                     slots.release()
                     break
                 task = asyncio.ensure_future(self._train_one(self._sample()))
@@ -143,6 +173,7 @@ class Stage0Driver:
         finally:
             for t in running:
                 t.cancel()
+            self._give_back()
             self.finished = time.monotonic()
 
     async def run_sync(self, microbatches: int, on_flush: Callable[[], Awaitable[None]],
@@ -153,6 +184,7 @@ class Stage0Driver:
         that pipeline i is pinned to replica i of each stage and every replica gets exactly M micro-batches).
         ``flush_no`` gives the number of the flush about to start (the stage's barrier step).
         """
+        batch: list[Sample] = []
         try:
             while not self.done():
                 while not ready() and not self.stop.is_set():
@@ -167,6 +199,8 @@ class Stage0Driver:
                     break
                 await on_flush()
         finally:
+            self.in_flight.clear()  # in sync mode every untrained sample of the flush is still in `batch`
+            self._give_back(batch)
             self.finished = time.monotonic()
 
     async def evaluate(self) -> float | None:

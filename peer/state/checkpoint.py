@@ -10,12 +10,17 @@ its weights do not fit or would silently fork the run) or for another stage. Fil
 ``torch.load(weights_only=True)``: a checkpoint folder may be shared or copied, and the restricted unpickler cannot run
 code.
 
+A checkpoint never goes backwards: ``save_checkpoint`` refuses (``StaleCheckpointError``) to replace a checkpoint of a
+higher step with a less-trained state, and the checkpoint it replaces is kept beside it as ``stage-<N>.prev.pt``
+(also what ``load_checkpoint`` falls back to when the main file is missing or damaged).
+
 Interface for the daemon::
 
     save_checkpoint(directory, run, stage, state) -> Path      # state = worker.state_dict() (taken on the compute
                                                                # thread); call it in an executor, it does file I/O
     load_checkpoint(directory, run, stage) -> dict | None      # the state dict, or None when there is no checkpoint
     checkpoint_stages(directory, run) -> list[int]             # stages this run has checkpoints for (stage choice)
+    checkpoint_steps(directory, run) -> dict[int, int]         # their steps (read without loading the tensors)
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class CheckpointError(ValueError):
     """A checkpoint exists but cannot be used (another run or stage, unreadable, or not ours)."""
 
 
+class StaleCheckpointError(CheckpointError):
+    """Saving would replace a checkpoint of a higher step with a less-trained state; nothing was written."""
+
+
 def checkpoint_path(directory: str | Path, stage: int) -> Path:
     """Where the checkpoint of ``stage`` lives inside ``directory``."""
     if stage < 0:
@@ -47,23 +56,36 @@ def checkpoint_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage-{stage}.pt"
 
 
-def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: dict[str, Any]) -> Path:
+def previous_path(directory: str | Path, stage: int) -> Path:
+    """Where the checkpoint replaced by the latest save of ``stage`` is kept."""
+    return checkpoint_path(directory, stage).with_suffix(".prev.pt")
+
+
+def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: dict[str, Any], *,
+                    allow_older: bool = False) -> Path:
     """Write ``state`` (a worker's ``state_dict()``) for ``stage`` of ``run`` atomically; returns the file's path.
 
     The step recorded is ``state['local_step']`` when the state carries one. Raises OSError when the folder cannot be
-    written (the caller logs it and keeps training: a failed checkpoint must not stop the peer).
+    written (the caller logs it and keeps training: a failed checkpoint must not stop the peer), and
+    StaleCheckpointError, writing nothing, when the checkpoint there holds a higher step (unless ``allow_older``).
+    The replaced checkpoint is kept as ``previous_path``.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict returned by StageWorker.state_dict(), got {type(state).__name__}")
     path = checkpoint_path(directory, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     step = state.get("local_step", -1)
+    step = int(step) if isinstance(step, int) else -1
+    held = checkpoint_steps(directory, run).get(stage)
+    if held is not None and step < held and not allow_older:
+        raise StaleCheckpointError(
+            f"not replacing checkpoint {path} of step {held} with a less-trained state of step {step}")
     payload = {
         "format": FORMAT_VERSION,
         "run_id": run.run_id,
         "run_name": run.name,
         "stage": int(stage),
-        "step": int(step) if isinstance(step, int) else -1,
+        "step": step,
         "saved_at": time.time(),
         "state": state,
     }
@@ -73,6 +95,8 @@ def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: di
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            os.replace(path, previous_path(directory, stage))
         os.replace(tmp_name, path)
     except BaseException:
         try:
@@ -92,9 +116,18 @@ def load_checkpoint(directory: str | Path, run: RunConfig, stage: int) -> dict[s
     stage; the message names both runs and says how to proceed.
     """
     path = checkpoint_path(directory, stage)
-    if not path.exists():
+    prev = previous_path(directory, stage)
+    if not path.exists() and not prev.exists():
         return None
-    payload = _read(path)
+    try:
+        payload = _read(path) if path.exists() else None
+    except CheckpointError as e:
+        if not prev.exists():
+            raise
+        logger.warning("%s; falling back to the previous checkpoint %s", e, prev)
+        payload = None
+    if payload is None:
+        path, payload = prev, _read(prev)
     if payload["run_id"] != run.run_id:
         raise CheckpointError(
             f"checkpoint {path} belongs to run {payload['run_id']} ({payload.get('run_name', '?')!r}), but this peer "
@@ -127,9 +160,28 @@ def checkpoint_stages(directory: str | Path, run: RunConfig) -> list[int]:
     return stages
 
 
-def _read(path: Path) -> dict[str, Any]:
+def checkpoint_steps(directory: str | Path, run: RunConfig) -> dict[int, int]:
+    """Step of each usable checkpoint of ``run`` in ``directory`` (stage -> step); the tensors are memory-mapped,
+    not read. A stage whose main file is missing or damaged counts its previous checkpoint."""
+    steps: dict[int, int] = {}
+    for stage in range(run.n_stages):
+        for path in (checkpoint_path(directory, stage), previous_path(directory, stage)):
+            if not path.exists():
+                continue
+            try:
+                payload = _read(path, mmap=True)
+            except CheckpointError as e:
+                logger.warning("%s", e)
+                continue
+            if payload["run_id"] == run.run_id and payload["stage"] == stage:
+                steps[stage] = int(payload.get("step", -1))
+                break
+    return steps
+
+
+def _read(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises a variety of pickle/zip/OS errors for a damaged or foreign file
         raise CheckpointError(
             f"cannot read checkpoint {path}: {type(e).__name__}: {e}. Delete it to start from peers or the seeded "

@@ -1,0 +1,101 @@
+"""Stage moves that cannot empty a stage, however many peers decide at once: decide, claim, re-check, then move.
+
+A move is negotiated through the DHT records (``peer.membership.stage_choice`` holds the pure rules):
+
+1. ``should_move`` on a fresh snapshot proposes a target; after a random jitter a second snapshot must agree.
+2. The peer *claims* its move: it announces itself 'draining' (a record that expires with its usual TTL, so a mover
+   that dies mid-claim frees it by itself) and waits ``settle_s`` for the claim to reach the DHT.
+3. It re-reads the swarm and moves only if ``may_leave`` holds (another peer of its stage still trains and none of
+   them claimed at the same time) and the move still pays off; otherwise it withdraws the claim ('training').
+
+Two peers of one stage that claim at about the same time cannot both miss each other: each reads after its own claim
+was stored plus ``settle_s``, so the later claimant's read comes after the earlier claim was stored. Whoever sees the
+other's claim backs off; at worst both do and try again later. After any move or back-off the peer waits a cool-down
+(``cooldown_s`` plus up to as much again at random, so timers that were aligned drift apart) before deciding again,
+which also stops a peer from moving back right after a move (no flapping on noisy throughput figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from peer.membership.records import PeerRecord
+from peer.membership.stage_choice import may_leave, should_move
+
+logger = logging.getLogger(__name__)
+
+Read = Callable[[], Awaitable[dict[str, PeerRecord]]]
+Announce = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoveTiming:
+    """Timers of one move negotiation."""
+
+    jitter_s: float
+    """Random wait (up to this) between the decision and its re-check."""
+    settle_s: float
+    """Wait after announcing the claim before re-reading the swarm (DHT propagation)."""
+    cooldown_s: float
+    """No new decision for this long (plus up to as much again at random) after a move or a back-off."""
+
+    def __post_init__(self) -> None:
+        for name in ("jitter_s", "settle_s", "cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+
+
+class Mover:
+    """One peer's move negotiations; ``await decide(...)`` returns the stage to move to now, or None."""
+
+    def __init__(self, costs: list[float], *, quality: float, timing: MoveTiming, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.costs, self.quality, self.timing = costs, quality, timing
+        self.rng = rng or random.Random()
+        self.clock, self.sleep = clock, sleep
+        self.quiet_until = 0.0
+        self.backoffs = 0
+
+    def cool_down(self) -> None:
+        """Start a cool-down now (after joining, a move or a back-off)."""
+        c = self.timing.cooldown_s
+        self.quiet_until = self.clock() + c + self.rng.uniform(0, c)
+
+    async def decide(self, *, my_id: str, read: Read, claim: Announce, release: Announce) -> int | None:
+        """Decide, claim, re-check (see the module docstring). ``claim``/``release`` announce 'draining'/'training'.
+
+        On a non-None result the claim stands: the caller leaves its stage now.
+        """
+        if self.clock() < self.quiet_until:
+            return None
+        target = should_move(await read(), self.costs, my_id, quality=self.quality)
+        if target is None:
+            return None
+        await self.sleep(self.rng.uniform(0, self.timing.jitter_s))
+        target = should_move(await read(), self.costs, my_id, quality=self.quality)
+        if target is None:
+            return None
+        await claim()
+        await self.sleep(self.timing.settle_s)
+        snap = await read()
+        me = snap.get(my_id)
+        still = None
+        if me is not None:  # judge the move as if we stayed: our own record says 'draining' now
+            still = should_move({**snap, my_id: replace(me, state="training")}, self.costs, my_id,
+                                quality=self.quality)
+        if still is None or not may_leave(snap, my_id):
+            self.backoffs += 1
+            logger.info("not moving to stage %d after all: %s", target,
+                        "the move no longer pays off" if still is None and me is not None
+                        else "another peer of our stage claimed a move too, or our stage would empty")
+            await release()
+            self.cool_down()
+            return None
+        self.cool_down()
+        return still

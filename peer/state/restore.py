@@ -1,0 +1,117 @@
+"""Loading a stage's state when a peer takes it: every source compared by training progress, the most advanced wins.
+
+The sources are the stage's donors (their announced state versions), this peer's checkpoint of the stage and the
+run's seeded init (``peer.state.progress`` ranks them). Donors are asked only when one announces at least the
+progress of the best local file; the state a donor delivers is compared again by its real ``local_step`` (an
+announcement may be a little stale) before it replaces anything, so a restarted peer never trades its trained
+checkpoint for a less-trained donor's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from peer.state.checkpoint import checkpoint_steps, load_checkpoint
+from peer.state.progress import StateSource, most_advanced, rank
+from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    from peer.membership.records import PeerRecord
+    from peer.ops.metrics import PeerMetrics
+    from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DONOR_WAIT_S = 8.0  # how long a joiner with nothing but the init keeps looking for a donor in a swarm that trained
+DONOR_RETRY_S = 2.0  # between two reads of the swarm while it looks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    """What ``restore_state`` chose: the source, and the state dict to load (None: keep the seeded init)."""
+
+    source: StateSource
+    state: dict[str, Any] | None
+
+
+def _step_of(state: Any) -> int:
+    step = state.get("local_step", -1) if isinstance(state, dict) else -1
+    return int(step) if isinstance(step, int) else -1
+
+
+async def restore_state(*, run: RunConfig, stage: int, my_id: str,
+                        refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
+                        metrics: PeerMetrics, reference: dict[str, Any],
+                        checkpoint_dir: Path | None, io: Callable[..., Any], timeout_s: float,
+                        donor_wait_s: float = DONOR_WAIT_S) -> Restored:
+    """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
+
+    refresh: reads the swarm's records. When the swarm has trained but no donor of the stage is visible and there is
+    no checkpoint, the records are read again for up to ``donor_wait_s`` (a view read while the stage's peers were
+    still starting, or a DHT read that timed out, would otherwise throw the stage's training away). io: runs a
+    blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
+    files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable.
+    """
+    files = [StateSource(kind="init", step=0, label="the run's seeded init")]
+    if checkpoint_dir is not None:
+        held = (await io(checkpoint_steps, checkpoint_dir, run)).get(stage)
+        if held is not None:
+            files.append(StateSource(kind="checkpoint", step=held, label=str(checkpoint_dir)))
+    best_file = most_advanced(files)
+    records = await refresh()
+    waited = 0.0
+    while not choose_donors(records, stage, my_id) and best_file.kind == "init" and waited < donor_wait_s \
+            and max((r.version for r in records.values()), default=0) > 0:
+        logger.info("no donor of stage %d visible yet while the swarm has trained; reading the swarm again", stage)
+        await asyncio.sleep(DONOR_RETRY_S)
+        waited += DONOR_RETRY_S
+        records = await refresh()
+    donors = [StateSource(kind="donor", step=records[d].version, label=d)
+              for d in choose_donors(records, stage, my_id)]
+    listed = ", ".join(f"{s.kind} {s.label[:16]} step {s.step}" for s in rank([*donors, *files]))
+    logger.info("stage %d state sources, most advanced first: %s", stage, listed)
+
+    delivered: dict[str, Any] | None = None
+    worth_asking = [d.label for d in rank(donors) if d.step >= best_file.step]
+    if worth_asking:
+        try:
+            delivered = await asyncio.wait_for(load_state_from_peers(
+                p2p=p2p, run=run, stage=stage, metrics=metrics, dht=dht, reference=reference, donors=worth_asking,
+                config=StateSyncConfig()), timeout=timeout_s)
+        except TimeoutError:
+            logger.warning("loading stage %d's state from donors took over %.0f s; using the best local source",
+                           stage, timeout_s)
+    elif donors:
+        logger.info("stage %d: no donor is ahead of the %s (step %d); not downloading", stage, best_file.kind,
+                    best_file.step)
+
+    candidates = list(files)
+    if delivered is not None:
+        candidates.append(StateSource(kind="donor", step=_step_of(delivered), label="the donor's delivered state"))
+    chosen = most_advanced(candidates)
+    if delivered is not None and chosen.kind != "donor":
+        logger.warning("stage %d: discarding the donor's state (step %d): it is behind the %s (step %d)", stage,
+                       _step_of(delivered), chosen.kind, chosen.step)
+    if chosen.kind == "donor":
+        return Restored(source=chosen, state=delivered)
+    if chosen.kind == "checkpoint":
+        state = await io(load_checkpoint, checkpoint_dir, run, stage)
+        if state is not None:
+            return Restored(source=StateSource(kind="checkpoint", step=_step_of(state), label=chosen.label),
+                            state=state)
+    swarm_step = max((r.version for r in records.values()), default=0)
+    if swarm_step > 0:  # the swarm has trained, and this stage starts over: that training of the stage is lost
+        text = (f"stage {stage} starts from the run's seeded init while the swarm is at step {swarm_step}: no donor, "
+                f"checkpoint or copy of this stage was available, so its training so far is lost")
+        logger.warning("%s", text)
+        metrics.warn(text)
+    return Restored(source=most_advanced(files[:1]), state=None)

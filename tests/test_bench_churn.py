@@ -1,0 +1,50 @@
+"""The churn benchmark's short version: 4 auto peers of the tiny run, kill -9 of the bootstrap peer and its restart
+with the same identity, a graceful restart; no sample may be lost, no process orphaned, and the restarted peers resume
+at their step and train again. (With 4 peers the bootstrap may be the only peer of its stage, so its kill can lose
+that stage's state: ``states_lost`` is asserted only by the full run.) The full benchmark (6 peers, a whole stage
+killed, a whole-swarm restart, a clean control) is marked slow; it takes about 4 minutes on 2 busy cores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.bench_churn import main
+
+
+def _run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "churn.json"
+    assert main([*args, "--workdir", str(tmp_path / "peers"), "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check(res: dict) -> None:
+    assert res["orphans"] == 0, res["runs"]
+    assert res["samples_lost"] == 0, res["runs"]
+    for r in res["restart_resumed_step"]:  # a peer back on its own stage resumes at least where it stopped
+        if r["stage"] == r["stage_before"]:
+            assert r["after"] >= r["before"] > 0, res["restart_resumed_step"]
+    for stage, r in res["stage_resumed_step"].items():  # and every stage resumes where its best replica stopped
+        assert r["after"] >= r["before"], (stage, res["stage_resumed_step"])
+    assert res["final_val_loss"]["churn"] is not None
+
+
+@pytest.mark.timeout(480)
+def test_short_churn_run_loses_nothing(tmp_path):
+    res = _run(tmp_path, "--only", "churn", "--peers", "4", "--steps", "120", "--events", "kill_bootstrap,graceful",
+               "--timeout-s", "400")
+    _check(res)
+    assert res["restart_resumed_step"], "the graceful restart resumed"
+    assert res["joiner_first_step_s"], "the restarted peers trained again"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_full_churn_benchmark_meets_its_targets(tmp_path):
+    res = _run(tmp_path, "--peers", "6", "--steps", "300", "--seed", "1")
+    _check(res)
+    assert res["states_lost"] == 0, res["runs"]  # needs copies of neighbouring stages: not met yet (reliability.md)
+    assert res["stalls_over_10s"] == 0, res["runs"]["churn"]["stalls"]
+    clean, churn = res["final_val_loss"]["clean"], res["final_val_loss"]["churn"]
+    assert churn <= clean * 1.05, res["final_val_loss"]
