@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODES = ("async", "sync")
+MAX_RECORD_TTL_S = 60.0
+"""The furthest ahead a DHT record may expire: every node refuses later expirations (membership/signing.py)."""
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -129,6 +131,9 @@ class PeerConfig:
         for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
+        if self.record_ttl_s > MAX_RECORD_TTL_S:
+            raise ValueError(f"record_ttl_s ({self.record_ttl_s}) must be at most {MAX_RECORD_TTL_S:.0f} s: other "
+                             "peers refuse records that expire later")
         if self.record_ttl_s <= self.announce_every_s:
             raise ValueError(f"record_ttl_s ({self.record_ttl_s}) must exceed announce_every_s "
                              f"({self.announce_every_s}) or the record expires between announcements")

@@ -31,8 +31,9 @@ from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.membership.dht import start_dht, stop_dht
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
-from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
+from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
 from peer.membership.routing import Router
+from peer.membership.signing import Signer
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
@@ -81,6 +82,7 @@ class Daemon:
         self.service: StageService | None = None
         self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
         self.dht: DHT | None = None
+        self.signer: Signer | None = None
         self.p2p: P2P | None = None
         self.rpc: RpcServer | None = None
         self.limits = RpcLimits()
@@ -135,9 +137,10 @@ class Daemon:
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        self.dht = dht = await start_dht(self.cfg)
+        self.dht = dht = await start_dht(self.cfg, validators=[record_validator(self.run.run_id)])
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
+        self.signer = Signer.from_identity_file(self.cfg.identity_path)  # signs our DHT records (same key as p2pd)
         self.metrics.peer_id = self.my_id
         visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
@@ -210,7 +213,8 @@ class Daemon:
                           tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss)
 
     async def announce(self, state: str | None = None) -> None:
-        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)
+        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
+                       signer=self.signer)
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -376,7 +380,8 @@ class Daemon:
             await self.checkpoint()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
-                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
+                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s,
+                                   signer=self.signer)
         finally:
             self.metrics.state = "stopped"
             if self.rpc is not None:  # stop taking streams before the P2P daemon goes away under them

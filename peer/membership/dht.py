@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import hivemind
+from hivemind.dht.validation import RecordValidatorBase
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError
@@ -17,8 +19,10 @@ logger = logging.getLogger(__name__)
 DHT_START_ATTEMPTS = 5
 
 
-async def start_dht(cfg: PeerConfig) -> hivemind.DHT:
+async def start_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:
     """Start this peer's DHT node (a child process running p2pd), joining ``cfg.initial_peers``.
+
+    ``validators`` gate every record this node stores or reads (``records.record_validator``: owner-signed records).
 
     A joiner retries with backoff (1, 2, 4, 8 s) because the bootstrap peer may be busy starting up itself; a new swarm
     fails at once. Raises DaemonError saying what to check.
@@ -32,7 +36,8 @@ async def start_dht(cfg: PeerConfig) -> hivemind.DHT:
     def make() -> hivemind.DHT:
         return hivemind.DHT(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
                             announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=str(identity),
-                            use_ipfs=cfg.use_ipfs, start=True, client_mode=False)
+                            use_ipfs=cfg.use_ipfs, start=True, client_mode=False,
+                            record_validators=list(validators))
 
     loop = asyncio.get_running_loop()
     for attempt in range(DHT_START_ATTEMPTS):
