@@ -37,9 +37,10 @@ from peer.membership.signing import Signer
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
+from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import save_checkpoint
-from protocol.messages import Error, Message
+from protocol.messages import Busy, Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
 
@@ -120,8 +121,11 @@ class Daemon:
     # ----- RPC plumbing ---------------------------------------------------------------------------------------------
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:
         assert self.p2p is not None
-        return await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
-                          limits=self.limits, count=self.metrics.inc)
+        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
+                           limits=self.limits, count=self.metrics.inc)
+        if self.rpc is not None and not isinstance(reply, Busy):
+            self.rpc.vouch(peer_id)  # it answered work of ours: the full budgets of a known peer from now on
+        return reply
 
     async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
         pipe = self.pipe
@@ -152,6 +156,7 @@ class Daemon:
     async def _start_rpc(self) -> None:
         assert self.p2p is not None
         self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
+        restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
         helper = ReachabilityHelper(run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s)
