@@ -30,7 +30,7 @@ import torch
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.membership.dht import start_dht, stop_dht
-from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
+from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
 from peer.membership.routing import Router
 from peer.membership.signing import Signer
@@ -159,7 +159,11 @@ class Daemon:
         restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
-        helper = ReachabilityHelper(run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s)
+        p2p = self.p2p
+        helper = ReachabilityHelper(  # dials back only the requester's own observed address (local swarms: any)
+            run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s,
+            observed=lambda pid: observed_hosts(p2p, pid),
+            local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
         await self.rpc.add_handler(REACH_RPC, helper.handle)
 
     async def _check_reachability(self) -> None:
