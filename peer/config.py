@@ -100,6 +100,8 @@ class PeerConfig:
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
+    credential_path: Path | None = None
+    """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -108,7 +110,7 @@ class PeerConfig:
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
-        for name in ("summary_json", "maddrs_file"):
+        for name in ("summary_json", "maddrs_file", "credential_path"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.stage is not None and self.stage < 0:

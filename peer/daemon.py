@@ -29,7 +29,9 @@ import torch
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
+from peer.membership.admission import organiser_key
 from peer.membership.dht import start_dht, stop_dht
+from peer.membership.gate import AdmissionGate
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
 from peer.membership.routing import Router
@@ -74,6 +76,8 @@ class Daemon:
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
         self.metrics.run_id = run.run_id
+        self.metrics.access = run.access.mode
+        self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
@@ -141,10 +145,12 @@ class Daemon:
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        self.dht = dht = await start_dht(self.cfg, validators=[record_validator(self.run.run_id)])
+        self.dht = dht = await start_dht(self.cfg, validators=[record_validator(self.run.run_id,
+                                                                                organiser_key(self.run))])
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
         self.signer = Signer.from_identity_file(self.cfg.identity_path)  # signs our DHT records (same key as p2pd)
+        self.gate.load_own(self.my_id)  # closed runs: our credential must admit this peer id, else a clear error
         self.metrics.peer_id = self.my_id
         visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
@@ -157,6 +163,7 @@ class Daemon:
         assert self.p2p is not None
         self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
         restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
+        self.rpc.gate = self.gate.rpc_gate(lambda: self.swarm, self.refresh_swarm)
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
         p2p = self.p2p
@@ -223,7 +230,7 @@ class Daemon:
 
     async def announce(self, state: str | None = None) -> None:
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
-                       signer=self.signer)
+                       signer=self.signer, credential=self.gate.credential)
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -390,7 +397,7 @@ class Daemon:
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
                     await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s,
-                                   signer=self.signer)
+                                   signer=self.signer, credential=self.gate.credential)
         finally:
             self.metrics.state = "stopped"
             if self.rpc is not None:  # stop taking streams before the P2P daemon goes away under them

@@ -76,6 +76,10 @@ MAX_KNOWN_PEERS = 4096
 INTERNAL_LOG_EVERY_S = 60.0
 
 
+class _NotAdmitted(Exception):
+    """Internal: the sender failed the server's admission gate (a closed run); answered with UNAUTHORIZED."""
+
+
 class _WrongKind(Exception):
     """Internal: a well-formed message of a kind this handler does not take; answered with BAD_REQUEST."""
 
@@ -123,6 +127,8 @@ class RpcServer:
         self._policies: dict[str, _Policy] = {}
         self._last_internal_log = -INTERNAL_LOG_EVERY_S
         self.cut_slow = 0  # requests cut for arriving too slowly (also counted under rejected['timeout'])
+        #: optional admission check of the authenticated sender (closed runs); False refuses with UNAUTHORIZED
+        self.gate: Callable[[str], Awaitable[bool]] | None = None
 
     @property
     def _inflight(self) -> int:
@@ -195,6 +201,8 @@ class RpcServer:
             return start + limits.rate_grace_s + received / limits.min_bytes_per_s
 
         try:
+            if self.gate is not None and not await self.gate(peer):
+                raise _NotAdmitted(f"peer {peer} is not admitted to this run")
             cap = limits.max_streams_per_peer if known else min(limits.stranger_streams, limits.max_streams_per_peer)
             if self._streams[peer] >= cap:
                 raise _Saturated(f"peer {peer} already has {self._streams[peer]} open streams")
@@ -251,6 +259,10 @@ class RpcServer:
             self.rejected["timeout"] += 1
             logger.debug("timeout on %s from %s: %s", name, peer, e)
             reply = Error(ErrorCode.TIMEOUT, str(e))
+        except _NotAdmitted as e:
+            self.rejected["unauthorized"] += 1
+            logger.debug("refused %s: %s", name, e)
+            reply = Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
         except _WrongKind as e:
             self.rejected["wrong_kind"] += 1
             logger.debug("refused %s from %s: %s", name, peer, e)

@@ -14,6 +14,7 @@ never raised), and every read runs under a hard timeout because hivemind's ``get
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections import Counter
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
 
+from peer.membership.admission import check as check_credential
 from peer.membership.signing import SignatureError, SignedRecordValidator, Signer, open_envelope, seal
 
 if TYPE_CHECKING:
@@ -114,18 +116,26 @@ def swarm_key(run_id: str) -> str:
 rejected: Counter[str] = Counter()
 
 
-def record_validator(run_id: str) -> SignedRecordValidator:
-    """The validator every node of the run installs in its DHT: owner-signed, schema-valid, bounded expiration."""
-    return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value)
+def record_validator(run_id: str, organiser_key: bytes | None = None) -> SignedRecordValidator:
+    """The validator every node of the run installs in its DHT: owner-signed, schema-valid, bounded expiration; in a
+    closed run (``organiser_key``) also carrying a credential that admits its owner."""
+    admit = None if organiser_key is None else functools.partial(_admitted, organiser_key, run_id)
+    return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admit)
 
 
-async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer) -> bool:
-    """Store (or refresh) this peer's signed record, expiring ``expiration_s`` from now. False if no node took it."""
+def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: Any) -> None:
+    check_credential(credential, organiser_key=organiser_key, run_id=run_id, peer_id=peer_id)
+
+
+async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
+                   credential: bytes | None = None) -> bool:
+    """Store (or refresh) this peer's signed record, expiring ``expiration_s`` from now. False if no node took it.
+    ``credential``: this peer's admission to a closed run (carried in the record)."""
     if record.peer_id != signer.peer_id:
         raise ValueError("a peer can only announce its own record (the signer's peer id)")
     expiration = get_dht_time() + expiration_s
-    future = dht.store(swarm_key(run_id), seal(signer, swarm_key(run_id), record.to_value(), expiration), expiration,
-                       subkey=record.peer_id, return_future=True)
+    value = seal(signer, swarm_key(run_id), record.to_value(), expiration, credential)
+    future = dht.store(swarm_key(run_id), value, expiration, subkey=record.peer_id, return_future=True)
     try:
         return bool(await asyncio.wait_for(future, timeout=expiration_s))
     except TimeoutError:
@@ -135,10 +145,11 @@ async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: floa
         return False
 
 
-async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer) -> bool:
+async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
+                   credential: bytes | None = None) -> bool:
     """Supersede this peer's record with a 'stopped' one so readers drop it before its old record expires."""
     return await announce(dht, run_id, replace(record, state="stopped", queue=0, throughput=0.0), expiration_s,
-                          signer=signer)
+                          signer=signer, credential=credential)
 
 
 async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,

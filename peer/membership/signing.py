@@ -131,20 +131,25 @@ def _payload(key: str, peer_id: str, expiration: float, body: bytes) -> bytes:
     return MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body])
 
 
-def seal(signer: Signer, key: str, value: Any, expiration: float) -> dict[str, bytes]:
-    """The signed envelope of ``value`` (a msgpack-able record) stored under ``key`` until ``expiration``."""
+def seal(signer: Signer, key: str, value: Any, expiration: float,
+         credential: bytes | None = None) -> dict[str, bytes]:
+    """The signed envelope of ``value`` (a msgpack-able record) stored under ``key`` until ``expiration``; a closed
+    run's admission ``credential`` rides along (it carries the organiser's own signature)."""
     body = MSGPackSerializer.dumps(value)
-    return {"b": body, "k": signer.public_key, "s": signer.sign(_payload(key, signer.peer_id, expiration, body))}
+    out = {"b": body, "k": signer.public_key, "s": signer.sign(_payload(key, signer.peer_id, expiration, body))}
+    if credential is not None:
+        out["c"] = credential
+    return out
 
 
 def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now: float | None = None) -> Any:
     """Check an envelope read from or offered to the DHT and return the record it carries; raises SignatureError."""
-    if not isinstance(stored, dict) or set(stored) != {"b", "k", "s"}:
+    if not isinstance(stored, dict) or set(stored) - {"c"} != {"b", "k", "s"}:
         raise SignatureError("not a signed envelope")
     body, public_key, signature = stored["b"], stored["k"], stored["s"]
     if not all(isinstance(x, bytes) for x in (body, public_key, signature)):
         raise SignatureError("envelope fields must be bytes")
-    if len(body) + len(public_key) + len(signature) > MAX_ENVELOPE_BYTES:
+    if len(body) + len(public_key) + len(signature) + len(stored.get("c") or b"") > MAX_ENVELOPE_BYTES:
         raise SignatureError("envelope too large")
     latest = (now or get_dht_time()) + MAX_RECORD_TTL_S + CLOCK_SLACK_S
     if not isinstance(expiration, float | int) or expiration > latest:
@@ -169,10 +174,12 @@ class SignedRecordValidator(RecordValidatorBase):
     Values under other keys are not this validator's business and pass unchanged.
     """
 
-    def __init__(self, key: str, schema: Callable[[str, Any], Any]) -> None:
+    def __init__(self, key: str, schema: Callable[[str, Any], Any],
+                 admit: Callable[[str, Any], Any] | None = None) -> None:
         self.key = key
         self.key_id = DHTID.generate(source=key).to_bytes()
         self.schema = schema
+        self.admit = admit  # closed runs: admit(peer_id, credential) raises unless the organiser admitted the peer
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id:
@@ -181,8 +188,11 @@ class SignedRecordValidator(RecordValidatorBase):
             subkey = MSGPackSerializer.loads(record.subkey)
             if not isinstance(subkey, str) or len(record.value) > MAX_ENVELOPE_BYTES:
                 return False
-            body = open_envelope(self.key, subkey, MSGPackSerializer.loads(record.value), record.expiration_time)
+            stored = MSGPackSerializer.loads(record.value)
+            body = open_envelope(self.key, subkey, stored, record.expiration_time)
             self.schema(subkey, body)
+            if self.admit is not None:
+                self.admit(subkey, stored.get("c"))
             return True
         except Exception as e:  # a forged or malformed record: refuse it, quietly (strangers send them at will)
             logger.debug("refusing a DHT record under the run's key: %r", e)
