@@ -143,6 +143,11 @@ def test_a_flood_of_never_writing_streams_from_one_id_does_not_stall_others():
                 return Ack()
 
             await rpc.add_handler("echo", echo)
+            base = 0.0
+            for _ in range(5):  # honest latency before the flood, on this machine now
+                t0 = time.monotonic()
+                await call(honest, server.peer_id, "echo", HELLO, timeout=10, limits=limits)
+                base = max(base, time.monotonic() - t0)
             name = PROTOCOL_PREFIX + "echo"
             opened = await asyncio.gather(*(attacker.call_binary_stream_handler(server.peer_id, name)
                                             for _ in range(200)), return_exceptions=True)
@@ -151,8 +156,13 @@ def test_a_flood_of_never_writing_streams_from_one_id_does_not_stall_others():
                 t0 = time.monotonic()
                 assert isinstance(await call(honest, server.peer_id, "echo", HELLO, timeout=10, limits=limits), Ack)
                 worst = max(worst, time.monotonic() - t0)
-            assert worst < 1.0, worst
-            assert rpc.rejected["busy"] >= 200 - limits.stranger_streams  # a stranger holds at most a few streams
+            assert worst < 1.0 + 3 * base, (worst, base)  # (the issue saw 2-8 s stalls; base: the machine's load)
+            # a stranger holds at most a few streams: the others were refused Busy, or cut for silence once admitted
+            deadline = time.monotonic() + limits.rate_grace_s + 5
+            while rpc.rejected["busy"] + rpc.cut_slow < 200 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert rpc.rejected["busy"] + rpc.cut_slow >= 200, (rpc.rejected, rpc.cut_slow)
+            assert rpc.rejected["busy"] >= 100
             for o in opened:
                 if not isinstance(o, BaseException):
                     o[2].close()
