@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODES = ("async", "sync")
+MAX_RECORD_TTL_S = 60.0
+"""The furthest ahead a DHT record may expire: every node refuses later expirations (membership/signing.py)."""
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -104,6 +106,8 @@ class PeerConfig:
     byzantine_attack: str = ""
     """Red-team knob, never for a real peer: send averaging parts replaced by this trainer.attacks attack ('zeros',
     'scale', 'signflip', 'noise'); '' (the default) is an honest peer. Set only with --set, for measurements."""
+    credential_path: Path | None = None
+    """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -112,7 +116,7 @@ class PeerConfig:
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
-        for name in ("summary_json", "maddrs_file"):
+        for name in ("summary_json", "maddrs_file", "credential_path"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.stage is not None and self.stage < 0:
@@ -136,6 +140,9 @@ class PeerConfig:
                      "rebalance_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
+        if self.record_ttl_s > MAX_RECORD_TTL_S:
+            raise ValueError(f"record_ttl_s ({self.record_ttl_s}) must be at most {MAX_RECORD_TTL_S:.0f} s: other "
+                             "peers refuse records that expire later")
         if self.record_ttl_s <= self.announce_every_s:
             raise ValueError(f"record_ttl_s ({self.record_ttl_s}) must exceed announce_every_s "
                              f"({self.announce_every_s}) or the record expires between announcements")

@@ -29,18 +29,22 @@ import torch
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
+from peer.membership.admission import organiser_key
 from peer.membership.dht import JoinInterrupted, start_dht, stop_dht
+from peer.membership.gate import AdmissionGate
 from peer.membership.moves import Mover, MoveTiming
-from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
-from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
+from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
+from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
 from peer.membership.routing import Router
+from peer.membership.signing import Signer
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer
 from peer.pipeline.ledger import SampleLedger
+from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
-from protocol.messages import Error, Message
+from protocol.messages import Busy, Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
 
@@ -74,6 +78,8 @@ class Daemon:
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
         self.metrics.run_id = run.run_id
+        self.metrics.access = run.access.mode
+        self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
@@ -83,6 +89,7 @@ class Daemon:
         self.service: StageService | None = None
         self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
         self.dht: DHT | None = None
+        self.signer: Signer | None = None
         self.p2p: P2P | None = None
         self.rpc: RpcServer | None = None
         self.limits = RpcLimits()
@@ -123,8 +130,11 @@ class Daemon:
     # ----- RPC plumbing ---------------------------------------------------------------------------------------------
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:
         assert self.p2p is not None
-        return await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
-                          limits=self.limits, count=self.metrics.inc)
+        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
+                           limits=self.limits, count=self.metrics.inc)
+        if self.rpc is not None and not isinstance(reply, Busy):
+            self.rpc.vouch(peer_id)  # it answered work of ours: the full budgets of a known peer from now on
+        return reply
 
     async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
         pipe = self.pipe
@@ -140,9 +150,12 @@ class Daemon:
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_dht(self) -> None:
-        self.dht = dht = await start_dht(self.cfg, self.stop)
+        self.dht = dht = await start_dht(self.cfg, self.stop, validators=[record_validator(self.run.run_id,
+                                                                                           organiser_key(self.run))])
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
+        self.signer = Signer.from_identity_file(self.cfg.identity_path)  # signs our DHT records (same key as p2pd)
+        self.gate.load_own(self.my_id)  # closed runs: our credential must admit this peer id, else a clear error
         self.metrics.peer_id = self.my_id
         visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
@@ -154,9 +167,15 @@ class Daemon:
     async def _start_rpc(self) -> None:
         assert self.p2p is not None
         self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
+        restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
+        self.rpc.gate = self.gate.rpc_gate(lambda: self.swarm, self.refresh_swarm)
         await self.rpc.add_handler("forward", self._rpc_forward)
         await self.rpc.add_handler("backward", self._rpc_backward)
-        helper = ReachabilityHelper(run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s)
+        p2p = self.p2p
+        helper = ReachabilityHelper(  # dials back only the requester's own observed address (local swarms: any)
+            run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s,
+            observed=lambda pid: observed_hosts(p2p, pid),
+            local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
         await self.rpc.add_handler(REACH_RPC, helper.handle)
 
     async def _check_reachability(self) -> None:
@@ -221,7 +240,8 @@ class Daemon:
                           tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss)
 
     async def announce(self, state: str | None = None) -> None:
-        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)
+        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
+                       signer=self.signer, credential=self.gate.credential)
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -420,7 +440,8 @@ class Daemon:
             await self._settle_samples()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
-                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s)
+                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s,
+                                   signer=self.signer, credential=self.gate.credential)
         finally:
             self.metrics.state = "stopped"
             if self.rpc is not None:  # stop taking streams before the P2P daemon goes away under them

@@ -309,6 +309,7 @@ class StageHandlers:
         self.rpc, self.not_ready = rpc, not_ready
         self.limits: RpcLimits = rpc.limits
         self.count = rpc.count  # traffic accounting of the real server, for RpcTransport
+        self.vouch = getattr(rpc, "vouch", None)  # RpcTransport vouches for peers that answered our calls
         self.table: dict[str, Handler | None] = {}
 
     async def add_handler(self, name: str, fn: Handler) -> None:

@@ -9,9 +9,11 @@ Frame layout (12-byte header, big-endian):
 
 A message (msgpack bytes, see protocol.messages) is sent as one or more frames; the last carries END. The reader
 refuses a frame whose announced length exceeds `max_frame_bytes`, or would take the message past
-`max_message_bytes`, or is not covered by the caller's `admit` callback (byte budgets) — in each case *before*
-reading the body, so a peer announcing 2**40 bytes costs us 12 bytes of reading. The length field is 8 bytes
-precisely so that such announcements are representable and refused rather than silently truncated.
+`max_message_bytes` — *before* reading the body, so a peer announcing 2**40 bytes costs us 12 bytes of reading. The
+length field is 8 bytes precisely so that such announcements are representable and refused rather than silently
+truncated. Bodies are read in chunks of at most ``CHUNK`` bytes and each chunk is charged to the caller's ``admit``
+callback (byte budgets) once it arrived, not when announced: announcing costs a sender nothing it has not sent. An
+optional ``deadline(received)`` bounds how long the next chunk may take, which lets a server require a minimum rate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
 ]
 
 HEADER = struct.Struct(">2sBBQ")
+CHUNK = 64 * 1024
 MAGIC = b"AM"
 FRAMING_VERSION = 1
 FLAG_END = 1
@@ -47,13 +50,31 @@ def frame_header(length: int, *, end: bool) -> bytes:
     return HEADER.pack(MAGIC, FRAMING_VERSION, FLAG_END if end else 0, length)
 
 
-async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes:
+async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str, deadline: float | None = None) -> bytes:
     try:
-        return await reader.readexactly(n)
+        if deadline is None:
+            return await reader.readexactly(n)
+        async with asyncio.timeout_at(deadline):
+            return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise StreamEnded(f"stream ended after {len(e.partial)} of {n} bytes of {what}") from None
     except ConnectionError as e:
         raise StreamEnded(f"connection lost while reading {what}: {e}") from None
+
+
+async def _read_some(reader: asyncio.StreamReader, n: int, deadline: float | None) -> bytes:
+    """Whatever arrives first, 1..n bytes of a frame body (before ``deadline``)."""
+    try:
+        if deadline is None:
+            data = await reader.read(n)
+        else:
+            async with asyncio.timeout_at(deadline):
+                data = await reader.read(n)
+    except ConnectionError as e:
+        raise StreamEnded(f"connection lost while reading a frame body: {e}") from None
+    if not data:
+        raise StreamEnded("stream ended inside a frame body")
+    return data
 
 
 async def read_message(
@@ -62,16 +83,26 @@ async def read_message(
     max_frame_bytes: int,
     max_message_bytes: int,
     admit: Callable[[int], None] | None = None,
+    deadline: Callable[[int], float] | None = None,
 ) -> bytes | bytearray:
     """Read one message (a run of frames ending with END) and return its bytes.
 
-    Raises FrameTooLarge (body not read), MalformedMessage (bad magic/version/flags) or StreamEnded. `admit(n)` is
-    called with each frame's length before its body is read and may raise to refuse it (e.g. a byte budget).
+    Raises FrameTooLarge (body not read), MalformedMessage (bad magic/version/flags), StreamEnded, or TimeoutError
+    when ``deadline`` passes. ``admit(n)`` is called for every chunk of ``n`` body bytes as it arrives (chunks of at
+    most CHUNK bytes) and may raise to refuse the message (e.g. a byte budget). ``deadline(received)`` returns the
+    event-loop time by which the next read (of up to CHUNK bytes) must have completed, given the bytes received.
     """
     buffer = bytearray()  # multi-frame messages grow one buffer: peak memory ~1x the message, not 2x as with join
     total = 0
+    received = 0
+
+    def due(n: int) -> float | None:
+        return deadline(received + n) if deadline is not None else None
+
     while True:
-        magic, version, flags, length = HEADER.unpack(await _read_exactly(reader, HEADER.size, "a frame header"))
+        head = await _read_exactly(reader, HEADER.size, "a frame header", due(HEADER.size))
+        received += HEADER.size
+        magic, version, flags, length = HEADER.unpack(head)
         if magic != MAGIC:
             raise MalformedMessage(f"bad frame magic {magic!r}; the peer does not speak the asyncmesh protocol")
         if version != FRAMING_VERSION or flags & ~FLAG_END:
@@ -81,15 +112,16 @@ async def read_message(
         total += HEADER.size + length  # headers count, so a stream of empty frames is bounded too
         if total > max_message_bytes:
             raise FrameTooLarge(total, max_message_bytes, "message")
-        if admit is not None:
-            admit(length)
-        body = await _read_exactly(reader, length, "a frame body") if length else b""
+        left = length
+        while left:
+            chunk = await _read_some(reader, min(left, CHUNK), due(min(left, CHUNK)))
+            if admit is not None:
+                admit(len(chunk))  # charged once it arrived (at most CHUNK bytes are held uncharged)
+            buffer += chunk
+            received += len(chunk)
+            left -= len(chunk)
         if flags & FLAG_END:
-            if not buffer:
-                return body
-            buffer += body
             return buffer
-        buffer += body
 
 
 async def write_message(writer: asyncio.StreamWriter, data: bytes, *, frame_bytes: int) -> None:

@@ -1,7 +1,9 @@
 """Receiver limits for RPC streams and the per-peer byte budgets that enforce them.
 
 Every number a stranger could use to make us read, buffer or wait lives in `RpcLimits`; `PeerBudgets` is a token
-bucket per peer id so one peer cannot take more than its share of our download and memory.
+bucket per peer id so one peer cannot take more than its share of our download; `InflightLedger` charges buffered
+request bytes per peer as they arrive, with a small allowance for strangers (peers that have not yet done useful work
+for us) and a pool all strangers share, so a flood of new identities cannot take the memory the known peers need.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 from protocol.errors import RateLimited
 
-__all__ = ["RpcLimits", "PeerBudgets"]
+__all__ = ["RpcLimits", "PeerBudgets", "InflightLedger"]
 
 MiB = 2**20
 
@@ -47,14 +49,26 @@ class RpcLimits:
     linger_s: float = 2.0
     #: retry_after_s sent in Busy replies when the server itself is saturated
     busy_retry_s: float = 1.0
+    #: slowest a request may arrive on average, bytes/s, after rate_grace_s (a stream that stalls is cut)
+    min_bytes_per_s: float = 32 * 1024
+    #: seconds a request stream may go without meeting min_bytes_per_s (latency, slow start)
+    rate_grace_s: float = 5.0
+    #: request bytes one stranger (a peer not yet vouched for) may have buffered at once
+    stranger_inflight_bytes: int = 16 * MiB
+    #: request bytes all strangers together may have buffered at once (the rest is kept for known peers)
+    strangers_inflight_bytes: int = 256 * MiB
+    #: concurrent request streams one stranger may hold open
+    stranger_streams: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_frame_bytes", "send_frame_bytes", "max_message_bytes", "max_streams_per_peer",
-                     "max_inflight_bytes"):  # fmt: skip
+                     "max_inflight_bytes", "stranger_inflight_bytes", "strangers_inflight_bytes",
+                     "stranger_streams"):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"RpcLimits.{name} must be a positive int, got {value!r}")
-        for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s"):
+        for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s",
+                     "min_bytes_per_s", "rate_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
         if self.busy_retry_s < 0 or self.linger_s < 0:
@@ -94,3 +108,42 @@ class PeerBudgets:
         self._buckets[peer] = (tokens - n, now)
         while len(self._buckets) > self.max_peers:
             self._buckets.popitem(last=False)
+
+
+class InflightLedger:
+    """Request bytes buffered right now, per peer and in total, charged as they arrive.
+
+    ``charge(peer, n, allowance=...)`` raises ``OverflowError`` naming the exhausted limit: the server's total, a
+    stranger's own allowance (None: a known peer, no own limit), or the pool all strangers share. ``release`` returns
+    bytes when a request is done with.
+    """
+
+    def __init__(self, limits: RpcLimits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.strangers = 0
+        self.by_peer: dict[str, int] = {}
+
+    def charge(self, peer: str, n: int, *, allowance: int | None) -> None:
+        lim = self.limits
+        if self.total + n > lim.max_inflight_bytes:
+            raise OverflowError(f"{self.total} request bytes already buffered")
+        mine = self.by_peer.get(peer, 0)
+        if allowance is not None:
+            if mine + n > allowance:
+                raise OverflowError(f"a new peer may buffer at most {allowance} bytes")
+            if self.strangers + n > lim.strangers_inflight_bytes:
+                raise OverflowError(f"new peers already buffer {self.strangers} bytes")
+            self.strangers += n
+        self.total += n
+        self.by_peer[peer] = mine + n
+
+    def release(self, peer: str, n: int, *, stranger_bytes: int) -> None:
+        """Give back ``n`` bytes of ``peer``, of which ``stranger_bytes`` were charged while it was a stranger."""
+        self.total -= n
+        self.strangers -= stranger_bytes
+        left = self.by_peer.get(peer, 0) - n
+        if left > 0:
+            self.by_peer[peer] = left
+        else:
+            self.by_peer.pop(peer, None)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -25,7 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, ProtocolError, RemoteError, error_code_for
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
-from protocol.limits import PeerBudgets, RpcLimits
+from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
 __all__ = ["RpcServer", "RpcLimits", "call", "Handler", "HandlerTable", "Counting", "Transport", "RpcTransport",
@@ -69,6 +70,28 @@ class _Saturated(Exception):
     """Internal: this server has no room for the request right now; answered with Busy."""
 
 
+#: peers remembered as known (vouched for); the least recently vouched are forgotten first
+MAX_KNOWN_PEERS = 4096
+#: seconds between two log lines about failing handlers (a stranger must not be able to grow our logs)
+INTERNAL_LOG_EVERY_S = 60.0
+
+
+class _NotAdmitted(Exception):
+    """Internal: the sender failed the server's admission gate (a closed run); answered with UNAUTHORIZED."""
+
+
+class _WrongKind(Exception):
+    """Internal: a well-formed message of a kind this handler does not take; answered with BAD_REQUEST."""
+
+
+class _Policy:
+    """Per-handler limits set with ``RpcServer.restrict``: accepted message kinds and the largest request."""
+
+    def __init__(self) -> None:
+        self.kinds: tuple[type[Message], ...] | None = None
+        self.max_message_bytes: int | None = None
+
+
 class RpcServer:
     """Serves named handlers on a hivemind P2P instance.
 
@@ -81,6 +104,11 @@ class RpcServer:
 
     `rejected` counts refused or failed requests by reason (the lower-case ErrorCode name, or 'busy'); `served`
     counts handled requests by handler name; `bytes_in` / `bytes_out` count payload bytes.
+
+    Strangers: a peer is a stranger until ``vouch(peer_id)`` is called for it (the owner does so once the peer did
+    useful work, e.g. answered a call of ours). Strangers get ``stranger_streams`` streams and
+    ``stranger_inflight_bytes`` of buffer each, all together at most ``strangers_inflight_bytes``. Every request must
+    arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut.
     """
 
     def __init__(self, p2p: P2P, limits: RpcLimits | None = None, *, count: Counting | None = None) -> None:
@@ -93,8 +121,41 @@ class RpcServer:
         self.bytes_out = 0
         self._budgets = PeerBudgets(self.limits.per_peer_bytes_per_s, self.limits.burst_bytes)
         self._streams: Counter[str] = Counter()
-        self._inflight = 0
+        self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._policies: dict[str, _Policy] = {}
+        self._last_internal_log = -INTERNAL_LOG_EVERY_S
+        self.cut_slow = 0  # requests cut for arriving too slowly (also counted under rejected['timeout'])
+        #: optional admission check of the authenticated sender (closed runs); False refuses with UNAUTHORIZED
+        self.gate: Callable[[str], Awaitable[bool]] | None = None
+
+    @property
+    def _inflight(self) -> int:
+        return self._ledger.total
+
+    def vouch(self, peer_id: str) -> None:
+        """Treat ``peer_id`` as a known peer from now on (it did useful work for us): the full per-peer budgets."""
+        self._known.pop(peer_id, None)
+        self._known[peer_id] = None
+        while len(self._known) > MAX_KNOWN_PEERS:
+            self._known.popitem(last=False)
+
+    def is_known(self, peer_id: str) -> bool:
+        return peer_id in self._known
+
+    def restrict(self, name: str, *, kinds: tuple[type[Message], ...] | None = None,
+                 max_message_bytes: int | None = None) -> None:
+        """Limit handler ``name``: requests of another message kind are refused as BAD_REQUEST before the handler
+        runs, and requests larger than ``max_message_bytes`` are refused before they are read (e.g. a forward's
+        size follows from the run's shapes). May be called before or after the handler is added."""
+        policy = self._policies.setdefault(name, _Policy())
+        if kinds is not None:
+            policy.kinds = tuple(kinds)
+        if max_message_bytes is not None:
+            if max_message_bytes <= 0:
+                raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
+            policy.max_message_bytes = min(max_message_bytes, self.limits.max_message_bytes)
 
     async def add_handler(self, name: str, fn: Handler) -> None:
         """Serve `fn` under `name`; `fn(msg, peer_id)` returns the reply (an Error or Busy message is fine too)."""
@@ -116,34 +177,54 @@ class RpcServer:
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
-        buffered = 0
+        policy = self._policies.get(name) or _Policy()
+        max_message = policy.max_message_bytes or limits.max_message_bytes
+        buffered = stranger_buffered = 0
+        known = self.is_known(peer)
+        # a stranger may always have one whole request of this handler in flight (or it could never start working)
+        allowance = None if known else max(limits.stranger_inflight_bytes, max_message)
+        start = asyncio.get_running_loop().time()
 
-        def admit(n: int) -> None:
-            nonlocal buffered
-            if self._inflight + n > limits.max_inflight_bytes:
-                raise _Saturated(f"{self._inflight} request bytes already buffered")
-            self._budgets.take(peer, n)
-            self._inflight += n
+        def admit(n: int) -> None:  # called per chunk, as the bytes arrive: announcing a size reserves nothing
+            nonlocal buffered, stranger_buffered
+            try:
+                self._ledger.charge(peer, n, allowance=allowance)
+            except OverflowError as e:
+                raise _Saturated(str(e)) from None
             buffered += n
+            if not known:
+                stranger_buffered += n
+            self._budgets.take(peer, n)
+
+        def deadline(received: int) -> float:  # the minimum rate: a stalled or trickling stream is cut
+            return start + limits.rate_grace_s + received / limits.min_bytes_per_s
 
         try:
-            if self._streams[peer] >= limits.max_streams_per_peer:
+            if self.gate is not None and not await self.gate(peer):
+                raise _NotAdmitted(f"peer {peer} is not admitted to this run")
+            cap = limits.max_streams_per_peer if known else min(limits.stranger_streams, limits.max_streams_per_peer)
+            if self._streams[peer] >= cap:
                 raise _Saturated(f"peer {peer} already has {self._streams[peer]} open streams")
             self._streams[peer] += 1
             try:
                 try:
                     async with asyncio.timeout(limits.read_timeout_s):
                         data = await read_message(
-                            reader, max_frame_bytes=limits.max_frame_bytes,
-                            max_message_bytes=limits.max_message_bytes, admit=admit,
+                            reader, max_frame_bytes=min(limits.max_frame_bytes, max_message),
+                            max_message_bytes=max_message, admit=admit, deadline=deadline,
                         )  # fmt: skip
                 except TimeoutError:
-                    raise TimeoutError(f"request not received within {limits.read_timeout_s} s") from None
+                    self.cut_slow += 1
+                    raise TimeoutError(f"request not received in time (at least {limits.min_bytes_per_s:.0f} B/s "
+                                       f"after {limits.rate_grace_s} s, at most {limits.read_timeout_s} s)") from None
                 self.bytes_in += len(data)
                 if self.count is not None:
                     self.count("bytes_in", len(data))
                 msg = await _unpack(data)
                 del data
+                if policy.kinds is not None and not isinstance(msg, policy.kinds):
+                    raise _WrongKind(f"{name} takes {'/'.join(k.__name__ for k in policy.kinds)}, "
+                                     f"not {type(msg).__name__}")
                 deadline = asyncio.timeout(limits.handler_timeout_s)
                 try:
                     async with deadline:
@@ -159,7 +240,7 @@ class RpcServer:
                 self._streams[peer] -= 1
                 if not self._streams[peer]:
                     del self._streams[peer]
-                self._inflight -= buffered
+                self._ledger.release(peer, buffered, stranger_bytes=stranger_buffered)
         except asyncio.CancelledError:
             writer.close()
             raise
@@ -176,9 +257,24 @@ class RpcServer:
             self.rejected["timeout"] += 1
             logger.debug("timeout on %s from %s: %s", name, peer, e)
             reply = Error(ErrorCode.TIMEOUT, str(e))
+        except _NotAdmitted as e:
+            self.rejected["unauthorized"] += 1
+            logger.debug("refused %s: %s", name, e)
+            reply = Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
+        except _WrongKind as e:
+            self.rejected["wrong_kind"] += 1
+            logger.debug("refused %s from %s: %s", name, peer, e)
+            reply = Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
         except Exception as e:
             self.rejected["internal"] += 1
-            logger.warning("handler %s failed on a request from %s", name, peer, exc_info=True)
+            now = time.monotonic()
+            if now - self._last_internal_log >= INTERNAL_LOG_EVERY_S:  # rate-limited: requests are a stranger's
+                self._last_internal_log = now
+                logger.warning("handler %s failed on a request from %s (%d failures so far; next report in %.0f s "
+                               "at the earliest)", name, peer, self.rejected["internal"], INTERNAL_LOG_EVERY_S,
+                               exc_info=True)
+            else:
+                logger.debug("handler %s failed on a request from %s: %r", name, peer, e)
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
         try:
             payload = await _pack(reply)
@@ -291,4 +387,8 @@ class RpcTransport:
         await self.rpc_server.add_handler(name, fn)
 
     async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message:
-        return await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)
+        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)
+        vouch = getattr(self.rpc_server, "vouch", None)
+        if vouch is not None and not isinstance(reply, Busy):
+            vouch(peer_id)  # it answered a call of ours: no longer a stranger to our server
+        return reply

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from hivemind import DHT
 
 from peer.averaging.loop import AveragingLoop, NetAveragingConfig
 from peer.membership.records import PeerRecord, announce
 from peer.ops.metrics import PeerMetrics
 from peer.state.sync import StateServer, StateSyncConfig, choose_donors, load_state_from_peers
 from protocol.rpc import RpcServer
+from tests.dht_utils import signed_dht
 from trainer.config import RunConfig
 from trainer.worker import StageWorker
 
@@ -39,11 +39,11 @@ def test_choose_donors_prefers_the_most_trained_training_peers_of_the_stage():
     assert choose_donors(records, 0, "me") == ["b", "a"]
 
 
-def test_joiner_finds_its_donor_and_its_partners_through_the_dht():
+def test_joiner_finds_its_donor_and_its_partners_through_the_dht(tmp_path):
     async def main():
-        dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-        dhts.append(DHT(start=True, initial_peers=dhts[0].get_visible_maddrs(),
-                        host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        first, s0 = signed_dht(tmp_path, "p0", RUN.run_id)
+        second, s1 = signed_dht(tmp_path, "p1", RUN.run_id, [str(m) for m in first.get_visible_maddrs()])
+        dhts, signers = [first, second], [s0, s1]
         executors = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]
         loops: list[AveragingLoop] = []
         try:
@@ -65,8 +65,8 @@ def test_joiner_finds_its_donor_and_its_partners_through_the_dht():
                                  metrics=metrics[0], config=StateSyncConfig(chunk_bytes=256 * 1024))
             await server.start()
             server.ready = True
-            assert await announce(dhts[0], RUN.run_id, _record(ids[0], "training", 1), 60)
-            assert await announce(dhts[1], RUN.run_id, _record(ids[1], "loading_state", 0), 60)
+            assert await announce(dhts[0], RUN.run_id, _record(ids[0], "training", 1), 60, signer=signers[0])
+            assert await announce(dhts[1], RUN.run_id, _record(ids[1], "loading_state", 0), 60, signer=signers[1])
 
             state = await load_state_from_peers(p2p=p2ps[1], dht=dhts[1], run=RUN, stage=0, metrics=metrics[1],
                                                 reference=workers[1].state_dict())
@@ -76,7 +76,7 @@ def test_joiner_finds_its_donor_and_its_partners_through_the_dht():
             for p, q in zip(workers[0].parameters(), workers[1].parameters(), strict=True):
                 assert torch.equal(p, q)
 
-            assert await announce(dhts[1], RUN.run_id, _record(ids[1], "training", 1), 60)
+            assert await announce(dhts[1], RUN.run_id, _record(ids[1], "training", 1), 60, signer=signers[1])
             for i in range(2):
                 loops.append(AveragingLoop(p2p=p2ps[i], rpc_server=rpcs[i], dht=dhts[i], run=RUN, stage=0,
                                            worker_call=worker_call(i), metrics=metrics[i], config=CFG))

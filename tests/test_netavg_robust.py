@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from test_netavg_rounds import FAST, RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
+from test_netavg_rounds import RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
 
 from peer.averaging.aggregate import robust_combine
 from peer.averaging.loop import next_round

@@ -54,17 +54,19 @@ def test_swarm_view_finds_coverage_bottleneck_and_throughput() -> None:
 def test_monitor_once_json_reads_every_peer_from_a_live_dht(tmp_path: Path) -> None:
     from hivemind import DHT
 
-    from peer.membership.records import announce
+    from peer.membership.records import announce, record_validator
+    from peer.membership.signing import Signer
     from trainer.config import RunConfig
 
     run = RunConfig.default()
-    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[record_validator(run.run_id)])
     try:
-        records = [rec(f"12D3KooWfake{i}", i % run.n_stages, 1.0 + i, loss=3.0) for i in range(3)]
+        signers = [Signer.generate() for _ in range(3)]  # each record is signed by the peer it describes
+        records = [rec(s.peer_id, i % run.n_stages, 1.0 + i, loss=3.0) for i, s in enumerate(signers)]
 
         async def publish() -> None:
-            for r in records:
-                assert await announce(dht, run.run_id, r, expiration_s=60)
+            for r, s in zip(records, signers, strict=True):
+                assert await announce(dht, run.run_id, r, expiration_s=60, signer=s)
 
         asyncio.run(publish())
         maddrs = [str(a) for a in dht.get_visible_maddrs()]

@@ -6,9 +6,11 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from hivemind.utils import get_dht_time
 
 from peer.membership import records as dht_records
-from peer.membership.records import PeerRecord, RecordError, parse_swarm
+from peer.membership.records import PeerRecord, RecordError, parse_swarm, swarm_key
+from peer.membership.signing import Signer, seal
 
 
 def good(pid: str = "QmA", **kw) -> dict:
@@ -18,8 +20,23 @@ def good(pid: str = "QmA", **kw) -> dict:
     return v
 
 
+RUN = "records-test-run"
+SIGNERS: dict[str, Signer] = {}
+
+
 def raw(entries: dict) -> SimpleNamespace:
-    return SimpleNamespace(value={k: SimpleNamespace(value=v, expiration_time=0.0) for k, v in entries.items()})
+    """A DHT answer whose values are signed by the key that owns each subkey (records are keyed by real peer ids)."""
+    exp = get_dht_time() + 20
+    return SimpleNamespace(value={k: SimpleNamespace(value=seal(SIGNERS[k], swarm_key(RUN), v, exp)
+                                                     if k in SIGNERS else v, expiration_time=exp)
+                                  for k, v in entries.items()})
+
+
+def pid() -> str:
+    """A real peer id (its signer is kept so ``raw`` can sign its record)."""
+    signer = Signer.generate()
+    SIGNERS[signer.peer_id] = signer
+    return signer.peer_id
 
 
 def test_roundtrip():
@@ -39,11 +56,11 @@ def test_invalid_fields_are_rejected(bad):
 
 def test_parse_swarm_skips_and_counts_bad_records_and_stopped_peers():
     before = dict(dht_records.rejected)
-    found = raw({"QmA": good("QmA"), "QmB": good("QmB", stage="x"), "QmC": [1, 2], "QmD": good("QmD", state="stopped"),
-                 123: good("123")})
-    out = parse_swarm(found)
-    assert set(out) == {"QmA"}
+    a, b, c, d = pid(), pid(), pid(), pid()
+    found = raw({a: good(a), b: good(b, stage="x"), c: [1, 2], d: good(d, state="stopped"), 123: good("123")})
+    out = parse_swarm(found, RUN)
+    assert set(out) == {a}
     assert dht_records.rejected["invalid"] - before.get("invalid", 0) == 3
-    assert set(parse_swarm(found, include_stopped=True)) == {"QmA", "QmD"}
-    assert parse_swarm(None) == {}
-    assert parse_swarm(SimpleNamespace(value=b"junk")) == {}
+    assert set(parse_swarm(found, RUN, include_stopped=True)) == {a, d}
+    assert parse_swarm(None, RUN) == {}
+    assert parse_swarm(SimpleNamespace(value=b"junk"), RUN) == {}

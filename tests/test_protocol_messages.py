@@ -170,9 +170,9 @@ def test_framing_refuses_before_reading_body() -> None:
             refused.append(n)
             raise RateLimited("no budget")
 
-        with pytest.raises(RateLimited):
-            await read_message(_reader(frame_header(50, end=True)), max_frame_bytes=100, max_message_bytes=1000,
-                               admit=admit)  # fmt: skip
+        with pytest.raises(RateLimited):  # budgets are charged per chunk as it arrives, not on announcement
+            await read_message(_reader(frame_header(50, end=True) + bytes(50)), max_frame_bytes=100,
+                               max_message_bytes=1000, admit=admit)  # fmt: skip
         assert refused == [50]
 
     asyncio.run(main())

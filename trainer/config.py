@@ -10,6 +10,7 @@ library's own source files; it is what ``asyncmesh-peer swarm`` trains when give
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -228,6 +229,32 @@ class DataConfig:
             raise ValueError("data.max_bytes and data.bin_vocab_size must be >= 0")
 
 
+ACCESS_MODES = ("open", "closed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccessConfig:
+    """Who may join the run: anyone (open), or peers holding a credential signed by the organiser (closed)."""
+
+    mode: str = "open"
+    """'open': any peer may join (strangers are contained, not excluded); 'closed': only admitted peers."""
+    organiser_key: str = ""
+    """Closed runs: the organiser's public key (base64 libp2p key, printed by `asyncmesh-peer admit --new-key`)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ACCESS_MODES:
+            raise ValueError(f"access.mode must be one of {ACCESS_MODES}, got {self.mode!r}")
+        if self.mode == "closed":
+            try:
+                key = base64.b64decode(self.organiser_key, validate=True)
+            except ValueError:
+                key = b""
+            if not key:
+                raise ValueError("a closed run needs access.organiser_key (base64; `asyncmesh-peer admit --new-key`)")
+        elif self.organiser_key:
+            raise ValueError("access.organiser_key is only for closed runs (access.mode = \"closed\")")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything that must be identical on every peer of one swarm."""
@@ -245,6 +272,7 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
 
     def __post_init__(self) -> None:
         if self.n_stages < 1:
@@ -261,6 +289,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layers_per_stage"] = list(self.layers_per_stage)
+        if self.access == AccessConfig():
+            del d["access"]  # open runs keep the run ids they had before access control existed
         return d
 
     def canonical_json(self) -> str:
@@ -276,7 +306,7 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         """Strict: an unknown key is an error that names it (a typo must not silently fork the run)."""
         sections = {"model": ModelConfig, "optim": OptimConfig, "averaging": AveragingConfig,
-                    "compression": CompressionConfig, "data": DataConfig}
+                    "compression": CompressionConfig, "data": DataConfig, "access": AccessConfig}
         kwargs: dict[str, Any] = {}
         top_fields = {f.name for f in dataclasses.fields(cls)}
         for key, value in d.items():

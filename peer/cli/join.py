@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="addresses others should dial (public IP / forwarded port)")
     p.add_argument("--identity", default=None, metavar="PATH",
                    help="private key file fixing the peer id (default ~/.asyncmesh/identity.key; created if missing)")
+    p.add_argument("--credential", default=None, metavar="FILE",
+                   help="closed runs: the admission credential the organiser issued for this peer id")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="periodic and final checkpoints go here")
     p.add_argument("--no-tui", action="store_true", help="log lines instead of the live dashboard")
     p.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N local optimiser steps")
@@ -111,6 +113,8 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
         kw["host_maddrs"] = tuple(args.host_maddrs)
     if args.identity:
         kw["identity_path"] = args.identity
+    if args.credential:
+        kw["credential_path"] = args.credential
     kw.update(parse_overrides(args.overrides))
     kw.update(overrides)
     return run, PeerConfig(**kw)

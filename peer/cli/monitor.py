@@ -156,10 +156,11 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
 
     from hivemind import DHT
 
-    from peer.membership.records import fetch_swarm
+    from peer.membership.records import fetch_swarm, record_validator
 
-    try:
-        dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True)
+    try:  # the run's validator: forged records in a lying node's answer are dropped before fetch_swarm sees them
+        dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
+                                      record_validators=[record_validator(run_config.run_id)])
     except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
         raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
                          f"multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import hivemind
+from hivemind.dht.validation import RecordValidatorBase
 
 from peer.config import PeerConfig
 from peer.errors import DaemonError
@@ -25,8 +27,11 @@ class JoinInterrupted(Exception):
     """The peer was asked to stop (SIGTERM, Ctrl-C) while it was still joining the DHT."""
 
 
-async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None) -> hivemind.DHT:
+async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
+                    validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:
     """Start this peer's DHT node (a child process running p2pd), joining ``cfg.initial_peers``.
+
+    ``validators`` gate every record this node stores or reads (``records.record_validator``: owner-signed records).
 
     A joiner retries with backoff (1, 2, 4, 8 s) because the bootstrap peer may be busy starting up itself; a new swarm
     fails at once. Raises DaemonError saying what to check, or JoinInterrupted as soon as ``stop`` is set (the
@@ -41,7 +46,7 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None) -> hivem
     stop = stop or asyncio.Event()
     for attempt in range(DHT_START_ATTEMPTS):
         try:
-            return await _start_once(cfg, str(identity), stop)
+            return await _start_once(cfg, str(identity), stop, validators)
         except JoinInterrupted:
             raise
         except Exception as e:  # the bootstrap peer may be busy starting up itself: retry before giving up
@@ -59,12 +64,13 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None) -> hivem
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-async def _start_once(cfg: PeerConfig, identity: str, stop: asyncio.Event) -> hivemind.DHT:
+async def _start_once(cfg: PeerConfig, identity: str, stop: asyncio.Event,
+                      validators: Sequence[RecordValidatorBase]) -> hivemind.DHT:
     """One attempt. The DHT process is forked from this (the main) thread, which lives as long as the peer: its
     parent-death signal is bound to the forking thread. Readiness is awaited in an executor, checking ``stop``."""
     dht = LifelineDHT(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
                       announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=identity,
-                      use_ipfs=cfg.use_ipfs, start=False, client_mode=False)
+                      use_ipfs=cfg.use_ipfs, start=False, client_mode=False, record_validators=list(validators))
     dht.start()
     loop = asyncio.get_running_loop()
     try:

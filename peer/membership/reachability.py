@@ -3,16 +3,20 @@
 A peer behind NAT or a closed firewall can still dial out, so it joins the DHT and *looks* healthy, but nobody can
 send it micro-batches. The check asks a peer it already knows (an initial peer) to open a plain TCP connection to
 each announced address and to say whether one succeeded: a real dial-back from outside, not a reuse of the
-connection we opened. The helper answers at most once per ``min_interval_s`` per requester and dials at most
-``MAX_ADDRS`` addresses per request, so it is a poor tool for scanning other hosts.
+connection we opened. The helper answers at most once per ``min_interval_s`` per requester, dials at most
+``MAX_ADDRS`` addresses per request, and only the requester's own address as libp2p observed it on the connection the
+request came over (any port: probing one's own host tells nothing new). Loopback, private and link-local addresses are
+dialled only when the swarm itself is local (every address it announces is one), so the helper is no port-probe
+oracle into its own machine or network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, Message
@@ -38,11 +42,41 @@ def is_public_unroutable(host: str) -> bool:
     return host in ("0.0.0.0", "::") or host.startswith("127.") or host == "::1"
 
 
-class ReachabilityHelper:
-    """Answers other peers' dial-back requests (registered on the RpcServer as ``reach``)."""
+def is_private(host: str) -> bool:
+    """Loopback, private, link-local, unspecified or otherwise non-public addresses (and anything not an IP)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return not ip.is_global or ip.is_multicast
 
-    def __init__(self, *, run_id: str, timeout_s: float, min_interval_s: float = 30.0) -> None:
+
+def swarm_is_local(maddrs: Iterable[str]) -> bool:
+    """Whether every TCP address among ``maddrs`` (all the swarm announces) is loopback or private: a lab swarm."""
+    hosts = [h for m in maddrs for h, _ in tcp_targets([m])]
+    return bool(hosts) and all(is_private(h) for h in hosts)
+
+
+async def observed_hosts(p2p: object, peer_id: str) -> set[str]:
+    """The IP addresses libp2p sees ``peer_id`` connected from (the remote ends of our connections to it)."""
+    hosts: set[str] = set()
+    for info in await p2p.list_peers():  # type: ignore[attr-defined]
+        if info.peer_id.to_base58() == peer_id:
+            hosts.update(h for a in info.addrs for h, _ in tcp_targets([str(a)]))
+    return hosts
+
+
+class ReachabilityHelper:
+    """Answers other peers' dial-back requests (registered on the RpcServer as ``reach``).
+
+    ``observed(peer_id)`` returns the hosts the requester is connected from; ``local_swarm()`` says whether the swarm
+    is a local one (then loopback and private addresses may be dialled).
+    """
+
+    def __init__(self, *, run_id: str, timeout_s: float, observed: Callable[[str], Awaitable[set[str]]],
+                 local_swarm: Callable[[], bool], min_interval_s: float = 30.0) -> None:
         self.run_id, self.timeout_s, self.min_interval_s = run_id, timeout_s, min_interval_s
+        self.observed, self.local_swarm = observed, local_swarm
         self._last: dict[str, float] = {}
 
     async def handle(self, msg: Message, peer_id: str) -> Message:
@@ -57,6 +91,13 @@ class ReachabilityHelper:
         targets = tcp_targets(list(msg.capabilities))
         if not targets:
             return Error(code=ErrorCode.BAD_REQUEST, message="no /ip4|ip6/HOST/tcp/PORT address to dial")
+        own = await self.observed(peer_id)
+        local = self.local_swarm()
+        allowed = [(h, p) for h, p in targets if h in own and (local or not is_private(h))]
+        if not allowed:
+            return Error(code=ErrorCode.BAD_REQUEST,
+                         message="only the requester's own observed public address is dialled back")
+        targets = allowed
         failures = []
         for host, port in targets:
             try:

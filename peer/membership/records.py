@@ -5,13 +5,16 @@ returns the whole swarm. Records expire ``expiration_s`` after their announcemen
 routing and stage choice without anyone having to notice it. A stopping peer re-announces itself with state
 ``"stopped"`` (a DHT entry cannot be shortened, only superseded), which readers treat as absent.
 
-Reads are the network boundary: every value is validated field by field (a malformed record is skipped and counted,
+Every record is signed by its owner's identity key (``signing.py``): each node's DHT refuses to store a record that is
+not signed by the peer id it is stored under, and readers check the signature again. Reads are the network boundary:
+every value is validated field by field (a malformed record is skipped and counted,
 never raised), and every read runs under a hard timeout because hivemind's ``get`` can hang on malformed data.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections import Counter
@@ -19,6 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
+
+from peer.membership.admission import check as check_credential
+from peer.membership.signing import SignatureError, SignedRecordValidator, Signer, open_envelope, seal
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -110,10 +116,26 @@ def swarm_key(run_id: str) -> str:
 rejected: Counter[str] = Counter()
 
 
-async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float) -> bool:
-    """Store (or refresh) this peer's record, expiring ``expiration_s`` from now. False if no node took it."""
-    future = dht.store(swarm_key(run_id), record.to_value(), get_dht_time() + expiration_s,
-                       subkey=record.peer_id, return_future=True)
+def record_validator(run_id: str, organiser_key: bytes | None = None) -> SignedRecordValidator:
+    """The validator every node of the run installs in its DHT: owner-signed, schema-valid, bounded expiration; in a
+    closed run (``organiser_key``) also carrying a credential that admits its owner."""
+    admit = None if organiser_key is None else functools.partial(_admitted, organiser_key, run_id)
+    return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admit)
+
+
+def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: Any) -> None:
+    check_credential(credential, organiser_key=organiser_key, run_id=run_id, peer_id=peer_id)
+
+
+async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
+                   credential: bytes | None = None) -> bool:
+    """Store (or refresh) this peer's signed record, expiring ``expiration_s`` from now. False if no node took it.
+    ``credential``: this peer's admission to a closed run (carried in the record)."""
+    if record.peer_id != signer.peer_id:
+        raise ValueError("a peer can only announce its own record (the signer's peer id)")
+    expiration = get_dht_time() + expiration_s
+    value = seal(signer, swarm_key(run_id), record.to_value(), expiration, credential)
+    future = dht.store(swarm_key(run_id), value, expiration, subkey=record.peer_id, return_future=True)
     try:
         return bool(await asyncio.wait_for(future, timeout=expiration_s))
     except TimeoutError:
@@ -123,9 +145,11 @@ async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: floa
         return False
 
 
-async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float) -> bool:
+async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
+                   credential: bytes | None = None) -> bool:
     """Supersede this peer's record with a 'stopped' one so readers drop it before its old record expires."""
-    return await announce(dht, run_id, replace(record, state="stopped", queue=0, throughput=0.0), expiration_s)
+    return await announce(dht, run_id, replace(record, state="stopped", queue=0, throughput=0.0), expiration_s,
+                          signer=signer, credential=credential)
 
 
 async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
@@ -143,11 +167,11 @@ async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
         rejected["dht_error"] += 1
         logger.debug("reading the swarm's records failed: %r", e)
         return {}
-    return parse_swarm(found, include_stopped=include_stopped)
+    return parse_swarm(found, run_id, include_stopped=include_stopped)
 
 
-def parse_swarm(found: Any, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
-    """Turn a raw ``DHT.get`` result into validated records (pure; unit-tested)."""
+def parse_swarm(found: Any, run_id: str, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
+    """Turn a raw ``DHT.get`` result into signature-checked, validated records (pure; unit-tested)."""
     records: dict[str, PeerRecord] = {}
     if found is None:
         return records
@@ -160,7 +184,12 @@ def parse_swarm(found: Any, *, include_stopped: bool = False) -> dict[str, PeerR
         try:
             if not isinstance(subkey, str) or len(subkey) > MAX_STR:
                 raise RecordError("subkey is not a peer id string")
-            record = PeerRecord.from_value(subkey, value)
+            body = open_envelope(swarm_key(run_id), subkey, value, getattr(item, "expiration_time", None))
+            record = PeerRecord.from_value(subkey, body)
+        except SignatureError as e:
+            rejected["bad_signature"] += 1
+            logger.debug("ignoring an unsigned or forged DHT record under %r: %s", str(subkey)[:64], e)
+            continue
         except RecordError as e:
             rejected["invalid"] += 1
             logger.debug("ignoring an invalid DHT record under %r: %s", str(subkey)[:64], e)

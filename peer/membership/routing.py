@@ -1,23 +1,40 @@
-"""Choosing the next hop: weighted random over announced throughput, observed latency and queue depth, with bans.
+"""Choosing the next hop: weighted random over what *we* measured of each peer, with bans.
 
 Every sender picks a peer of the next stage at random with probability proportional to 1 / (expected time to be
-served): ``latency + (queue + 1) / rate``, where ``rate`` is the peer's announced micro-batches per second and
-``latency`` our moving average of its round trips (SWARM's stochastic wiring). Load spreads in proportion to
-capacity, and a slow or far peer still gets some traffic so its estimate stays fresh. A peer that fails is banned
-with exponential backoff; a peer that answers Busy is skipped for the time it asked for.
+served): ``latency + service x (1 + outstanding / OUTSTANDING_SCALE)``. ``latency`` is our moving average of its
+request round trips; ``service`` our moving average of the time from sending it a micro-batch to receiving the
+gradient back (measured, so a peer cannot buy traffic by announcing a high throughput); ``outstanding`` the
+micro-batches it accepted and has not answered yet. Until a peer is measured, its service time is the median we
+measured of the others, or, when nobody is measured yet, ``(queue + 1) / rate`` from its announcement with ``rate``
+clamped to ``ANNOUNCED_CAP`` times the median announced rate (SWARM's stochastic wiring, bounded). Load spreads in
+proportion to measured capacity, and a slow or far peer still gets some traffic so its estimate stays fresh.
+
+A peer that fails is banned with exponential backoff; a peer that answers Busy is skipped for the time it asked for.
+A peer that accepts micro-batches and returns nothing (a black hole) is found by ``black_holes``: at least
+``BLACKHOLE_MIN_ITEMS`` unanswered for longer than ``BLACKHOLE_RTTS`` expected round trips, and banned for the
+longest ban.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from peer.membership.records import PeerRecord
 
 DEFAULT_LATENCY_S = 0.05
 LATENCY_EMA = 0.2
+SERVICE_EMA = 0.2
+OUTSTANDING_SCALE = 4.0
+ANNOUNCED_CAP = 2.0
+BLACKHOLE_MIN_ITEMS = 3
+BLACKHOLE_RTTS = 3.0
+BLACKHOLE_MIN_S = 2.0  # floor of the black-hole wait once round trips are measured
+BLACKHOLE_UNMEASURED_S = 10.0  # the wait while no round trip at all was measured (first micro-batches are slow)
+MAX_OUTSTANDING = 4096
 
 
 class NoRouteError(RuntimeError):
@@ -31,6 +48,11 @@ class HopStats:
     latency_s: float = DEFAULT_LATENCY_S
     failures: int = 0
     banned_until: float = 0.0
+    service_s: float | None = None
+    """Moving average of send -> gradient back, seconds (None until measured)."""
+    outstanding: dict[int, float] = field(default_factory=dict)
+    """Micro-batches it accepted and has not answered: id -> when sent."""
+    last_return: float = 0.0
 
 
 class Router:
@@ -47,11 +69,21 @@ class Router:
     def _stats(self, peer_id: str) -> HopStats:
         return self.stats.setdefault(peer_id, HopStats())
 
-    def weight(self, record: PeerRecord) -> float:
-        """1 / expected seconds until this peer has served one more micro-batch."""
+    def _measured_median(self) -> float | None:
+        measured = [st.service_s for st in self.stats.values() if st.service_s is not None]
+        return statistics.median(measured) if measured else None
+
+    def weight(self, record: PeerRecord, *, announced_median: float | None = None,
+               measured_median: float | None = None) -> float:
+        """1 / expected seconds until this peer has served one more micro-batch (medians: see the module doc)."""
         st = self.stats.get(record.peer_id) or HopStats()
-        rate = record.throughput / self.costs[record.stage] if record.throughput > 0 else 1.0
-        return 1.0 / (st.latency_s + (record.queue + 1) / rate)
+        service = st.service_s if st.service_s is not None else measured_median
+        if service is None:
+            rate = record.throughput / self.costs[record.stage] if record.throughput > 0 else 1.0
+            if announced_median is not None and announced_median > 0:
+                rate = min(rate, ANNOUNCED_CAP * announced_median)
+            service = (record.queue + 1) / rate
+        return 1.0 / (st.latency_s + service * (1.0 + len(st.outstanding) / OUTSTANDING_SCALE))
 
     def candidates(self, records: Iterable[PeerRecord], stage: int, *,
                    exclude: Iterable[str] = ()) -> list[PeerRecord]:
@@ -64,8 +96,52 @@ class Router:
         cands = self.candidates(records, stage, exclude=exclude)
         if not cands:
             raise NoRouteError(f"no reachable peer serves stage {stage}")
-        weights = [self.weight(r) for r in cands]
+        rates = [r.throughput / self.costs[r.stage] for r in cands if r.throughput > 0]
+        announced = statistics.median(rates) if rates else None
+        measured = self._measured_median()
+        weights = [self.weight(r, announced_median=announced, measured_median=measured) for r in cands]
         return self.rng.choices(cands, weights=weights, k=1)[0]
+
+    def sent(self, peer_id: str, mb_id: int) -> None:
+        """``peer_id`` accepted micro-batch ``mb_id``: its gradient is now owed."""
+        st = self._stats(peer_id)
+        if len(st.outstanding) < MAX_OUTSTANDING:
+            st.outstanding[mb_id] = self.clock()
+
+    def returned(self, peer_id: str, mb_id: int) -> None:
+        """``peer_id`` answered micro-batch ``mb_id`` (a gradient, or a drop notice): one round trip measured."""
+        st = self._stats(peer_id)
+        t = st.outstanding.pop(mb_id, None)
+        now = self.clock()
+        st.last_return = now
+        if t is not None:
+            rtt = max(now - t, 0.0)
+            st.service_s = rtt if st.service_s is None else (1 - SERVICE_EMA) * st.service_s + SERVICE_EMA * rtt
+
+    def cancel(self, peer_id: str, mb_id: int) -> None:
+        """We gave up on micro-batch ``mb_id`` (timeout, drop): ``peer_id`` no longer owes it."""
+        st = self.stats.get(peer_id)
+        if st is not None:
+            st.outstanding.pop(mb_id, None)
+
+    def black_holes(self) -> list[tuple[str, list[int]]]:
+        """Peers that accepted work and answered none of it for several expected round trips: banned for the
+        longest ban; returned with the micro-batches they hold, which the caller drops (and re-sends upstream)."""
+        now, measured = self.clock(), self._measured_median()
+        found = []
+        for pid, st in self.stats.items():
+            if len(st.outstanding) < BLACKHOLE_MIN_ITEMS:
+                continue
+            rtt = st.service_s if st.service_s is not None else measured
+            wait = max(BLACKHOLE_RTTS * rtt, BLACKHOLE_MIN_S) if rtt is not None else BLACKHOLE_UNMEASURED_S
+            overdue = [mb for mb, t in st.outstanding.items() if now - t > wait and t > st.last_return]
+            if len(overdue) >= BLACKHOLE_MIN_ITEMS:
+                st.failures += 1
+                st.banned_until = now + self.ban_max_s
+                for mb in overdue:
+                    del st.outstanding[mb]
+                found.append((pid, overdue))
+        return found
 
     def success(self, peer_id: str, latency_s: float) -> None:
         st = self._stats(peer_id)

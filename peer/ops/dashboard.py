@@ -286,6 +286,8 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
     n_stages = s.get("n_stages")
     head = f"{title} · peer {short_id(s.get('peer_id', ''), 14)} · stage {stage}" + (f"/{n_stages}" if n_stages
                                                                                         else "")
+    if s.get("access"):
+        head += f" · {s['access']} run"
     return Panel(grid, title=head, title_align="left", border_style=STATE_STYLE.get(state, "white"), width=80,
                  subtitle="Ctrl-C drains and exits", subtitle_align="right")
 

@@ -86,6 +86,7 @@ class PeerMetrics:
         self.peer_id = peer_id
         self.stage = stage
         self.run_id = ""
+        self.access = "open"  # the run's access mode: "open" (anyone may join) or "closed" (admitted peers only)
         self.n_stages: int | None = None
         self.maddrs: list[str] = []
         self.train_loss: float | None = None
@@ -264,6 +265,7 @@ class PeerMetrics:
             "schema": SNAPSHOT_SCHEMA,
             "peer_id": self.peer_id,
             "run_id": self.run_id,
+            "access": self.access,
             "stage": self.stage,
             "n_stages": self.n_stages,
             "maddrs": list(self.maddrs),

@@ -14,6 +14,7 @@ micro-batches stop at the last stage, whose loss goes straight back to the stage
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ import torch
 
 from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
+from peer.pipeline.guard import PipelineGuard
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode, encode
 from protocol.envelope import TensorEnvelope
@@ -98,6 +100,8 @@ class PipelineStage:
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
         self.on_first_measure: Callable[[], None] | None = None
+        # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
+        self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc)
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
@@ -157,6 +161,10 @@ class PipelineStage:
             return self._reject("wrong_stage", ErrorCode.WRONG_STAGE, f"this peer serves stage {self.stage}")
         if msg.route[-1] != peer_id:
             return self._reject("unauthorized", ErrorCode.UNAUTHORIZED, "the route must end with the sender")
+        if not self.guard.announced_sender(peer_id):  # not (yet) in our view: retry later, no ban
+            return Busy(retry_after_s=1.0)
+        if self.guard.seen(msg.mb_id):
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"micro-batch {msg.mb_id} was already taken here")
         if not self.accepting:
             return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
         if msg.mb_id in self.pending:
@@ -178,8 +186,11 @@ class PipelineStage:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets outside the vocabulary")
         except ProtocolError as e:
             return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
+        if not self.guard.norm_ok("activations", x):
+            return Error(code=ErrorCode.BAD_REQUEST, message="activation norm outside the bounds of recent traffic")
         if self.forward_q.full():  # filled while we decoded
             return Busy(retry_after_s=0.1)
+        self.guard.accept_id(msg.mb_id)
         self.last_forward = time.monotonic()
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
@@ -207,6 +218,11 @@ class PipelineStage:
                 grad = await self._decode(msg.gradient, self.act_spec, peer_id)
             except ProtocolError as e:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
+        if grad is not None and not self.guard.norm_ok("gradients", grad):
+            return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
+        if msg.loss is not None and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
+            msg = dataclasses.replace(msg, loss=None)  # an outlier: flagged, never reported as our loss
+        self.router.returned(peer_id, msg.mb_id)
         if msg.mb_id not in self.pending:  # dropped while we decoded
             return Ack()
         self.backward_q.put_nowait(("bwd", msg, grad))
@@ -311,6 +327,8 @@ class PipelineStage:
         if peer is not None:
             if p is not None:
                 p.next_peer = peer
+                if not is_eval:
+                    self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
             return True
         if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample
             self.metrics.inc("microbatches_dropped")
@@ -392,6 +410,8 @@ class PipelineStage:
         self._fwd_s.pop(mb_id, None)
         if p is None:
             return
+        if p.next_peer is not None:
+            self.router.cancel(p.next_peer, mb_id)
         if not p.is_eval:
             await self.compute(self.worker.drop, mb_id)
         if p.done is not None and not p.done.done():
@@ -401,6 +421,13 @@ class PipelineStage:
 
     async def expire(self) -> int:
         """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""
+        for peer, held in self.router.black_holes():  # accepted work, answered none of it: banned, work re-sent
+            self.metrics.inc("black_holes_banned")
+            self.metrics.warn(f"peer {peer[-8:]} accepted {len(held)} micro-batches and answered none; banned")
+            logger.warning("peer %s accepted %d micro-batches and answered none; banned, dropping them", peer,
+                           len(held))
+            for mb in held:
+                await self.drop(mb, notify=True)
         now = time.monotonic()
         overdue = [mb for mb, p in self.pending.items() if p.deadline < now]
         for mb in overdue:

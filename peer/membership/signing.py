@@ -1,0 +1,206 @@
+"""Owned DHT records: each record is signed by its peer's libp2p identity key and every node refuses the rest.
+
+A record of the run is stored under the run's key with the peer id as subkey. Its DHT value is an envelope
+``{"b": body, "k": public key, "s": signature}``: ``body`` is the msgpack-encoded record, ``k`` the peer's libp2p
+public key (protobuf, as libp2p serialises it) and ``s`` a signature over (domain, run key, peer id, expiration, body).
+A libp2p peer id is derived from its public key (an identity multihash for Ed25519, SHA-256 for RSA), so checking
+that ``k`` hashes to the subkey and that ``s`` verifies needs no lookup. The expiration is inside the signature, so it
+cannot be stretched, and it may not lie further ahead than ``MAX_RECORD_TTL_S`` (+ clock slack): a record for ten years
+that would outlive every later announcement of its owner is refused. A replayed old record carries its old expiration,
+so hivemind's storage keeps the owner's newer one.
+
+``SignedRecordValidator`` is installed in every node's DHT (``hivemind.DHT(record_validators=...)``), so honest nodes
+refuse to store or return a forged record; readers verify again (``open_envelope``) because a DHT node may lie.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from peer.config import MAX_RECORD_TTL_S
+
+logger = logging.getLogger(__name__)
+
+DOMAIN = "asyncmesh/record/v1"
+CLOCK_SLACK_S = 30.0
+"""Tolerated clock difference between the signer and a validating node, on top of MAX_RECORD_TTL_S."""
+MAX_ENVELOPE_BYTES = 16 * 1024
+MAX_PUBLIC_KEY_BYTES = 1024
+_ID_INLINE_MAX = 42  # libp2p: public keys up to 42 bytes are inlined in the peer id (identity multihash)
+
+
+class SignatureError(ValueError):
+    """An envelope whose signature, key or expiration is not acceptable."""
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """The base58 libp2p peer id of a serialised libp2p public key (protobuf)."""
+    if len(public_key) <= _ID_INLINE_MAX:  # multihash: code 0x00 (identity), length, the key itself
+        return PeerID(bytes([0x00, len(public_key)]) + public_key).to_base58()
+    return PeerID(bytes([0x12, 0x20]) + hashlib.sha256(public_key).digest()).to_base58()  # 0x12: sha2-256
+
+
+class Signer:
+    """A peer's private identity key, used to sign its own records (and, by an organiser, admissions)."""
+
+    def __init__(self, private_key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey) -> None:
+        self._key = private_key
+        public = private_key.public_key()
+        if isinstance(private_key, rsa.RSAPrivateKey):
+            data = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            key_type = crypto_pb2.RSA
+        else:
+            data = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            key_type = crypto_pb2.Ed25519
+        self.public_key: bytes = crypto_pb2.PublicKey(key_type=key_type, data=data).SerializeToString()
+        """The libp2p-serialised public key (what ``peer_id_of`` hashes)."""
+        self.peer_id: str = peer_id_of(self.public_key)
+
+    @classmethod
+    def from_identity_file(cls, path: Path) -> Signer:
+        """Load a libp2p private key file (the one ``--identity`` points at; RSA or Ed25519)."""
+        key = crypto_pb2.PrivateKey.FromString(Path(path).expanduser().read_bytes())
+        return cls.from_protobuf(key)
+
+    @classmethod
+    def from_protobuf(cls, key: crypto_pb2.PrivateKey) -> Signer:
+        if key.key_type == crypto_pb2.RSA:
+            private = serialization.load_der_private_key(key.data, password=None)
+        elif key.key_type == crypto_pb2.Ed25519:
+            private = ed25519.Ed25519PrivateKey.from_private_bytes(key.data[:32])
+        else:
+            raise ValueError(f"unsupported identity key type {key.key_type}; use an RSA or Ed25519 key")
+        return cls(private)
+
+    @classmethod
+    def generate(cls) -> Signer:
+        """A fresh Ed25519 identity (tests, tools, organiser keys)."""
+        return cls(ed25519.Ed25519PrivateKey.generate())
+
+    def private_protobuf(self) -> bytes:
+        """The key as a libp2p private key file (Ed25519: 32-byte seed + 32-byte public key)."""
+        if isinstance(self._key, rsa.RSAPrivateKey):
+            data = self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                                           serialization.NoEncryption())
+            return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=data).SerializeToString()
+        seed = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                       serialization.NoEncryption())
+        raw_public = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=seed + raw_public).SerializeToString()
+
+    def sign(self, data: bytes) -> bytes:
+        if isinstance(self._key, rsa.RSAPrivateKey):
+            return self._key.sign(data, padding.PKCS1v15(), hashes.SHA256())
+        return self._key.sign(data)
+
+
+def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
+    """True when ``signature`` over ``data`` verifies with the libp2p-serialised ``public_key``; never raises."""
+    try:
+        if len(public_key) > MAX_PUBLIC_KEY_BYTES or len(signature) > 1024:
+            return False
+        key = crypto_pb2.PublicKey.FromString(public_key)
+        if key.key_type == crypto_pb2.Ed25519:
+            ed25519.Ed25519PublicKey.from_public_bytes(key.data).verify(signature, data)
+            return True
+        if key.key_type == crypto_pb2.RSA:
+            rsa_key = serialization.load_der_public_key(key.data)
+            if not isinstance(rsa_key, rsa.RSAPublicKey) or not 2048 <= rsa_key.key_size <= 8192:
+                return False
+            rsa_key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
+            return True
+    except (InvalidSignature, Exception):  # any parse failure of a stranger's key is a bad signature
+        return False
+    return False
+
+
+def _payload(key: str, peer_id: str, expiration: float, body: bytes) -> bytes:
+    return MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body])
+
+
+def seal(signer: Signer, key: str, value: Any, expiration: float,
+         credential: bytes | None = None) -> dict[str, bytes]:
+    """The signed envelope of ``value`` (a msgpack-able record) stored under ``key`` until ``expiration``; a closed
+    run's admission ``credential`` rides along (it carries the organiser's own signature)."""
+    body = MSGPackSerializer.dumps(value)
+    out = {"b": body, "k": signer.public_key, "s": signer.sign(_payload(key, signer.peer_id, expiration, body))}
+    if credential is not None:
+        out["c"] = credential
+    return out
+
+
+def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now: float | None = None) -> Any:
+    """Check an envelope read from or offered to the DHT and return the record it carries; raises SignatureError."""
+    if not isinstance(stored, dict) or set(stored) - {"c"} != {"b", "k", "s"}:
+        raise SignatureError("not a signed envelope")
+    body, public_key, signature = stored["b"], stored["k"], stored["s"]
+    if not all(isinstance(x, bytes) for x in (body, public_key, signature)):
+        raise SignatureError("envelope fields must be bytes")
+    if len(body) + len(public_key) + len(signature) + len(stored.get("c") or b"") > MAX_ENVELOPE_BYTES:
+        raise SignatureError("envelope too large")
+    latest = (now or get_dht_time()) + MAX_RECORD_TTL_S + CLOCK_SLACK_S
+    if not isinstance(expiration, float | int) or expiration > latest:
+        raise SignatureError(f"expiration too far ahead (at most {MAX_RECORD_TTL_S:.0f} s)")
+    try:
+        owner = peer_id_of(public_key)
+    except Exception as e:  # a public key that cannot be hashed is the stranger's fault
+        raise SignatureError(f"bad public key: {e!r}") from e
+    if owner != peer_id:
+        raise SignatureError("public key does not belong to the peer id it is stored under")
+    if not verify(public_key, _payload(key, peer_id, expiration, body), signature):
+        raise SignatureError("signature does not verify")
+    try:
+        return MSGPackSerializer.loads(body)
+    except Exception as e:  # signed garbage is still garbage
+        raise SignatureError(f"body is not msgpack: {e!r}") from e
+
+
+class SignedRecordValidator(RecordValidatorBase):
+    """Every node's gate on the run's record key: signed by the subkey's owner, valid schema, bounded expiration.
+
+    Values under other keys are not this validator's business and pass unchanged.
+    """
+
+    def __init__(self, key: str, schema: Callable[[str, Any], Any],
+                 admit: Callable[[str, Any], Any] | None = None) -> None:
+        self.key = key
+        self.key_id = DHTID.generate(source=key).to_bytes()
+        self.schema = schema
+        self.admit = admit  # closed runs: admit(peer_id, credential) raises unless the organiser admitted the peer
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_id:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            if not isinstance(subkey, str) or len(record.value) > MAX_ENVELOPE_BYTES:
+                return False
+            stored = MSGPackSerializer.loads(record.value)
+            body = open_envelope(self.key, subkey, stored, record.expiration_time)
+            self.schema(subkey, body)
+            if self.admit is not None:
+                self.admit(subkey, stored.get("c"))
+            return True
+        except Exception as e:  # a forged or malformed record: refuse it, quietly (strangers send them at will)
+            logger.debug("refusing a DHT record under the run's key: %r", e)
+            return False
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SignedRecordValidator) and other.key == self.key

@@ -1,0 +1,53 @@
+"""What each RPC handler may receive: its message kind, and its largest request computed from the run's shapes.
+
+A forward carries ``batch x block x width`` activations in the run's activation codec and, for the last stage, the
+token targets; a backward carries a gradient of the same shape in the gradient codec. Both sizes are known before
+the first byte arrives, so a frame announcing more is refused before it is read (instead of reading up to the
+server's generic 256 MiB). The limit is the packed size of the largest such message, with the longest route and
+run id the schema allows, plus a fixed slack for msgpack headers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peer.averaging.loop import AVG_RPC
+from peer.averaging.sync import SYNC_RPC
+from peer.membership.reachability import REACH_RPC
+from peer.state.sync import STATE_RPC
+from protocol.codecs.registry import encode
+from protocol.messages import AveragingPart, Backward, Forward, Hello, StateRequest, pack
+from protocol.rpc import RpcServer
+from trainer.config import RunConfig
+
+SLACK_BYTES = 16 * 1024
+#: the longest route a message may carry (protocol/messages.py: 64 peer ids) with generously long ids
+_ROUTE = ["Q" * 64] * 64
+#: a reachability request: a Hello with a few addresses
+REACH_BYTES = 16 * 1024
+
+
+def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
+    """Largest request of ``forward``, ``backward`` and ``reach`` (bytes, framing excluded) for this run."""
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    x = torch.zeros(b, t, d)
+    targets = encode(torch.zeros(b, t, dtype=torch.int64), "none")
+    forward = Forward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, targets=targets, is_eval=False,
+                      activations=encode(x, run.compression.activations), sent_at=1e12, flush=2**63 - 1)
+    backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,
+                        gradient=encode(x, run.compression.gradients))
+    hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="Q" * 64, capabilities=["x" * 64] * 32)
+    return {"forward": len(pack(forward)) + SLACK_BYTES, "backward": len(pack(backward)) + SLACK_BYTES,
+            "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES)}
+
+
+#: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
+HANDLER_KINDS = {"forward": (Forward,), "backward": (Backward,), REACH_RPC: (Hello,), STATE_RPC: (StateRequest,),
+                 AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,)}
+
+
+def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:
+    """Install each handler's message kind and, where the run fixes it, its largest request on ``rpc``."""
+    sizes = pipeline_request_bytes(run)
+    for name, kinds in HANDLER_KINDS.items():
+        rpc.restrict(name, kinds=kinds, max_message_bytes=sizes.get(name))

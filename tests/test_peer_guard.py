@@ -1,0 +1,149 @@
+"""Pipeline input from strangers: only announced senders, each micro-batch once, norms within learnt bounds, loss
+outliers flagged; routing by what we measured, and black holes banned."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import torch
+
+from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
+from peer.membership.routing import BLACKHOLE_MIN_S, Router
+from peer.pipeline.guard import GuardConfig, PipelineGuard
+from protocol.codecs.registry import encode
+from protocol.messages import Ack, Backward, Busy, Error, Forward
+from tests.test_peer_pipeline import RUN, Net, build
+
+
+def rec(pid: str, stage: int = 1, thr: float = 1.0, state: str = "training") -> PeerRecord:
+    return PeerRecord(peer_id=pid, stage=stage, throughput=thr, queue=0, version=0, state=state)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_guard_checks_sender_ids_norms_and_losses():
+    counts: Counter[str] = Counter()
+    swarm = {"a": rec("a", 0), "b": rec("b", 1), "j": rec("j", 0, state="joining")}
+    g = PipelineGuard(stage=1, swarm=lambda: swarm, count=lambda k: counts.update([k]),
+                      config=GuardConfig(remember_ids=4))
+    assert g.announced_sender("a")
+    assert not g.announced_sender("b") and not g.announced_sender("j") and not g.announced_sender("stranger")
+    assert counts["rejected:unannounced_sender"] == 3
+    for i in range(6):
+        assert not g.seen(i)
+        g.accept_id(i)
+    assert g.seen(5) and g.seen(2) and not g.seen(0)  # bounded memory: the oldest ids are forgotten
+    torch.manual_seed(0)
+    for _ in range(16):
+        assert g.norm_ok("activations", torch.randn(8, 32, 32))
+    assert not g.norm_ok("activations", 100 * torch.randn(8, 32, 32))
+    assert not g.norm_ok("activations", torch.zeros(8, 32, 32))
+    assert g.norm_ok("activations", 2 * torch.randn(8, 32, 32))
+    assert counts["rejected:activations_norm"] == 2
+    for loss in (2.1, 2.0, 1.9, 2.2, 2.0, 2.05, 1.95, 2.1):
+        assert g.loss_ok(loss, is_eval=False)
+    assert not g.loss_ok(0.0, is_eval=False) and not g.loss_ok(9.0, is_eval=False)
+    assert g.loss_ok(1.7, is_eval=False) and g.loss_ok(0.0, is_eval=True)  # eval losses have their own window
+    assert counts["flagged:loss_outlier"] == 2
+
+
+def test_routing_does_not_trust_announced_throughput():
+    router = Router([1.0, 1.0], rng=random.Random(0))
+    recs = [rec("h1"), rec("h2"), rec("h3"), rec("liar", thr=1e9)]
+    counts = Counter(router.choose(recs, 1).peer_id for _ in range(4000))
+    assert counts["liar"] < 0.45 * 4000  # at most ANNOUNCED_CAP x a typical peer's share before measurement
+    # once measured, round trips decide: the liar is slow in fact
+    clock = Clock()
+    router = Router([1.0, 1.0], rng=random.Random(0), clock=clock)
+    for i in range(20):
+        for pid, rtt in (("h1", 0.1), ("h2", 0.1), ("h3", 0.1), ("liar", 2.0)):
+            router.sent(pid, i)
+            clock.t += rtt
+            router.returned(pid, i)
+    counts = Counter(router.choose(recs, 1).peer_id for _ in range(4000))
+    assert counts["liar"] < 0.05 * 4000, counts
+
+
+def test_a_black_hole_is_found_within_a_few_round_trips_and_banned():
+    clock = Clock()
+    router = Router([1.0, 1.0], rng=random.Random(0), clock=clock, ban_max_s=60.0)
+    for i in range(10):  # the honest peer's round trips: 0.5 s
+        router.sent("honest", i)
+        clock.t += 0.5
+        router.returned("honest", i)
+    for i in range(100, 104):
+        router.sent("hole", i)
+        router.sent("honest", i + 1000)
+    clock.t += BLACKHOLE_MIN_S / 2
+    assert router.black_holes() == []
+    clock.t += BLACKHOLE_MIN_S  # > 3 expected round trips (and the floor) without a single answer
+    router.returned("honest", 1000)
+    found = router.black_holes()
+    assert [p for p, _ in found] == ["hole"] and sorted(found[0][1]) == [100, 101, 102, 103]
+    assert router.is_banned("hole") and not router.is_banned("honest")
+
+
+def _fwd(mb_id: int, x: torch.Tensor, route: list[str]) -> Forward:
+    return Forward(run_id=RUN.run_id, mb_id=mb_id, route=route, activations=encode(x, "int8"),
+                   targets=encode(torch.randint(0, 256, (8, 32)), "none"), is_eval=False, sent_at=1.0)
+
+
+def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier_losses():
+    net = Net()
+    pool = build(net, [["a0"], ["b1"]], PeerConfig())
+    stage0, stage1 = net.stages["a0"], net.stages["b1"]
+    torch.manual_seed(0)
+
+    async def go() -> None:
+        # a stranger (not announced) cannot make stage 1 train, even with a route ending in its own id
+        assert isinstance(await stage1.rpc_forward(_fwd(1, torch.randn(8, 32, 32), ["evil"]), "evil"), Busy)
+        assert isinstance(await stage1.rpc_forward(_fwd(2, torch.randn(8, 32, 32), ["a0"]), "a0"), Ack)
+        stage1.forward_q.get_nowait()  # as if trained and answered
+        stage1.pending.clear()
+        replay = await stage1.rpc_forward(_fwd(2, torch.randn(8, 32, 32), ["a0"]), "a0")
+        assert isinstance(replay, Error) and "already" in replay.message
+        for i in range(3, 3 + 16):
+            assert isinstance(await stage1.rpc_forward(_fwd(i, torch.randn(8, 32, 32), ["a0"]), "a0"), Ack)
+            stage1.forward_q.get_nowait()  # nobody serves the queue here
+            stage1.pending.clear()
+        huge = await stage1.rpc_forward(_fwd(50, 1e4 * torch.randn(8, 32, 32), ["a0"]), "a0")
+        assert isinstance(huge, Error) and "norm" in huge.message
+        # stage 0: gradients and losses coming back from stage 1
+        for i in range(20):
+            stage0.pending[i] = _pending(["b1"])
+            bwd = Backward(run_id=RUN.run_id, mb_id=i, route=["a0"], gradient=encode(torch.randn(8, 32, 32), "int8"),
+                           loss=2.0 + 0.01 * i, is_eval=False)
+            assert isinstance(await stage0.rpc_backward(bwd, "b1"), Ack)
+        stage0.pending[99] = _pending(["b1"])
+        big = Backward(run_id=RUN.run_id, mb_id=99, route=["a0"], gradient=encode(1e5 * torch.randn(8, 32, 32),
+                                                                                 "none"), loss=0.0, is_eval=False)
+        assert isinstance(await stage0.rpc_backward(big, "b1"), Error)
+        grad = encode(torch.randn(8, 32, 32), "int8")
+        zero_loss = Backward(run_id=RUN.run_id, mb_id=99, route=["a0"], gradient=grad, loss=0.0, is_eval=False)
+        assert isinstance(await stage0.rpc_backward(zero_loss, "b1"), Ack)
+        queued = [item[1] for item in list(stage0.backward_q._queue)]
+        assert queued[-1].mb_id == 99 and queued[-1].loss is None  # accepted, but the loss is not reported
+
+    asyncio.run(go())
+    pool.shutdown()
+    c1, c0 = stage1.metrics.snapshot()["counters"], stage0.metrics.snapshot()["counters"]
+    assert c1["rejected:unannounced_sender"] == 1 and c1["rejected:replayed_microbatch"] == 1
+    assert c1["rejected:activations_norm"] == 1
+    assert c0["rejected:gradients_norm"] == 1 and c0["flagged:loss_outlier"] == 1
+
+
+def _pending(sent_to: list[str]):
+    import time
+
+    from peer.pipeline.servicer import Pending
+    return Pending(prev_peer=None, next_peer=sent_to[0], route=["a0"], deadline=time.monotonic() + 60,
+                   sent_to=set(sent_to))

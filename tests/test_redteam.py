@@ -1,0 +1,44 @@
+"""tools/redteam.py against a live swarm of the tiny run: a quick campaign in the default suite, every attack in the
+slow one. The assertions are on what the victims refused and on their memory; stall figures depend on the machine's
+load and are reported by the tool (docs/security.md), not asserted here, except in the slow campaign."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _campaign(tmp_path: Path, *args: str, timeout: float) -> dict:
+    out = tmp_path / "redteam.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "redteam.py"), *args, "--json", str(out),
+                           "--workdir", str(tmp_path / "peers")], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(180)
+def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "forged_record,malformed", "--phase-s", "6", timeout=170)
+    assert res["victims_alive"]
+    assert res["forged_record"]["evidence"]["forged_records_seen_by_honest_reader"] == 0
+    assert res["malformed"]["evidence"]["accepted_or_internal"] == {}
+    assert res["malformed"]["evidence"]["cells"] == 60
+    for name in ("forged_record", "malformed"):
+        assert res[name]["outcome"] in ("refused", "stalled")  # stalls: see the module doc
+        assert res[name]["rss_growth_mib"] < 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_full_campaign(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--phase-s", "20", "--control-each", timeout=1150)
+    assert res["victims_alive"]
+    for name in ("forged_record", "budget_flood", "stream_flood", "malformed"):
+        assert res[name]["outcome"] == "refused", (name, res[name])

@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Red team: attack a live swarm of the tiny run from a stranger's process and measure what each attack costs.
+
+The tool starts two honest peers on loopback (stage 0 and stage 1 of ``tests/runs/tiny.toml``, through
+``peer.ops.procs``), then runs phases of ``--phase-s`` seconds each: a control phase with no attack, and one phase per
+attack (with ``--control-each``, every attack phase is preceded by its own control phase). The attacker is this
+process: a hivemind DHT node that installs no validator and raw libp2p clients that speak our protocol through
+``protocol.rpc`` or write frames by hand. Per attack it reports:
+
+* ``outcome``: ``stalled`` (stage 0 made no progress for more than 5 s), else ``degraded`` (the honest validation
+  loss rose by more than 5 %), else ``refused`` (the victims refused what the attack needed: evidence in
+  ``evidence``), else ``harmless``;
+* ``max_stall_s``: the longest gap between two optimiser steps of the stage-0 peer during the phase;
+* ``honest_val_loss_ratio``: the stage-0 peer's latest validation loss at the end of the attack phase divided by
+  the one at the end of the control phase before it (the swarm keeps learning, so an unharmed phase gives <= 1);
+* ``rss_growth_mib``: the largest growth of a victim's resident memory over the phase.
+
+    python tools/redteam.py --json redteam.json                       # every attack
+    python tools/redteam.py --attacks forged_record,malformed --phase-s 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from hivemind import DHT  # noqa: E402
+from hivemind.p2p import P2P, PeerID  # noqa: E402
+from hivemind.utils import get_dht_time  # noqa: E402
+
+from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, swarm_key  # noqa: E402
+from peer.membership.signing import Signer, seal  # noqa: E402
+from peer.ops.procs import PeerProcess, free_port, join_command, terminate  # noqa: E402
+from protocol.codecs.registry import encode  # noqa: E402
+from protocol.framing import frame_header, read_message  # noqa: E402
+from protocol.limits import RpcLimits  # noqa: E402
+from protocol.messages import Ack, Error, Forward, Hello, Message, pack, unpack  # noqa: E402
+from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
+from trainer.config import RunConfig  # noqa: E402
+
+logger = logging.getLogger("redteam")
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "tests" / "runs" / "tiny.toml"
+SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_timeout_s=5", "microbatch_timeout_s=15",
+            "eval_every_s=3", "checkpoint_every_s=0", "rebalance_every_s=0", "ban_base_s=1")
+STALL_LIMIT_S, LOSS_LIMIT = 5.0, 1.05
+MiB = 2**20
+
+
+class Watch(threading.Thread):
+    """Polls the stage-0 peer's /status: (time, local_step, val_loss), and the victims' resident memory."""
+
+    def __init__(self, a: PeerProcess, victims: list[PeerProcess]) -> None:
+        super().__init__(daemon=True)
+        self.a, self.victims, self.stop = a, victims, threading.Event()
+        self.samples: list[tuple[float, int, float | None]] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            s = self.a.status()
+            if s is not None:
+                self.samples.append((time.monotonic(), int(s.get("local_step") or 0), s.get("val_loss")))
+            time.sleep(0.2)
+
+    def rss_mib(self) -> float:
+        out = 0.0
+        for v in self.victims:
+            try:
+                for line in Path(f"/proc/{v.proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out = max(out, int(line.split()[1]) / 1024)
+            except OSError:
+                pass
+        return out
+
+    def window(self, t0: float, t1: float) -> tuple[float, float | None]:
+        """(longest stretch without a new stage-0 step, latest val loss) within [t0, t1]."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        steps = [t for (t, step), (_, prev) in zip(((s[0], s[1]) for s in inside[1:]),
+                                                   ((s[0], s[1]) for s in inside), strict=False) if step > prev]
+        marks = [t0, *steps, t1]
+        stall = max(b - a for a, b in zip(marks, marks[1:], strict=False))
+        vals = [s[2] for s in inside if s[2] is not None]
+        return stall, (vals[-1] if vals else None)
+
+
+class Attacker:
+    """The stranger: a DHT node without validators (its own identity) and more identities on demand."""
+
+    def __init__(self, root: Path, initial: list[str], run: RunConfig) -> None:
+        self.root, self.initial, self.run = root, initial, run
+        P2P.generate_identity(str(root / "attacker.key"))
+        self.signer = Signer.from_identity_file(root / "attacker.key")
+        self.dht = DHT(start=True, initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       identity_path=str(root / "attacker.key"))
+        self.reader = DHT(start=True, initial_peers=initial, client_mode=True,
+                          record_validators=[record_validator(run.run_id)])
+        self.p2p: P2P | None = None
+        self.extra: list[P2P] = []
+        self.status_a: Callable[[], dict[str, Any] | None] = lambda: None  # the stage-0 victim's /status
+
+    async def start(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+
+    async def identities(self, n: int) -> list[P2P]:
+        while len(self.extra) < n:
+            self.extra.append(await P2P.create(initial_peers=self.initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        return self.extra[:n]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.shutdown() for p in self.extra), return_exceptions=True)
+        self.dht.shutdown()
+        self.reader.shutdown()
+
+    async def raw(self, p2p: P2P, peer: str, handler: str, data: bytes, timeout: float = 10.0) -> str:
+        """Write ``data`` on a new stream and name the reply (its error code, or how the stream ended)."""
+        try:
+            async with asyncio.timeout(timeout):
+                _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                         PROTOCOL_PREFIX + handler)
+                writer.write(data)
+                await writer.drain()
+                reply = unpack(await read_message(reader, max_frame_bytes=MiB, max_message_bytes=MiB))
+                writer.close()
+                return reply.code.name if isinstance(reply, Error) else type(reply).__name__
+        except Exception as e:  # how the victim ended the stream is the observation
+            return type(e).__name__
+
+
+def _forward(run: RunConfig, mb_id: int, route: list[str], x: torch.Tensor) -> Forward:
+    b, t = run.data.batch_size, run.model.block_size
+    return Forward(run_id=run.run_id, mb_id=mb_id, route=route, activations=encode(x, run.compression.activations),
+                   targets=encode(torch.randint(0, run.model.vocab_size, (b, t)), "none"), is_eval=False,
+                   sent_at=time.time())
+
+
+async def _own_record(att: Attacker, stage: int, throughput: float) -> None:
+    """The attacker announces itself (a validly signed record of its own id: open runs allow it)."""
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=stage, throughput=throughput, queue=0, version=0,
+                     state="training", maddrs=[])
+    await announce(att.dht, att.run.run_id, rec, 4.0, signer=att.signer)
+
+
+# ----- attacks: each runs until ``until`` and returns its evidence (with "refused": bool) ---------------------------
+async def forged_record(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    key, b = swarm_key(att.run.run_id), victims["b"]
+    forged_seen = stored = 0
+    while time.monotonic() < until:
+        now = get_dht_time()
+        fake = PeerRecord(peer_id=b, stage=1, throughput=1e9, queue=0, version=0, state="stopped").to_value()
+        mine = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1e9, queue=0, version=0,
+                          state="training").to_value()
+        for subkey, value, exp in ((b, seal(att.signer, key, fake, now + 50), now + 50),
+                                   (att.signer.peer_id, seal(att.signer, key, mine, now + 3e8), now + 3e8)):
+            future = att.dht.store(key, value, exp, subkey=subkey, return_future=True)
+            stored += bool(await asyncio.wait_for(future, 10))
+        view = await fetch_swarm(att.reader, att.run.run_id, timeout=3, include_stopped=True)
+        forged_seen += int(att.signer.peer_id in view or (b in view and view[b].state == "stopped"))
+        await asyncio.sleep(1.0)
+    return {"refused": forged_seen == 0, "forged_records_seen_by_honest_reader": forged_seen,
+            "stores_the_attackers_own_node_reported": stored}
+
+
+async def budget_flood(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """``ids`` identities x ``streams`` streams each announcing a 4 MiB frame and sending nothing (reopened when
+    cut)."""
+    replies: dict[str, int] = {}
+
+    async def one(p2p: P2P) -> None:
+        while time.monotonic() < until:
+            r = await att.raw(p2p, victims["b"], "forward", frame_header(4 * MiB, end=True),
+                              timeout=max(0.5, until - time.monotonic()))
+            replies[r] = replies.get(r, 0) + 1
+    await asyncio.gather(*(one(p) for p in await att.identities(FLOOD["ids"]) for _ in range(FLOOD["streams"])))
+    return {"refused": set(replies) <= {"TIMEOUT", "BUSY", "Busy", "TOO_LARGE", "TimeoutError"}, "replies": replies}
+
+
+async def stream_flood(att: Attacker, victims: dict[str, str], until: float, n: int = 1000) -> dict[str, Any]:
+    """``n`` streams from one id that never write, kept open until the end of the phase."""
+    target = PeerID.from_base58(victims["b"])
+    opened = await asyncio.gather(*(att.p2p.call_binary_stream_handler(target, PROTOCOL_PREFIX + "forward")
+                                    for _ in range(n)), return_exceptions=True)
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    ok = [o for o in opened if not isinstance(o, BaseException)]
+    for o in ok:
+        o[2].close()
+    return {"refused": True, "streams_opened": len(ok)}
+
+
+async def malformed(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """The malformed-frame matrix against every handler of both victims: every cell must be refused."""
+    run, cells = att.run, {}
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="x", capabilities=[])
+    nan = _forward(run, 1, [att.signer.peer_id], torch.full((b, t, d), float("nan")))
+    shape = _forward(run, 2, [att.signer.peer_id], torch.randn(b, t, d + 1))
+    payloads = {"garbage": b"\x00garbage" * 8, "bad_magic": b"XX" + bytes(10),
+                "huge_announce": frame_header(2**40, end=True), "wrong_kind": frame_header(len(pack(hello)), end=True)
+                + pack(hello), "nan": _frame(nan), "wrong_shape": _frame(shape)}
+    for victim, pid in victims.items():
+        for handler in ("forward", "backward", "reach", "state", "avg_part"):
+            for name, data in payloads.items():
+                cells[f"{victim}.{handler}.{name}"] = await att.raw(att.p2p, pid, handler, data, timeout=10)
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    bad = {k: v for k, v in cells.items() if v in ("Ack", "INTERNAL")}
+    replies: dict[str, int] = {}
+    for v in cells.values():
+        replies[v] = replies.get(v, 0) + 1
+    return {"refused": not bad, "cells": len(cells), "replies": replies, "accepted_or_internal": bad}
+
+
+def _frame(msg: Message) -> bytes:
+    data = pack(msg)
+    return frame_header(len(data), end=True) + data
+
+
+async def stranger_forwards(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger announces itself as stage 0 and sends stage 1 forwards of random activations; replays one 50x."""
+    await _own_record(att, 0, 1.0)
+    await asyncio.sleep(2.0)  # let the victims see the record
+    run, counts = att.run, {}
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    replay = _forward(run, 7, [att.signer.peer_id], torch.randn(b, t, d))
+    replay_acks = 0
+    for _ in range(50):
+        try:
+            replay_acks += isinstance(await call(att.p2p, victims["b"], "forward", replay, timeout=5), Ack)
+        except Exception:  # refusals raise RemoteError
+            pass
+    mb = 1000
+    while time.monotonic() < until:
+        mb += 1
+        try:
+            r = await call(att.p2p, victims["b"], "forward", _forward(run, mb, [att.signer.peer_id],
+                                                                    torch.randn(b, t, d)), timeout=5)
+            name = type(r).__name__
+        except Exception as e:  # a refusal
+            name = getattr(getattr(e, "code", None), "name", type(e).__name__)
+        counts[name] = counts.get(name, 0) + 1
+        if int(time.monotonic() * 4) % 4 == 0:
+            await _own_record(att, 0, 1.0)
+    return {"refused": counts.get("Ack", 0) == 0 and replay_acks <= 1, "replies": counts,
+            "replay_accepted": replay_acks}
+
+
+async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger announces itself as a stage-1 peer with throughput 1e9, acks every forward and never answers."""
+    server = RpcServer(att.p2p, RpcLimits())
+    taken = 0
+
+    async def swallow(msg: Message, peer: str) -> Message:
+        nonlocal taken
+        taken += 1
+        return Ack()
+    await server.add_handler("forward", swallow)
+    while time.monotonic() < until:
+        await _own_record(att, 1, 1e9)
+        await asyncio.sleep(1.0)
+    await server.shutdown()
+    counters = ((await asyncio.to_thread(att.status_a)) or {}).get("counters", {})
+    banned = counters.get("black_holes_banned", 0)
+    return {"refused": banned > 0, "forwards_swallowed": taken, "black_holes_banned_by_stage0": banned}
+
+
+ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[str, Any]]]] = {
+    "forged_record": forged_record, "budget_flood": budget_flood, "stream_flood": stream_flood,
+    "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole}
+FLOOD = {"ids": 16, "streams": 16}
+
+
+def outcome(stall: float, ratio: float | None, refused: bool) -> str:
+    if stall > STALL_LIMIT_S:
+        return "stalled"
+    if ratio is not None and ratio > LOSS_LIMIT:
+        return "degraded"
+    return "refused" if refused else "harmless"
+
+
+async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, watch: Watch,
+                   root: Path) -> dict[str, Any]:
+    run = RunConfig.from_toml(TINY)
+    initial = a.wait_maddrs()[:1]
+    victims = {"a": a.wait_maddrs()[0].rsplit("/p2p/", 1)[1], "b": b.wait_maddrs()[0].rsplit("/p2p/", 1)[1]}
+    att = Attacker(root, initial, run)
+    att.status_a = a.status
+    await att.start()
+    results: dict[str, Any] = {}
+    try:
+        control_loss = control_stall = None
+        if "budget_flood" in args.attacks:
+            await att.identities(args.flood_ids)  # started before any phase: starting p2pd is not the attack
+        for i, name in enumerate(args.attacks):
+            if i == 0 or args.control_each:
+                t0 = time.monotonic()
+                await asyncio.sleep(args.phase_s)
+                control_stall, control_loss = watch.window(t0, time.monotonic())
+                results.setdefault("control", []).append({"max_stall_s": round(control_stall, 2),
+                                                          "val_loss": control_loss})
+            t0, rss0 = time.monotonic(), watch.rss_mib()
+            evidence = await ATTACKS[name](att, victims, t0 + args.phase_s)
+            t1 = time.monotonic()
+            stall, loss = watch.window(t0, t1)
+            ratio = loss / control_loss if loss and control_loss else None
+            results[name] = {"outcome": outcome(stall, ratio, evidence.pop("refused")), "max_stall_s": round(stall, 2),
+                             "honest_val_loss_ratio": round(ratio, 3) if ratio else None,
+                             "rss_growth_mib": round(max(0.0, watch.rss_mib() - rss0), 1),
+                             "phase_s": round(t1 - t0, 1), "control_max_stall_s": round(control_stall, 2),
+                             "evidence": evidence}
+            logger.info("%s: %s", name, {k: v for k, v in results[name].items() if k != "evidence"})
+            await asyncio.sleep(1.0)  # let the attack's last streams drain before the next phase
+    finally:
+        await att.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--control-each", action="store_true", help="a control phase before every attack phase")
+    p.add_argument("--flood-ids", type=int, default=16, help="identities of budget_flood (x 16 streams each)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
+    args = p.parse_args(argv)
+    args.attacks = [x for x in args.attacks.split(",") if x]
+    FLOOD["ids"] = args.flood_ids
+    unknown = set(args.attacks) - set(ATTACKS)
+    if unknown:
+        p.error(f"unknown attacks {sorted(unknown)}; known: {', '.join(ATTACKS)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="redteam-"))
+    peers: list[PeerProcess] = []
+    try:
+        a = PeerProcess.spawn("a", join_command(root / "a", port=(pa := free_port()), run=TINY, stage=0,
+                                                settings=SETTINGS), root / "a", pa, cwd=REPO)
+        peers.append(a)
+        b = PeerProcess.spawn("b", join_command(root / "b", port=(pb := free_port()), run=TINY, stage=1,
+                                                settings=SETTINGS, initial=a.wait_maddrs()[:1]), root / "b", pb,
+                              cwd=REPO)
+        peers.append(b)
+        a.wait_status(lambda s: (s.get("local_step") or 0) > 3 and s.get("val_loss") is not None, 120, "training")
+        watch = Watch(a, [a, b])
+        watch.start()
+        results = asyncio.run(campaign(args, a, b, watch, root))
+        watch.stop.set()
+        results["victims_alive"] = a.alive() and b.alive()
+        results["machine"] = {"nproc": os.cpu_count(), "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+        results["command"] = " ".join(["python", "tools/redteam.py", *(argv if argv is not None else sys.argv[1:])])
+    finally:
+        terminate([p.proc for p in peers], 10.0)
+    text = json.dumps(results, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
