@@ -35,7 +35,7 @@ from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.membership.routing import Router
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from peer.ops.metrics import PeerMetrics
-from peer.ops.status_server import StatusServer
+from peer.ops.status_server import StatusServer, StatusServerError
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import save_checkpoint
 from protocol.messages import Error, Message
@@ -71,7 +71,7 @@ class Daemon:
                              f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
-        self.metrics.run_id = run.run_id
+        self.metrics.run_id, self.metrics.n_stages = run.run_id, run.n_stages
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
@@ -141,6 +141,7 @@ class Daemon:
         self.metrics.peer_id = self.my_id
         visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
+        self.metrics.maddrs = list(self.cfg.announce_maddrs) or list(self.maddrs)
         if self.cfg.maddrs_file is not None:
             tmp = self.cfg.maddrs_file.with_suffix(".tmp")
             tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
@@ -300,13 +301,17 @@ class Daemon:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         status = None
         try:
+            if self.cfg.metrics_port is not None:  # first, so that the start-up phases themselves can be watched
+                status = StatusServer(self.metrics, port=self.cfg.metrics_port)
+                try:
+                    await status.start()
+                except StatusServerError as e:
+                    status = None
+                    raise DaemonError(str(e)) from None
             await self._start_dht()
             await self._start_rpc()
             assert self.rpc is not None
             self.handlers = StageHandlers(self.rpc, self._not_ready)
-            if self.cfg.metrics_port is not None:
-                status = StatusServer(self.metrics, port=self.cfg.metrics_port)
-                await status.start()
             self._print_join_hint()
             await self._check_reachability()
             await self._enter_stage(await self._choose_stage())

@@ -9,8 +9,10 @@ API (what ``join`` and ``swarm`` use)::
     dash.render()                             # the rich renderable (tests print it to a recorded Console)
 
 ``metrics_source`` is a PeerMetrics, a snapshot dict, a list of snapshot dicts, or a zero-argument callable returning
-either. A list entry may also be ``{"name": ..., "error": ...}`` for a child that did not answer; it is shown as
-unreachable. One snapshot draws the single-peer panel; a list draws the compact multi-peer table with a swarm line.
+either. A list entry may also be ``{"name": ..., "error": ...}`` for a child that did not answer (shown as
+unreachable) or ``{"name": ..., "phase": ...}`` for a child that has no status yet (its start-up phase, see
+``peer.ops.startup``). One snapshot draws the single-peer panel; a list draws the compact multi-peer table with a
+swarm line.
 
 Each refresh takes one ``snapshot()`` (~25 µs) and draws a few dozen lines (~8 ms measured with rich on the shared
 2-core dev machine), so drawing at 2 Hz costs under 2 % of one core and holds the event loop for a few milliseconds
@@ -35,6 +37,7 @@ from rich.text import Text
 
 from peer.ops.logs import install_fork_guard
 from peer.ops.metrics import PeerMetrics
+from peer.ops.startup import SHORT_PHASE, STARTING, phase
 
 Snapshot = dict[str, Any]
 Source = PeerMetrics | Snapshot | list[Snapshot] | Callable[[], Snapshot | list[Snapshot]]
@@ -43,7 +46,8 @@ SHORT_STATE = {"joining": "join", "loading_state": "load", "training": "train", 
                "stopped": "stop"}
 SPARK = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {"joining": "cyan", "loading_state": "cyan", "training": "green", "draining": "yellow",
-               "stopped": "red", "unreachable": "red"}
+               "stopped": "red", "unreachable": "red", "waiting": "dim", "starting": "cyan", "joining DHT": "cyan",
+               "choosing stage": "cyan", "loading state": "cyan", "exited": "red", "failed": "bold red"}
 
 
 # ---- formatting helpers (pure; unit-tested) -------------------------------------------------------------------------
@@ -294,29 +298,40 @@ def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> Rendera
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis", min_width=width)
 
     def key(s: Snapshot) -> tuple:
-        return (s.get("stage") is None, s.get("stage") or 0, s.get("peer_id", s.get("name", "")))
+        staged = s.get("stage") is not None  # rows without a stage keep their order (peer0, peer1, ...)
+        return (not staged, s.get("stage") or 0, s.get("peer_id", "") if staged else "")
 
     for s in sorted(snaps, key=key):
         if "error" in s:
             table.add_row(str(s.get("name", "?"))[:9], "", Text("down", style="red"))
             continue
+        ph = phase(s)
+        if "state" not in s:  # a child with no status yet: its start-up phase only
+            table.add_row(str(s.get("name", "?"))[:9], "", Text(SHORT_PHASE.get(ph, ph[:6]),
+                                                               style=STATE_STYLE.get(ph, "white")))
+            continue
         c = s.get("counters", {})
-        state = SHORT_STATE.get(s["state"], s["state"][:5]) + ("" if s.get("healthy", True) else "!")
+        state = SHORT_PHASE.get(ph, ph[:6]) + ("" if s.get("healthy", True) else "!")
         step = s.get("local_step", 0)
         table.add_row(
-            short_id(s.get("peer_id", ""), 9), "?" if s.get("stage") is None else str(s["stage"]),
-            Text(state, style=STATE_STYLE.get(s["state"], "white")), str(step) if step < 100_000 else human(step),
+            short_id(s.get("peer_id", ""), 9) if s.get("peer_id") else str(s.get("name", "?"))[:9],
+            "?" if s.get("stage") is None else str(s["stage"]),
+            Text(state, style=STATE_STYLE.get(ph, "white")), str(step) if step < 100_000 else human(step),
             human(s.get("tokens_per_s", 0.0), digits=0), _loss(s.get("train_loss")), _loss(s.get("val_loss")),
             f"{s.get('inflight', 0)}/{s.get('queued', 0)}", str(c.get("microbatches_dropped", 0)),
             f"{c.get('averaging_rounds_ok', 0)}/{c.get('averaging_rounds_failed', 0)}",
             f"{human(s.get('bytes_in_per_s', 0.0), digits=0)}/{human(s.get('bytes_out_per_s', 0.0), digits=0)}")
-    live = [s for s in snaps if "error" not in s]
+    live = [s for s in snaps if "error" not in s and "state" in s]
+    starting = sum(phase(s) in STARTING for s in snaps if "error" not in s)
+    up = sum(phase(s) not in STARTING for s in live)
     losses = [s["train_loss"] for s in live if s.get("train_loss") is not None]
     per_stage: dict[str, int] = {}
     for s in live:
-        per_stage[str(s.get("stage", "?"))] = per_stage.get(str(s.get("stage", "?")), 0) + 1
+        if s.get("stage") is not None:
+            per_stage[str(s["stage"])] = per_stage.get(str(s["stage"]), 0) + 1
     footer = Text.assemble(
-        (f"{len(live)}/{len(snaps)} peers up", "bold"), " · stages ",
+        (f"{up}/{len(snaps)} peers up", "bold"), (f" ({starting} starting)" if starting else ""),
+        " · stages ",
         " ".join(f"{k}:{v}" for k, v in sorted(per_stage.items())) or "-", " · ",
         (human(swarm_tokens_per_s(snaps)), "bold"), " tok/s · mean loss ",
         (_loss(sum(losses) / len(losses) if losses else None), "bold"))
