@@ -33,6 +33,7 @@ from peer.membership.dht import start_dht, stop_dht
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable
 from peer.membership.records import PeerRecord, announce, fetch_swarm, withdraw
 from peer.membership.routing import Router
+from peer.membership.run_guard import RunGuard
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import StatusServer, StatusServerError
@@ -92,6 +93,7 @@ class Daemon:
         self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
+        self.run_guard = RunGuard(run.run_id, run.name)
         self.tasks: list[asyncio.Task] = []
 
     # ----- the stage served now --------------------------------------------------------------------------------------
@@ -162,6 +164,8 @@ class Daemon:
             ok, message = await self._reach(helpers)
         except Exception as e:  # the check is advice; it must never stop the peer
             ok, message = None, f"reachability could not be checked: {e!r}"
+        if (wrong := self.run_guard.error()) is not None:  # ...but a swarm of another run must
+            raise wrong
         if ok is False:
             self.reachable = False
             self.metrics.warn(message)
@@ -170,8 +174,9 @@ class Daemon:
             logger.info("reachability: %s", message)
 
     async def _reach(self, helpers: list[str]) -> tuple[bool | None, str]:
+        call = self.run_guard.wrap(lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout))
         return await check_reachable(
-            call=lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout), helpers=helpers,
+            call=call, helpers=helpers,
             run_id=self.run.run_id, stage=self.cfg.stage or 0, my_id=self.my_id,
             maddrs=list(self.cfg.announce_maddrs) or self.maddrs, timeout_s=self.cfg.reachability_timeout_s)
 

@@ -20,20 +20,21 @@ EPILOG = """examples:
 Ctrl-C or SIGTERM stops gracefully: in-flight work drains, a final checkpoint is written, the peer leaves the DHT."""
 
 
-def _stage(value: str) -> int | None:
-    if value == "auto":
+def parse_stage(value: str | int | None) -> int | None:
+    """``--stage``: 'auto' (None) or a stage number >= 0; a UserError (one line, not the usage) otherwise."""
+    if value is None or value == "auto":
         return None
     try:
         stage = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stage must be 'auto' or a stage number, got {value!r}") from None
+        raise UserError(f"--stage must be 'auto' or a stage number, got {value!r}") from None
     if stage < 0:
-        raise argparse.ArgumentTypeError(f"--stage must be >= 0, got {stage}")
+        raise UserError(f"--stage must be 'auto' or a stage number >= 0, got {stage}")
     return stage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stage", type=_stage, default=None, metavar="auto|N",
+    p.add_argument("--stage", default=None, metavar="auto|N",
                    help="pipeline stage to serve; 'auto' (default) picks the least-served stage and rebalances")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of running peers; none starts a new swarm")
@@ -103,8 +104,9 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
 
     run = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
     kw: dict[str, object] = dict(
-        stage=args.stage, initial_peers=tuple(args.initial_peers), announce_maddrs=tuple(args.announce_maddrs),
-        checkpoint_dir=args.checkpoint_dir, data_path=args.data, device=args.device, mode=args.mode,
+        stage=parse_stage(args.stage), initial_peers=tuple(args.initial_peers),
+        announce_maddrs=tuple(args.announce_maddrs), checkpoint_dir=args.checkpoint_dir, data_path=args.data,
+        device=args.device, mode=args.mode,
         max_steps=args.max_steps, summary_json=args.summary_json, metrics_port=args.metrics_port,
         torch_threads=args.torch_threads)
     if args.host_maddrs:
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from peer.cli.checks import check_join
     from peer.daemon import Daemon
     from peer.errors import DaemonError
     from peer.ops.logs import setup_logging
@@ -132,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps < 0:
         raise UserError(f"--max-steps must be >= 0, got {args.max_steps}")
     run_cfg, cfg = build_config(args)
+    check_join(args, run_cfg)  # before anything starts: a typo costs a second, not a DHT timeout
     setup_logging(args.log_level, json=None if args.no_tui else False)
     daemon = Daemon(run_cfg, cfg)
 
@@ -152,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         code = uvloop.run(main())
     except DaemonError as e:
         print(f"asyncmesh-peer join: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:  # the peer has stopped; a late SIGTERM during interpreter teardown must not turn exit 0 into -15
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Everything is stopped, checkpointed and written; exit now rather than risk interpreter teardown waiting on
