@@ -13,7 +13,8 @@ FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    ASYNCMESH_HOME=/data
+    ASYNCMESH_HOME=/data \
+    ASYNCMESH_METRICS_HOST=0.0.0.0
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /app
@@ -42,7 +43,8 @@ RUN groupadd --gid 10001 peer \
 USER 10001:10001
 VOLUME ["/data"]
 
-# 31337: libp2p (publish it, and announce the public address when behind NAT); 9464: /status and /metrics.
+# 31337: libp2p (publish it, and announce the public address when behind NAT); 9464: /status and /metrics, bound to
+# 0.0.0.0 inside the container (ASYNCMESH_METRICS_HOST) so that a published 9464 can be scraped.
 EXPOSE 31337/tcp 9464/tcp
 
 # SIGTERM drains in-flight micro-batches, writes a final checkpoint and withdraws the DHT record: give it time with

@@ -42,6 +42,7 @@ from peer.state.checkpoint import save_checkpoint
 from protocol.messages import Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
+from trainer.worker import resolve_device
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -72,7 +73,11 @@ class Daemon:
                              f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
-        self.metrics.run_id, self.metrics.n_stages = run.run_id, run.n_stages
+        self.metrics.run_id, self.metrics.n_stages, self.metrics.run_name = run.run_id, run.n_stages, run.name
+        try:
+            self.metrics.device = resolve_device(cfg.device)
+        except ValueError as e:  # --device cuda without a GPU: say so before anything starts
+            raise UserError(f"--device {cfg.device}: {e}") from None
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
@@ -307,7 +312,7 @@ class Daemon:
         status = None
         try:
             if self.cfg.metrics_port is not None:  # first, so that the start-up phases themselves can be watched
-                status = StatusServer(self.metrics, port=self.cfg.metrics_port)
+                status = StatusServer(self.metrics, host=self.cfg.metrics_host, port=self.cfg.metrics_port)
                 try:
                     await status.start()
                 except StatusServerError as e:

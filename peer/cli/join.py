@@ -54,7 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="async", choices=("async", "sync"),
                    help="async (default) or sync (GPipe flush + full gradient average per step, for comparison)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve /status and /metrics on 127.0.0.1:PORT (0 picks a free port)")
+                   help="serve /status and /metrics on PORT (0 picks a free port)")
+    p.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface of /status and /metrics (default 127.0.0.1, or $ASYNCMESH_METRICS_HOST; the "
+                        "Docker image uses 0.0.0.0 so that its published port can be scraped)")
     p.add_argument("--torch-threads", type=int, default=0, metavar="N",
                    help="CPU threads for compute (default: torch's choice; use 1 when many peers share a machine)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
@@ -113,6 +116,8 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
         kw["host_maddrs"] = tuple(args.host_maddrs)
     if args.identity:
         kw["identity_path"] = args.identity
+    if getattr(args, "metrics_host", None):
+        kw["metrics_host"] = args.metrics_host
     kw.update(parse_overrides(args.overrides))
     kw.update(overrides)
     return run, PeerConfig(**kw)
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps < 0:
         raise UserError(f"--max-steps must be >= 0, got {args.max_steps}")
     run_cfg, cfg = build_config(args)
-    check_join(args, run_cfg)  # before anything starts: a typo costs a second, not a DHT timeout
+    check_join(args, run_cfg, cfg.metrics_host)  # before anything starts: a typo costs a second, not a DHT timeout
     setup_logging(args.log_level, json=None if args.no_tui else False)
     daemon = Daemon(run_cfg, cfg)
 

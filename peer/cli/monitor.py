@@ -110,14 +110,14 @@ def render(view: dict[str, Any]) -> Any:
         if not s["peers"]:
             table.add_row(tag, Text("no peer", style="red"))
         for i, p in enumerate(s["peers"]):
-            table.add_row(tag if i == 0 else "", short_id(p["peer_id"], 14),
+            table.add_row(tag if i == 0 else "", short_id(p["peer_id"]),
                           Text(p["state"], style=STATE_STYLE.get(p["state"], "white")), human(p["throughput"]),
                           human(p["tokens_per_s"], digits=0), str(p["queue"]), str(p["version"]),
                           "-" if p["loss"] is None else f"{p['loss']:.3f}",
                           Text("yes", style="green") if p["reachable"] else Text("NO", style="red"))
         table.add_section()
     for p in view["other_stages"]:
-        table.add_row(Text(f"{p['stage']}?", style="red"), short_id(p["peer_id"], 14), p["state"])
+        table.add_row(Text(f"{p['stage']}?", style="red"), short_id(p["peer_id"]), p["state"])
     loss = "-" if view["loss"] is None else f"{view['loss']:.3f}"
     footer = Text.assemble(
         (f"{view['n_peers']} peers", "bold"), f" · coverage {view['coverage']:.0%}",

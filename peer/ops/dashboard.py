@@ -35,6 +35,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from peer.ids import short_id
 from peer.ops.logs import install_fork_guard
 from peer.ops.metrics import PeerMetrics
 from peer.ops.startup import SHORT_PHASE, STARTING, phase
@@ -94,13 +95,6 @@ def sparkline(values: Sequence[float], width: int = 24) -> str:
     lo, hi = min(values), max(values)
     span = hi - lo
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
-
-
-def short_id(peer_id: str, n: int = 10) -> str:
-    """'12D3KooWAbc...xyz' shortened to its distinguishing tail: libp2p ids share their first 8 characters."""
-    if len(peer_id) <= n:
-        return peer_id or "?"
-    return "…" + peer_id[-(n - 1):]
 
 
 def _loss(x: float | None) -> str:
@@ -282,7 +276,7 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
                                                      style="yellow"))
     stage = "?" if s.get("stage") is None else s["stage"]
     n_stages = s.get("n_stages")
-    head = f"{title} · peer {short_id(s.get('peer_id', ''), 14)} · stage {stage}" + (f"/{n_stages}" if n_stages
+    head = f"{title} · peer {short_id(s.get('peer_id', ''))} · stage {stage}" + (f"/{n_stages}" if n_stages
                                                                                         else "")
     return Panel(grid, title=head, title_align="left", border_style=STATE_STYLE.get(state, "white"), width=80,
                  subtitle="Ctrl-C drains and exits", subtitle_align="right")
@@ -314,7 +308,7 @@ def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> Rendera
         state = SHORT_PHASE.get(ph, ph[:6]) + ("" if s.get("healthy", True) else "!")
         step = s.get("local_step", 0)
         table.add_row(
-            short_id(s.get("peer_id", ""), 9) if s.get("peer_id") else str(s.get("name", "?"))[:9],
+            short_id(s.get("peer_id", "")) if s.get("peer_id") else str(s.get("name", "?"))[:9],
             "?" if s.get("stage") is None else str(s["stage"]),
             Text(state, style=STATE_STYLE.get(ph, "white")), str(step) if step < 100_000 else human(step),
             human(s.get("tokens_per_s", 0.0), digits=0), _loss(s.get("train_loss")), _loss(s.get("val_loss")),
@@ -335,7 +329,7 @@ def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> Rendera
         " ".join(f"{k}:{v}" for k, v in sorted(per_stage.items())) or "-", " · ",
         (human(swarm_tokens_per_s(snaps)), "bold"), " tok/s · mean loss ",
         (_loss(sum(losses) / len(losses) if losses else None), "bold"))
-    warnings = [(short_id(s.get("peer_id", ""), 10), w["text"]) for s in live for w in s.get("warnings", [])[-1:]]
+    warnings = [(short_id(s.get("peer_id", "")), w["text"]) for s in live for w in s.get("warnings", [])[-1:]]
     parts: list[RenderableType] = [table, footer]
     parts += [Text(f"{s.get('name', '?')}: not answering ({s['error']})", style="red", overflow="ellipsis",
                    no_wrap=True) for s in snaps if "error" in s]
