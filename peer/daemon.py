@@ -36,6 +36,7 @@ from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
 from peer.ops.metrics import PeerMetrics
+from peer.ops.progress import SwarmProgress, from_records
 from peer.ops.status_server import StatusServer, StatusServerError
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import save_checkpoint
@@ -99,6 +100,7 @@ class Daemon:
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
         self.run_guard = RunGuard(run.run_id, run.name)
+        self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
         self.tasks: list[asyncio.Task] = []
 
     # ----- the stage served now --------------------------------------------------------------------------------------
@@ -193,6 +195,7 @@ class Daemon:
         for r in self.swarm.values():
             per_stage[r.stage] = per_stage.get(r.stage, 0) + 1
         self.metrics.set_swarm(per_stage)
+        self.metrics.swarm_progress = self.progress.update(from_records(self.swarm.values()))
         self.router.forget(self.swarm)
         return self.swarm
 
@@ -218,7 +221,8 @@ class Daemon:
                           queue=self.pipe.queued() if self.pipe else 0,
                           version=int(self.worker.local_step) if self.worker is not None else 0, state=state,
                           maddrs=self.maddrs, reachable=self.reachable,
-                          tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss)
+                          tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss,
+                          tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss)
 
     async def announce(self, state: str | None = None) -> None:
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s)

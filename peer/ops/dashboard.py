@@ -38,6 +38,7 @@ from rich.text import Text
 from peer.ids import short_id
 from peer.ops.logs import install_fork_guard
 from peer.ops.metrics import PeerMetrics
+from peer.ops.progress import progress_line
 from peer.ops.startup import SHORT_PHASE, STARTING, phase
 
 Snapshot = dict[str, Any]
@@ -266,6 +267,7 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
         swarm.append(f"stage {stage}: {n}" + (" (me)" if mine else ""),
                      style="bold red" if n == 0 else ("bold" if mine else ""))
     _row(grid, "swarm", swarm if pps else Text("not fetched yet", style="dim"))
+    _row(grid, "run", Text(progress_line(s.get("swarm"), duration, human), style="" if s.get("swarm") else "dim"))
     rejected = s.get("rejected", {})
     _row(grid, "rejected", Text(" · ".join(f"{r} {n}" for r, n in sorted(rejected.items())) or "none",
                                 style="red" if rejected else "dim"))
@@ -330,7 +332,10 @@ def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> Rendera
         (human(swarm_tokens_per_s(snaps)), "bold"), " tok/s · mean loss ",
         (_loss(sum(losses) / len(losses) if losses else None), "bold"))
     warnings = [(short_id(s.get("peer_id", "")), w["text"]) for s in live for w in s.get("warnings", [])[-1:]]
-    parts: list[RenderableType] = [table, footer]
+    progress = max((s["swarm"] for s in live if s.get("swarm")), key=lambda p: (p.get("step", 0), p.get("tokens", 0)),
+                   default=None)  # every peer computes it from the DHT; the most advanced view is the freshest
+    parts: list[RenderableType] = [table, footer, Text(progress_line(progress, duration, human), overflow="ellipsis",
+                                                       no_wrap=True, style="" if progress else "dim")]
     parts += [Text(f"{s.get('name', '?')}: not answering ({s['error']})", style="red", overflow="ellipsis",
                    no_wrap=True) for s in snaps if "error" in s]
     parts += [Text(f"{pid}: {text}", style="yellow", overflow="ellipsis", no_wrap=True) for pid, text in warnings[-3:]]

@@ -94,6 +94,7 @@ class PeerMetrics:
             raise ValueError("PeerMetrics needs window_s > 0, history >= 2, stall_s > 0 and warning_ttl_s > 0")
         self.warning_ttl_s = warning_ttl_s
         self.run_name = ""
+        self.swarm_progress: dict[str, Any] | None = None  # peer.ops.progress view of the whole swarm
         self.device = ""
         self.peer_id = peer_id
         self.stage = stage
@@ -295,6 +296,7 @@ class PeerMetrics:
             "rates": rates,
             "rejected": rejected,
             "peers_per_stage": {str(s): n for s, n in sorted(self._peers_per_stage.items())},
+            "swarm": self.swarm_progress,
             "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings
                          if now - w["at"] <= self.warning_ttl_s],
         }
