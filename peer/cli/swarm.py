@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.errors import DaemonError, UserError, user_input
-from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command, p2p_maddrs, terminate
+from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command, kill_tree, p2p_maddrs, terminate
 from peer.ops.startup import SHORT_PHASE, StartupWatch, phase
 
 HELP = "Start N peers on this machine (loopback) training the embedded default run, and show the swarm."
@@ -140,7 +140,7 @@ class Swarm:
             elif not c.alive():
                 row = {"name": c.name, "phase": "exited"}
             elif i in self.status:  # it answered before: busy or hung, not starting
-                row = {"name": c.name, "error": "not answering"}
+                row = {"name": c.name, "error": "busy or stopping"}
             else:
                 row = {"name": c.name, "phase": "starting"}
             if c.alive() and i not in self.trained and i in self.watches:
@@ -245,7 +245,11 @@ class Swarm:
         while (hurry is None or not hurry.is_set()) and any(
                 c.alive() and time.monotonic() < deadline.get(c.info["i"], 0.0) for c in self.children):
             time.sleep(0.1)
-        terminate([c.proc for c in self.children], 0.1)
+        for c in self.children:
+            if c.alive():
+                print(f"{c.name} did not stop in time; killing it and its descendants", flush=True)
+                kill_tree(c.proc.pid)
+        terminate([c.proc for c in self.children], 1.0)  # reaps them, and kills what their sessions left behind
 
     def summary(self) -> dict[str, Any]:
         out = merge_summaries([c.summary() for c in self.children], mode=self.args.mode)

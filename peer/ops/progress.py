@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+COUNTED = ("training", "draining")
+
 
 class PeerFigures(NamedTuple):
     """What progress needs of one training peer."""
@@ -28,16 +30,16 @@ class PeerFigures(NamedTuple):
 
 
 def from_records(records: Iterable[Any]) -> list[PeerFigures]:
-    """Figures of the training peers among DHT records (``PeerRecord``)."""
+    """Figures of the training (or draining: their figures still hold) peers among DHT records (``PeerRecord``)."""
     return [PeerFigures(r.peer_id, r.stage, r.version, getattr(r, "tokens", 0), getattr(r, "val_loss", None))
-            for r in records if r.state == "training"]
+            for r in records if r.state in COUNTED]
 
 
 def from_snapshots(snaps: Iterable[dict[str, Any]]) -> list[PeerFigures]:
-    """Figures of the training peers among ``/status`` snapshots."""
+    """Figures of the training (or draining) peers among ``/status`` snapshots."""
     return [PeerFigures(s.get("peer_id", ""), s["stage"], int(s.get("local_step") or 0),
                         int(s.get("tokens_total") or 0), s.get("val_loss")) for s in snaps
-            if s.get("state") == "training" and s.get("stage") is not None]
+            if s.get("state") in COUNTED and s.get("stage") is not None]
 
 
 def trend(values: list[float], n: int = 3) -> str | None:
