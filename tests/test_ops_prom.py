@@ -101,3 +101,27 @@ def test_one_peer_id_abbreviation(pid, short):
     assert short_id(pid) == short
     if len(pid) > 9:
         assert len(short_id(pid)) == 9 and pid.endswith(short_id(pid)[1:])
+
+
+def test_gpu_memory_and_utilisation_on_a_cuda_device(monkeypatch):
+    import torch
+
+    for name, value in (("is_available", True), ("is_initialized", True), ("memory_allocated", 1000),
+                        ("memory_reserved", 2000), ("max_memory_allocated", 1500)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (5000, 8000))
+    monkeypatch.setattr(torch.cuda, "utilization", lambda *a, **k: 37)
+    m = PeerMetrics("p")
+    m.device = "cuda"
+    got = samples(render(peer_registry(m.snapshot, process=False)))
+    assert got['asyncmesh_gpu_memory_allocated_bytes{device="cuda"}'] == 1000
+    assert got['asyncmesh_gpu_memory_total_bytes{device="cuda"}'] == 8000
+    assert got['asyncmesh_gpu_utilization_ratio{device="cuda"}'] == pytest.approx(0.37)
+
+    def no_nvml(*a: object, **k: object) -> int:
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_nvml)  # without NVML: memory only, no error
+    got = samples(render(peer_registry(m.snapshot, process=False)))
+    assert "asyncmesh_gpu_memory_reserved_bytes{device=\"cuda\"}" in got
+    assert not any("utilization" in k for k in got)
