@@ -1,29 +1,32 @@
 # asyncmesh-peer: a volunteer peer daemon on a CUDA GPU.
 #
 #   docker build -t asyncmesh .
-#   docker run --gpus all -d --name asyncmesh --restart unless-stopped --stop-timeout 90 \
+#   docker run --init --gpus all -d --name asyncmesh --restart unless-stopped --stop-timeout 90 \
 #       -p 31337:31337 -v asyncmesh-data:/data asyncmesh \
 #       join --stage auto --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
 #
 # See docs/docker.md (ports, the announce address behind NAT, health checks, graceful stops).
 
-# Pinned: CUDA 12.8 runtime + cuDNN 9 + PyTorch 2.7.1 (Python 3.11). Needs an NVIDIA driver >= 570 on the host.
-FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# Python 3.11 like the tests; torch comes from PyPI at the version the tests run (constraints.txt pins it): PyPI's Linux
+# wheel carries its CUDA libraries, so the host needs only an NVIDIA driver and the NVIDIA Container Toolkit.
+FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    ASYNCMESH_HOME=/data
+    ASYNCMESH_HOME=/data \
+    ASYNCMESH_METRICS_HOST=0.0.0.0
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /app
 
-# 1. Dependencies first, from the manifest alone, so that editing the source does not re-download them.
-#    torch is already in the base image and satisfies the manifest's "torch>=..." without a download.
-COPY pyproject.toml ./
+# 1. Dependencies first, from the manifest and the constraints alone, so that editing the source does not re-download
+#    them. constraints.txt pins every package to the version the tests run with (CI installs from it too); the
+#    simulator's plotting extra is left out of the runtime image.
+COPY pyproject.toml constraints.txt ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # 2. The source, installed without touching the dependencies again.
@@ -42,7 +45,8 @@ RUN groupadd --gid 10001 peer \
 USER 10001:10001
 VOLUME ["/data"]
 
-# 31337: libp2p (publish it, and announce the public address when behind NAT); 9464: /status and /metrics.
+# 31337: libp2p (publish it, and announce the public address when behind NAT); 9464: /status and /metrics, bound to
+# 0.0.0.0 inside the container (ASYNCMESH_METRICS_HOST) so that a published 9464 can be scraped.
 EXPOSE 31337/tcp 9464/tcp
 
 # SIGTERM drains in-flight micro-batches, writes a final checkpoint and withdraws the DHT record: give it time with

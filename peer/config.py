@@ -99,6 +99,9 @@ class PeerConfig:
     """Write this peer's multiaddrs here (one a line) once it is listening (launchers and tests read it)."""
     metrics_port: int | None = None
     """Serve the status endpoint on this port (None disables)."""
+    metrics_host: str = field(default_factory=lambda: os.environ.get("ASYNCMESH_METRICS_HOST", "127.0.0.1"))
+    """Interface of the status endpoint: 127.0.0.1 keeps it on this machine; the Docker image sets 0.0.0.0 (through
+    ASYNCMESH_METRICS_HOST) so that its published port can be scraped."""
     torch_threads: int = 0
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
     use_ipfs: bool = False

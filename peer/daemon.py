@@ -36,10 +36,12 @@ from peer.membership.moves import Mover, MoveTiming
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
 from peer.membership.routing import Router
+from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
 from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
 from peer.ops.metrics import PeerMetrics
-from peer.ops.status_server import StatusServer
+from peer.ops.progress import SwarmProgress, from_records
+from peer.ops.status_server import StatusServer, StatusServerError
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
@@ -47,6 +49,7 @@ from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_c
 from protocol.messages import Busy, Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
+from trainer.worker import resolve_device
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -77,8 +80,12 @@ class Daemon:
                              f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
         self.run, self.cfg = run, cfg
         self.metrics = metrics or PeerMetrics()
-        self.metrics.run_id = run.run_id
+        self.metrics.run_id, self.metrics.n_stages, self.metrics.run_name = run.run_id, run.n_stages, run.name
         self.metrics.access = run.access.mode
+        try:
+            self.metrics.device = resolve_device(cfg.device)
+        except ValueError as e:  # --device cuda without a GPU: say so before anything starts
+            raise UserError(f"--device {cfg.device}: {e}") from None
         self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
@@ -101,6 +108,8 @@ class Daemon:
         self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
+        self.run_guard = RunGuard(run.run_id, run.name)
+        self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
         self.tasks: list[asyncio.Task] = []
         self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
         self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
@@ -159,6 +168,7 @@ class Daemon:
         self.metrics.peer_id = self.my_id
         visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
         self.maddrs = [str(m) for m in visible][:8]
+        self.metrics.maddrs = list(self.cfg.announce_maddrs) or list(self.maddrs)
         if self.cfg.maddrs_file is not None:
             tmp = self.cfg.maddrs_file.with_suffix(".tmp")
             tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
@@ -185,6 +195,8 @@ class Daemon:
             ok, message = await self._reach(helpers)
         except Exception as e:  # the check is advice; it must never stop the peer
             ok, message = None, f"reachability could not be checked: {e!r}"
+        if (wrong := self.run_guard.error()) is not None:  # ...but a swarm of another run must
+            raise wrong
         if ok is False:
             self.reachable = False
             self.metrics.warn(message)
@@ -193,8 +205,9 @@ class Daemon:
             logger.info("reachability: %s", message)
 
     async def _reach(self, helpers: list[str]) -> tuple[bool | None, str]:
+        call = self.run_guard.wrap(lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout))
         return await check_reachable(
-            call=lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout), helpers=helpers,
+            call=call, helpers=helpers,
             run_id=self.run.run_id, stage=self.cfg.stage or 0, my_id=self.my_id,
             maddrs=list(self.cfg.announce_maddrs) or self.maddrs, timeout_s=self.cfg.reachability_timeout_s)
 
@@ -206,6 +219,7 @@ class Daemon:
         for r in self.swarm.values():
             per_stage[r.stage] = per_stage.get(r.stage, 0) + 1
         self.metrics.set_swarm(per_stage)
+        self.metrics.swarm_progress = self.progress.update(from_records(self.swarm.values()))
         self.router.forget(self.swarm)
         return self.swarm
 
@@ -237,7 +251,8 @@ class Daemon:
                           queue=self.pipe.queued() if self.pipe else 0,
                           version=int(self.worker.local_step) if self.worker is not None else 0, state=state,
                           maddrs=self.maddrs, reachable=self.reachable,
-                          tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss)
+                          tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss,
+                          tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss)
 
     async def announce(self, state: str | None = None) -> None:
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
@@ -342,13 +357,17 @@ class Daemon:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         status = None
         try:
+            if self.cfg.metrics_port is not None:  # first, so that the start-up phases themselves can be watched
+                status = StatusServer(self.metrics, host=self.cfg.metrics_host, port=self.cfg.metrics_port)
+                try:
+                    await status.start()
+                except StatusServerError as e:
+                    status = None
+                    raise DaemonError(str(e)) from None
             await self._start_dht()
             await self._start_rpc()
             assert self.rpc is not None
             self.handlers = StageHandlers(self.rpc, self._not_ready)
-            if self.cfg.metrics_port is not None:
-                status = StatusServer(self.metrics, port=self.cfg.metrics_port)
-                await status.start()
             self._print_join_hint()
             if self.cfg.checkpoint_dir is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)

@@ -24,6 +24,7 @@ from peer.averaging.config import NetAveragingConfig
 from peer.averaging.loop import AveragingLoop
 from peer.averaging.sync import FlushClock, SyncAverager
 from peer.errors import DaemonError
+from peer.ids import short_id
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
@@ -284,7 +285,7 @@ class SyncSchedule:
             assert self.service.pipe is not None
             self.service.pipe.spawn(self._join_barrier(step))
         else:
-            logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, peer[-6:], stage)
+            logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, short_id(peer), stage)
 
     async def _join_barrier(self, step: int) -> None:
         async with self.lock:

@@ -48,7 +48,7 @@ def test_formatting_helpers() -> None:
     assert human_bytes(1500, "/s") == "1.5 kB/s" and human_bytes(12) == "12 B"
     assert sparkline([3, 2, 1]) == "█▅▁" and sparkline([1, 1]) == "▁▁" and sparkline([]) == ""
     assert len(sparkline(list(range(100)), 10)) == 10
-    assert short_id("12D3KooWabcdefghijk", 6) == "…ghijk" and short_id("") == "?"
+    assert short_id("12D3KooWabcdefghijk") == "…defghijk" and short_id("") == "?"
 
 
 def test_single_peer_panel_shows_every_field_and_values_move() -> None:

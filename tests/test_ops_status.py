@@ -114,7 +114,7 @@ def test_status_json_metrics_and_dashboard_show_the_same_figures(served, capsys)
     assert prom["asyncmesh_local_step"] == snap["local_step"] == 30
     assert prom["asyncmesh_train_loss"] == pytest.approx(snap["train_loss"])
     assert prom["asyncmesh_val_loss"] == pytest.approx(3.9)
-    assert prom["asyncmesh_bytes_out_per_second"] == pytest.approx(snap["bytes_out_per_s"])
+    assert prom["asyncmesh_bytes_sent_per_second"] == pytest.approx(snap["bytes_out_per_s"])
     assert prom["asyncmesh_bytes_per_token"] == pytest.approx(snap["bytes_per_token"])
     assert prom["asyncmesh_averaging_rounds_ok_total"] == 1 and prom["asyncmesh_averaging_group_size"] == 3
     assert prom['asyncmesh_state{state="training"}'] == 1 and prom['asyncmesh_state{state="draining"}'] == 0
@@ -172,7 +172,8 @@ def test_port_in_use_says_what_to_do() -> None:
 
 
 def test_prometheus_names_and_format() -> None:
-    assert metric_name("bytes_out") == "asyncmesh_bytes_out_total"
+    assert metric_name("bytes_out") == "asyncmesh_bytes_sent_total"
+    assert metric_name("bytes_in") == "asyncmesh_bytes_received_total"
     assert metric_name("weird-name.x_total") == "asyncmesh_weird_name_x_total"
     text = prometheus_text(PeerMetrics("p").snapshot())
     assert "asyncmesh_train_loss" not in text  # no loss yet: the series is absent, not 0

@@ -40,10 +40,10 @@ def test_bad_overrides_say_what_to_fix(item, match):
         cmd_join.parse_overrides([item])
 
 
-def test_bad_stage_is_an_argparse_error(capsys):
-    with pytest.raises(SystemExit):
-        parse("--stage", "first")
-    assert "--stage must be 'auto' or a stage number" in capsys.readouterr().err
+@pytest.mark.parametrize("stage, match", [("first", "'auto' or a stage number"), ("-1", ">= 0, got -1")])
+def test_bad_stage_is_a_one_line_user_error(stage, match):
+    with pytest.raises(UserError, match=match):
+        cmd_join.build_config(parse("--stage", stage))
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -45,3 +45,24 @@ def test_merge_adds_methods_of_a_run_with_the_same_config(tmp_path):
         from peer.cli.simulate import _report_only
 
         _report_only(a, [c], wallclock=False)
+
+
+def test_without_matplotlib_every_output_but_the_plot_is_written(tmp_path, monkeypatch, caplog):
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kw):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kw)
+
+    for mod in [m for m in sys.modules if m.split(".")[0] == "matplotlib"]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    sim = with_overrides(preset("smoke"), methods=("fullsync",))
+    write_outputs(tmp_path, sim.to_dict(), [record("fullsync", 2.0)])
+    assert not (tmp_path / "curves.png").exists()
+    assert all((tmp_path / f).exists() for f in ("results.json", "curves.csv", "table.md"))
+    assert "pip install 'asyncmesh[sim]'" in caplog.text

@@ -32,6 +32,7 @@ from peer.averaging.exchange import (
     exchange_all,
     finite_norm_check,
 )
+from peer.ids import short_id
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from trainer.config import RunConfig
@@ -133,8 +134,8 @@ class SyncAverager:
         missing = [p for p in peers if p not in slot.contributions]
         if missing:
             self.metrics.inc("sync_average_incomplete")
-            logger.warning("step %d: averaged without %d of %d replicas (%s...)", step, len(missing), len(peers) + 1,
-                           missing[0][:12])
+            logger.warning("step %d: averaged without %d of %d replicas (%s)", step, len(missing), len(peers) + 1,
+                           short_id(missing[0]))
         mean = await asyncio.get_running_loop().run_in_executor(
             None, equal_mean, self.me, slot.own_values, slot.contributions)
         return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(slot.contributions) + 1

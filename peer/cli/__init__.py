@@ -13,7 +13,7 @@ import sys
 
 from peer.errors import UserError
 
-SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit")
+SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit", "export", "generate")
 
 
 def build_parser() -> argparse.ArgumentParser:

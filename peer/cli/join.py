@@ -20,20 +20,21 @@ EPILOG = """examples:
 Ctrl-C or SIGTERM stops gracefully: in-flight work drains, a final checkpoint is written, the peer leaves the DHT."""
 
 
-def _stage(value: str) -> int | None:
-    if value == "auto":
+def parse_stage(value: str | int | None) -> int | None:
+    """``--stage``: 'auto' (None) or a stage number >= 0; a UserError (one line, not the usage) otherwise."""
+    if value is None or value == "auto":
         return None
     try:
         stage = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stage must be 'auto' or a stage number, got {value!r}") from None
+        raise UserError(f"--stage must be 'auto' or a stage number, got {value!r}") from None
     if stage < 0:
-        raise argparse.ArgumentTypeError(f"--stage must be >= 0, got {stage}")
+        raise UserError(f"--stage must be 'auto' or a stage number >= 0, got {stage}")
     return stage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stage", type=_stage, default=None, metavar="auto|N",
+    p.add_argument("--stage", default=None, metavar="auto|N",
                    help="pipeline stage to serve; 'auto' (default) picks the least-served stage and rebalances")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                    help="multiaddrs of running peers; none starts a new swarm")
@@ -55,7 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="async", choices=("async", "sync"),
                    help="async (default) or sync (GPipe flush + full gradient average per step, for comparison)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve /status and /metrics on 127.0.0.1:PORT (0 picks a free port)")
+                   help="serve /status and /metrics on PORT (0 picks a free port)")
+    p.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface of /status and /metrics (default 127.0.0.1, or $ASYNCMESH_METRICS_HOST; the "
+                        "Docker image uses 0.0.0.0 so that its published port can be scraped)")
     p.add_argument("--torch-threads", type=int, default=0, metavar="N",
                    help="CPU threads for compute (default: torch's choice; use 1 when many peers share a machine)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
@@ -105,8 +109,9 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
 
     run = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
     kw: dict[str, object] = dict(
-        stage=args.stage, initial_peers=tuple(args.initial_peers), announce_maddrs=tuple(args.announce_maddrs),
-        checkpoint_dir=args.checkpoint_dir, data_path=args.data, device=args.device, mode=args.mode,
+        stage=parse_stage(args.stage), initial_peers=tuple(args.initial_peers),
+        announce_maddrs=tuple(args.announce_maddrs), checkpoint_dir=args.checkpoint_dir, data_path=args.data,
+        device=args.device, mode=args.mode,
         max_steps=args.max_steps, summary_json=args.summary_json, metrics_port=args.metrics_port,
         torch_threads=args.torch_threads)
     if args.host_maddrs:
@@ -115,6 +120,8 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
         kw["identity_path"] = args.identity
     if args.credential:
         kw["credential_path"] = args.credential
+    if getattr(args, "metrics_host", None):
+        kw["metrics_host"] = args.metrics_host
     kw.update(parse_overrides(args.overrides))
     kw.update(overrides)
     return run, PeerConfig(**kw)
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from peer.cli.checks import check_join
     from peer.daemon import Daemon
     from peer.errors import DaemonError
     from peer.ops.logs import setup_logging
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps < 0:
         raise UserError(f"--max-steps must be >= 0, got {args.max_steps}")
     run_cfg, cfg = build_config(args)
+    check_join(args, run_cfg, cfg.metrics_host)  # before anything starts: a typo costs a second, not a DHT timeout
     setup_logging(args.log_level, json=None if args.no_tui else False)
     daemon = Daemon(run_cfg, cfg)
 
@@ -156,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         code = uvloop.run(main())
     except DaemonError as e:
         print(f"asyncmesh-peer join: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:  # the peer has stopped; a late SIGTERM during interpreter teardown must not turn exit 0 into -15
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Everything is stopped, checkpointed and written; exit now rather than risk interpreter teardown waiting on

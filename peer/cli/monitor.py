@@ -4,7 +4,10 @@ It joins the DHT as a client (it serves nothing and stores nothing), reads the r
 ``membership.records.fetch_swarm`` every ``--interval`` seconds and shows, per stage, the peers serving it with their
 state, throughput, queue, state version and loss; which stages are covered; the bottleneck stage (the least announced
 throughput: adding a peer there speeds up the whole swarm); the swarm's tokens/s (those of stage 0, where each token
-enters the pipeline) and its mean training loss. ``--once --json`` prints one JSON document for scripts.
+enters the pipeline) and its mean training loss; and the swarm's progress (``peer.ops.progress``): run name, tokens
+trained, step against the run's ``total_steps``, ETA, validation loss and its trend. ``--json`` prints one JSON
+document per read for scripts (``--once --json``: one). ``--tensorboard DIR`` also logs the swarm's curves for
+TensorBoard (an optional extra: ``pip install 'asyncmesh[tensorboard]'``).
 
 Records are keyed by the run id, so monitor must be given the same run file as the peers (``--run``; the embedded
 default otherwise); with the wrong one it finds nobody and says so.
@@ -26,6 +29,8 @@ EPILOG = """examples:
   asyncmesh-peer monitor --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
   asyncmesh-peer monitor --initial-peers MADDR --run myrun.toml --interval 5
   asyncmesh-peer monitor --initial-peers MADDR --once --json | jq .swarm_tokens_per_s
+  asyncmesh-peer monitor --initial-peers MADDR --json | jq -c '.progress | {step, eta_s, val_loss}'
+  asyncmesh-peer monitor --initial-peers MADDR --tensorboard runs/swarm   # then: tensorboard --logdir runs
 """
 
 EXIT_OK, EXIT_EMPTY = 0, 1
@@ -42,10 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--once: keep reading this long until some peer shows up (default 15 s)")
     parser.add_argument("--once", action="store_true", help="read once, print, exit (1 if no peer was found)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="also log the swarm's tokens/s, loss, validation loss, step and tokens to DIR for "
+                             "TensorBoard (needs the 'tensorboard' extra)")
 
 
-def swarm_view(records: dict[str, Any], n_stages: int, run_id: str) -> dict[str, Any]:
-    """Summarise PeerRecords (keyed by peer id) into the JSON document monitor prints. Pure; unit-tested."""
+def swarm_view(records: dict[str, Any], n_stages: int, run_id: str,
+               progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summarise PeerRecords (keyed by peer id) into the JSON document monitor prints. Pure; unit-tested.
+    ``progress`` is the ``SwarmProgress`` view after this read (None: not computed)."""
     stages: list[dict[str, Any]] = []
     for stage in range(n_stages):
         peers = sorted((r for r in records.values() if r.stage == stage), key=lambda r: r.peer_id)
@@ -75,6 +85,7 @@ def swarm_view(records: dict[str, Any], n_stages: int, run_id: str) -> dict[str,
         # each token enters the pipeline once, at stage 0; with a stage missing nothing completes
         "swarm_tokens_per_s": stages[0]["tokens_per_s"] if stages and len(covered) == n_stages else 0.0,
         "loss": last["loss"] if last else None,
+        "progress": progress,
         "stages": stages,
         "other_stages": [_record_dict(r) for r in strays],
     }
@@ -94,7 +105,9 @@ def render(view: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from peer.ops.dashboard import STATE_STYLE, human, short_id
+    from peer.ids import short_id
+    from peer.ops.dashboard import STATE_STYLE, duration, human
+    from peer.ops.progress import progress_line
 
     table = Table(box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)
     for name, justify in (("stage", "left"), ("peer", "left"), ("state", "left"), ("thru", "right"),
@@ -110,21 +123,24 @@ def render(view: dict[str, Any]) -> Any:
         if not s["peers"]:
             table.add_row(tag, Text("no peer", style="red"))
         for i, p in enumerate(s["peers"]):
-            table.add_row(tag if i == 0 else "", short_id(p["peer_id"], 14),
+            table.add_row(tag if i == 0 else "", short_id(p["peer_id"]),
                           Text(p["state"], style=STATE_STYLE.get(p["state"], "white")), human(p["throughput"]),
                           human(p["tokens_per_s"], digits=0), str(p["queue"]), str(p["version"]),
                           "-" if p["loss"] is None else f"{p['loss']:.3f}",
                           Text("yes", style="green") if p["reachable"] else Text("NO", style="red"))
         table.add_section()
     for p in view["other_stages"]:
-        table.add_row(Text(f"{p['stage']}?", style="red"), short_id(p["peer_id"], 14), p["state"])
+        table.add_row(Text(f"{p['stage']}?", style="red"), short_id(p["peer_id"]), p["state"])
     loss = "-" if view["loss"] is None else f"{view['loss']:.3f}"
     footer = Text.assemble(
         (f"{view['n_peers']} peers", "bold"), f" · coverage {view['coverage']:.0%}",
         (" (missing " + ", ".join(map(str, view["missing_stages"])) + ")", "bold red") if view["missing_stages"]
         else "", " · bottleneck stage ", str(view["bottleneck_stage"]), " · ",
         (human(view["swarm_tokens_per_s"]), "bold"), " tok/s · loss ", (loss, "bold"))
-    return Panel(Group(table, footer), title=f"asyncmesh swarm · run {view['run_id']}", title_align="left", width=80,
+    parts = [table, footer]
+    if view.get("progress") is not None:
+        parts.append(Text(progress_line(view["progress"], duration, human), overflow="ellipsis", no_wrap=True))
+    return Panel(Group(*parts), title=f"asyncmesh swarm · run {view['run_id']}", title_align="left", width=80,
                  subtitle=time.strftime("%H:%M:%S") + " · Ctrl-C quits", subtitle_align="right")
 
 
@@ -140,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be positive (seconds), got {getattr(args, name)}")
     run_config = _load_run(args.run)
+    from peer.cli.checks import check_multiaddrs
+
+    check_multiaddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+    if args.tensorboard is not None:
+        args.tb_writer = tensorboard_writer(args.tensorboard)
     import uvloop
 
     from peer.ops.logs import setup_logging
@@ -157,6 +178,7 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
     from hivemind import DHT
 
     from peer.membership.records import fetch_swarm, record_validator
+    from peer.ops.progress import from_records
 
     try:  # the run's validator: forged records in a lying node's answer are dropped before fetch_swarm sees them
         dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
@@ -172,8 +194,10 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
                 if records or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(min(1.0, args.interval))
-            view = swarm_view(records, run_config.n_stages, run_config.run_id)
+            view = swarm_view(records, run_config.n_stages, run_config.run_id, _progress(run_config).update(
+                from_records(records.values())))
             _print(view, args.json)
+            _log_tb(args, view)
             if not records:
                 print(f"asyncmesh-peer monitor: no peer of run {run_config.run_id} found within {args.wait:g} s; "
                       "check --run (it must be the peers' run file) and --initial-peers", file=sys.stderr)
@@ -206,13 +230,17 @@ async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any)
     from rich.live import Live
 
     from peer.membership.records import fetch_swarm
+    from peer.ops.progress import from_records
 
+    progress = _progress(run_config)
     view = swarm_view({}, run_config.n_stages, run_config.run_id)
     live = nullcontext() if args.json else Live(render(view), console=get_console(), auto_refresh=False)
     with live:
         while not stop.is_set():
             records = await fetch_swarm(dht, run_config.run_id, timeout=args.timeout)
-            view = swarm_view(records, run_config.n_stages, run_config.run_id)
+            view = swarm_view(records, run_config.n_stages, run_config.run_id,
+                              progress.update(from_records(records.values())))
+            _log_tb(args, view)
             if args.json:
                 print(json.dumps(view), flush=True)
             else:
@@ -222,3 +250,39 @@ async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any)
             except TimeoutError:
                 pass
     return EXIT_OK
+
+
+def _progress(run_config: Any) -> Any:
+    from peer.ops.progress import SwarmProgress
+
+    return SwarmProgress(run_name=run_config.name, total_steps=run_config.optim.total_steps)
+
+
+def tensorboard_writer(logdir: str) -> Any:
+    """A TensorBoard SummaryWriter on ``logdir``; a one-line UserError when the optional extra is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch ships the writer, the 'tensorboard' package provides its protobufs
+        raise UserError("--tensorboard needs the tensorboard package: pip install 'asyncmesh[tensorboard]' (or run "
+                        "without --tensorboard)") from None
+    with user_input(f"--tensorboard {logdir}"):
+        return SummaryWriter(log_dir=logdir)
+
+
+def tensorboard_scalars(view: dict[str, Any]) -> dict[str, float]:
+    """The swarm's curves of one read, by TensorBoard tag (absent figures are left out)."""
+    p = view.get("progress") or {}
+    out = {"swarm/tokens_per_s": view.get("swarm_tokens_per_s"), "swarm/train_loss": view.get("loss"),
+           "swarm/val_loss": p.get("val_loss"), "swarm/tokens": p.get("tokens"), "swarm/peers": view.get("n_peers"),
+           "swarm/coverage": view.get("coverage")}
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def _log_tb(args: argparse.Namespace, view: dict[str, Any]) -> None:
+    writer = getattr(args, "tb_writer", None)
+    if writer is None:
+        return
+    step = int((view.get("progress") or {}).get("step") or 0)
+    for tag, value in tensorboard_scalars(view).items():
+        writer.add_scalar(tag, value, global_step=step, walltime=view["time"])
+    writer.flush()

@@ -15,6 +15,8 @@ import urllib.request
 from typing import Any
 
 from peer.errors import UserError
+from peer.ids import short_id
+from peer.ops.progress import progress_line
 
 HELP = "Show a running peer's status (exit 0 healthy, 1 unhealthy, 3 unreachable); for scripts and health checks."
 EPILOG = """examples:
@@ -51,8 +53,13 @@ def summary(snap: dict[str, Any]) -> str:
     stage = "?" if snap.get("stage") is None else snap["stage"]
     loss = "-" if snap.get("train_loss") is None else f"{snap['train_loss']:.3f}"
     health = "healthy" if snap["healthy"] else "UNHEALTHY: " + "; ".join(snap.get("health_reasons", []))
-    return (f"{snap.get('peer_id', '?')[:16]} stage {stage} {snap['state']} step {snap.get('local_step', 0)} "
+    line = (f"{short_id(snap.get('peer_id', ''))} stage {stage} {snap['state']} step {snap.get('local_step', 0)} "
             f"{snap.get('tokens_per_s', 0.0):.0f} tok/s loss {loss} - {health}")
+    if snap.get("swarm"):  # the swarm's progress as this peer sees it in the DHT
+        from peer.ops.dashboard import duration, human
+
+        line += " · " + progress_line(snap["swarm"], duration, human)
+    return line
 
 
 def run(args: argparse.Namespace) -> int:

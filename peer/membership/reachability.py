@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+from peer.ids import short_id
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, Message
 
@@ -133,7 +134,7 @@ async def check_reachable(*, call: Callable[[str, str, Message, float], Awaitabl
                                "with --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT (and --host-maddrs with that port).")
             continue
         except Exception as e:  # a helper that fails says nothing about us
-            last = f"{helper[-8:]}: {e!r}"
+            last = f"{short_id(helper)}: {e!r}"
             continue
         if isinstance(reply, Ack):
             return True, f"reachable at {', '.join(targets)}"

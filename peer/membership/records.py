@@ -64,6 +64,10 @@ class PeerRecord:
     """Tokens it processed per second recently (dashboards)."""
     loss: float | None = None
     """Its latest training loss, when it knows one (dashboards)."""
+    tokens: int = 0
+    """Training tokens it has processed since it started (swarm progress; optional, 0 when absent)."""
+    val_loss: float | None = None
+    """Its latest validation loss, when it knows one (swarm progress; optional)."""
 
     def to_value(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,13 +92,20 @@ class PeerRecord:
         bad_loss = not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)
         if loss is not None and bad_loss:
             raise RecordError("field 'loss' must be a finite number or None")
+        optional = {"tokens": value.get("tokens", 0), "val_loss": value.get("val_loss")}  # absent in older records
+        if "tokens" in value:
+            _check(value, "tokens", int, lambda v: 0 <= v < 2**62)
+        val = optional["val_loss"]
+        if val is not None and (not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val)):
+            raise RecordError("field 'val_loss' must be a finite number or None")
         extra = set(value) - {f for f in cls.__dataclass_fields__}
         if extra:
             raise RecordError(f"unknown fields {sorted(extra)}")
         return cls(peer_id=peer_id, stage=value["stage"], throughput=float(value["throughput"]), queue=value["queue"],
                    version=value["version"], state=value["state"], maddrs=list(value["maddrs"]),
                    reachable=value["reachable"], tokens_per_s=float(value["tokens_per_s"]),
-                   loss=None if loss is None else float(loss))
+                   loss=None if loss is None else float(loss), tokens=optional["tokens"],
+                   val_loss=None if val is None else float(val))
 
 
 def _check(value: dict, name: str, types: type | tuple[type, ...], ok: Any) -> None:

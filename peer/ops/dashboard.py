@@ -9,8 +9,10 @@ API (what ``join`` and ``swarm`` use)::
     dash.render()                             # the rich renderable (tests print it to a recorded Console)
 
 ``metrics_source`` is a PeerMetrics, a snapshot dict, a list of snapshot dicts, or a zero-argument callable returning
-either. A list entry may also be ``{"name": ..., "error": ...}`` for a child that did not answer; it is shown as
-unreachable. One snapshot draws the single-peer panel; a list draws the compact multi-peer table with a swarm line.
+either. A list entry may also be ``{"name": ..., "error": ...}`` for a child that did not answer (shown as
+unreachable) or ``{"name": ..., "phase": ...}`` for a child that has no status yet (its start-up phase, see
+``peer.ops.startup``). One snapshot draws the single-peer panel; a list draws the compact multi-peer table with a
+swarm line.
 
 Each refresh takes one ``snapshot()`` (~25 µs) and draws a few dozen lines (~8 ms measured with rich on the shared
 2-core dev machine), so drawing at 2 Hz costs under 2 % of one core and holds the event loop for a few milliseconds
@@ -33,8 +35,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from peer.ids import short_id
 from peer.ops.logs import install_fork_guard
 from peer.ops.metrics import PeerMetrics
+from peer.ops.progress import progress_line
+from peer.ops.startup import SHORT_PHASE, STARTING, phase
 
 Snapshot = dict[str, Any]
 Source = PeerMetrics | Snapshot | list[Snapshot] | Callable[[], Snapshot | list[Snapshot]]
@@ -43,7 +48,8 @@ SHORT_STATE = {"joining": "join", "loading_state": "load", "training": "train", 
                "stopped": "stop"}
 SPARK = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {"joining": "cyan", "loading_state": "cyan", "training": "green", "draining": "yellow",
-               "stopped": "red", "unreachable": "red"}
+               "stopped": "red", "unreachable": "red", "waiting": "dim", "starting": "cyan", "joining DHT": "cyan",
+               "choosing stage": "cyan", "loading state": "cyan", "exited": "red", "failed": "bold red"}
 
 
 # ---- formatting helpers (pure; unit-tested) -------------------------------------------------------------------------
@@ -90,13 +96,6 @@ def sparkline(values: Sequence[float], width: int = 24) -> str:
     lo, hi = min(values), max(values)
     span = hi - lo
     return "".join(SPARK[0 if span == 0 else min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
-
-
-def short_id(peer_id: str, n: int = 10) -> str:
-    """'12D3KooWAbc...xyz' shortened to its distinguishing tail: libp2p ids share their first 8 characters."""
-    if len(peer_id) <= n:
-        return peer_id or "?"
-    return "…" + peer_id[-(n - 1):]
 
 
 def _loss(x: float | None) -> str:
@@ -274,6 +273,7 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
         swarm.append(f"stage {stage}: {n}" + (" (me)" if mine else ""),
                      style="bold red" if n == 0 else ("bold" if mine else ""))
     _row(grid, "swarm", swarm if pps else Text("not fetched yet", style="dim"))
+    _row(grid, "run", Text(progress_line(s.get("swarm"), duration, human), style="" if s.get("swarm") else "dim"))
     rejected = s.get("rejected", {})
     _row(grid, "rejected", Text(" · ".join(f"{r} {n}" for r, n in sorted(rejected.items())) or "none",
                                 style="red" if rejected else "dim"))
@@ -284,7 +284,7 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
                                                      style="yellow"))
     stage = "?" if s.get("stage") is None else s["stage"]
     n_stages = s.get("n_stages")
-    head = f"{title} · peer {short_id(s.get('peer_id', ''), 14)} · stage {stage}" + (f"/{n_stages}" if n_stages
+    head = f"{title} · peer {short_id(s.get('peer_id', ''))} · stage {stage}" + (f"/{n_stages}" if n_stages
                                                                                         else "")
     if s.get("access"):
         head += f" · {s['access']} run"
@@ -302,34 +302,48 @@ def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> Rendera
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis", min_width=width)
 
     def key(s: Snapshot) -> tuple:
-        return (s.get("stage") is None, s.get("stage") or 0, s.get("peer_id", s.get("name", "")))
+        staged = s.get("stage") is not None  # rows without a stage keep their order (peer0, peer1, ...)
+        return (not staged, s.get("stage") or 0, s.get("peer_id", "") if staged else "")
 
     for s in sorted(snaps, key=key):
         if "error" in s:
             table.add_row(str(s.get("name", "?"))[:9], "", Text("down", style="red"))
             continue
+        ph = phase(s)
+        if "state" not in s:  # a child with no status yet: its start-up phase only
+            table.add_row(str(s.get("name", "?"))[:9], "", Text(SHORT_PHASE.get(ph, ph[:6]),
+                                                               style=STATE_STYLE.get(ph, "white")))
+            continue
         c = s.get("counters", {})
-        state = SHORT_STATE.get(s["state"], s["state"][:5]) + ("" if s.get("healthy", True) else "!")
+        state = SHORT_PHASE.get(ph, ph[:6]) + ("" if s.get("healthy", True) else "!")
         step = s.get("local_step", 0)
         table.add_row(
-            short_id(s.get("peer_id", ""), 9), "?" if s.get("stage") is None else str(s["stage"]),
-            Text(state, style=STATE_STYLE.get(s["state"], "white")), str(step) if step < 100_000 else human(step),
+            short_id(s.get("peer_id", "")) if s.get("peer_id") else str(s.get("name", "?"))[:9],
+            "?" if s.get("stage") is None else str(s["stage"]),
+            Text(state, style=STATE_STYLE.get(ph, "white")), str(step) if step < 100_000 else human(step),
             human(s.get("tokens_per_s", 0.0), digits=0), _loss(s.get("train_loss")), _loss(s.get("val_loss")),
             f"{s.get('inflight', 0)}/{s.get('queued', 0)}", str(c.get("microbatches_dropped", 0)),
             f"{c.get('averaging_rounds_ok', 0)}/{c.get('averaging_rounds_failed', 0)}",
             f"{human(s.get('bytes_in_per_s', 0.0), digits=0)}/{human(s.get('bytes_out_per_s', 0.0), digits=0)}")
-    live = [s for s in snaps if "error" not in s]
+    live = [s for s in snaps if "error" not in s and "state" in s]
+    starting = sum(phase(s) in STARTING for s in snaps if "error" not in s)
+    up = sum(phase(s) not in STARTING for s in live)
     losses = [s["train_loss"] for s in live if s.get("train_loss") is not None]
     per_stage: dict[str, int] = {}
     for s in live:
-        per_stage[str(s.get("stage", "?"))] = per_stage.get(str(s.get("stage", "?")), 0) + 1
+        if s.get("stage") is not None:
+            per_stage[str(s["stage"])] = per_stage.get(str(s["stage"]), 0) + 1
     footer = Text.assemble(
-        (f"{len(live)}/{len(snaps)} peers up", "bold"), " · stages ",
+        (f"{up}/{len(snaps)} peers up", "bold"), (f" ({starting} starting)" if starting else ""),
+        " · stages ",
         " ".join(f"{k}:{v}" for k, v in sorted(per_stage.items())) or "-", " · ",
         (human(swarm_tokens_per_s(snaps)), "bold"), " tok/s · mean loss ",
         (_loss(sum(losses) / len(losses) if losses else None), "bold"))
-    warnings = [(short_id(s.get("peer_id", ""), 10), w["text"]) for s in live for w in s.get("warnings", [])[-1:]]
-    parts: list[RenderableType] = [table, footer]
+    warnings = [(short_id(s.get("peer_id", "")), w["text"]) for s in live for w in s.get("warnings", [])[-1:]]
+    progress = max((s["swarm"] for s in live if s.get("swarm")), key=lambda p: (p.get("step", 0), p.get("tokens", 0)),
+                   default=None)  # every peer computes it from the DHT; the most advanced view is the freshest
+    parts: list[RenderableType] = [table, footer, Text(progress_line(progress, duration, human), overflow="ellipsis",
+                                                       no_wrap=True, style="" if progress else "dim")]
     parts += [Text(f"{s.get('name', '?')}: not answering ({s['error']})", style="red", overflow="ellipsis",
                    no_wrap=True) for s in snaps if "error" in s]
     parts += [Text(f"{pid}: {text}", style="yellow", overflow="ellipsis", no_wrap=True) for pid, text in warnings[-3:]]

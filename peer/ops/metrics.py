@@ -27,6 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 STATES = ("joining", "loading_state", "training", "draining", "stopped")
+# Counters /metrics exposes from 0, so that a rate or an alert on any of them sees a series before the first event.
+KNOWN_COUNTERS = ("tokens", "samples", "microbatches_dropped", "microbatches_requeued", "retries",
+                  "averaging_rounds_ok", "averaging_rounds_failed", "bytes_in", "bytes_out", "nonfinite_loss",
+                  "stage_moves", "late_backward", "compute_errors", "eval_failed", "busy_replies", "busy_received",
+                  "state_sync_ok", "state_sync_donor_failed", "state_chunks_served", "avg_exchange_failed",
+                  "avg_exchange_refused", "avg_exchange_busy", "sync_late_forwards", "sync_average_incomplete")
+KNOWN_REJECTIONS = ("not_ready", "wrong_run", "wrong_stage", "bad_request", "bad_tensor", "duplicate",
+                    "mode_mismatch", "bad_loss", "unauthorized")
 REJECTED_PREFIX = "rejected:"
 _COUNTER_ALIASES = {"tokens_total": "tokens"}
 SNAPSHOT_SCHEMA = 1
@@ -68,6 +76,8 @@ class PeerMetrics:
             while still reacting within a few dashboard refreshes.
         history: number of loss values kept for the sparklines.
         stall_s: a training peer whose step and token count have not moved for this long reports unhealthy.
+        warning_ttl_s: a warning not repeated for this long is no longer shown (conditions that still hold repeat
+            their warning; 120 s spans several announce and retry periods).
         clock: monotonic time source in seconds (tests pass a fake one).
     """
 
@@ -79,10 +89,15 @@ class PeerMetrics:
         window_s: float = 10.0,
         history: int = 120,
         stall_s: float = 300.0,
+        warning_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if window_s <= 0 or history < 2 or stall_s <= 0:
-            raise ValueError("PeerMetrics needs window_s > 0, history >= 2 and stall_s > 0")
+        if window_s <= 0 or history < 2 or stall_s <= 0 or warning_ttl_s <= 0:
+            raise ValueError("PeerMetrics needs window_s > 0, history >= 2, stall_s > 0 and warning_ttl_s > 0")
+        self.warning_ttl_s = warning_ttl_s
+        self.run_name = ""
+        self.swarm_progress: dict[str, Any] | None = None  # peer.ops.progress view of the whole swarm
+        self.device = ""
         self.peer_id = peer_id
         self.stage = stage
         self.run_id = ""
@@ -217,14 +232,23 @@ class PeerMetrics:
         """Record how many peers the DHT currently shows per stage (the latest fetch replaces the previous one)."""
         self._peers_per_stage = {int(s): int(n) for s, n in peers_per_stage.items()}
 
-    def warn(self, text: str) -> None:
-        """Show an operator-facing warning; a repeat of the latest one bumps its count instead of adding a line."""
+    def warn(self, text: str, key: str | None = None) -> None:
+        """Show an operator-facing warning; a repeat of the latest one bumps its count instead of adding a line.
+
+        A warning disappears ``warning_ttl_s`` after its last repeat, or at once when ``resolve(key)`` says that the
+        condition it names (``key``, e.g. ``no_route:1``) no longer holds.
+        """
         now = self._clock()
         if self._warnings and self._warnings[-1]["text"] == text:
             self._warnings[-1]["count"] += 1
             self._warnings[-1]["at"] = now
             return
-        self._warnings.append({"text": text, "count": 1, "at": now})
+        self._warnings.append({"text": text, "count": 1, "at": now, "key": key})
+
+    def resolve(self, key: str) -> None:
+        """The condition of the warnings raised with ``key`` is over: stop showing them (cheap when there are none)."""
+        if any(w.get("key") == key for w in self._warnings):
+            self._warnings = deque((w for w in self._warnings if w.get("key") != key), maxlen=self._warnings.maxlen)
 
     # ---- reader -------------------------------------------------------------------------------------------------
     def rate(self, name: str) -> float:
@@ -266,6 +290,8 @@ class PeerMetrics:
             "peer_id": self.peer_id,
             "run_id": self.run_id,
             "access": self.access,
+            "run_name": self.run_name,
+            "device": self.device,
             "stage": self.stage,
             "n_stages": self.n_stages,
             "maddrs": list(self.maddrs),
@@ -297,5 +323,7 @@ class PeerMetrics:
             "rates": rates,
             "rejected": rejected,
             "peers_per_stage": {str(s): n for s, n in sorted(self._peers_per_stage.items())},
-            "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings],
+            "swarm": self.swarm_progress,
+            "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings
+                         if now - w["at"] <= self.warning_ttl_s],
         }

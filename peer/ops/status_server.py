@@ -1,9 +1,10 @@
 """A tiny HTTP server on the daemon's event loop: ``/status`` (JSON snapshot) and ``/metrics`` (Prometheus text).
 
-Both pages are rendered from one ``PeerMetrics.snapshot()`` per request, so they always agree with each other and
-with the dashboard. The server speaks just enough HTTP/1.1 for curl, Prometheus and ``asyncmesh-peer status``: a GET
-with at most ``MAX_REQUEST_BYTES`` of request line and headers, answered and closed. It binds to 127.0.0.1 by
-default; bind to 0.0.0.0 only behind a firewall or inside a container whose port you publish on purpose.
+Both pages are rendered from ``PeerMetrics.snapshot()`` at request time, so they agree with each other and with the
+dashboard; ``/metrics`` is written by prometheus_client (``peer/ops/prom.py``). The server speaks just enough
+HTTP/1.1 for curl, Prometheus and ``asyncmesh-peer status``: a GET with at most ``MAX_REQUEST_BYTES`` of request line
+and headers, answered and closed. It binds to 127.0.0.1 by default (``--metrics-host``); bind to 0.0.0.0 only behind a
+firewall or inside a container whose port you publish on purpose.
 
 Usage on the daemon's loop::
 
@@ -22,11 +23,14 @@ import asyncio
 import json
 import logging
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
-from peer.ops.metrics import STATES, PeerMetrics
+from peer.ops.metrics import PeerMetrics
+from peer.ops.prom import CONTENT_TYPE, metric_name, peer_registry, prometheus_text, render
+
+__all__ = ["DEFAULT_PORT", "StatusServer", "StatusServerError", "fetch_status", "json_safe", "metric_name",
+           "prometheus_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,43 +38,8 @@ DEFAULT_PORT = 9464
 MAX_REQUEST_BYTES = 8192
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
-# (snapshot key, metric name, help) for the plain gauges
-_GAUGES = (
-    ("local_step", "asyncmesh_local_step", "Optimiser steps applied by this peer's stage."),
-    ("tokens_per_s", "asyncmesh_tokens_per_second", "Training tokens processed per second over the rate window."),
-    ("bytes_in_per_s", "asyncmesh_bytes_in_per_second", "Bytes received per second over the rate window."),
-    ("bytes_out_per_s", "asyncmesh_bytes_out_per_second", "Bytes sent per second over the rate window."),
-    ("bytes_per_token", "asyncmesh_bytes_per_token", "Bytes on the wire (both directions) per training token."),
-    ("train_loss", "asyncmesh_train_loss", "Latest training loss seen by this peer."),
-    ("val_loss", "asyncmesh_val_loss", "Latest validation loss seen by this peer."),
-    ("pipeline_delay", "asyncmesh_pipeline_delay_steps", "Observed staleness of gradients, in local steps."),
-    ("avg_tau", "asyncmesh_averaging_tau_steps", "Local steps the last averaging round took."),
-    ("avg_fraction_per_step", "asyncmesh_averaging_fraction_per_step",
-     "Weights averaged per local step since averaging started (the run asks for averaging.fraction)."),
-    ("avg_delay_steps", "asyncmesh_averaging_delay_steps", "Mean local steps between a round's begin and finish."),
-    ("avg_group_size", "asyncmesh_averaging_group_size", "Peers in the last successful averaging round."),
-    ("inflight", "asyncmesh_inflight_microbatches", "Micro-batches awaiting their backward pass."),
-    ("queued", "asyncmesh_queued_microbatches", "Work items queued for the compute thread."),
-    ("uptime_s", "asyncmesh_uptime_seconds", "Seconds since the peer process started."),
-    ("drain_remaining_s", "asyncmesh_drain_remaining_seconds", "Seconds left of the graceful drain."),
-)
-
-
 class StatusServerError(RuntimeError):
     """The status server could not start (the message says what to change)."""
-
-
-def _label(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(value: float | int) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    return repr(float(value)) if math.isfinite(value) else ("NaN" if math.isnan(value) else
-                                                            ("+Inf" if value > 0 else "-Inf"))
 
 
 def json_safe(value: Any) -> Any:
@@ -82,48 +51,6 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
-
-
-def metric_name(counter: str) -> str:
-    """Prometheus name of a PeerMetrics counter: ``bytes_out`` -> ``asyncmesh_bytes_out_total``."""
-    base = re.sub(r"[^a-zA-Z0-9_]", "_", counter).strip("_") or "unnamed"
-    return f"asyncmesh_{base.removesuffix('_total')}_total"
-
-
-def prometheus_text(snap: dict[str, Any]) -> str:
-    """Render a snapshot in the Prometheus text exposition format (version 0.0.4)."""
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, Any]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {_num(value)}" for labels, value in samples)
-
-    info = {"peer_id": snap["peer_id"], "run_id": snap["run_id"],
-            "stage": "" if snap["stage"] is None else snap["stage"]}
-    family("asyncmesh_peer_info", "gauge", "Identity of this peer (value always 1).",
-           [("{" + ",".join(f'{k}="{_label(v)}"' for k, v in info.items()) + "}", 1)])
-    family("asyncmesh_state", "gauge", "1 for the state the peer is in, 0 for the others.",
-           [(f'{{state="{s}"}}', int(snap["state"] == s)) for s in STATES])
-    family("asyncmesh_healthy", "gauge", "1 when the peer is healthy (what `asyncmesh-peer status` checks).",
-           [("", int(snap["healthy"]))])
-    for key, name, help_text in _GAUGES:
-        if snap.get(key) is not None:
-            family(name, "gauge", help_text, [("", snap[key])])
-    family("asyncmesh_tokens_total", "counter", "Training tokens processed by this peer.",
-           [("", snap["tokens_total"])])
-    for counter, value in sorted(snap["counters"].items()):
-        if counter == "tokens" or counter.startswith("rejected:"):
-            continue
-        family(metric_name(counter), "counter", f"Count of {counter.replace('_', ' ')}.", [("", value)])
-    if snap["rejected"]:
-        family("asyncmesh_rejected_total", "counter", "Inputs from the network refused, by reason.",
-               [(f'{{reason="{_label(r)}"}}', n) for r, n in sorted(snap["rejected"].items())])
-    if snap["peers_per_stage"]:
-        family("asyncmesh_swarm_peers", "gauge", "Peers the DHT shows per stage.",
-               [(f'{{stage="{_label(s)}"}}', n) for s, n in snap["peers_per_stage"].items()])
-    family("asyncmesh_warnings", "gauge", "Operator warnings currently shown.", [("", len(snap["warnings"]))])
-    return "\n".join(lines) + "\n"
 
 
 class StatusServer:
@@ -143,6 +70,7 @@ class StatusServer:
         if request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
         self._snapshot = source.snapshot if isinstance(source, PeerMetrics) else source
+        self._registry = peer_registry(self._snapshot)
         self.host, self.port, self.request_timeout_s = host, port, request_timeout_s
         self._server: asyncio.AbstractServer | None = None
         self.errors = 0
@@ -186,8 +114,8 @@ class StatusServer:
                     body = json.dumps(json_safe(self._snapshot()), allow_nan=False)
                     await self._reply(writer, 200, "application/json", body, head_only=parts[0] == "HEAD")
                 elif path == "/metrics":
-                    await self._reply(writer, 200, "text/plain; version=0.0.4; charset=utf-8",
-                                      prometheus_text(self._snapshot()), head_only=parts[0] == "HEAD")
+                    await self._reply(writer, 200, CONTENT_TYPE, render(self._registry),
+                                      head_only=parts[0] == "HEAD")
                 else:
                     await self._reply(writer, 404, "text/plain", "not found: try /status or /metrics\n")
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.ids import short_id
 from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
 from peer.pipeline.guard import PipelineGuard
@@ -347,7 +348,8 @@ class PipelineStage:
                 waits += 1
                 if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
                     self.metrics.warn(f"no reachable peer serves stage {stage} (none announced, or all failed "
-                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}")
+                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}",
+                                      key=f"no_route:{stage}")
                 await asyncio.sleep(min(0.05 * 2 ** min(waits, 4), 1.0))
                 tried.clear()
                 continue
@@ -362,10 +364,11 @@ class PipelineStage:
                 tried.add(record.peer_id)
                 ban = self.router.failure(record.peer_id)
                 self.metrics.inc("retries")
-                logger.debug("%s to %s failed (%r); banned for %.1f s", name, record.peer_id[-6:], e, ban)
+                logger.debug("%s to %s failed (%r); banned for %.1f s", name, short_id(record.peer_id), e, ban)
                 continue
             if isinstance(reply, Ack):
                 self.router.success(record.peer_id, time.monotonic() - t0)
+                self.metrics.resolve(f"no_route:{stage}")  # a route exists again: the warning is no longer true
                 return record.peer_id
             if isinstance(reply, Busy):
                 self.router.busy(record.peer_id, reply.retry_after_s)
@@ -400,7 +403,7 @@ class PipelineStage:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # upstream times the micro-batch out and re-queues it
-                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, peer[-6:], attempt + 1, e)
+                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, short_id(peer), attempt + 1, e)
                 self.metrics.inc("retries")
         self.router.failure(peer)
 

@@ -70,6 +70,12 @@ def write_outputs(out: Path, config: dict[str, Any], results: list[dict[str, Any
             for p in r["curve"]:
                 writer.writerow([r["name"], p["samples"], f"{p['train_loss']:.5f}", f"{p['val_loss']:.5f}"])
     (out / "table.md").write_text(table_markdown(doc))
+    try:
+        import matplotlib  # noqa: F401  (the optional 'sim' extra: the runtime image ships without it)
+    except ImportError:
+        logger.warning("curves.png not drawn: matplotlib is not installed (pip install 'asyncmesh[sim]'); "
+                       "results.json, curves.csv and table.md hold every figure")
+        return
     _plot(out / "curves.png", results, doc)
 
 

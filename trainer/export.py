@@ -1,0 +1,114 @@
+"""One model from a pipeline's stages: assemble the stages' weights into the full GPT, save it, load it, sample it.
+
+A swarm holds the model in pieces, one per pipeline stage (``trainer.model.StageModule``), each with its own layer
+numbering. ``gpt_state`` renames every stage's parameters to those of the whole ``GPT`` (stage ``s``'s block ``i`` is
+block ``layer_start(s) + i``) and checks that together they are exactly the GPT's parameters, no more, no less, with
+the right shapes. ``save_model`` writes them as safetensors (no pickle: safe to load from strangers) next to a
+``config.json`` with the model's shape and where the weights came from; ``load_model`` is the few lines of plain
+PyTorch a user needs::
+
+    import json
+    from safetensors.torch import load_file
+    from trainer.config import ModelConfig
+    from trainer.model import GPT
+
+    config = json.load(open("model/config.json"))
+    model = GPT(ModelConfig(**config["model"]))
+    model.load_state_dict(load_file("model/model.safetensors"))
+
+``sample`` draws tokens from a GPT autoregressively (temperature, top-k), cropping the context to its block size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
+from trainer.model import GPT
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+EXPORT_FORMAT = 1
+
+
+def gpt_state(run: RunConfig, stages: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole GPT's state dict from every stage's ``StageModule`` state dict; ValueError names what is wrong."""
+    missing = [s for s in range(run.n_stages) if s not in stages]
+    if missing:
+        raise ValueError(f"no state for stage(s) {missing} of {run.n_stages}; every stage is needed")
+    ranges = stage_layer_ranges(run)
+    out: dict[str, torch.Tensor] = {}
+    for stage, state in sorted(stages.items()):
+        start = ranges[stage][0]
+        for name, tensor in state.items():
+            if name.startswith("blocks."):
+                _, idx, rest = name.split(".", 2)
+                name = f"blocks.{start + int(idx)}.{rest}"
+            if name in out:
+                raise ValueError(f"parameter {name} appears in two stages")
+            out[name] = tensor.detach().to("cpu").contiguous()
+    expected = {k: v.shape for k, v in GPT(run.model).state_dict().items()}
+    if set(out) != set(expected):
+        raise ValueError(f"the stages do not make this run's GPT: missing {sorted(set(expected) - set(out))[:5]}, "
+                         f"unexpected {sorted(set(out) - set(expected))[:5]}")
+    wrong = [k for k in out if out[k].shape != expected[k]]
+    if wrong:
+        raise ValueError(f"shape of {wrong[0]} is {tuple(out[wrong[0]].shape)}, the run's model needs "
+                         f"{tuple(expected[wrong[0]])}")
+    return out
+
+
+def save_model(directory: str | Path, run: RunConfig, state: dict[str, torch.Tensor],
+               sources: dict[str, Any] | None = None) -> Path:
+    """Write ``state`` (from ``gpt_state``) and its config to ``directory``; returns the directory."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {"format": str(EXPORT_FORMAT), "run_id": run.run_id, "run_name": run.name}
+    save_file(state, str(d / WEIGHTS), metadata=meta)
+    config = {"format": EXPORT_FORMAT, "architecture": "asyncmesh GPT (trainer.model.GPT)", "run_id": run.run_id,
+              "run_name": run.name, "model": dataclasses.asdict(run.model), "tokenizer": "bytes" if
+              run.model.vocab_size == 256 and run.data.bin_vocab_size == 0 else "token ids (see the run's data)",
+              "sources": sources or {}}
+    (d / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return d
+
+
+def load_model(directory: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
+    """(GPT in eval mode, its config.json) from a folder written by ``save_model``."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    config = json.loads((d / CONFIG).read_text())
+    model = GPT(ModelConfig(**config["model"]))
+    model.load_state_dict(load_file(str(d / WEIGHTS), device=device))
+    return model.to(device).eval(), config
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+           generator: torch.Generator | None = None) -> list[int]:
+    """``prompt`` continued by ``max_new_tokens`` sampled tokens (greedy when ``temperature`` is 0)."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if temperature < 0 or top_k < 0 or max_new_tokens < 0:
+        raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
+    device = next(model.parameters()).device
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.block_size:])[:, -1, :]  # [1, vocab]
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0].tolist()
