@@ -102,6 +102,7 @@ def test_leaving_stage_0_hands_samples_back_and_the_next_driver_trains_them_firs
         await asyncio.sleep(1.0)  # three micro-batches wait for a route to stage 1
         pipe.accepting = False  # the peer leaves stage 0 (StageService.leave), then cancels the driver
         await asyncio.sleep(0.5)
+        assert not task.done()  # a driver that returned by itself would read as "max_steps reached" to the daemon
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return driver

@@ -311,6 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through Swarm.close: reap every peer
     with tempfile.TemporaryDirectory(prefix="bench_churn.") as tmp:
         root = args.workdir or Path(tmp)
         runs = {}

@@ -167,6 +167,10 @@ class Stage0Driver:
                 task = asyncio.ensure_future(self._train_one(self._sample()))
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            if not self.done():
+                # the peer is leaving stage 0 (not accepting): StageService.leave drains and then cancels us, and
+                # the samples go back to the ledger below. Returning now would read as "max_steps reached".
+                await asyncio.Future()
             if running:
                 self.pipe.accepting = False  # stage 0 takes no forwards; this only stops waiting for routes
                 await asyncio.wait(running, timeout=self.pipe.cfg.drain_timeout_s)
