@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                     r["final_val_loss"], len(r["curve"]))
     figs = figures(results, compute)
     headline_net = max((n for n in figs if "speedup" in figs[n]), key=_delay_of, default=None)
+    if args.json:  # the swarms' figures first: the simulator may take a while on a busy machine
+        _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figs, "compute_only": compute,
+                           "failed": failed, "partial": "written before the simulator ran"})
     sim = None
     asyncs = [r for r in results if r["mode"] == "async" and r["curve"]]
     if not args.no_sim and asyncs:
@@ -419,11 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     for f in failed:
         print(f"FAILED {f['label']}: {f['error']} (files in {f['workdir']})")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1, default=str))
+        _write(args.json, doc)
     if args.plot and results:
         plot(results, sim, args.plot)
     return 1 if failed else 0
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
 
 
 def _delay_of(net: str) -> float:
