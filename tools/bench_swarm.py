@@ -23,6 +23,10 @@ of the same mode at 0 ms added delay (same namespaces and cap). Results: a table
 Example (root, the figures of docs/performance.md)::
 
     python tools/bench_swarm.py --warmup-s 20 --measure-s 60 --out docs/bench/swarm
+
+``--time-to-loss`` (first argument) runs tools/bench_ttl.py instead, with the arguments that follow: async and sync
+swarms trained for the same wall-clock budget, validation loss against time and tokens, time-to-loss speedup, the
+simulator's agreement and utilisation (``--time-to-loss --help`` lists its options).
 """
 
 from __future__ import annotations
@@ -335,6 +339,11 @@ def plan(args: argparse.Namespace) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--time-to-loss" in argv:
+        from tools import bench_ttl  # bench_ttl builds on this module's swarm plumbing
+
+        return bench_ttl.main([a for a in argv if a != "--time-to-loss"])
     args = parse_args(argv)
     if args.report is not None:
         try:

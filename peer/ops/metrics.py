@@ -199,6 +199,7 @@ class PeerMetrics:
             return
         self.val_loss = float(val_loss)
         self._val_hist.append(self.val_loss)
+        self.inc("evaluations")  # the history is bounded: readers count new values with this
 
     def start_averaging(self, local_step: int) -> None:
         """Averaging starts now, at ``local_step``: avg_fraction_per_step counts steps from here."""

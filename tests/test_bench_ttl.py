@@ -1,0 +1,70 @@
+"""tools/bench_ttl.py (``bench_swarm.py --time-to-loss``): its figures by hand, and its plumbing on a tiny loopback
+swarm for a few seconds (the real measurement is a tool run, docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.bench_ttl import (  # noqa: E402
+    compute_only_tokens_per_s,
+    final_loss,
+    interpolate,
+    merge_replicas,
+    time_to_reach,
+    ttl_speedup,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_time_to_reach_interpolates_the_first_crossing():
+    curve = [(0.0, 5.0), (10.0, 4.0), (20.0, 3.0), (30.0, 3.5), (40.0, 2.0)]
+    assert time_to_reach(curve, 3.5) == pytest.approx(15.0)
+    assert time_to_reach(curve, 5.5) == 0.0 and time_to_reach(curve, 1.0) is None
+    assert interpolate(curve, 25.0) == pytest.approx(3.25) and interpolate(curve, 41.0) is None
+
+
+def test_speedup_is_sync_time_to_its_final_loss_over_async_time_to_it():
+    sync = [(0.0, 5.0), (100.0, 4.0), (200.0, 3.2), (280.0, 3.0), (290.0, 3.0), (300.0, 3.0)]
+    fast = [(0.0, 5.0), (20.0, 4.0), (40.0, 3.0), (300.0, 2.5)]
+    fig = ttl_speedup(fast, sync)
+    assert fig["target_loss"] == pytest.approx(3.0) and final_loss(sync) == pytest.approx(3.0)
+    assert fig["sync_s"] == pytest.approx(280.0) and fig["async_s"] == pytest.approx(40.0)
+    assert fig["speedup"] == pytest.approx(7.0)
+    assert ttl_speedup([(0.0, 5.0), (300.0, 4.0)], sync)["speedup"] is None  # async never got there
+
+
+def test_replicas_merge_once_each_has_evaluated_and_compute_only_takes_the_slowest_stage():
+    evals = {0: [(5.0, 100, 4.0), (10.0, 200, 3.0)], 2: [(6.0, 120, 5.0), (11.0, 220, 2.0)]}
+    assert merge_replicas(evals) == [(6.0, 120, 4.5), (10.0, 200, 4.0), (11.0, 220, 2.5)]
+    assert compute_only_tokens_per_s({0: [2.0, 2.0], 1: [1.5, 1.0]}, 1024) == pytest.approx(2.5 * 1024)
+
+
+@pytest.mark.timeout(600)
+def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
+    from tools.bench_swarm import main
+
+    out, png = tmp_path / "ttl.json", tmp_path / "ttl.png"
+    rc = main(["--time-to-loss", "--run", str(REPO / "tests" / "runs" / "tiny.toml"), "--loopback", "--wan", "no",
+               "--budget-s", "10", "--eval-every-s", "1", "--poll-s", "0.5", "--compute-s", "1",
+               "--sim-max-steps", "400", "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "w")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["cases"]) == {"async/loopback", "sync/loopback"}
+    for case in doc["cases"].values():
+        assert len(case["curve"]) >= 3 and case["tokens"] > 0
+        pairs = zip(case["curve"], case["curve"][1:], strict=False)
+        assert all(a["t"] <= b["t"] and a["tokens"] <= b["tokens"] for a, b in pairs)
+    fig = doc["figures"]["loopback"]
+    assert set(fig["final_val_loss"]) == {"async", "sync"} and fig["utilisation"]["async"] > 0
+    assert doc["final_val_loss"] == fig["final_val_loss"] and "time_to_loss_speedup" in doc
+    assert doc["sim_agreement"] is not None and 0.5 < doc["sim_agreement"] < 2.0
+    assert doc["simulator"]["delays_drawn_from"] > 0  # the async peers measured their rounds' taus
+    assert doc["compute_only"]["tokens_per_s"] > 0 and doc["meta"]["data"]["corpus_sha256"]
+    assert png.stat().st_size > 1000

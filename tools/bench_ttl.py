@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""Time-to-loss: real daemon swarms, async against ``--mode sync``, trained for the same wall-clock budget.
+
+``python tools/bench_swarm.py --time-to-loss`` (or this file directly; as root for the emulated WAN). For each network
+(by default the emulated WAN of tools/wan.py at 0 and 50 ms one-way delay, 100 Mbit/s per peer; ``--loopback`` adds
+loopback) and each mode, it starts a fresh ``n_stages x replicas`` swarm of ``asyncmesh-peer join`` processes on the
+same run and data (tools/bench_swarm.py's ``SwarmCase``), and from the moment every peer trains lets it run for
+``--budget-s`` seconds. Every stage-0 replica evaluates the run's fixed validation batches through the pipeline every
+``--eval-every-s`` seconds; the tool polls every peer's ``/status`` each ``--poll-s`` and records, per evaluation, the
+wall-clock time since the start, the swarm's training tokens (stage 0, summed over replicas) and the loss. A case's
+curve is the mean over stage-0 replicas of each one's latest evaluation.
+
+Figures (``--json OUT``; a plot with ``--plot PNG``):
+
+* ``time_to_loss_speedup`` per network: the time sync needs to reach its own final loss (the mean of its last three
+  evaluations) divided by the time async needs to reach that loss (first crossing, interpolated between
+  evaluations); the top-level figure is the largest delay's.
+* ``final_val_loss`` {"async", "sync"} of that network, and each curve against tokens (equal-tokens comparison).
+* ``sim_agreement``: the simulator (trainer/sim) trains the same run with the same cadence and R replicas, each
+  round's delay drawn from the taus the async daemon peers measured (their summaries' ``avg_delay_hist``), for as many
+  micro-batches per replica as the daemon trained; daemon loss / simulator loss at the daemon's final token count.
+* ``utilisation`` per network: swarm tokens/s over the budget / compute-only tokens/s, where compute-only runs the
+  same stage workers (``StageWorker``), one process per peer with the same torch threads, side by side as the swarm
+  does, on synthetic inputs with no network: R x the slowest stage's micro-batches/s x tokens per micro-batch.
+  Evaluation traffic is part of the swarm's work but not of the compute-only figure, so it costs utilisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.bench_swarm import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, check_available, install_signal_handlers  # noqa: E402
+
+logger = logging.getLogger("bench_ttl")
+
+
+# ----- pure figures -------------------------------------------------------------------------------------------------
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at ``x`` on the polyline ``points`` (sorted by x); None outside its range."""
+    if not points or x < points[0][0] or x > points[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
+    """First x at which the polyline (x, loss) reaches ``target`` or below, interpolated; None if it never does."""
+    for i, (x, y) in enumerate(points):
+        if y <= target:
+            if i == 0:
+                return x
+            x0, y0 = points[i - 1]
+            return x0 + (x - x0) * (y0 - target) / (y0 - y) if y0 != y else x
+    return None
+
+
+def final_loss(points: list[tuple[float, float]], last: int = 3) -> float | None:
+    """A curve's final loss: the mean of its last ``last`` evaluations (one evaluation is noisy)."""
+    tail = [y for _, y in points[-last:]]
+    return sum(tail) / len(tail) if tail else None
+
+
+def ttl_speedup(async_t: list[tuple[float, float]], sync_t: list[tuple[float, float]]) -> dict[str, float | None]:
+    """Time sync needs to reach its own final loss / time async needs to reach it (curves against seconds)."""
+    target = final_loss(sync_t)
+    t_sync = None if target is None else time_to_reach(sync_t, target)
+    t_async = None if target is None else time_to_reach(async_t, target)
+    speedup = t_sync / t_async if t_sync is not None and t_async else None
+    return {"target_loss": target, "sync_s": t_sync, "async_s": t_async, "speedup": speedup}
+
+
+def merge_replicas(evals: dict[int, list[tuple[float, float, float]]]) -> list[tuple[float, float, float]]:
+    """One curve from every stage-0 replica's evaluations (t, tokens, loss): at each evaluation, once every replica
+    has one, the mean of each replica's latest loss, at that time and the swarm's tokens then."""
+    events = sorted((t, tok, loss, peer) for peer, pts in evals.items() for t, tok, loss in pts)
+    latest: dict[int, float] = {}
+    out = []
+    for t, tok, loss, peer in events:
+        latest[peer] = loss
+        if len(latest) == len(evals):
+            out.append((t, tok, sum(latest.values()) / len(latest)))
+    return out
+
+
+def compute_only_tokens_per_s(rates: dict[int, list[float]], tokens_per_mb: int) -> float:
+    """Pipelined throughput with no network: every stage's replicas run side by side, the slowest stage bounds it."""
+    return min(sum(r) for r in rates.values()) * tokens_per_mb
+
+
+# ----- compute only --------------------------------------------------------------------------------------------------
+def compute_worker(run_path: Path, stage: int, seconds: float, threads: int) -> dict[str, float]:
+    """One peer's compute with no network: its stage's forward and backward (with the step) on synthetic inputs."""
+    import torch
+
+    from trainer.config import RunConfig
+    from trainer.worker import StageWorker
+
+    if threads:
+        torch.set_num_threads(threads)
+    run = RunConfig.from_toml(run_path)
+    w = StageWorker(run, stage)
+    b, t, c = run.data.batch_size, run.model.block_size, run.model.n_embd
+    g = torch.Generator().manual_seed(stage)
+    tokens = torch.randint(0, run.model.vocab_size, (b, t), generator=g)
+    x = tokens if stage == 0 else torch.randn(b, t, c, generator=g)
+    grad = torch.randn(b, t, c, generator=g) * 1e-3
+
+    def one(i: int) -> None:
+        if w.is_last:
+            w.forward_loss(i, x, tokens)
+        else:
+            w.forward(i, x)
+            w.backward(i, grad)
+
+    for i in range(3):  # warm-up
+        one(i)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        one(3 + n)
+        n += 1
+    return {"stage": stage, "microbatches_per_s": n / (time.perf_counter() - t0)}
+
+
+def measure_compute_only(args: argparse.Namespace, run: Any) -> dict[str, Any]:
+    """R x K compute-only processes side by side (as the swarm's peers are), each reporting micro-batches/s."""
+    procs = []
+    for i in range(run.n_stages * args.replicas):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compute-worker", str(i % run.n_stages),
+               "--run", str(args.run), "--compute-s", f"{args.compute_s:g}", "--torch-threads",
+               str(args.torch_threads)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO))
+    rates: dict[int, list[float]] = {}
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=args.compute_s + args.compute_timeout_s)
+            rec = json.loads(out.strip().splitlines()[-1])
+            rates.setdefault(int(rec["stage"]), []).append(float(rec["microbatches_per_s"]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    tpm = run.data.batch_size * run.model.block_size
+    return {"microbatches_per_s": rates, "tokens_per_s": compute_only_tokens_per_s(rates, tpm),
+            "seconds": args.compute_s, "loadavg": os.getloadavg()}
+
+
+# ----- one swarm for the budget --------------------------------------------------------------------------------------
+def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) -> dict[str, Any]:
+    """Start the case's swarm, train ``budget_s`` from the moment every peer trains, record every evaluation."""
+    n = n_stages * args.replicas
+    if case.net == "loopback":
+        net: Wan | LocalNet = LocalNet(n, stop_timeout_s=args.drain_timeout_s + 20)
+    else:
+        net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, emulator=args.emulator,
+                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20))
+    evals: dict[int, list[tuple[float, float, float]]] = {}
+    seen: dict[int, int] = {}
+    loads = []
+    with net:
+        rtt = net.rtt(0, 1) * 1000 if isinstance(net, Wan) else None
+        sc = SwarmCase(case, args, net, workdir, n_stages)
+        sc.start()
+        stage0 = [p for p in sc.peers if p["stage"] == 0]
+        t0 = time.monotonic()
+        first = [sc.status(p) for p in stage0]
+        tokens0 = sum(s["tokens_total"] for s in first if s)
+        for p, s in zip(stage0, first, strict=True):
+            seen[p["i"]] = int(s["counters"].get("evaluations", 0)) if s else 0
+            evals[p["i"]] = []
+        logger.info("%s: all %d peers training; %.0f s budget", case.label, n, args.budget_s)
+        tokens = tokens0
+        while (now := time.monotonic()) - t0 < args.budget_s:
+            time.sleep(min(args.poll_s, max(0.0, args.budget_s - (now - t0))))
+            snaps = [sc.status(p) for p in stage0]
+            t = time.monotonic() - t0
+            if all(snaps):
+                tokens = sum(s["tokens_total"] for s in snaps) - tokens0
+                for p, s in zip(stage0, snaps, strict=True):
+                    count = int(s["counters"].get("evaluations", 0))
+                    new = s["val_loss_history"][len(s["val_loss_history"]) - min(count - seen[p["i"]],
+                                                                                  len(s["val_loss_history"])):]
+                    evals[p["i"]].extend((round(t, 2), tokens, float(loss)) for loss in new)
+                    seen[p["i"]] = count
+            loads.append(os.getloadavg()[0])
+        elapsed = time.monotonic() - t0
+        summaries = sc.stop_and_collect()
+    curve = merge_replicas(evals)
+    return {
+        "label": case.label, "mode": case.mode, "net": case.net, "delay_ms": case.delay_ms,
+        "rate_mbit": case.rate_mbit, "rtt_ms": rtt, "budget_s": elapsed, "tokens": tokens,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "curve": [{"t": t, "tokens": tok, "val_loss": loss} for t, tok, loss in curve],
+        "evals_per_replica": {str(k): len(v) for k, v in evals.items()},
+        "final_val_loss": final_loss([(t, loss) for t, _, loss in curve]),
+        "avg_fraction_per_step": [s.get("avg_fraction_per_step") for s in summaries],
+        "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],
+        "avg_delay_hist": [s.get("avg_delay_hist") or {} for s in summaries],
+        "loadavg_max": max(loads, default=None), "loadavg_mean": sum(loads) / len(loads) if loads else None,
+        "summaries": summaries, "workdir": str(workdir),
+    }
+
+
+# ----- the simulator on the same run ---------------------------------------------------------------------------------
+def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """asyncmesh in the simulator: same run and cadence, R replicas, delays drawn from the case's measured taus, as
+    many micro-batches per replica as the daemon's stage-0 replicas trained (at most ``--sim-max-steps``)."""
+    from trainer.sim.simulator import SimConfig, run_method
+
+    taus = tuple(int(t) for hist in case["avg_delay_hist"] for t, c in hist.items() for _ in range(int(c)))
+    tpm = run.data.batch_size * run.model.block_size
+    per_replica = int(case["tokens"] / tpm / args.replicas)
+    steps = max(8, min(per_replica, args.sim_max_steps) // 8 * 8)
+    sim = SimConfig(preset="time-to-loss", run=run, n_replicas=args.replicas, steps=steps, micro_batches=4,
+                    tau=0 if not taus else taus[0], tau_samples=taus, fraction=run.averaging.fraction,
+                    accumulate=max(1, run.optim.accumulate), eval_every=max(1, steps // 8),
+                    eval_batches=args.eval_batches, methods=("asyncmesh",))
+    rec = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
+    curve = [(p["samples"] * run.model.block_size, p["val_loss"]) for p in rec["curve"]]
+    daemon = [(c["tokens"], c["val_loss"]) for c in case["curve"]]
+    at = min(daemon[-1][0], curve[-1][0]) if daemon and curve else None
+    d_loss = interpolate(daemon, at) if at is not None else None
+    s_loss = interpolate(curve, at) if at is not None else None
+    if d_loss is None or s_loss is None:
+        logger.warning("no token count common to the daemon's and the simulator's curves (simulator capped at %d "
+                       "steps by --sim-max-steps?): no sim_agreement", steps)
+    return {"steps": steps, "delays_drawn_from": len(taus), "tokens": at, "daemon_loss": d_loss, "sim_loss": s_loss,
+            "sim_agreement": d_loss / s_loss if d_loss and s_loss else None, "sim_curve": curve,
+            "avg_fraction_per_step": rec["avg_fraction_per_step"], "avg_delay_steps": rec["avg_delay_steps"],
+            "data": rec["data"], "compute_s": rec["compute_s"]}
+
+
+# ----- the plot ------------------------------------------------------------------------------------------------------
+def plot(cases: list[dict[str, Any]], sim: dict[str, Any] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c in cases:
+        style = "-" if c["mode"] == "async" else "--"
+        a.plot([p["t"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], style, label=c["label"])
+        b.plot([p["tokens"] / 1e6 for p in c["curve"]], [p["val_loss"] for p in c["curve"]], style, label=c["label"])
+    if sim and sim.get("sim_curve"):
+        b.plot([x / 1e6 for x, _ in sim["sim_curve"]], [y for _, y in sim["sim_curve"]], ":k", label="simulator")
+    a.set(xlabel="wall-clock since all peers train (s)", ylabel="validation loss (nats)", title="loss vs time")
+    b.set(xlabel="swarm training tokens (millions)", ylabel="validation loss (nats)", title="loss vs tokens")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----- command line --------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_swarm.py --time-to-loss", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "default.toml", help="run TOML")
+    p.add_argument("--replicas", type=int, default=2, help="peers per stage")
+    p.add_argument("--budget-s", type=float, default=300.0, help="training seconds per case, from all peers training")
+    p.add_argument("--eval-every-s", type=float, default=5.0, help="stage-0 replicas' evaluation period")
+    p.add_argument("--eval-batches", type=int, default=2, help="validation micro-batches per evaluation")
+    p.add_argument("--poll-s", type=float, default=1.0, help="/status poll period (evaluation time resolution)")
+    p.add_argument("--loopback", action=argparse.BooleanOptionalAction, default=False, help="also on loopback")
+    p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto", help="the emulated WAN (root)")
+    p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 50.0], help="one-way delays on the WAN")
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the WAN")
+    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
+    p.add_argument("--subnet", default="100.64.8", help="first three octets of the namespaces' addresses")
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
+    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
+    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
+    p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
+    p.add_argument("--compute-timeout-s", type=float, default=600.0,
+                   help="start-up allowance of a compute-only process on top of --compute-s")
+    p.add_argument("--sim-max-steps", type=int, default=800, help="cap on the simulator's micro-batches per replica")
+    p.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_agreement)")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
+                   help="extra PeerConfig setting for every peer")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens")
+    p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
+    p.add_argument("--compute-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
+        p.error("--budget-s, --eval-every-s and --poll-s must be positive and --replicas >= 1")
+    if not args.run.is_file():
+        p.error(f"--run {args.run} does not exist")
+    # what SwarmCase reads of bench_swarm's arguments
+    args.max_inflight, args.sync_microbatches = 0, 0
+    args.overrides = [f"eval_batches={args.eval_batches}", *args.overrides]
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[Case]:
+    nets: list[tuple[str, float, float]] = [("loopback", 0.0, 0.0)] if args.loopback else []
+    if args.wan != "no":
+        reason = check_available(args.emulator)
+        if reason and args.wan == "yes":
+            raise BenchError(f"--wan yes: {reason}")
+        if reason:
+            logger.warning("skipping the emulated WAN: %s", reason)
+        else:
+            nets += [("wan", d, args.rate_mbit) for d in sorted(set(args.delays_ms))]
+    return [Case(mode, net, delay, rate) for net, delay, rate in nets for mode in ("async", "sync")]
+
+
+def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> dict[str, Any]:
+    """Per network: time-to-loss speedup, final losses, loss at equal tokens, utilisation."""
+    out: dict[str, Any] = {}
+    for r in results:
+        net = r["label"].split("/", 1)[1]
+        out.setdefault(net, {})[r["mode"]] = r
+    figs: dict[str, Any] = {}
+    for net, pair in out.items():
+        a, s = pair.get("async"), pair.get("sync")
+        f: dict[str, Any] = {}
+        if a and s:
+            f.update(ttl_speedup([(p["t"], p["val_loss"]) for p in a["curve"]],
+                                 [(p["t"], p["val_loss"]) for p in s["curve"]]))
+            s_tok = [(p["tokens"], p["val_loss"]) for p in s["curve"]]
+            a_tok = [(p["tokens"], p["val_loss"]) for p in a["curve"]]
+            at = min(s_tok[-1][0], a_tok[-1][0]) if s_tok and a_tok else None
+            f["equal_tokens"] = {"tokens": at, "async": interpolate(a_tok, at) if at else None,
+                                 "sync": interpolate(s_tok, at) if at else None}
+        f["final_val_loss"] = {m: pair[m]["final_val_loss"] for m in pair}
+        if compute and compute.get("tokens_per_s"):
+            f["utilisation"] = {m: pair[m]["tokens_per_s"] / compute["tokens_per_s"] for m in pair}
+        figs[net] = f
+    return figs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compute_worker is not None:
+        print(json.dumps(compute_worker(args.run, args.compute_worker, args.compute_s, args.torch_threads)))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    install_signal_handlers()
+    from trainer.config import RunConfig
+    from trainer.data import corpus_identity, load_corpus
+
+    run = RunConfig.from_toml(args.run)
+    try:
+        cases = plan(args)
+    except BenchError as e:
+        print(f"bench_ttl: error: {e}", file=sys.stderr)
+        return 2
+    if not cases:
+        print("bench_ttl: nothing to measure (no loopback and no emulated WAN)", file=sys.stderr)
+        return 2
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="asyncmesh-ttl-"))
+    load_start = os.getloadavg()
+    compute = None
+    if args.compute_s > 0:
+        compute = measure_compute_only(args, run)
+        logger.info("compute only: %.0f tokens/s", compute["tokens_per_s"])
+    results, failed = [], []
+    for k, case in enumerate(cases):
+        workdir = root / f"case{k}-{case.mode}-{case.net}-{case.delay_ms:g}ms"
+        logger.info("case %d/%d: %s (files in %s)", k + 1, len(cases), case.label, workdir)
+        try:
+            results.append(train_case(case, args, workdir, run.n_stages))
+        except BenchError as e:
+            logger.error("%s", e)
+            failed.append({"label": case.label, "error": str(e).splitlines()[0], "workdir": str(workdir)})
+            continue
+        r = results[-1]
+        logger.info("%s: %.0f tokens/s, final val loss %s, %d evaluations", case.label, r["tokens_per_s"],
+                    r["final_val_loss"], len(r["curve"]))
+    figs = figures(results, compute)
+    headline_net = max((n for n in figs if "speedup" in figs[n]), key=_delay_of, default=None)
+    if args.json:  # the swarms' figures first: the simulator may take a while on a busy machine
+        _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figs, "compute_only": compute,
+                           "failed": failed, "partial": "written before the simulator ran"})
+    sim = None
+    asyncs = [r for r in results if r["mode"] == "async" and r["curve"]]
+    if not args.no_sim and asyncs:
+        target = next((r for r in asyncs if r["label"].endswith(headline_net or "")), asyncs[-1])
+        sim = simulate_same_run(run, target, args)
+        sim["case"] = target["label"]
+        logger.info("simulator: daemon %.4f / sim %.4f at %s tokens", sim["daemon_loss"] or float("nan"),
+                    sim["sim_loss"] or float("nan"), sim["tokens"])
+    head = figs.get(headline_net, {}) if headline_net else {}
+    doc = {
+        "cases": {r["label"]: r for r in results},
+        "time_to_loss_speedup": head.get("speedup"),
+        "sim_agreement": sim["sim_agreement"] if sim else None,
+        "final_val_loss": head.get("final_val_loss", {}),
+        "headline_network": headline_net,
+        "figures": figs, "compute_only": compute, "simulator": sim, "failed": failed,
+        "meta": {"command": " ".join(["python tools/bench_swarm.py --time-to-loss",
+                                      *(argv if argv is not None else sys.argv[1:])]),
+                 "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages,
+                 "replicas": args.replicas, "nproc": os.cpu_count(), "loadavg_start": load_start,
+                 "loadavg_end": os.getloadavg(), "python": platform.python_version(),
+                 "data": corpus_identity(load_corpus(run.data, run.model.vocab_size)),
+                 "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+    print(json.dumps({k: doc[k] for k in ("time_to_loss_speedup", "sim_agreement", "final_val_loss",
+                                          "headline_network")} | {"figures": _brief(figs)}, indent=1, default=str))
+    for f in failed:
+        print(f"FAILED {f['label']}: {f['error']} (files in {f['workdir']})")
+    if args.json:
+        _write(args.json, doc)
+    if args.plot and results:
+        plot(results, sim, args.plot)
+    return 1 if failed else 0
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def _delay_of(net: str) -> float:
+    return float(net.removeprefix("wan-").removesuffix("ms")) if net.startswith("wan-") else -1.0
+
+
+def _brief(figs: dict[str, Any]) -> dict[str, Any]:
+    return {net: {k: v for k, v in f.items()} for net, f in figs.items()}
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench_ttl: interrupted; every peer, emulator and namespace of this run was removed", file=sys.stderr)
+        sys.exit(130)
