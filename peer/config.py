@@ -76,8 +76,6 @@ class PeerConfig:
     """Hysteresis: move only if the slowest stage's capacity would rise above current / quality."""
     join_jitter_s: float = 1.0
     """Random wait before acting on a stage choice, then re-check (spreads peers that join at the same time)."""
-    averaging_period_s: float = 10.0
-    """Seconds per averaging round (round r starts at unix time r * period); must match across the stage's peers."""
     checkpoint_every_s: float = 120.0
     """Periodic checkpoint interval when checkpoint_dir is set (0: only the final checkpoint)."""
     drain_timeout_s: float = 10.0
@@ -126,7 +124,7 @@ class PeerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("announce_every_s", "record_ttl_s", "dht_timeout_s", "rpc_timeout_s", "microbatch_timeout_s",
                      "ban_base_s", "ban_max_s", "drain_timeout_s", "state_load_timeout_s", "reachability_timeout_s",
-                     "averaging_period_s", "state_snapshot_max_age_s"):
+                     "state_snapshot_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
         for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s"):

@@ -410,6 +410,7 @@ class Daemon:
             "val_losses": list(d.val_losses) if d is not None else [],
             **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
                                                       "averaging_rounds_ok", "averaging_rounds_failed")},
+            **self.metrics.averaging_cadence(),
             "rejected_avg": {k: int(v) for k, v in counters.items() if k.startswith("rejected:avg_")},
         }
 

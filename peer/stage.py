@@ -147,8 +147,7 @@ class StageService:
         if host.cfg.mode == "async":
             self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
                                           stage=stage, worker_call=self.worker_call, metrics=host.metrics,
-                                          config=NetAveragingConfig(period_s=host.cfg.averaging_period_s),
-                                          attack=host.cfg.byzantine_attack)
+                                          config=NetAveragingConfig(), attack=host.cfg.byzantine_attack)
             await self.averager.start()
         else:
             self.sync = await SyncSchedule.start(host, self)
@@ -245,7 +244,9 @@ class SyncSchedule:
         host, worker = self.host, self.service.worker
         assert worker is not None
         peers = [r.peer_id for r in host.swarm.values() if r.stage == self.service.stage and r.state == "training"]
-        grads = await host.compute(worker.grads)
+        # the mean over this flush's micro-batches, as the simulator's fullsync and GPipe take it: with the sum,
+        # clipping at optim.grad_clip would act on M times larger norms
+        grads = await host.compute(worker.mean_grads)
         mean, n = await self.averager.all_average(step, grads, peers)
         await host.compute(worker.set_grads, mean)
         await host.compute(worker.optimizer_step)

@@ -45,6 +45,9 @@ def test_unknown_keys_are_refused_with_their_name(tmp_path):
         ("averaging", {"fraction": 0.0}, "fraction"),
         ("averaging", {"rule": "mean"}, "rule"),
         ("compression", {"activations": "int3"}, "activations"),
+        ("compression", {"averaging": "topk:0.1"}, "not deltas"),
+        ("averaging", {"round_steps": 0}, "round_steps"),
+        ("averaging", {"period_s": 0.0}, "period_s"),
         ("data", {"batch_size": 0}, "batch_size"),
     ],
 )
@@ -57,6 +60,12 @@ def test_partitions_count_is_ceil_of_inverse_fraction():
     assert RunConfig.from_dict({"averaging": {"fraction": 0.05}}).averaging.n_partitions == 20
     assert RunConfig.from_dict({"averaging": {"fraction": 0.3}}).averaging.n_partitions == 4
     assert RunConfig.from_dict({"averaging": {"fraction": 1.0}}).averaging.n_partitions == 1
+    batched = RunConfig.from_dict({"averaging": {"fraction": 0.05, "round_steps": 10}}).averaging
+    assert batched.round_fraction == pytest.approx(0.5) and batched.n_partitions == 2
+    assert RunConfig.from_dict({"averaging": {"fraction": 0.3, "round_steps": 5}}).averaging.round_fraction == 1.0
+    for gone in ("every_steps", "delay_steps"):  # the cadence is round_steps; the delay is measured, not set
+        with pytest.raises(ValueError, match="unknown key"):
+            RunConfig.from_dict({"averaging": {gone: 1}})
 
 
 def test_stage_ranges_cover_all_layers_and_first_stages_take_the_remainder():

@@ -24,8 +24,8 @@ from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-RUN = RunConfig.default()
-CFG = NetAveragingConfig(period_s=1.5, collect_fraction=0.6, call_timeout_s=1.0, swarm_timeout_s=2.0)
+RUN = RunConfig.default().replace(averaging={"period_s": 1.5, "round_steps": 1})
+CFG = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=1.0, swarm_timeout_s=2.0)
 
 
 def _record(peer_id: str, state: str, version: int, stage: int = 0) -> PeerRecord:
@@ -81,7 +81,7 @@ def test_joiner_finds_its_donor_and_its_partners_through_the_dht():
                 loops.append(AveragingLoop(p2p=p2ps[i], rpc_server=rpcs[i], dht=dhts[i], run=RUN, stage=0,
                                            worker_call=worker_call(i), metrics=metrics[i], config=CFG))
                 await loops[-1].start()
-            deadline = time.monotonic() + 8 * CFG.period_s
+            deadline = time.monotonic() + 8 * RUN.averaging.period_s
             while time.monotonic() < deadline and not all(
                     m.snapshot()["counters"].get("averaging_rounds_ok") for m in metrics):
                 await asyncio.sleep(0.2)

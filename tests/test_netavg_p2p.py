@@ -28,9 +28,9 @@ from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(90)
 
-RUN = RunConfig.default()
+RUN = RunConfig.default().replace(averaging={"period_s": 2.5, "round_steps": 1})
 # a 1.5 s exchange window: generous for loopback, and still robust when six test suites share two cores
-CFG = NetAveragingConfig(period_s=2.5, collect_fraction=0.6, call_timeout_s=1.5, clock_skew_s=0.3)
+CFG = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=1.5, clock_skew_s=0.3)
 
 
 class Recording:
@@ -80,7 +80,8 @@ class Peer:
 
         self.loop = AveragingLoop(p2p=self.p2p, rpc_server=self.rpc, dht=None, run=RUN, stage=0,
                                   worker_call=self.worker_call, metrics=self.metrics, config=CFG,
-                                  fetch_peers=fetch_peers)
+                                  fetch_peers=fetch_peers, local_step=lambda: int(time.time() * 10))
+        # the workers here do not train: count 10 local steps a second so every round is due
         return self.loop
 
 
@@ -130,8 +131,8 @@ def _int8_step(*tensors: torch.Tensor) -> float:
 def test_honest_pair_averages_and_a_malicious_peer_is_refused():
     async def attack_round(honest, targets, evil, delivered) -> int:
         """Send every poison to both honest peers during the next round; returns that round."""
-        r = next_round(time.time(), CFG.period_s)
-        await asyncio.sleep(r * CFG.period_s - time.time() + 0.2)
+        r = next_round(time.time(), RUN.averaging.period_s)
+        await asyncio.sleep(r * RUN.averaging.period_s - time.time() + 0.2)
         for _ in range(20):  # the round begins on the compute thread: wait for its values
             if r in honest[0].begun:
                 break
@@ -167,7 +168,7 @@ def test_honest_pair_averages_and_a_malicious_peer_is_refused():
                 await p.averaging(view).start()
             for _ in range(3):  # on an overloaded machine a round may time out: attack the next one then
                 attacked.append(await attack_round(honest, (a, b), evil, delivered))
-                await asyncio.sleep(attacked[-1] * CFG.period_s + CFG.period_s - time.time())
+                await asyncio.sleep(attacked[-1] * RUN.averaging.period_s + RUN.averaging.period_s - time.time())
                 if all(attacked[-1] in rec.means for rec in honest):
                     break
         finally:
@@ -208,11 +209,11 @@ def test_a_peer_dying_after_begin_costs_only_its_contribution():
             view = [p.id for p in peers]
             for p in peers:
                 await p.averaging(view).start()
-            dying_round.append(next_round(time.time(), CFG.period_s) + 1)
-            deadline = time.time() + 6 * CFG.period_s
+            dying_round.append(next_round(time.time(), RUN.averaging.period_s) + 1)
+            deadline = time.time() + 6 * RUN.averaging.period_s
             while time.time() < deadline and not [r for r in recs[0].means if r >= dying_round[0]]:
                 await asyncio.sleep(0.2)
-            await asyncio.sleep(CFG.period_s)
+            await asyncio.sleep(RUN.averaging.period_s)
         finally:
             await _shutdown(peers[:2])
             victim.executor.shutdown(wait=False)

@@ -32,9 +32,9 @@ from protocol.errors import RemoteError
 from protocol.messages import AveragingPart, Error
 from trainer.config import RunConfig
 
-RUN = RunConfig.default()
+RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1})
 SHAPES = [(3000,), (37,), (5,)]
-FAST = NetAveragingConfig(period_s=1.0, collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2)
+FAST = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2)
 
 
 def aio(fn):
@@ -136,7 +136,7 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
 
     loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
-                         me=name)
+                         me=name, local_step=lambda: worker.local_step)
     return loop, metrics
 
 
@@ -169,14 +169,14 @@ async def _run_rounds(loops, seconds: float) -> None:
 
 # ---- pure functions ------------------------------------------------------------------------------------------------
 def test_round_clock_and_admission():
-    cfg = NetAveragingConfig(period_s=10.0, collect_fraction=0.5, clock_skew_s=1.0)
+    cfg = NetAveragingConfig(collect_fraction=0.5, clock_skew_s=1.0)
     assert next_round(100.0, 10.0) == 10 and next_round(100.5, 10.0) == 11
-    assert round_deadline(10, cfg, run_timeout_s=30.0) == 105.0
-    assert round_deadline(10, cfg, run_timeout_s=2.0) == 102.0  # the run's timeout caps the window
-    assert admissible(10, 100.1, cfg, 30.0) is None
-    assert admissible(11, 109.5, cfg, 30.0) is None  # a slightly fast clock on the sender's side
-    assert admissible(11, 108.0, cfg, 30.0) == "future_round"
-    assert admissible(10, 105.0, cfg, 30.0) == "stale_round"
+    assert round_deadline(10, 10.0, cfg, run_timeout_s=30.0) == 105.0
+    assert round_deadline(10, 10.0, cfg, run_timeout_s=2.0) == 102.0  # the run's timeout caps the window
+    assert admissible(10, 100.1, 10.0, cfg, 30.0) is None
+    assert admissible(11, 109.5, 10.0, cfg, 30.0) is None  # a slightly fast clock on the sender's side
+    assert admissible(11, 108.0, 10.0, cfg, 30.0) == "future_round"
+    assert admissible(10, 105.0, 10.0, cfg, 30.0) == "stale_round"
     with pytest.raises(ValueError, match="collect_fraction"):
         NetAveragingConfig(collect_fraction=1.0)
 
@@ -224,6 +224,39 @@ async def test_three_peers_average_to_the_mean_within_int8_error_and_agree_bitwi
 
 @pytest.mark.timeout(30)
 @aio
+async def test_a_peer_opens_a_round_only_when_due_and_joins_a_due_partners_round():
+    """round_steps = 3: p0 steps 3 a round and is due; p1 never steps, opens one round (its first) and otherwise only
+    joins p0's on demand; each finished round adds the run's round fraction to its metrics."""
+    run = RUN.replace(averaging={"round_steps": 3, "fraction": 0.1})
+    net, names = MemTransport(), ["p0", "p1"]
+    workers = [FakeWorker(0), FakeWorker(1)]
+    steps = {"p0": 0, "p1": 0}
+    peers = []
+    for n, w in zip(names, workers, strict=True):
+        loop, metrics = _make_peer(net, n, w, names, run=run)
+        loop.local_step = lambda n=n: steps[n]
+        peers.append((loop, metrics))
+    assert peers[0][0].due()
+
+    async def p0_steps() -> None:
+        while True:
+            await asyncio.sleep(RUN.averaging.period_s / 3)
+            steps["p0"] += 1
+
+    ticker = asyncio.create_task(p0_steps())
+    try:
+        await _run_rounds([lp for lp, _ in peers], 4.2)
+    finally:
+        ticker.cancel()
+    assert not peers[1][0].due()
+    assert set(workers[0].finished) == set(workers[1].finished) and len(workers[0].finished) >= 2
+    for _, metrics in peers:
+        rounds = metrics.snapshot()["counters"]["averaging_rounds_ok"]
+        assert metrics._avg_fraction_sum == pytest.approx(0.3 * rounds)
+
+
+@pytest.mark.timeout(30)
+@aio
 async def test_malicious_parts_are_rejected_counted_and_do_not_reach_honest_weights():
     net, names = MemTransport(), ["p0", "p1"]
     workers = [FakeWorker(0), FakeWorker(1)]
@@ -233,8 +266,8 @@ async def test_malicious_parts_are_rejected_counted_and_do_not_reach_honest_weig
 
     async def attack():
         # wait until round r is open on the honest peers, then send each kind of poison once per honest peer
-        r = next_round(time.time(), FAST.period_s)
-        await asyncio.sleep(max(0.0, r * FAST.period_s - time.time()) + 0.05)
+        r = next_round(time.time(), RUN.averaging.period_s)
+        await asyncio.sleep(max(0.0, r * RUN.averaging.period_s - time.time()) + 0.05)
         good = [torch.zeros(s) for s in SHAPES]
         poisons = {
             "nonfinite": [torch.full(SHAPES[0], float("nan")), *good[1:]],
@@ -312,7 +345,7 @@ async def test_parts_for_a_stale_or_far_future_round_are_refused_with_a_clock_hi
     loop.fetch_peers = _returning(["x"])
     await loop.start()
     try:
-        now_round = int(time.time() // FAST.period_s)
+        now_round = int(time.time() // RUN.averaging.period_s)
         for r in (now_round - 5, now_round + 5):
             part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender="x",
                                  tensors=[encode(torch.zeros(s), "int8") for s in SHAPES], weight=1.0)

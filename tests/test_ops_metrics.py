@@ -82,6 +82,20 @@ def test_rejected_reasons_losses_rounds_warnings_and_json() -> None:
     assert snap["warnings"][0]["age_s"] == pytest.approx(3.0)
 
 
+def test_averaging_cadence_counts_fraction_per_local_step_and_measured_delays() -> None:
+    m = PeerMetrics("p", 0)
+    assert m.snapshot()["avg_fraction_per_step"] is None and m.snapshot()["avg_delay_steps"] is None
+    m.local_step = 100  # a joiner that loaded a donor's state at step 100
+    m.start_averaging(100)
+    for tau in (2, 2, 5):
+        m.observe_round(ok=True, group_size=2, tau=tau, fraction=0.5)
+    m.observe_round(ok=False)
+    m.local_step = 130
+    snap = m.snapshot()
+    assert snap["avg_fraction_per_step"] == pytest.approx(1.5 / 30)
+    assert snap["avg_delay_steps"] == pytest.approx(3.0) and snap["avg_delay_hist"] == {"2": 2, "5": 1}
+
+
 def test_state_validation_drain_countdown_and_health() -> None:
     clock = FakeClock()
     m = PeerMetrics(stall_s=60, clock=clock)

@@ -17,9 +17,10 @@ import time
 
 import pytest
 import torch
-from swarm_utils import swarm  # noqa: F401  (fixture)
+from swarm_utils import REPO, swarm  # noqa: F401  (fixture)
 
 STEPS = 60
+RARE_AVG = REPO / "tests" / "runs" / "tiny_rare_avg.toml"  # no averaging round falls inside a test
 
 
 def _no_traceback(peer) -> None:
@@ -29,7 +30,7 @@ def _no_traceback(peer) -> None:
 
 @pytest.mark.timeout(240)
 def test_two_by_two_swarm_trains_averages_evaluates_and_restarts_from_checkpoint(swarm):  # noqa: F811
-    ex = ("averaging_period_s=1.5",)
+    ex = ()  # the run (tests/runs/tiny.toml) averages every 2 local steps on a 1.5 s clock
     a = swarm.start("a", stage="0", max_steps=STEPS, extra=ex)
     first = a.wait_maddrs()[:1]
     b = swarm.start("b", stage="1", initial=first, max_steps=STEPS, extra=ex)
@@ -70,13 +71,13 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     # stage-0 peers keep long-lived records so that pausing them does not make stage 0 look empty; stage-1 peers
     # expire in 4 s so the killed replica vanishes quickly; no averaging rounds fall inside the test, so the donor's
     # weights stay frozen while the joiner copies them
-    keep = ("record_ttl_s=60", "averaging_period_s=100000")
-    short = ("record_ttl_s=4", "averaging_period_s=100000", "state_snapshot_max_age_s=2")
-    a = swarm.start("a", stage="0", extra=keep)
+    keep = ("record_ttl_s=60",)
+    short = ("record_ttl_s=4", "state_snapshot_max_age_s=2")
+    a = swarm.start("a", stage="0", extra=keep, run=RARE_AVG)
     first = a.wait_maddrs()[:1]
-    b = swarm.start("b", stage="1", initial=first, extra=short)
-    c = swarm.start("c", stage="0", initial=first, extra=keep)
-    d = swarm.start("d", stage="1", initial=first, extra=short)
+    b = swarm.start("b", stage="1", initial=first, extra=short, run=RARE_AVG)
+    c = swarm.start("c", stage="0", initial=first, extra=keep, run=RARE_AVG)
+    d = swarm.start("d", stage="1", initial=first, extra=short, run=RARE_AVG)
     a.wait_status(lambda s: s["local_step"] >= 10, 120, "10 steps")
     d.proc.kill()  # kill -9 one replica mid-run
     d.proc.wait()
@@ -87,7 +88,7 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     c.signal(signal.SIGSTOP)
     try:
         time.sleep(1.0)
-        e = swarm.start("e", stage="auto", initial=b.maddrs[:1], extra=short)
+        e = swarm.start("e", stage="auto", initial=b.maddrs[:1], extra=short, run=RARE_AVG)
         snap = e.wait_status(lambda s: s.get("state") == "training", 90, "training state")
         assert snap["stage"] == 1, "the joiner must pick the under-served stage"
         assert "stage 1 state from donor" in e.log()
@@ -186,7 +187,7 @@ def _pids_using(path: str) -> list[int]:
 @pytest.mark.timeout(300)
 def test_swarm_command_runs_the_newcomers_job_to_the_end_and_reaps_its_peers(tmp_path):
     """`asyncmesh-peer swarm` itself (the README's main job, here without the dashboard and with --max-steps)."""
-    from swarm_utils import REPO, TINY_RUN
+    from swarm_utils import TINY_RUN
 
     workdir = tmp_path / "w"
     cmd = [sys.executable, "-m", "peer.cli", "swarm", "--peers", "4", "--run", str(TINY_RUN), "--max-steps", "40",

@@ -71,6 +71,40 @@ def test_sparse_averaging_rounds_are_applied_tau_steps_late():
         assert step == rn + 1 + tau  # round rn began after local step rn + 1, applied tau steps later
 
 
+def test_rounds_batch_round_steps_and_draw_measured_delays():
+    """The daemon's cadence: a round every round_steps local steps averaging p * round_steps, applied after a delay
+    drawn from measured ones; the fraction averaged per step is p whatever the batching."""
+    n = 24
+    sim = tiny(steps=n)
+    sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": 4}), fraction=0.05,
+                              tau_samples=(0, 2, 5))
+    state = build(sim, "asyncmesh")
+    assert state.run.averaging.round_fraction == pytest.approx(0.2)
+    begun: list[tuple[int, int]] = []  # (round, local step at begin) of stage 0, replica 0
+    finished: dict[int, int] = {}
+    w = state.w[0][0]
+    begin, finish = w.averaging_begin, w.averaging_finish
+
+    def spy_begin(rn, w=w, begin=begin):
+        begun.append((rn, w.local_step))
+        return begin(rn)
+
+    def spy_finish(rn, mean, *, group_size=None, w=w, finish=finish):
+        finished[rn] = w.local_step
+        return finish(rn, mean, group_size=group_size)
+
+    w.averaging_begin, w.averaging_finish = spy_begin, spy_finish
+    state.run_async()
+    assert [step for _, step in begun] == list(range(4, n + 1, 4))
+    delays = [finished[rn] - step for rn, step in begun if rn in finished]
+    assert set(delays) <= {0, 2, 5} and len(set(delays)) >= 2
+    assert state.delays[: len(delays)] == delays
+    rec = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
+    # 6 rounds of 20 % begin in 24 steps (p = 5 % per step); those whose delay runs past the end are not applied
+    assert 0.2 * 4 / n <= rec["avg_fraction_per_step"] <= 0.05 + 1e-9
+    assert rec["avg_delay_steps"] is not None
+
+
 @pytest.mark.timeout(60)
 def test_full_averaging_and_gradient_averaging_keep_replicas_identical():
     for method in ("full-avg", "asyncpp", "fullsync"):
@@ -98,7 +132,7 @@ def test_two_methods_see_identical_token_batches():
 def test_tau_variants_name_each_run():
     sim = with_overrides(preset("stress"), taus=(10, 50), methods=("fullsync", "asyncmesh", "full-avg"))
     assert sim.variants() == [("fullsync", "fullsync", 10), ("asyncmesh@tau10", "asyncmesh", 10),
-                              ("asyncmesh@tau50", "asyncmesh", 50), ("full-avg", "full-avg", 10)]
+                              ("asyncmesh@tau50", "asyncmesh", 50), ("full-avg", "full-avg", 0)]
 
 
 def test_steps_must_divide_evenly_for_equal_samples():
@@ -132,3 +166,23 @@ def test_device_must_be_cpu_or_cuda():
     legacy = preset("smoke").to_dict()
     del legacy["device"]  # results.json written before the field existed
     assert SimConfig.from_dict(legacy).device == "cpu"
+
+
+def test_simulate_cli_takes_the_cadence_and_a_daemons_measured_delays(tmp_path):
+    import argparse
+    import json
+
+    from peer.cli import simulate as cmd_simulate
+    from peer.errors import UserError
+
+    summary = tmp_path / "s.json"
+    summary.write_text(json.dumps({"avg_delay_hist": {"1": 2, "3": 1}}))
+    parser = argparse.ArgumentParser()
+    cmd_simulate.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--round-steps", "5", "--delays-from", str(summary)])
+    sim = cmd_simulate.build_config(args)
+    assert sim.run.averaging.round_steps == 5 and sorted(sim.tau_samples) == [1, 1, 3]
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(UserError, match="no averaging round"):
+        cmd_simulate.build_config(parser.parse_args(["--out", str(tmp_path), "--delays-from",
+                                                     str(tmp_path / "empty.json")]))

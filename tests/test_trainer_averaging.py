@@ -74,13 +74,13 @@ def test_rule_delta():
 def test_rule_ema_two_rounds():
     state, w = _state("ema", lam=1.0, mu_start=0.5, mu_warmup_steps=10)
     _drift_and_finish(state, w, 0, [1.0, 0.0, 2.0, 0.0], [10.0, 10.0, 10.0, 10.0])
-    # e = 0.5*0 + 0.5*drift = [0.5, 0, 1, 0]; W = a + e
-    assert state.ema[0].tolist() == [0.5, 0.0, 1.0, 0.0]
-    assert w[0].tolist() == [10.5, 10.0, 11.0, 10.0]
+    # first update of a coordinate: e = drift (the reference code's start, not (1 - mu) * drift); W = a + e
+    assert state.ema[0].tolist() == [1.0, 0.0, 2.0, 0.0]
+    assert w[0].tolist() == [11.0, 10.0, 12.0, 10.0]
     _drift_and_finish(state, w, 1, [1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0])
-    # e = 0.5*[0.5, 0, 1, 0] + 0.5*[1, 2, 0, 0] = [0.75, 1, 0.5, 0]
-    assert state.ema[0].tolist() == [0.75, 1.0, 0.5, 0.0]
-    assert w[0].tolist() == [0.75, 1.0, 0.5, 0.0]
+    # e = 0.5*[1, -, 2, -] + 0.5*[1, -, 0, -]; coordinates 1 and 3 had no drift yet, so theirs starts now
+    assert state.ema[0].tolist() == [1.0, 2.0, 1.0, 0.0]
+    assert w[0].tolist() == [1.0, 2.0, 1.0, 0.0]
 
 
 def test_ema_sparse_partition_touches_only_its_coordinates():
@@ -96,7 +96,7 @@ def test_ema_sparse_partition_touches_only_its_coordinates():
     untouched = torch.ones(6, dtype=torch.bool)
     untouched[idx] = False
     assert torch.equal(w[0][untouched], before[untouched] + 1.0)
-    assert torch.equal(w[0][idx], torch.full((3,), -4.5))  # a + 0.5 * drift
+    assert torch.equal(w[0][idx], torch.full((3,), -4.0))  # a + drift: the first EMA value is the drift
     assert torch.equal(state.ema[0][untouched], torch.zeros(3))
 
 
@@ -114,7 +114,9 @@ def test_ema_uses_mu_of_the_local_step():
     state, w = _state("ema", lam=1.0, mu_start=0.5, mu_end=0.9, mu_warmup_steps=0)
     mu = mu_at(state.cfg, 50, 100)
     _drift_and_finish(state, w, 0, [2.0, 0.0, 0.0, 0.0], [0.0] * 4, step=50)
-    assert state.ema[0][0].item() == pytest.approx((1 - mu) * 2.0)
+    assert state.ema[0][0].item() == pytest.approx(2.0)
+    _drift_and_finish(state, w, 1, [0.0, 0.0, 0.0, 0.0], [0.0] * 4, step=50)
+    assert state.ema[0][0].item() == pytest.approx(mu * 2.0)
 
 
 def test_finish_rejects_bad_input_and_leaves_weights():
@@ -166,23 +168,28 @@ def test_wagma_groups_partition_and_mix(R, G):
     assert wagma_group(5, 1, 6, 2) == [5]  # padded index 7 does not exist
 
 
-def test_wagma_average_and_global():
-    own = torch.tensor([3.0, 0.0])
-    published = [torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0])]
-    assert wagma_average(own, published).tolist() == [2.0, 1.0]  # (1+2+3)/3, (3+0+0)/3
-    assert wagma_apply(own, global_average(published), 2).tolist() == [2.0, 1.0]
-    assert global_average(published).tolist() == [1.5, 1.5]
+def test_wagma_average_takes_own_current_model_and_global():
+    own_then, own_now = torch.tensor([1.0, 3.0]), torch.tensor([3.0, 0.0])
+    partner = torch.tensor([2.0, 0.0])
+    assert wagma_average(own_now, [partner]).tolist() == [2.5, 0.0]  # (own now + partner's published) / 2
+    # the exchange's mean holds our published copy: it is swapped for our current model
+    assert wagma_apply(own_now, own_then, global_average([own_then, partner]), 2).tolist() == [2.5, 0.0]
+    assert global_average([own_then, partner]).tolist() == [1.5, 1.5]
     assert [s for s in range(25) if wagma_is_global(s, 11)] == [10, 21]
 
 
 def test_wagma_rule_through_state():
+    """Own contribution is the current model (not the copy published at begin); a late global average is applied
+    as a correction: the mean then plus our drift since, never a stale overwrite."""
     state, w = _state("wagma", wagma_group_size=2, wagma_global_every=3)
-    state.begin(0, w)
-    state.finish(0, [torch.tensor([4.0, 4.0, 4.0, 4.0])], w, 0)
-    assert w[0].tolist() == pytest.approx([3.0, 10 / 3, 11 / 3, 4.0])  # (2*4 + w)/3
+    sent = state.begin(0, w)  # published [1, 2, 3, 4]; the partner published [7, 6, 5, 4]
+    w[0] += torch.tensor([1.0, 1.0, 0.0, 0.0])  # local steps before the partner's part arrives
+    state.finish(0, [(sent[0] + torch.tensor([7.0, 6.0, 5.0, 4.0])) / 2], w, 0, group_size=2)
+    assert w[0].tolist() == pytest.approx([4.5, 4.5, 4.0, 4.0])  # (own now + partner's) / 2
     state.begin(2, w)
-    state.finish(2, [torch.zeros(4)], w, 0)  # round 2 is global (every 3): overwrite with the global mean
-    assert w[0].tolist() == [0.0] * 4
+    w[0] += 1.0
+    state.finish(2, [torch.zeros(4)], w, 0)  # round 2 is global (every 3): global mean 0 plus the drift since
+    assert w[0].tolist() == [1.0] * 4
 
 
 def test_state_dict_roundtrip():

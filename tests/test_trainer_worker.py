@@ -153,21 +153,52 @@ def test_stash_freed_on_drop_and_not_made_without_references():
     assert w0.stashed_versions() == [] and w0.pending() == 0
 
 
-def test_averaging_changes_newest_version_weights():
-    """Like AsyncMesh's insert_to_queue after interpolation: backward of a micro-batch forwarded before averaging
-    (same version) runs at the post-averaging weights."""
-    run = tiny(2, optim={"weight_stashing": True}, averaging={"rule": "avg", "fraction": 0.5})
+@pytest.mark.parametrize("change", ["averaging", "load", "averaging+step"])
+def test_backward_uses_forward_weights_whatever_changed_them(change):
+    """An averaging finish or a state load between a micro-batch's forward and its backward (the daemon's compute
+    thread runs them in between) must not reach that backward: it runs at the weights its forward used."""
+    run = tiny(2, optim={"weight_stashing": True, "lr": 1e-2}, averaging={"rule": "avg", "fraction": 0.5})
+    w0 = StageWorker(run, 0, auto_step=False)
+    x, _ = batch()
+    before = [p.detach().clone() for p in w0.parameters()]
+    w0.forward(0, x)
+    if change.startswith("averaging"):
+        values = w0.averaging_begin(0)
+        w0.averaging_finish(0, [v * 0 + 0.5 for v in values])
+        if change.endswith("step"):
+            w0.set_grads([torch.ones_like(p) for p in w0.parameters()])
+            w0.optimizer_step()
+    else:
+        donor = StageWorker(run, 0, seed=7)
+        w0.load_state_dict(donor.state_dict())
+    live = [p.detach().clone() for p in w0.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
+    assert w0.pending() == 1 and len(w0.stashed_versions()) == 1
+    g = torch.randn(2, 8, 16)
+    w0.backward(0, g)
+    for a, b in zip(w0.grads(), _grad_at(w0, before, x, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert w0.stashed_versions() == []
+    assert all(torch.equal(p, b) for p, b in zip(w0.parameters(), live, strict=True))  # live weights untouched
+
+
+def test_no_stash_without_pending_and_backward_after_change_without_stashing_uses_latest():
+    run = tiny(2, optim={"weight_stashing": False}, averaging={"rule": "avg", "fraction": 0.5})
     w0 = StageWorker(run, 0, auto_step=False)
     x, _ = batch()
     w0.forward(0, x)
     values = w0.averaging_begin(0)
     w0.averaging_finish(0, [v * 0 + 0.5 for v in values])
     post = [p.detach().clone() for p in w0.parameters()]
-    w0.optimizer_step()  # stash of version 0 is copied now, from the post-averaging weights
+    assert w0.stashed_versions() == []
     g = torch.randn(2, 8, 16)
     w0.backward(0, g)
     for a, b in zip(w0.grads(), _grad_at(w0, post, x, g), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    stashing = StageWorker(tiny(2, averaging={"rule": "avg", "fraction": 0.5}), 0, auto_step=False)
+    values = stashing.averaging_begin(0)
+    stashing.averaging_finish(0, [v * 0 + 0.5 for v in values])
+    assert stashing.stashed_versions() == []  # nothing pending: no copy
 
 
 def test_averaging_hooks_apply_rule_and_abort_leaves_weights():
@@ -193,6 +224,18 @@ def test_averaging_hooks_apply_rule_and_abort_leaves_weights():
     none = StageWorker(tiny(2, averaging={"rule": "none"}), 0)
     with pytest.raises(ValueError, match="rule is 'none'"):
         none.averaging_begin(0)
+
+
+def test_mean_grads_is_the_flush_mean_the_simulator_steps_with():
+    run = tiny(2, optim={"lr": 1e-2})
+    w1 = StageWorker(run, 1, auto_step=False)
+    for i in range(3):
+        w1.forward_loss(i, torch.randn(2, 8, 16), batch(i)[1])
+    assert w1.accumulated == 3
+    for m, g in zip(w1.mean_grads(), w1.grads(), strict=True):
+        torch.testing.assert_close(m, g / 3)
+    w1.optimizer_step()
+    assert all(not m.any() for m in w1.mean_grads())  # nothing accumulated: zeros, no division by zero
 
 
 def test_accumulation_sums_gradients_and_steps_once():

@@ -4,8 +4,10 @@ Starts a 2-stage x 2-replica swarm of real peer processes on loopback (stages 0,
 stage-0 replica train ``--steps`` micro-batches, and reads the mean final validation loss of the stage-0 peers (the
 fixed validation batches of the run, identical on every peer). Then trains the simulator's ``asyncmesh`` method on
 the same run config, 2 replicas, the same number of micro-batches per replica, and the same validation batches.
-What differs, by construction: the daemon's delays (pipeline staleness, averaging tau) are whatever the machine made
-them, the simulator's are exact (``--tau``); and each side draws its own training windows (same corpus and run seed,
+Both run the run's averaging cadence (a round every ``averaging.round_steps`` local steps); the simulator draws each
+round's delay from the delays the daemon's peers measured (their summaries' ``avg_delay_hist``; ``--tau`` only when
+they measured none). What differs, by construction: the daemon's pipeline staleness is whatever the machine made it,
+the simulator's is exact; and each side draws its own training windows (same corpus and run seed,
 shards seeded by peer id in the daemon and by replica index in the simulator).
 
     python tools/compare_sim.py --run tests/runs/tiny.toml --steps 40
@@ -76,8 +78,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default=str(REPO / "tests" / "runs" / "tiny.toml"), help="run TOML")
     ap.add_argument("--steps", type=int, default=40, help="micro-batches per stage-0 replica")
-    ap.add_argument("--tau", type=int, default=4, help="the simulator's averaging delay in local steps")
-    ap.add_argument("--set", action="append", default=["averaging_period_s=3"], dest="settings",
+    ap.add_argument("--tau", type=int, default=4,
+                    help="the simulator's averaging delay in local steps when the daemon measured none")
+    ap.add_argument("--set", action="append", default=[], dest="settings",
                     metavar="FIELD=VALUE", help="peer setting for every peer")
     ap.add_argument("--timeout", type=float, default=600.0, help="give up on the swarm after this long")
     args = ap.parse_args()
@@ -91,9 +94,10 @@ def main() -> int:
     vals = [p["final_val_loss"] for p in stage0 if p.get("final_val_loss") is not None]
     done = [p.get("steps", 0) for p in stage0]
     steps = max(4, (min(done) // 4) * 4)  # the simulator needs a multiple of its micro-batches per flush
+    taus = tuple(int(t) for p in peers for t, n in (p.get("avg_delay_hist") or {}).items() for _ in range(n))
     sim = SimConfig(preset="daemon-compare", run=run, n_replicas=2, steps=steps, micro_batches=4, tau=args.tau,
-                    fraction=run.averaging.fraction, accumulate=run.optim.accumulate, eval_every=steps,
-                    eval_batches=2, methods=("asyncmesh",))
+                    tau_samples=taus, fraction=run.averaging.fraction, accumulate=run.optim.accumulate,
+                    eval_every=steps, eval_batches=2, methods=("asyncmesh",))
     result = run_method(sim, "asyncmesh", "asyncmesh", args.tau)
     print(json.dumps({
         "run": run.name, "run_id": run.run_id,
@@ -101,7 +105,10 @@ def main() -> int:
         "daemon_microbatches_per_replica": done,
         "daemon_averaging_rounds_ok": sum(p.get("averaging_rounds_ok", 0) for p in peers),
         "sim_final_val_loss": result["final_val_loss"], "sim_first_val_loss": result["first_val_loss"],
-        "sim_microbatches_per_replica": steps, "sim_tau": args.tau,
+        "daemon_avg_fraction_per_step": [p.get("avg_fraction_per_step") for p in peers],
+        "sim_avg_fraction_per_step": result["avg_fraction_per_step"],
+        "sim_microbatches_per_replica": steps, "sim_tau": args.tau if not taus else None,
+        "sim_delays_from_daemon": len(taus),
     }, indent=1))
     return 0
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stashing", action=argparse.BooleanOptionalAction, default=True, help="weight stashing")
     p.add_argument("--rule", choices=("grad", "avg", "delta", "ema"), default="ema",
                    help="'grad': gradient all-reduce every step; otherwise the parameter-averaging rule")
-    p.add_argument("--fraction", type=float, default=0.05, help="p: fraction averaged per round")
+    p.add_argument("--fraction", type=float, default=0.05, help="p: fraction averaged per local step")
     p.add_argument("--tau", type=int, default=10, help="averaging delay in local steps")
     args = p.parse_args(argv)
 
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "weight_stashing": args.stashing, "accumulate": 1})
         if args.rule == "grad":
             return run.replace(averaging={"rule": "none"})
-        return run.replace(averaging={"rule": args.rule, "fraction": args.fraction, "delay_steps": sim.tau,
-                                      "every_steps": 1})
+        return run.replace(averaging={"rule": args.rule, "fraction": args.fraction, "round_steps": 1})
 
     combine = "grad" if args.rule == "grad" else "avg"
     METHODS[NAME] = MethodSpec(NAME, "async", combine, configure, "ad-hoc variant (tools/sim_variant.py)")

@@ -1,7 +1,8 @@
 """Data-parallel averaging math: sparse partitions, the avg/delta/EMA update rules, and WAGMA groups.
 
 AsyncMesh (docs/design.md, "Data-parallel axis"). Per parameter tensor, coordinates are randomly
-permuted into n = ceil(1/p) disjoint partitions, cycled one per round and redrawn after each cycle. The permutation
+permuted into n = ceil(1/(p * round_steps)) disjoint partitions (p per local step, one round per round_steps
+steps), cycled one per round and redrawn after each cycle. The permutation
 of cycle c for parameter j of stage s is keyed by (run seed, s, j, c) only and computed with explicit integer
 arithmetic (``keyed_permutation``), so every replica computes the same partitions, whatever its library versions, and
 no mask crosses the wire. Round r uses partition r % n of cycle r // n.
@@ -10,14 +11,20 @@ A round on partition S: the replicas' mean a = mean_j W_j[S] arrives some local 
 W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] - W_then:
   'avg'   W[S] <- a                                   (stale overwrite, "AsyncSPARTA")
   'delta' W[S] <- a + lam * delta
-  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh; e starts at 0)
+  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh)
+          the first update of a coordinate sets e to delta itself, as the reference code does (not (1 - mu) * delta);
+          "first" is read from e == 0, so no extra state travels with the weights (a coordinate whose first
+          drift was exactly 0 starts again at its next, which is the same)
 mu is mu_start for the first mu_warmup_steps local steps, then cosine-annealed to mu_end at optim.total_steps:
   mu = mu_start + (mu_end - mu_start) * (1 - cos(pi * t)) / 2,  t = (k - W) / (T - W - 1) clamped to [0, 1].
 
 WAGMA (docs/design.md, "WAGMA group averaging") as pure functions the simulator and the worker share: groups rotate
-over the base-G digit fields of the replica index; w_i <- (sum of the group's last published models + w_i) /
-(|group| + 1), the released code's divisor (own model counted twice); every ``wagma_global_every`` steps a global
-average.
+over the base-G digit fields of the replica index; a replica's new model is the mean of its *current* model and its
+group partners' published ones, w_i <- (w_i + sum_{j != i} w_j^pub) / |group| (Li et al.: a replica's own
+contribution is never a stale copy). Given the group's mean of the published models a (own published copy W_then
+included, as the exchange computes it), that is a + (W_now - W_then) / |group|. Every ``wagma_global_every``-th round
+is a global average over all replicas; arriving late, it is applied as a correction, W <- a + (W_now - W_then), never
+as a stale overwrite.
 """
 
 from __future__ import annotations
@@ -149,13 +156,13 @@ class SparseAveragingState:
     """One replica's averaging state: the partitioner, in-flight snapshots and the EMA drift buffers.
 
     Several rounds may be in flight at once (the network delay spans several local steps); each keeps its own
-    snapshot. ``rule`` is 'avg', 'delta' or 'ema' (for 'wagma' the worker averages whole tensors, see wagma_apply).
+    snapshot. ``rule`` is 'avg', 'delta', 'ema' or 'wagma' (whose rounds average whole tensors, see wagma_apply).
     """
 
     def __init__(self, cfg: AveragingConfig, total_steps: int, seed: int, stage: int,
                  params: Sequence[torch.Tensor]) -> None:
         self.cfg, self.total_steps = cfg, total_steps
-        fraction = 1.0 if cfg.rule == "wagma" else cfg.fraction
+        fraction = 1.0 if cfg.rule == "wagma" else cfg.round_fraction
         self.partitioner = Partitioner(seed, stage, [p.shape for p in params], fraction)
         self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if cfg.rule == "ema" else []
         self.snapshots: dict[int, _Snapshot] = {}
@@ -166,7 +173,7 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
         idx = [i.to(p.device) for i, p in zip(self.partitioner.indices(round_no), params, strict=True)]
         values = [p.detach().reshape(-1)[i].clone() for p, i in zip(params, idx, strict=True)]
-        needs_drift = self.cfg.rule in ("delta", "ema")
+        needs_drift = self.cfg.rule in ("delta", "ema", "wagma")
         self.snapshots[round_no] = _Snapshot(idx, values if needs_drift else None)
         return [v.clone() for v in values] if needs_drift else values
 
@@ -179,8 +186,9 @@ class SparseAveragingState:
                local_step: int, group_size: int | None = None) -> None:
         """Apply the rule with the drift since ``begin``; validates ``mean`` before touching any weight.
 
-        For 'wagma', ``mean`` is the mean of the group's published models and ``group_size`` how many there were
-        (default ``wagma_group_size``); on a global round (``wagma_is_global(round_no)``) W <- mean.
+        For 'wagma', ``mean`` is the mean of the group's published models (ours included) and ``group_size`` how
+        many there were (default ``wagma_group_size``): ours is replaced by our current values (wagma_apply); on a
+        global round (``wagma_is_global(round_no)``) W <- mean + drift since begin.
         """
         snap = self.snapshots.get(round_no)
         if snap is None:
@@ -210,12 +218,13 @@ class SparseAveragingState:
                 new = a + lam * (flat[i] - then[j])
             elif rule == "ema" and then is not None:
                 e = self.ema[j].view(-1)
-                e[i] = mu * e[i] + (1.0 - mu) * (flat[i] - then[j])
+                drift, prev = flat[i] - then[j], e[i]
+                e[i] = torch.where(prev == 0, drift, mu * prev + (1.0 - mu) * drift)
                 new = a + lam * e[i]
-            elif rule == "wagma" and wagma_is_global(round_no, self.cfg.wagma_global_every):
-                new = a
-            elif rule == "wagma":
-                new = wagma_apply(flat[i], a, group_size or self.cfg.wagma_group_size)
+            elif rule == "wagma" and then is not None and wagma_is_global(round_no, self.cfg.wagma_global_every):
+                new = a + (flat[i] - then[j])
+            elif rule == "wagma" and then is not None:
+                new = wagma_apply(flat[i], then[j], a, group_size or self.cfg.wagma_group_size)
             else:
                 raise AveragingError(f"averaging.rule {rule!r} does not average; set a rule to use averaging")
             flat[i] = new
@@ -270,17 +279,19 @@ def wagma_is_global(step: int, every: int) -> bool:
     return step % every == every - 1
 
 
-def wagma_average(own: torch.Tensor, published: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(sum of the group's last published models + own) / (len(published) + 1); ``published`` includes own's."""
+def wagma_average(own: torch.Tensor, partners: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(own current model + the group partners' published models) / (len(partners) + 1)."""
     total = own.clone()
-    for w in published:
+    for w in partners:
         total += w
-    return total / (len(published) + 1)
+    return total / (len(partners) + 1)
 
 
-def wagma_apply(own: torch.Tensor, group_mean: torch.Tensor, group_size: int) -> torch.Tensor:
-    """wagma_average given the mean of the ``group_size`` published models instead of the list."""
-    return (group_mean * group_size + own) / (group_size + 1)
+def wagma_apply(own_now: torch.Tensor, own_then: torch.Tensor, group_mean: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """wagma_average given the mean of the ``group_size`` published models, ours (``own_then``) among them: our
+    published copy is swapped for our current model, group_mean + (own_now - own_then) / group_size."""
+    return group_mean + (own_now - own_then) / group_size
 
 
 def global_average(models: Sequence[torch.Tensor]) -> torch.Tensor:

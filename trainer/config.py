@@ -114,7 +114,7 @@ class AveragingConfig:
     rule: str = "ema"
     """'ema' (AsyncMesh), 'delta' (a + lam*drift), 'avg' (stale overwrite, AsyncSPARTA), 'wagma', or 'none'."""
     fraction: float = 0.05
-    """p: fraction of each tensor averaged per round; coordinates are split into ceil(1/p) partitions."""
+    """p: fraction of each tensor averaged per local step (the paper's 0.05); rounds batch round_steps of it."""
     lam: float = 1.0
     """lambda: multiplier on the drift correction."""
     mu_start: float = 0.5
@@ -123,16 +123,19 @@ class AveragingConfig:
     """EMA coefficient mu at the end of the cosine annealing."""
     mu_warmup_steps: int = 1000
     """Local steps at mu_start before the cosine annealing to mu_end begins."""
-    every_steps: int = 1
-    """Start an averaging round every this many local optimiser steps (simulator and daemon alike)."""
-    delay_steps: int = 10
-    """Simulator only: tau, local steps between taking an average and applying it (the daemon measures it)."""
+    round_steps: int = 1
+    """Local steps one averaging round stands for: a round averages fraction * round_steps of each tensor (capped at
+    1), and a replica begins one once it has made round_steps steps since its last (simulator and daemon alike)."""
+    period_s: float = 1.0
+    """Daemon: the round clock. Round r opens at unix time r * period_s for every replica that is due (and any
+    replica a due one asks); keep it well under the time round_steps steps take, or rounds start late and fewer
+    weights are averaged per step than ``fraction`` (the summary's avg_fraction_per_step says how many were)."""
     wagma_group_size: int = 2
     """WAGMA: replicas per averaging group (groups rotate over the bit-fields of the replica index)."""
     wagma_global_every: int = 11
     """WAGMA: every this many steps a global average bounds staleness (tau + 1 = 11 in the paper)."""
     timeout_s: float = 30.0
-    """Daemon: give up on an averaging round after this many seconds."""
+    """Daemon: a round stops collecting partners' parts at most this many seconds after it opens."""
     aggregator: str = "trimmed"
     """How a replica combines the round's contributions (trainer/robust.py): 'mean', 'trimmed' or 'centered_clip'."""
     trim: float = 0.25
@@ -160,17 +163,24 @@ class AveragingConfig:
         for name in ("mu_start", "mu_end"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"averaging.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.every_steps < 1 or self.delay_steps < 0 or self.mu_warmup_steps < 0:
-            raise ValueError("averaging.every_steps must be >= 1; delay_steps and mu_warmup_steps >= 0")
+        if self.round_steps < 1 or self.mu_warmup_steps < 0:
+            raise ValueError("averaging.round_steps must be >= 1 and mu_warmup_steps >= 0")
+        if self.period_s <= 0:
+            raise ValueError(f"averaging.period_s must be positive, got {self.period_s}")
         if self.wagma_group_size < 2 or self.wagma_global_every < 1:
             raise ValueError("averaging.wagma_group_size must be >= 2 and wagma_global_every >= 1")
         if self.timeout_s <= 0:
             raise ValueError(f"averaging.timeout_s must be positive, got {self.timeout_s}")
 
     @property
+    def round_fraction(self) -> float:
+        """Fraction of each tensor one round averages: p * round_steps, at most 1."""
+        return min(1.0, self.fraction * self.round_steps)
+
+    @property
     def n_partitions(self) -> int:
-        """n = ceil(1/p) disjoint partitions per tensor, cycled one per round."""
-        return max(1, math.ceil(1.0 / self.fraction - 1e-9))
+        """n = ceil(1 / round_fraction) disjoint partitions per tensor, cycled one per round."""
+        return max(1, math.ceil(1.0 / self.round_fraction - 1e-9))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +196,10 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         for name in ("activations", "gradients", "averaging"):
+            if str(getattr(self, name)).startswith("topk"):
+                raise ValueError(f"compression.{name} cannot be TopK: activations, gradients and averaging rounds "
+                                 "send values, not deltas, and a TopK of values zeroes what it drops (see "
+                                 "docs/design.md, Compression); use int8 or int4")
             if getattr(self, name) not in CODEC_NAMES:
                 raise ValueError(f"compression.{name} must be one of {CODEC_NAMES}, got {getattr(self, name)!r}")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,17 @@ class Corpus:
 
     train: np.ndarray
     val: np.ndarray
+
+
+def corpus_identity(corpus: Corpus) -> dict[str, object]:
+    """What a results file records about its data: a digest of both splits, their sizes and the Python version (the
+    default 'stdlib' corpus is the running interpreter's own sources, so two interpreters train on different data)."""
+    h = hashlib.sha256()
+    for split in (corpus.train, corpus.val):
+        h.update(np.ascontiguousarray(split).tobytes())
+        h.update(b"|")
+    return {"corpus_sha256": h.hexdigest()[:16], "train_tokens": int(len(corpus.train)),
+            "val_tokens": int(len(corpus.val)), "python": platform.python_version()}
 
 
 def _is_val(rel_path: str, val_fraction: float) -> bool:

@@ -12,12 +12,15 @@ inputs. This is PipeDream's (and the AsyncPP code's) mandatory ``--recompute``; 
 stage but the last (``forward_loss`` does forward and backward at once). Dropout masks are reproduced by saving the
 RNG state at the forward.
 
-**Weight stashing** (``optim.weight_stashing``): the recompute runs at the weights of the version the forward used,
-then the step applies to the latest weights (w_{t+1} = step(w_t, grad f(w_{t-tau}))). A copy of a version's weights
-is made only when the weights are about to change while micro-batches forwarded at that version are still pending
-(refcounted), and freed when the last of them is backwarded or dropped. Averaging changes the live weights without
-creating a version, so the newest version's weights reflect post-averaging weights, as AsyncMesh's code does
-(``insert_to_queue`` after ``_interpolate_models``). Without stashing, backward uses the latest weights.
+**Weight stashing** (``optim.weight_stashing``): the recompute runs at exactly the weights the forward used, then
+the step applies to the latest weights (w_{t+1} = step(w_t, grad f(w_{t-tau}))). Anything that changes the live
+weights in place -- an optimiser step, an averaging finish, a state load -- first calls ``_weights_will_change``:
+while micro-batches forwarded at the current weights are still pending (refcounted per weight *epoch*, which every
+such change advances), it copies those weights, and frees the copy when the last of them is backwarded or dropped.
+In the daemon the averaging loop's ``averaging_finish`` runs on the compute thread between a micro-batch's forward and
+its backward, so the averaged weights must not leak into that backward. ``version`` stays the optimiser step count
+(the delay a backward reports is counted in steps); the epoch only names the weights. Without stashing, backward
+uses the latest weights.
 
 **Not thread-safe.** The daemon calls one worker from one dedicated compute thread; the simulator from its loop.
 """
@@ -68,6 +71,7 @@ def use_tf32_on_gpu(device: str | torch.device) -> None:
 class _Pending:
     x: torch.Tensor  # stage input: tokens [B, T] or activations [B, T, C]
     version: int  # local_step when the forward ran
+    epoch: int  # weight epoch the forward ran at (advanced by every in-place change of the weights)
     rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) RNG states for dropout, None if no dropout
 
 
@@ -104,8 +108,9 @@ class StageWorker:
         self.last_delay = 0  # steps applied between the last backwarded micro-batch's forward and its backward
         self.last_grad_norm: float | None = None
         self._pending: dict[int, _Pending] = {}
-        self._stash: dict[int, list[torch.Tensor]] = {}  # version -> weight copies of a superseded version
-        self._refs: Counter[int] = Counter()  # version -> pending micro-batches forwarded at it
+        self._epoch = 0  # advanced by every in-place change of the live weights (step, averaging, load)
+        self._stash: dict[int, list[torch.Tensor]] = {}  # epoch -> weight copies of a superseded epoch
+        self._refs: Counter[int] = Counter()  # epoch -> pending micro-batches forwarded at it
         rule = run.averaging.rule
         self.averaging = (None if rule == "none" else
                           SparseAveragingState(run.averaging, run.optim.total_steps, run.seed, stage, self._params))
@@ -124,8 +129,16 @@ class StageWorker:
         return len(self._pending)
 
     def stashed_versions(self) -> list[int]:
-        """Versions whose weights are currently held as copies (for metrics and tests)."""
+        """Weight epochs currently held as copies (for metrics and tests); without averaging or loads an epoch is
+        the version (optimiser steps), each in-place averaging or load adds one."""
         return sorted(self._stash)
+
+    def _weights_will_change(self) -> None:
+        """Called before any in-place change of the live weights: keep a copy for the pending micro-batches
+        forwarded at the current ones (with stashing), and start a new epoch."""
+        if self.run.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0:
+            self._stash.setdefault(self._epoch, [p.detach().clone() for p in self._params])
+        self._epoch += 1
 
     # --- input checks (programming-error guards; the daemon validated wire tensors already) ------------------------
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,8 +187,8 @@ class StageWorker:
         rng = self._save_rng()
         with torch.no_grad():
             y = self.model(x)  # [B, T, C]
-        self._pending[mb_id] = _Pending(x, self.version, rng)
-        self._refs[self.version] += 1
+        self._pending[mb_id] = _Pending(x, self.version, self._epoch, rng)
+        self._refs[self._epoch] += 1
         return y
 
     def backward(self, mb_id: int, grad_y: torch.Tensor) -> torch.Tensor | None:
@@ -191,9 +204,9 @@ class StageWorker:
             raise ValueError(f"gradient for micro-batch {mb_id} must be float {expected}, "
                              f"got {grad_y.dtype} {tuple(grad_y.shape)}")
         del self._pending[mb_id]
-        self.last_delay = self.local_step - pend.version
+        self.last_delay = max(0, self.local_step - pend.version)  # a state load may set local_step back
         try:
-            weights = self._stash.get(pend.version) if self.run.optim.weight_stashing else None
+            weights = self._stash.get(pend.epoch) if self.run.optim.weight_stashing else None
             x = pend.x if self.is_first else pend.x.detach().requires_grad_(True)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
                                        enabled=pend.rng is not None):
@@ -203,7 +216,7 @@ class StageWorker:
                         torch.cuda.set_rng_state(pend.rng[1], self.device)
                 grad_x = self._backprop(x, weights, lambda out: (out, grad_y.to(out.device, out.dtype)))
         finally:
-            self._release(pend.version)
+            self._release(pend.epoch)
         self._contributed()
         return grad_x
 
@@ -250,13 +263,13 @@ class StageWorker:
         """Forget a pending micro-batch (timeout, broken route); unknown ids are ignored."""
         pend = self._pending.pop(mb_id, None)
         if pend is not None:
-            self._release(pend.version)
+            self._release(pend.epoch)
 
-    def _release(self, version: int) -> None:
-        self._refs[version] -= 1
-        if self._refs[version] <= 0:
-            del self._refs[version]
-            self._stash.pop(version, None)
+    def _release(self, epoch: int) -> None:
+        self._refs[epoch] -= 1
+        if self._refs[epoch] <= 0:
+            del self._refs[epoch]
+            self._stash.pop(epoch, None)
 
     def _contributed(self) -> None:
         self.accumulated += 1
@@ -288,8 +301,7 @@ class StageWorker:
             self.steps_skipped += 1
             logger.warning("stage %d replica %d: non-finite gradient norm, step skipped", self.stage, self.replica)
         else:
-            if self.run.optim.weight_stashing and self._refs.get(self.version, 0) > 0:
-                self._stash.setdefault(self.version, [p.detach().clone() for p in self._params])
+            self._weights_will_change()
             set_lr(self.optimizer, lr_at(self.run.optim, self.local_step))
             self.optimizer.step()
             self.local_step += 1
@@ -299,6 +311,11 @@ class StageWorker:
     def grads(self) -> list[torch.Tensor]:
         """Copies of the summed gradients (zeros where none has arrived), in parameters() order."""
         return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self._params]
+
+    def mean_grads(self) -> list[torch.Tensor]:
+        """The summed gradients divided by the contributions summed into them (a synchronous flush's mean over its
+        micro-batches, what the simulator's fullsync steps with, so clipping sees the same norm)."""
+        return [g / max(1, self.accumulated) for g in self.grads()]
 
     def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """Replace the summed gradients (e.g. by the mean over replicas of a synchronous step)."""
@@ -322,8 +339,12 @@ class StageWorker:
         return self._avg().begin(round_no, self._params)
 
     def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, group_size: int | None = None) -> None:
-        """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input."""
-        self._avg().finish(round_no, mean, self._params, self.local_step, group_size)
+        """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input.
+
+        Pending micro-batches keep the weights their forward used (stashed first when stashing is on)."""
+        avg = self._avg()
+        self._weights_will_change()  # a rejected mean leaves an identical copy behind, freed with its micro-batches
+        avg.finish(round_no, mean, self._params, self.local_step, group_size)
 
     def averaging_abort(self, round_no: int) -> None:
         """The round failed: forget its snapshot; weights untouched."""
@@ -346,13 +367,15 @@ class StageWorker:
         }
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore a state_dict of the same run and stage; pending micro-batches and stashes are dropped.
+        """Restore a state_dict of the same run and stage; pending micro-batches stay pending, and with stashing
+        their backward runs at the weights their forward used (stashed here), then adds into the loaded state.
 
         The state may come from a stranger (state sync), so everything is checked before anything is touched: keys,
         shapes, dtypes, finite values, counters. The optimiser's hyper-parameters are this run's own; only its
         per-parameter state is taken from ``d``. Raises ValueError/TypeError and leaves the worker as it was.
         """
         self._check_state(d)
+        self._weights_will_change()
         self.model.load_state_dict(d["model"])
         own_groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": copy.deepcopy(d["optimizer"]["state"]), "param_groups": own_groups})
@@ -364,9 +387,6 @@ class StageWorker:
             self.set_grads(d["grads"])
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        self._pending.clear()
-        self._stash.clear()
-        self._refs.clear()
 
     def _check_state(self, d: dict) -> None:
         if not isinstance(d, dict):

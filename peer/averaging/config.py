@@ -9,10 +9,8 @@ from trainer.config import CODEC_NAMES
 
 @dataclass(frozen=True, kw_only=True)
 class NetAveragingConfig:
-    """Timing and safety limits of averaging over the network (peer-local; period_s must match across peers)."""
+    """Timing and safety limits of averaging over the network (peer-local; the round clock is the run's period_s)."""
 
-    period_s: float = 10.0
-    """Seconds per round; round r starts at unix time r * period_s. Every peer of a stage must use the same value."""
     collect_fraction: float = 0.6
     """Fraction of the period spent exchanging parts; the rest absorbs clock skew and the apply."""
     initiator_grace: float = 0.5
@@ -45,7 +43,7 @@ class NetAveragingConfig:
     """Blocking average: reject a part whose norm exceeds ours by this factor (or 1.0, whichever is larger)."""
 
     def __post_init__(self) -> None:
-        for name in ("period_s", "call_timeout_s", "swarm_timeout_s", "worker_timeout_s", "sync_timeout_s",
+        for name in ("call_timeout_s", "swarm_timeout_s", "worker_timeout_s", "sync_timeout_s",
                      "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")

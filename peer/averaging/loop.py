@@ -1,11 +1,18 @@
 """Data-parallel averaging over the network: AsyncMesh sparse rounds in the background, or a blocking full average.
 
-**Rounds come from a shared clock.** Round ``r`` starts at unix time ``r * period_s`` and stops collecting at
-``start + min(collect_fraction * period_s, run.averaging.timeout_s)``. Peers of a stage must agree on ``r`` because
-``r`` picks the partition (``worker.averaging_begin(r)`` derives it from the run seed and ``r``, nothing on the wire);
-local step counts cannot give that agreement in an asynchronous swarm (replicas step at different speeds), wall time
-can, to within NTP skew (tens of ms, against a period of seconds). Parts for the next round are accepted up to
-``clock_skew_s`` early; anything else says which round we are in, so an operator with a wrong clock sees why.
+**The cadence is the run's.** ``run.averaging`` says how many weights a replica averages per local step
+(``fraction`` = p) and how many local steps one network round stands for (``round_steps`` = S): a round averages a
+partition of p * S of every tensor. **Rounds come from a shared clock** with the run's ``period_s``: round ``r``
+opens at unix time ``r * period_s`` and stops collecting at ``start + min(collect_fraction * period_s,
+run.averaging.timeout_s)``. Peers of a stage must agree on ``r`` because ``r`` picks the partition
+(``worker.averaging_begin(r)`` derives it from the run seed and ``r``, nothing on the wire); local step counts cannot
+give that agreement in an asynchronous swarm (replicas step at different speeds), wall time can, to within NTP skew.
+A peer opens round ``r`` only when it is **due**: it has made at least S local steps since the last round it began;
+a due peer's partners take part on demand. So a replica averages p * S every S or a few more steps (a tick late at
+most), and the summary reports what it really got: ``avg_fraction_per_step`` (fractions of the rounds applied over
+local steps made) and ``avg_delay_steps`` (tau, local steps between begin and finish, with their histogram).
+Parts for the next round are accepted up to ``clock_skew_s`` early; anything else says which round we are in, so an
+operator with a wrong clock sees why.
 
 **A round** (``AveragingLoop``): at its start the peer reads its stage's peers from the DHT
 (``records.fetch_swarm``), asks the compute thread for the partition's values (``averaging_begin``), quantises
@@ -101,9 +108,9 @@ def round_start(round_no: int, period_s: float) -> float:
     return round_no * period_s
 
 
-def round_deadline(round_no: int, config: NetAveragingConfig, run_timeout_s: float) -> float:
+def round_deadline(round_no: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float) -> float:
     """Unix time at which ``round_no`` stops collecting parts."""
-    return round_start(round_no, config.period_s) + min(config.collect_fraction * config.period_s, run_timeout_s)
+    return round_start(round_no, period_s) + min(config.collect_fraction * period_s, run_timeout_s)
 
 
 def next_round(now: float, period_s: float) -> int:
@@ -111,11 +118,12 @@ def next_round(now: float, period_s: float) -> int:
     return math.ceil(now / period_s - 1e-9)
 
 
-def admissible(round_no: int, now: float, config: NetAveragingConfig, run_timeout_s: float) -> str | None:
+def admissible(round_no: int, now: float, period_s: float, config: NetAveragingConfig,
+               run_timeout_s: float) -> str | None:
     """None if a part for ``round_no`` may open that round now, else why not ('stale_round' / 'future_round')."""
-    if now >= round_deadline(round_no, config, run_timeout_s):
+    if now >= round_deadline(round_no, period_s, config, run_timeout_s):
         return "stale_round"
-    if now < round_start(round_no, config.period_s) - config.clock_skew_s:
+    if now < round_start(round_no, period_s) - config.clock_skew_s:
         return "future_round"
     return None
 
@@ -144,8 +152,8 @@ class AveragingLoop:
         stage: the stage this peer serves.
         worker_call: async fn(f) running f(worker) on the compute thread and returning its result.
         metrics: PeerMetrics; rounds, tau, group size and rejected parts are recorded there.
-        config: NetAveragingConfig. transport, clock, fetch_peers, me: test seams (default: protocol.rpc over p2p,
-            time.time, the DHT's records of this stage, p2p's peer id).
+        config: NetAveragingConfig. transport, clock, fetch_peers, me, local_step: test seams (default:
+            protocol.rpc over p2p, time.time, the DHT's records of this stage, p2p's peer id, metrics.local_step).
         attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this trainer.attacks attack
             before they are published (and so also enter our own aggregate); '' for an honest peer.
     """
@@ -154,9 +162,12 @@ class AveragingLoop:
                  stage: int, worker_call: WorkerCall, metrics: PeerMetrics, config: NetAveragingConfig | None = None,
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
-                 attack: str = "") -> None:
+                 local_step: Callable[[], int] | None = None, attack: str = "") -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.config = config or NetAveragingConfig()
+        self.period_s = run.averaging.period_s
+        self.local_step = local_step or (lambda: metrics.local_step)
+        self._last_begun: int | None = None  # local step at the last round this peer began (None: none yet)
         self.attack = attack
         if attack:
             logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", attack)
@@ -185,6 +196,7 @@ class AveragingLoop:
             logger.info("averaging.rule is 'none': replicas of stage %d will not average", self.stage)
             return
         await self.exchange.register()
+        self.metrics.start_averaging(self.local_step())
         self._task = asyncio.create_task(self._loop(), name=f"averaging-stage{self.stage}")
 
     async def stop(self) -> None:
@@ -221,7 +233,11 @@ class AveragingLoop:
             self._view_task = None
 
     def _deadline(self, round_no: int) -> float:
-        return round_deadline(round_no, self.config, self.run.averaging.timeout_s)
+        return round_deadline(round_no, self.period_s, self.config, self.run.averaging.timeout_s)
+
+    def due(self) -> bool:
+        """True when this peer has made round_steps local steps since the last round it began."""
+        return self._last_begun is None or self.local_step() - self._last_begun >= self.run.averaging.round_steps
 
     async def _loop(self) -> None:
         while not self._stopped:
@@ -231,9 +247,9 @@ class AveragingLoop:
             except Exception as e:  # a DHT hiccup costs this round only
                 logger.debug("reading the stage's peers failed: %r", e)
                 self.peers = []
-            r = next_round(self.clock(), self.config.period_s)
-            await asyncio.sleep(max(0.0, round_start(r, self.config.period_s) - self.clock()))
-            if self.partners(r):
+            r = next_round(self.clock(), self.period_s)
+            await asyncio.sleep(max(0.0, round_start(r, self.period_s) - self.clock()))
+            if self.due() and self.partners(r):
                 self._ensure_round(r)
 
     def partners(self, round_no: int) -> list[str]:
@@ -250,9 +266,9 @@ class AveragingLoop:
             raise Refused(ErrorCode.NOT_READY, "this peer has stopped averaging")
         if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, f"not in our WAGMA group of round {round_no}")
-        reason = admissible(round_no, self.clock(), self.config, self.run.averaging.timeout_s)
+        reason = admissible(round_no, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
         if reason is not None:
-            current = math.floor(self.clock() / self.config.period_s)
+            current = math.floor(self.clock() / self.period_s)
             if reason == "stale_round" and round_no == current:
                 raise Refused(ErrorCode.NOT_READY, f"round {round_no} closed: its exchange window has ended")
             raise Refused(ErrorCode.BAD_REQUEST if reason == "future_round" else ErrorCode.NOT_READY,
@@ -275,11 +291,12 @@ class AveragingLoop:
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
+            self._last_begun = step0 if self._last_begun is None else max(self._last_begun, step0)
             if self.attack:
                 values = [byzantine_part(self.attack, v) for v in values]
             await self.exchange.publish(slot, values)
             peers = self.partners(r)
-            start = max(self.clock(), round_start(r, self.config.period_s))
+            start = max(self.clock(), round_start(r, self.period_s))
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
@@ -294,13 +311,14 @@ class AveragingLoop:
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
             tau = step1 - step0
-            self.metrics.observe_round(ok=True, group_size=group, tau=tau)
+            self.metrics.observe_round(ok=True, group_size=group, tau=tau, fraction=self._round_fraction())
             logger.debug("round %d: averaged with %d peers, tau %d", r, group - 1, tau)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
             logger.warning("averaging round %d skipped: the compute thread did not answer within the round's window "
-                           "(if this repeats, lengthen the averaging period: it must span several compute steps)", r)
+                           "(if this repeats, lengthen the run's averaging.period_s: it must span several compute "
+                           "steps)", r)
             self.metrics.observe_round(ok=False)
             begun = True
         except Exception as e:  # the round fails; training goes on
@@ -311,6 +329,10 @@ class AveragingLoop:
             self.exchange.close(r)
             if begun:
                 await self._abort(r)
+
+    def _round_fraction(self) -> float:
+        """Fraction of every tensor a round averages ('wagma' averages whole tensors)."""
+        return 1.0 if self.run.averaging.rule == "wagma" else self.run.averaging.round_fraction
 
     async def _combine(self, slot: Slot) -> tuple[list[torch.Tensor], int]:
         """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""

@@ -7,6 +7,8 @@ wall-clock on a stated network (trainer/sim/wallclock.py) and writes results.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -38,7 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="micro-batches per replica (local steps)")
     parser.add_argument("--tau", default=None,
                         help="averaging delay in local steps; a comma-separated list runs each delay")
-    parser.add_argument("--p", type=float, default=None, dest="fraction", help="fraction averaged per round")
+    parser.add_argument("--p", type=float, default=None, dest="fraction",
+                        help="fraction of every tensor averaged per local step")
+    parser.add_argument("--round-steps", type=int, default=None,
+                        help="local steps one averaging round stands for (the run's averaging.round_steps)")
+    parser.add_argument("--delays-from", type=Path, action="append", default=[], metavar="SUMMARY_JSON",
+                        help="draw every round's delay from the taus a daemon measured (its --summary-json's "
+                        "avg_delay_hist; repeatable) instead of --tau")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--compression", choices=CODECS, default=None,
                         help="codec for activations (and gradients, unless --grad-compression) between stages "
@@ -100,12 +108,31 @@ def _build_config(args: argparse.Namespace):
         compression = {"activations": args.compression or "none",
                        "gradients": args.grad_compression or args.compression or "none",
                        "averaging": args.avg_compression or "none"}
-    return with_overrides(
+    sim = with_overrides(
         preset(args.preset), stages=args.stages, replicas=args.replicas, steps=args.steps, tau=tau, taus=taus,
         fraction=args.fraction, methods=parse_methods(args.methods) if args.methods else None,
         compression=compression, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
         device=resolve_device(args.device), byzantine=args.byzantine, attack=args.attack, aggregator=args.aggregator,
     )
+    if args.round_steps is not None:
+        sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": args.round_steps}))
+    if args.delays_from:
+        sim = dataclasses.replace(sim, tau_samples=measured_delays(args.delays_from))
+    return sim
+
+
+def measured_delays(paths: list[Path]) -> tuple[int, ...]:
+    """Every tau the daemons of ``paths`` (summary JSON files) measured, one entry per round."""
+    taus: list[int] = []
+    for path in paths:
+        try:
+            hist = json.loads(path.read_text()).get("avg_delay_hist") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise UserError(f"--delays-from {path}: not a readable daemon summary ({e})") from e
+        taus.extend(int(t) for t, n in hist.items() for _ in range(int(n)))
+    if not taus:
+        raise UserError(f"--delays-from: no averaging round was measured in {', '.join(map(str, paths))}")
+    return tuple(taus)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -206,6 +206,10 @@ class Dashboard:
         return now > limit
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def _row(grid: Table, label: str, value: RenderableType) -> None:
     grid.add_row(Text(label, style="bold cyan"), value)
 
@@ -258,7 +262,9 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
     group = s.get("avg_group_size")
     _row(grid, "averaging", Text(
         f"rounds {c.get('averaging_rounds_ok', 0)} ok / {c.get('averaging_rounds_failed', 0)} failed · group "
-        + ("-" if group is None else str(group)) + " · last τ " + ("-" if tau is None else f"{tau:.1f}")))
+        + ("-" if group is None else str(group)) + " · last τ " + ("-" if tau is None else f"{tau:.1f}")
+        + " · mean τ " + _num(s.get("avg_delay_steps"), ".1f") + " · averaged/step "
+        + _num(s.get("avg_fraction_per_step"), ".3f")))
     pps = s.get("peers_per_stage", {})
     swarm = Text()
     for i, (stage, n) in enumerate(pps.items()):

@@ -4,8 +4,10 @@ One ``PeerMetrics`` per peer process, mutated on the event loop only (no locks).
 
 - the daemon sets ``state`` (or calls ``begin_drain``), ``stage``, ``local_step``, ``pipeline_delay``, ``inflight``,
   ``queued``, calls ``inc(...)`` for counters, ``observe_loss``/``observe_val``, ``set_swarm`` and ``warn``;
-- the network averager calls ``observe_round(ok=..., group_size=..., tau=...)`` (or ``inc("averaging_rounds_ok")`` and
-  sets ``avg_tau`` / ``avg_group_size`` itself).
+- the network averager calls ``start_averaging(local_step, round_fraction)`` once and ``observe_round(ok=...,
+  group_size=..., tau=..., fraction=...)`` per round (or ``inc("averaging_rounds_ok")`` and sets ``avg_tau`` /
+  ``avg_group_size`` itself); the snapshot derives ``avg_fraction_per_step`` (weights averaged per local step since
+  averaging started) and ``avg_delay_steps`` (mean tau, with ``avg_delay_hist``, tau -> rounds) from them.
 
 Readers (the dashboard, ``/status``, ``/metrics`` and ``asyncmesh-peer status``) only ever call ``snapshot()``, which
 returns a plain JSON-able dict, so every view shows the same figures.
@@ -91,6 +93,9 @@ class PeerMetrics:
         self.pipeline_delay = 0.0
         self.avg_tau: float | None = None
         self.avg_group_size: int | None = None
+        self._avg_base_step: int | None = None  # local step when averaging started (None: this peer does not average)
+        self._avg_fraction_sum = 0.0  # sum over applied rounds of the fraction of every tensor they averaged
+        self._avg_taus: Counter[int] = Counter()  # tau (local steps) -> applied rounds
         self.inflight = 0
         self.queued = 0
         self.drain_deadline: float | None = None
@@ -179,14 +184,33 @@ class PeerMetrics:
         self.val_loss = float(val_loss)
         self._val_hist.append(self.val_loss)
 
-    def observe_round(self, *, ok: bool, group_size: int | None = None, tau: float | None = None) -> None:
-        """Record one finished averaging round: success, how many peers took part, local steps it took (tau)."""
+    def start_averaging(self, local_step: int) -> None:
+        """Averaging starts now, at ``local_step``: avg_fraction_per_step counts steps from here."""
+        self._avg_base_step = int(local_step)
+
+    def observe_round(self, *, ok: bool, group_size: int | None = None, tau: float | None = None,
+                      fraction: float | None = None) -> None:
+        """Record one finished averaging round: success, how many peers took part, local steps it took (tau), and
+        the fraction of every tensor it averaged."""
         self.inc("averaging_rounds_ok" if ok else "averaging_rounds_failed")
         if ok:
             if group_size is not None:
                 self.avg_group_size = int(group_size)
             if tau is not None:
                 self.avg_tau = float(tau)
+                self._avg_taus[int(tau)] += 1
+            if fraction is not None:
+                self._avg_fraction_sum += float(fraction)
+
+    def averaging_cadence(self) -> dict[str, Any]:
+        """avg_fraction_per_step, avg_delay_steps (mean measured tau) and avg_delay_hist (tau -> rounds)."""
+        steps = None if self._avg_base_step is None else self._local_step - self._avg_base_step
+        n = sum(self._avg_taus.values())
+        return {
+            "avg_fraction_per_step": (self._avg_fraction_sum / steps) if steps else None,
+            "avg_delay_steps": (sum(t * c for t, c in self._avg_taus.items()) / n) if n else None,
+            "avg_delay_hist": {str(t): c for t, c in sorted(self._avg_taus.items())},
+        }
 
     def set_swarm(self, peers_per_stage: dict[int, int]) -> None:
         """Record how many peers the DHT currently shows per stage (the latest fetch replaces the previous one)."""
@@ -264,6 +288,7 @@ class PeerMetrics:
             "pipeline_delay": self.pipeline_delay,
             "avg_tau": self.avg_tau,
             "avg_group_size": self.avg_group_size,
+            **self.averaging_cadence(),
             "inflight": self.inflight,
             "queued": self.queued,
             "counters": counters,

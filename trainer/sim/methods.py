@@ -17,9 +17,10 @@ schedule, the optimiser and the data-parallel rule differ. Choices the papers le
 * **asyncmesh** — asyncpp + sparse averaging of p = 5 % of each stage's weights per step, applied tau steps late with
   the EMA drift correction (rule 'ema'). **async-sparta** (rule 'avg', stale overwrite) and **delta** (rule 'delta',
   a + lam * drift) differ from it only in the rule; **full-avg** averages all weights every step with no delay.
-* **wagma** — asyncpp + WAGMA group model averaging: each step every replica publishes its weights, and tau steps
-  later averages its current weights with its group's published ones, w <- (G mean + w) / (G + 1); every
-  ``wagma_global_every`` steps a synchronous global average (applied at once) bounds the staleness.
+* **wagma** — asyncpp + WAGMA group model averaging (Li et al.): each round every replica publishes its weights, and
+  tau steps later (the network's delay) takes the mean of its *current* weights and its group partners' published
+  ones, w <- (w + sum of the partners') / G; every ``wagma_global_every``-th round (tau + 1 = 11 in the paper) is a
+  global average over all replicas, applied as a correction (mean then + own drift since), as the daemon must.
 * **accum** — Aji & Heafield: AdamW (beta1 0.9) with weight stashing (the gradient is computed at the weights the
   forward saw, as a parameter server's stale fetch), each stage summing ``A`` asynchronous gradients before one
   optimiser step; replicas combined by gradient averaging at each applied step.
@@ -72,8 +73,9 @@ def _asyncpp_nows(run: RunConfig, sim) -> RunConfig:
 def _sparse(rule: str, *, full: bool = False) -> Callable[[RunConfig, object], RunConfig]:
     def configure(run: RunConfig, sim) -> RunConfig:
         run = run.replace(optim={"optimizer": "nadam", "beta1": 0.99, "weight_stashing": True, "accumulate": 1})
-        return run.replace(averaging={"rule": rule, "fraction": 1.0 if full else sim.fraction,
-                                      "delay_steps": 0 if full else sim.tau, "every_steps": 1})
+        # the cadence (round_steps) is the base run's, as the daemon runs it; full-avg averages everything each step
+        avg: dict = {"rule": rule, "fraction": 1.0 if full else sim.fraction}
+        return run.replace(averaging=avg | ({"round_steps": 1} if full else {}))
     return configure
 
 

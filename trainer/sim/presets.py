@@ -35,7 +35,7 @@ def _run(n_stages: int, n_layer: int, n_embd: int, n_head: int, block: int, batc
         name="sim", n_stages=n_stages,
         model={"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "block_size": block, "vocab_size": 256},
         optim={"lr": lr, "warmup_steps": warmup, "total_steps": steps},
-        averaging={"mu_warmup_steps": mu_warmup},
+        averaging={"mu_warmup_steps": mu_warmup, "round_steps": 1},  # the paper: a round every local step
         compression={"activations": "none", "gradients": "none", "averaging": "none"},
         data={"batch_size": batch, "max_bytes": max_bytes},
     )

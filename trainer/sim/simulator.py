@@ -12,10 +12,15 @@ schedule, so what it shows about convergence holds for the daemon's code:
 * **sync** (GPipe with M micro-batches and a flush): all micro-batches of a step see the same weights, so running
   each one's forward and backward back to back is numerically identical to GPipe's all-forwards-then-all-backwards.
 * **Replicas**: 'grad' averages the replicas' summed gradients before every optimiser step (they stay identical);
-  'avg' runs the worker's averaging hooks after every local step: ``averaging_begin`` on every replica of the stage,
-  the mean over replicas of the partition's values (each replica's payload through the averaging codec), then
-  ``averaging_finish`` with that mean ``tau`` steps later (at once when tau is 0), i.e. the daemon's code path with
-  the network replaced by an exact delay. 'wagma' is the same with WAGMA groups (trainer/averaging.py).
+  'avg' runs the worker's averaging hooks with the run's cadence, the daemon's: every ``averaging.round_steps``
+  local steps a round begins (``averaging_begin`` on every replica of the stage, a partition of
+  ``fraction * round_steps`` of every tensor), the mean over replicas of the partition's values (each replica's
+  payload through the averaging codec) is applied with ``averaging_finish`` tau local steps later (at once when tau
+  is 0), i.e. the daemon's code path with the network replaced by a delay. tau is fixed (``tau``) or drawn per round
+  from ``tau_samples``, e.g. the delays a daemon measured (its summary's ``avg_delay_hist``). One difference stays:
+  the daemon numbers rounds by its wall clock and skips ticks when it is not due, so its partitions are drawn from
+  the cycle out of order, where the simulator takes them in order. 'wagma' is the same with WAGMA groups
+  (trainer/averaging.py).
 * **Compression**: activations and gradients crossing a stage boundary, and averaging payloads, go through
   ``protocol.codecs.registry.roundtrip`` with the chosen codec, so quantisation error enters training as it
   would on the wire.
@@ -36,8 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -47,7 +52,7 @@ import torch
 from trainer.attacks import ATTACKS, byzantine_part
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
-from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.robust import aggregate
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
@@ -77,8 +82,10 @@ class SimConfig:
     """Averaging delay in local steps (asyncmesh, async-sparta, delta, wagma)."""
     taus: tuple[int, ...] = ()
     """Several delays: every tau-dependent method runs once per value (named 'method@tauN'); empty uses tau."""
+    tau_samples: tuple[int, ...] = ()
+    """Measured delays in local steps: each round's tau is drawn from them (seeded by the run seed) instead of tau."""
     fraction: float = 0.05
-    """p: fraction of each tensor averaged per round."""
+    """p: fraction of each tensor averaged per local step (a round averages p * run.averaging.round_steps)."""
     accumulate: int = 4
     """A: gradients summed per step by 'accum'; must divide steps."""
     eval_every: int = 100
@@ -101,7 +108,7 @@ class SimConfig:
         if self.steps % self.micro_batches or self.steps % self.accumulate:
             raise ValueError(f"steps ({self.steps}) must be a multiple of micro_batches ({self.micro_batches}) and "
                              f"of accumulate ({self.accumulate}) so every method sees the same samples")
-        if self.tau < 0 or any(t < 0 for t in self.taus):
+        if self.tau < 0 or any(t < 0 for t in (*self.taus, *self.tau_samples)):
             raise ValueError("tau must be >= 0")
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
@@ -120,7 +127,9 @@ class SimConfig:
         """(result name, method, tau) for every run: tau-dependent methods once per tau when taus is set."""
         out = []
         for m in self.methods:
-            if self.taus and METHODS[m].combine in ("avg", "wagma") and m != "full-avg":
+            if m == "full-avg":  # no delay by definition
+                out.append((m, m, 0))
+            elif self.taus and METHODS[m].combine in ("avg", "wagma"):
                 out.extend((f"{m}@tau{t}", m, t) for t in self.taus)
             else:
                 out.append((m, m, self.tau))
@@ -131,16 +140,25 @@ class SimConfig:
         """Inverse of to_dict (reads the 'config' of a results.json)."""
         d = dict(d)
         d.setdefault("device", "cpu")  # results written before the field existed ran on the CPU
+        run = dict(d["run"])
+        if "averaging" in run:  # results written before the cadence was the run's: a round every every_steps
+            avg = dict(run["averaging"])
+            if "every_steps" in avg:
+                avg["round_steps"] = avg.pop("every_steps")
+            avg.pop("delay_steps", None)  # the delay was always the simulation's tau
+            run["averaging"] = avg
         d.setdefault("byzantine", 0)
         d.setdefault("attack", "zeros")
-        d["run"] = RunConfig.from_dict(d["run"])
+        d["run"] = RunConfig.from_dict(run)
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
+        d["tau_samples"] = tuple(d.get("tau_samples", ()))
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["run"] = self.run.to_dict()
         d["methods"], d["taus"] = list(self.methods), list(self.taus)
+        d["tau_samples"] = list(self.tau_samples)
         return d
 
 
@@ -176,10 +194,14 @@ class _Run:
         self.consumed = 0  # micro-batches per replica read so far
         self.losses: list[float] = []
         self.curve: list[dict[str, float]] = []
-        self.fifo: list[deque] = [deque() for _ in range(self.K)]  # per stage: (round_no, per-replica means)
+        self.fifo: list[list] = [[] for _ in range(self.K)]  # per stage: (apply at step, round, means, group sizes)
         self.rounds = [0] * self.K
         self.seen_steps = [0] * self.K
+        self.last_begun = [0] * self.K  # local step of the stage's last round begin
         self.rounds_applied = 0
+        self.fraction_applied = 0.0  # sum over applied rounds (of replica 0, stage 0) of the fraction they averaged
+        self.delays: list[int] = []  # tau of every round begun (stage 0)
+        self._tau_rng = random.Random(self.run.seed)
         self.honest = self.R - (sim.byzantine if spec.combine != "grad" else 0)  # replicas 0 .. honest-1
         self.attack_rng = torch.Generator().manual_seed(self.run.seed + 7)
 
@@ -215,43 +237,61 @@ class _Run:
         for w in ws:
             w.optimizer_step()
 
+    def _draw_tau(self) -> int:
+        if self.sim.tau_samples and self.spec.name != "full-avg":
+            return self._tau_rng.choice(self.sim.tau_samples)
+        return self.tau
+
     def average(self, s: int) -> None:
-        """'avg'/'wagma': after a local step, begin a round on every replica; finish the one begun tau steps ago."""
+        """'avg'/'wagma': after a local step, apply the rounds whose delay has passed, and begin a round on every
+        replica when round_steps local steps have passed since the last one began."""
         ws = [self.w[r][s] for r in range(self.R)]
-        if ws[0].local_step == self.seen_steps[s] or self.R == 1:
+        step = ws[0].local_step
+        if step == self.seen_steps[s] or self.R == 1:
             return
-        self.seen_steps[s] = ws[0].local_step
-        if ws[0].local_step % self.run.averaging.every_steps:
-            return
+        self.seen_steps[s] = step
+        cfg = self.run.averaging
+        if step - self.last_begun[s] >= cfg.round_steps:
+            self.last_begun[s] = step
+            self._begin(s, ws, step)
+        due = [item for item in self.fifo[s] if item[0] <= step]
+        self.fifo[s] = [item for item in self.fifo[s] if item[0] > step]
+        for _, rn, means, sizes in due:
+            self._finish(s, ws, rn, means, sizes)
+
+    def _begin(self, s: int, ws: list[StageWorker], step: int) -> None:
+        cfg = self.run.averaging
         rn = self.rounds[s]
         self.rounds[s] += 1
         sent = [[self.avg_codec(v) for v in w.averaging_begin(rn)] for w in ws]  # what each replica puts on the wire
         self._attack(sent)
+        tau = self._draw_tau()
+        if s == 0:
+            self.delays.append(tau)
         if self.spec.combine == "wagma":
-            g = self.run.averaging.wagma_group_size
-            if wagma_is_global(rn, self.run.averaging.wagma_global_every):
+            if wagma_is_global(rn, cfg.wagma_global_every):
                 groups = [list(range(self.R))] * self.R
             else:
-                groups = [wagma_group(r, rn, self.R, g) for r in range(self.R)]
+                groups = [wagma_group(r, rn, self.R, cfg.wagma_group_size) for r in range(self.R)]
             means = [self._combine([sent[j] for j in grp], grp.index(r)) for r, grp in enumerate(groups)]
-            sizes = [len(grp) for grp in groups]
-            if wagma_is_global(rn, self.run.averaging.wagma_global_every):  # a blocking global average: no delay
-                for w, m, n in zip(ws, means, sizes, strict=True):
-                    w.averaging_finish(rn, m, group_size=n)
-                self.rounds_applied += 1
-                return
+            sizes = [len(grp) for grp in groups]  # a global round arrives as late as the others, as a correction
         else:
-            if self.run.averaging.aggregator == "centered_clip" and self.run.averaging.clip_start == "own":
+            if cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
                 means = [self._combine(sent, r) for r in range(self.R)]
             else:  # every replica computes the same aggregate
                 means = [self._combine(sent, 0)] * self.R
             sizes = [self.R] * self.R
-        self.fifo[s].append((rn, means, sizes))
-        while len(self.fifo[s]) > self.tau:
-            old, means, sizes = self.fifo[s].popleft()
-            for w, m, n in zip(ws, means, sizes, strict=True):
-                w.averaging_finish(old, m, group_size=n)
-            self.rounds_applied += 1
+        if tau == 0:
+            self._finish(s, ws, rn, means, sizes)
+        else:
+            self.fifo[s].append((step + tau, rn, means, sizes))
+
+    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list, sizes: list[int]) -> None:
+        for w, m, n in zip(ws, means, sizes, strict=True):
+            w.averaging_finish(rn, m, group_size=n)
+        self.rounds_applied += 1
+        if s == 0:
+            self.fraction_applied += 1.0 if self.spec.combine == "wagma" else self.run.averaging.round_fraction
 
     def _attack(self, sent: list[list[torch.Tensor]]) -> None:
         """Replace the Byzantine replicas' parts (in place) by the configured attack."""
@@ -406,8 +446,12 @@ def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, An
         "final_train_loss": final["train_loss"],
         "samples": final["samples"], "updates": state.w[0][0].local_step,
         "averaging_rounds_applied": state.rounds_applied,
+        "avg_fraction_per_step": (state.fraction_applied / state.w[0][0].local_step
+                                  if spec.combine in ("avg", "wagma") and state.w[0][0].local_step else None),
+        "avg_delay_steps": (sum(state.delays) / len(state.delays)) if state.delays else None,
         "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
         "compute_s": round(time.perf_counter() - t0, 2),
         "data_digests": [d.hexdigest()[:16] for d in state.digests],
+        "data": corpus_identity(corpus),
         "curve": state.curve,
     }
