@@ -179,3 +179,13 @@ def _state(pid: int) -> str:
             return next((ln for ln in f if ln.startswith("State:")), "").lower()
     except OSError:
         return "zombie"
+
+
+def test_a_peer_still_starting_when_the_run_ends_is_not_counted_as_a_failure(tmp_path):
+    swarm = cmd_swarm.Swarm(_args(), tmp_path, n_stages=2)
+    kids = [_sleeper(tmp_path, f"peer{i}", i) for i in range(3)]
+    swarm.children, swarm.trained = kids, {0, 1}
+    swarm.reap(1.0)  # the run ended while peer2 was still importing: the swarm stopped it
+    s = swarm.summary()
+    assert len(s["per_peer"]) == 2 and s["stopped_while_starting"] == ["peer2"]
+    assert [c.name for c in swarm.counted()] == ["peer0", "peer1"]

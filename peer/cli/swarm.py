@@ -43,7 +43,8 @@ EPILOG = """examples:
 stopping: Ctrl-C or SIGTERM, in any phase. Peers still starting stop within 5 s; training peers drain in-flight
 work and write a final checkpoint (their drain_timeout_s); a second Ctrl-C kills every peer at once.
 exit codes:
-  0    the swarm ran; every peer stopped cleanly (--max-steps, --timeout, Ctrl-C or SIGTERM)
+  0    the swarm ran; every peer that trained stopped cleanly (--max-steps, --timeout, Ctrl-C or SIGTERM);
+       peers still starting when it ended are listed in the summary as stopped_while_starting
   1    a peer exited with an error, or a late peer was given up on during start-up (see the summary and its log)
   2    bad input: a flag or the run file (the message says which)
   3    start-up failed: a peer exited or showed no progress for --startup-stall-s before every stage had a peer
@@ -251,10 +252,18 @@ class Swarm:
                 kill_tree(c.proc.pid)
         terminate([c.proc for c in self.children], 1.0)  # reaps them, and kills what their sessions left behind
 
+    def counted(self) -> list[PeerProcess]:
+        """The peers the swarm's figures and exit code are about: those that trained, and those given up on.
+        A peer the swarm itself stopped while it was still starting (the run ended first) took no part."""
+        return [c for c in self.children if c.info["i"] in self.trained or c.info["i"] in self.failed]
+
     def summary(self) -> dict[str, Any]:
-        out = merge_summaries([c.summary() for c in self.children], mode=self.args.mode)
+        out = merge_summaries([c.summary() for c in self.counted()], mode=self.args.mode)
         if self.failed:
             out["failed_to_start"] = {f"peer{i}": why for i, why in sorted(self.failed.items())}
+        late = [c.name for c in self.children if c not in self.counted()]
+        if late:
+            out["stopped_while_starting"] = late
         return out
 
 
@@ -323,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "per_peer"}, indent=1))
     if interrupted_in_startup:
         return EXIT_INTERRUPTED
-    ok = all(p.get("exit_code") == 0 for p, c in zip(result["per_peer"], swarm.children, strict=True)
+    ok = all(p.get("exit_code") == 0 for p, c in zip(result["per_peer"], swarm.counted(), strict=True)
              if c.info["i"] not in swarm.failed)
     return 0 if ok and not swarm.failed else EXIT_PEER_FAILED
 
