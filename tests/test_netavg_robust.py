@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from test_netavg_rounds import FAST, RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
+from test_netavg_rounds import RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
 
 from peer.averaging.aggregate import robust_combine
 from peer.averaging.loop import next_round
@@ -34,9 +34,9 @@ async def _sybils(net: MemTransport, parts: dict[str, list[torch.Tensor]], targe
                   replies: dict[str, list[str]]) -> None:
     """Each sybil sends its part to every target at the start of every round for ``seconds``; records the replies."""
     end = time.time() + seconds
-    while time.time() < end - FAST.period_s * 0.5:
-        r = next_round(time.time(), FAST.period_s)
-        await asyncio.sleep(max(0.0, r * FAST.period_s - time.time()) + 0.05)
+    while time.time() < end - RUN.averaging.period_s * 0.5:
+        r = next_round(time.time(), RUN.averaging.period_s)
+        await asyncio.sleep(max(0.0, r * RUN.averaging.period_s - time.time()) + 0.05)
 
         async def send(sybil: str, target: str, tensors: list[torch.Tensor], r: int) -> None:
             part = AveragingPart(run_id=RUN.run_id, stage=0, round_no=r, sender=sybil,
