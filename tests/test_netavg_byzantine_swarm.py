@@ -19,7 +19,6 @@ import pytest
 from swarm_utils import TINY_RUN, swarm  # noqa: F401  (fixture)
 
 TRAIN_S = 45.0  # seconds all four replicas train together
-PERIOD = ("averaging_period_s=1.5",)
 
 
 def _one_stage_run(tmp: Path, aggregator: str) -> Path:
@@ -34,12 +33,12 @@ def _one_stage_run(tmp: Path, aggregator: str) -> Path:
 def _honest_val(swarm, tag: str, run: Path, attack: str) -> tuple[float, dict[str, int]]:  # noqa: F811
     """Mean last val loss of the 3 honest replicas after TRAIN_S seconds of all 4 (the 4th honest or attacking)
     training together, and the honest replicas' rejection counters."""
-    first = swarm.start(f"{tag}-h0", stage="0", run=run, extra=PERIOD)
+    first = swarm.start(f"{tag}-h0", stage="0", run=run)
     initial = first.wait_maddrs()[:1]
-    honest = [first] + [swarm.start(f"{tag}-h{i}", stage="0", run=run, initial=initial, extra=PERIOD)
+    honest = [first] + [swarm.start(f"{tag}-h{i}", stage="0", run=run, initial=initial)
                         for i in (1, 2)]
     fourth = swarm.start(f"{tag}-x", stage="0", run=run, initial=initial,
-                         extra=(*PERIOD, *((f"byzantine_attack={attack}",) if attack else ())))
+                         extra=(f"byzantine_attack={attack}",) if attack else ())
     for p in (*honest, fourth):
         p.wait_status(lambda s: s.get("state") == "training", 120, "training state")
     time.sleep(TRAIN_S)
