@@ -57,7 +57,8 @@ def test_closed_run_trains_admitted_peers_and_refuses_strangers(swarm, tmp_path)
     assert b.wait_status(lambda s: True, 5, "status")["access"] == "closed"
 
     async def knock() -> str:
-        p2p = await P2P.create(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        # connect to b directly: a lookup through a alone sometimes finds no route ("failed to find any peer")
+        p2p = await P2P.create(initial_peers=[*first, *b.wait_maddrs()[:1]], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             hello = Hello(protocol_version=1, run_id=run_id, stage=1, peer_id="x", capabilities=[])
             with pytest.raises(RemoteError) as e:

@@ -31,6 +31,7 @@ def test_concurrent_calls_never_lose_a_reply_the_server_sent():
                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         limits = RpcLimits()
         rpc = RpcServer(server, limits)
+        rpc.vouch(client.peer_id.to_base58())  # a known peer: full per-peer budgets (strangers get 4 streams)
         failures: dict[str, int] = {}
         try:
             async def handler(msg, peer):
