@@ -86,11 +86,13 @@ async def test_announced_sybils_sending_zeros_scaled_and_flipped_parts_barely_mo
              "s-scale": [byzantine_part("scale", v) for v in own],
              "s-flip": [byzantine_part("signflip", v) for v in own]}
     replies: dict[str, list[str]] = {}
-    sybils = asyncio.create_task(_sybils(net, parts, honest, 2.6, replies))
-    await _run_rounds([lp for lp, _ in peers], 2.6)
+    sybils = asyncio.create_task(_sybils(net, parts, honest, 5.2, replies))
+    await _run_rounds([lp for lp, _ in peers], 5.2)
     await sybils
     # x-10 and sign flip are refused on arrival (too far from the receiver's values); zeros pass that check ...
-    assert set(replies["s-scale"]) == {"BAD_REQUEST"} and set(replies["s-flip"]) == {"BAD_REQUEST"}
+    # (a part that arrives before a peer opened the round is answered NOT_READY: a race, not an acceptance)
+    for name in ("s-scale", "s-flip"):
+        assert "BAD_REQUEST" in replies[name] and set(replies[name]) <= {"BAD_REQUEST", "NOT_READY"}, replies[name]
     assert "accepted" in replies["s-zeros"]
     for _, metrics in peers:
         counters = metrics.snapshot()["counters"]
