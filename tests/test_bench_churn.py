@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tools.bench_churn import main
+from tools.bench_churn import main, stage_resumed
 
 
 def _run(tmp_path, *args: str) -> dict:
@@ -28,6 +28,15 @@ def _check(res: dict) -> None:
     for stage, r in res["stage_resumed_step"].items():  # and every stage resumes where its best replica stopped
         assert r["after"] >= r["before"], (stage, res["stage_resumed_step"])
     assert res["final_val_loss"]["churn"] is not None
+
+
+def test_a_stage_left_training_by_its_other_replicas_counts_as_kept():
+    # a stage-0 peer restarts onto stage 1: stage 0 goes on at its other replica's step, stage 1 at the mover's
+    moved = {"peer": "p2", "stage_before": 0, "before": 1043, "stage": 1, "after": 1162, "stage_kept": 1060}
+    assert stage_resumed([moved]) == {0: {"before": 1043, "after": 1060}, 1: {"before": 0, "after": 1162}}
+    # the only replica of stage 0 comes back on stage 1 and nobody holds stage 0 any more: that is a loss
+    lost = dict(moved, stage_kept=0)
+    assert stage_resumed([lost])[0] == {"before": 1043, "after": 0}
 
 
 @pytest.mark.timeout(480)

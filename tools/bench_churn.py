@@ -163,8 +163,10 @@ class Swarm:
                 j["start_step"] = s["local_step"]
                 if j["before"] is not None:
                     before, stage_before = j["before"]
+                    kept = max((o["local_step"] for n, o in snaps.items() if n != p.name
+                                and o.get("stage") == stage_before and o.get("state") == "training"), default=0)
                     self.resumed.append({"peer": p.name, "stage_before": stage_before, "before": before,
-                                         "stage": s["stage"], "after": s["local_step"]})
+                                         "stage": s["stage"], "after": s["local_step"], "stage_kept": kept})
             elif s["local_step"] > j["start_step"]:
                 j["first_step_s"] = round(time.monotonic() - j["spawned"], 1)
                 self.joiners.remove(j)
@@ -251,13 +253,15 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
 
 
 def stage_resumed(resumed: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
-    """Per stage: the most advanced step any peer held at exit, and the most advanced step it resumed at (a peer may
-    come back on the other stage; the stage's training resumes where its best replica stopped)."""
+    """Per stage: the most advanced step any peer held at exit, and the most advanced step the stage trained at once
+    the peer was back (a peer may come back on the other stage; then the stage's own step is that of the replicas it
+    left training there, ``stage_kept``; a stage whose state was lost restarts from 0 and shows ``after < before``)."""
     out: dict[int, dict[str, int]] = {}
     for r in resumed:
         out.setdefault(r["stage_before"], {"before": 0, "after": 0})
         out.setdefault(r["stage"], {"before": 0, "after": 0})
         out[r["stage_before"]]["before"] = max(out[r["stage_before"]]["before"], r["before"])
+        out[r["stage_before"]]["after"] = max(out[r["stage_before"]]["after"], r.get("stage_kept", 0))
         out[r["stage"]]["after"] = max(out[r["stage"]]["after"], r["after"])
     return out
 
