@@ -502,7 +502,8 @@ class Daemon:
             "samples_lost": self.ledger.lost, "samples_owed": len(self.ledger),
             "samples_handed_back": self.ledger.handed_back,
             **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
-                                                      "averaging_rounds_ok", "averaging_rounds_failed")},
+                                                      "averaging_rounds_ok", "averaging_rounds_failed",
+                                                      "samples_refused", "microbatches_refused")},
             **self.metrics.averaging_cadence(),
             "rejected_avg": {k: int(v) for k, v in counters.items() if k.startswith("rejected:avg_")},
         }

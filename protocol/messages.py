@@ -41,8 +41,8 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Forward carries `flush` (the synchronous mode's step number)
-SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
+PROTOCOL_VERSION = 3  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`
+SUPPORTED_VERSIONS: tuple[int, ...] = (3,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -104,9 +104,13 @@ class Forward(Message):
 
 
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
-          loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean)  # fmt: skip
+          loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean, refused=s.boolean)  # fmt: skip
 class Backward(Message):
-    """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed."""
+    """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed.
+
+    `refused`: the last stage would not train on this micro-batch (its loss was far above recent ones): no gradient,
+    every stage on the route drops it and holds it against the peer that sent it the micro-batch.
+    """
 
     run_id: str
     mb_id: int
@@ -114,6 +118,7 @@ class Backward(Message):
     gradient: TensorEnvelope | None
     loss: float | None
     is_eval: bool
+    refused: bool = False
 
 
 @_message(4)

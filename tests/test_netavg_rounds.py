@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
+from peer.averaging.aggregate import robust_combine
 from peer.averaging.loop import (
     AveragingLoop,
     NetAveragingConfig,
     admissible,
-    equal_mean,
     next_round,
     round_deadline,
     same_stage_peers,
@@ -30,7 +30,7 @@ from peer.ops.metrics import PeerMetrics
 from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
 from protocol.messages import AveragingPart, Error
-from trainer.config import RunConfig
+from trainer.config import AveragingConfig, RunConfig
 
 RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1})
 SHAPES = [(3000,), (37,), (5,)]
@@ -181,15 +181,16 @@ def test_round_clock_and_admission():
         NetAveragingConfig(collect_fraction=1.0)
 
 
-def test_same_stage_peers_and_equal_mean_are_order_independent():
+def test_same_stage_peers_and_the_mean_are_order_independent():
     def rec(pid, stage, state="training"):
         return PeerRecord(peer_id=pid, stage=stage, throughput=1.0, queue=0, version=0, state=state)
 
     records = {p.peer_id: p for p in [rec("b", 0), rec("a", 0), rec("me", 0), rec("c", 1), rec("d", 0, "joining")]}
     assert same_stage_peers(records, 0, "me") == ["a", "b"]
     x = [[torch.randn(100) for _ in range(2)] for _ in range(3)]
-    m1 = equal_mean("p1", x[0], {"p2": x[1], "p3": x[2]})
-    m2 = equal_mean("p3", x[2], {"p2": x[1], "p1": x[0]})
+    cfg = AveragingConfig(aggregator="mean")
+    m1, _ = robust_combine("p1", x[0], {"p2": x[1], "p3": x[2]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
+    m2, _ = robust_combine("p3", x[2], {"p2": x[1], "p1": x[0]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
     for a, b, j in zip(m1, m2, range(2), strict=True):
         assert torch.equal(a, b)  # bit-identical whoever computes it
         torch.testing.assert_close(a, (x[0][j] + x[1][j] + x[2][j]) / 3)
@@ -395,6 +396,31 @@ async def test_sync_average_is_an_exact_barrier_and_survives_a_missing_replica()
         assert n == 2
         torch.testing.assert_close(mean[1], (grads[0][1] + grads[1][1]) / 2)
     assert avgs[0].metrics.snapshot()["counters"].get("sync_average_incomplete") == 1
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_sync_average_counts_only_announced_replicas_and_drops_an_outlier():
+    net, names = MemTransport(), ["p0", "p1", "p2", "p3"]
+    avgs = await _sync_averagers(net, names)
+    grads = [[torch.randn(50)] for _ in names]
+    grads[3] = [-10 * grads[0][0]]  # p3 is announced, but sends a scaled, flipped gradient
+    view = names[:3] + ["p3"]
+    # p2 is not in p0's and p1's view (a stranger to them); p3 is announced. p2 and p3 come first, so their parts
+    # are waiting at p0 and p1 when those open the barrier
+
+    async def later(i: int) -> tuple[list[torch.Tensor], int]:
+        await asyncio.sleep(0.5)
+        return await avgs[i].all_average(0, grads[i], ["p0", "p1", "p3"])
+
+    results = await asyncio.gather(later(0), later(1), avgs[2].all_average(0, grads[2], view),
+                                   avgs[3].all_average(0, grads[3], view))
+    for i in (0, 1):
+        mean, n = results[i]
+        assert n == 2  # the stranger's part is ignored, the outlier dropped
+        torch.testing.assert_close(mean[0], (grads[0][0] + grads[1][0]) / 2)
+        counters = avgs[i].metrics.snapshot()["counters"]
+        assert counters["rejected:avg_not_member"] == 1 and counters["rejected:avg_outlier"] == 1
 
 
 @pytest.mark.timeout(30)

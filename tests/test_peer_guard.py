@@ -7,15 +7,20 @@ import asyncio
 import random
 from collections import Counter
 
+import pytest
 import torch
 
 from peer.config import PeerConfig
 from peer.membership.records import PeerRecord
 from peer.membership.routing import BLACKHOLE_MIN_S, Router
-from peer.pipeline.guard import GuardConfig, PipelineGuard
+from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.guard import GuardConfig, PipelineGuard, WorkShare
+from peer.pipeline.servicer import REFUSED
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Backward, Busy, Error, Forward
-from tests.test_peer_pipeline import RUN, Net, build
+from tests.test_peer_pipeline import RUN, Net, build, corpus  # noqa: F401 (a fixture)
+from trainer.data import BatchStream, val_batches
+from trainer.worker import LossRefused, StageWorker
 
 
 def rec(pid: str, stage: int = 1, thr: float = 1.0, state: str = "training") -> PeerRecord:
@@ -147,3 +152,80 @@ def _pending(sent_to: list[str]):
     from peer.pipeline.servicer import Pending
     return Pending(prev_peer=None, next_peer=sent_to[0], route=["a0"], deadline=time.monotonic() + 60,
                    sent_to=set(sent_to))
+
+
+def test_a_senders_share_is_earned_by_trained_work_and_lost_by_refused_work():
+    counts: Counter[str] = Counter()
+    clock = Clock()
+    share = WorkShare(GuardConfig(share_initial=2, share_max=6, share_ban_after=4, share_ban_s=10.0),
+                      lambda k: counts.update([k]), clock)
+    assert share.admits("new", 1) and not share.admits("new", 2)  # a newcomer holds 2 micro-batches at most
+    for _ in range(10):
+        share.trained("new")
+    assert share.admits("new", 5) and not share.admits("new", 6)  # grown by its trained work, up to the cap
+    share.refused("new")
+    assert not share.admits("new", 3) and share.admits("new", 2)  # halved by a refusal
+    # refused over and over while others' work is trained: refused for a while, then back on probation
+    for _ in range(4):
+        share.refused("evil")
+        share.trained("new")
+    assert not share.admits("evil", 0) and counts["share_bans"] == 1
+    clock.t += 11.0
+    assert share.admits("evil", 0) and not share.admits("evil", 1)
+    # when everything is refused (the stage drifted, nobody is trained) nobody is banned
+    for _ in range(20):
+        share.refused("a")
+        share.refused("b")
+    assert share.admits("a", 0) and share.admits("b", 0) and counts["share_bans"] == 1
+    # a refusal relayed from a later stage halves the allowance but never bans
+    for _ in range(20):
+        share.refused("relayed", measured_here=False)
+        share.trained("new")
+    assert share.admits("relayed", 0) and counts["share_bans"] == 1
+
+
+def test_the_worker_refuses_a_loss_above_its_bound_before_any_backward():
+    w = StageWorker(RUN, 1)
+    x, y = torch.randn(8, 32, 32), torch.randint(0, 256, (8, 32))
+    before = [p.detach().clone() for p in w.parameters()]
+    with pytest.raises(LossRefused) as e:
+        w.forward_loss(1, x, y, max_loss=0.1)
+    assert e.value.loss > 0.1 and w.local_step == 0 and w.accumulated == 0
+    assert all(p.grad is None for p in w.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, w.parameters(), strict=True))
+    loss, grad = w.forward_loss(2, x, y, max_loss=100.0)
+    assert grad is not None and w.local_step == 1  # trained (and stepped) this time
+
+
+@pytest.mark.timeout(120)
+def test_garbage_with_a_plausible_norm_is_trained_nowhere_and_its_sample_is_not_resent(corpus):  # noqa: F811
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    stage0, stage1 = net.stages["a0"], net.stages["b1"]
+    for _ in range(16):  # stage 1 has been training at a loss of 0.5: the init's ~5.5 is far above it
+        stage1.guard.loss_verdict(None, 0.5)
+    driver = Stage0Driver(pipe=stage0, stream=BatchStream(corpus.train, 32, 8, seed=1),
+                          val=val_batches(corpus, 32, 8, 1), inflight=1, stop=asyncio.Event(), max_steps=1,
+                          metrics=stage0.metrics)
+
+    async def go() -> list[object]:
+        serving = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
+        try:
+            first = await driver.one(driver._sample())
+            trained = await driver._train_one(driver._sample())
+            return [first, trained]
+        finally:
+            for t in serving:
+                t.cancel()
+
+    first, trained = asyncio.run(go())
+    pool.shutdown()
+    assert first is REFUSED and trained is True and not driver.requeue  # consumed, not re-sent
+    assert stage1.worker.local_step == 0 and all(p.grad is None for p in stage1.worker.parameters())
+    assert stage0.worker.pending() == 0 and not stage0.pending and not stage1.pending
+    assert all(p.grad is None for p in stage0.worker.parameters())
+    c0, c1 = stage0.metrics.snapshot()["counters"], stage1.metrics.snapshot()["counters"]
+    assert c1["rejected:loss_above_ceiling"] == 2 and c0["microbatches_refused"] == 2
+    assert c0["samples_refused"] == 8 and c0.get("microbatches_requeued", 0) == 0
+    assert stage1.guard.share.snapshot()["a0"]["refused"] == 2

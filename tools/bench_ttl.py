@@ -104,17 +104,20 @@ def compute_only_tokens_per_s(rates: dict[int, list[float]], tokens_per_mb: int)
 
 
 # ----- compute only --------------------------------------------------------------------------------------------------
-def compute_worker(run_path: Path, stage: int, seconds: float, threads: int) -> dict[str, float]:
-    """One peer's compute with no network: its stage's forward and backward (with the step) on synthetic inputs."""
+def compute_worker(run_path: Path, stage: int, seconds: float, threads: int,
+                   device: str = "cpu") -> dict[str, float]:
+    """One peer's compute with no network: its stage's forward and backward (with the step) on synthetic inputs,
+    on ``device`` as the peers' ``--device`` resolves it (a GPU's queue is drained after every micro-batch)."""
     import torch
 
     from trainer.config import RunConfig
-    from trainer.worker import StageWorker
+    from trainer.worker import StageWorker, is_gpu, resolve_device
 
     if threads:
         torch.set_num_threads(threads)
     run = RunConfig.from_toml(run_path)
-    w = StageWorker(run, stage)
+    dev = resolve_device(device)
+    w = StageWorker(run, stage, device=dev)
     b, t, c = run.data.batch_size, run.model.block_size, run.model.n_embd
     g = torch.Generator().manual_seed(stage)
     tokens = torch.randint(0, run.model.vocab_size, (b, t), generator=g)
@@ -127,6 +130,8 @@ def compute_worker(run_path: Path, stage: int, seconds: float, threads: int) -> 
         else:
             w.forward(i, x)
             w.backward(i, grad)
+        if is_gpu(dev):
+            torch.cuda.synchronize()
 
     for i in range(3):  # warm-up
         one(i)
@@ -143,7 +148,7 @@ def measure_compute_only(args: argparse.Namespace, run: Any) -> dict[str, Any]:
     for i in range(run.n_stages * args.replicas):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--compute-worker", str(i % run.n_stages),
                "--run", str(args.run), "--compute-s", f"{args.compute_s:g}", "--torch-threads",
-               str(args.torch_threads)]
+               str(args.torch_threads), "--device", args.device]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO))
     rates: dict[int, list[float]] = {}
     try:
@@ -290,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
     p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
+                   help="every peer's and compute-only process's --device (cuda: they share the GPU)")
     p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
     p.add_argument("--compute-timeout-s", type=float, default=600.0,
                    help="start-up allowance of a compute-only process on top of --compute-s")
@@ -308,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--run {args.run} does not exist")
     # what SwarmCase reads of bench_swarm's arguments
     args.max_inflight, args.sync_microbatches = 0, 0
-    args.overrides = [f"eval_batches={args.eval_batches}", *args.overrides]
+    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", *args.overrides]
     return args
 
 
@@ -353,7 +360,8 @@ def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> di
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compute_worker is not None:
-        print(json.dumps(compute_worker(args.run, args.compute_worker, args.compute_s, args.torch_threads)))
+        print(json.dumps(compute_worker(args.run, args.compute_worker, args.compute_s, args.torch_threads,
+                                        args.device)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     install_signal_handlers()

@@ -112,6 +112,7 @@ class Attacker:
         self.p2p: P2P | None = None
         self.extra: list[P2P] = []
         self.status_a: Callable[[], dict[str, Any] | None] = lambda: None  # the stage-0 victim's /status
+        self.status_b: Callable[[], dict[str, Any] | None] = lambda: None  # the stage-1 victim's /status
 
     async def start(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
@@ -228,8 +229,13 @@ def _frame(msg: Message) -> bytes:
     return frame_header(len(data), end=True) + data
 
 
+async def _counters(status: Callable[[], dict[str, Any] | None]) -> dict[str, float]:
+    return ((await asyncio.to_thread(status)) or {}).get("counters", {})
+
+
 async def stranger_forwards(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger announces itself as stage 0 and sends stage 1 forwards of random activations; replays one 50x."""
+    before = await _counters(att.status_b)
     await _own_record(att, 0, 1.0)
     await asyncio.sleep(2.0)  # let the victims see the record
     run, counts = att.run, {}
@@ -253,8 +259,13 @@ async def stranger_forwards(att: Attacker, victims: dict[str, str], until: float
         counts[name] = counts.get(name, 0) + 1
         if int(time.monotonic() * 4) % 4 == 0:
             await _own_record(att, 0, 1.0)
-    return {"refused": counts.get("Ack", 0) == 0 and replay_acks <= 1, "replies": counts,
-            "replay_accepted": replay_acks}
+    after = await _counters(att.status_b)
+    seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
+        "rejected:loss_above_ceiling", "rejected:share_exceeded", "rejected:share_banned", "share_bans")}
+    # every forward it got in (Ack) was refused at the loss check, none trained on (the stage-1 victim's counters,
+    # which count honest refusals too: a few over the attacker's Acks is honest noise, fewer is training on garbage)
+    refused = replay_acks <= 1 and seen["rejected:loss_above_ceiling"] >= counts.get("Ack", 0)
+    return {"refused": refused, "replies": counts, "replay_accepted": replay_acks, "victim_counters": seen}
 
 
 async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
@@ -296,7 +307,7 @@ async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, wat
     initial = a.wait_maddrs()[:1]
     victims = {"a": a.wait_maddrs()[0].rsplit("/p2p/", 1)[1], "b": b.wait_maddrs()[0].rsplit("/p2p/", 1)[1]}
     att = Attacker(root, initial, run)
-    att.status_a = a.status
+    att.status_a, att.status_b = a.status, b.status
     await att.start()
     results: dict[str, Any] = {}
     try:

@@ -47,6 +47,14 @@ STATE_FORMAT = 1
 _Head = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]  # output -> (backprop target, its gradient)
 
 
+class LossRefused(Exception):
+    """The last stage would not train on a micro-batch: its loss is above the bound it was given."""
+
+    def __init__(self, loss: float, max_loss: float) -> None:
+        super().__init__(f"loss {loss:.3f} is above {max_loss:.3f}: not trained on")
+        self.loss, self.max_loss = loss, max_loss
+
+
 def resolve_device(name: str) -> str:
     """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without a GPU raises ValueError with advice."""
     if name == "auto":
@@ -220,8 +228,13 @@ class StageWorker:
         self._contributed()
         return grad_x
 
-    def forward_loss(self, mb_id: int, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: forward, loss, backward at once; returns (loss, grad wrt input or None if also stage 0)."""
+    def forward_loss(self, mb_id: int, x: torch.Tensor, targets: torch.Tensor, *,
+                     max_loss: float | None = None) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, loss, backward at once; returns (loss, grad wrt input or None if also stage 0).
+
+        ``max_loss``: refuse to train on a micro-batch whose loss is higher (raises ``LossRefused`` before any
+        backward: gradients, weights and the step count are untouched).
+        """
         if not self.is_last:
             raise ValueError(f"stage {self.stage} is not the last stage: call forward, then backward")
         x = self._check_input(x)
@@ -233,6 +246,8 @@ class StageWorker:
         def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, None]:
             loss = self.model.loss(logits, targets)
             box.append(float(loss.detach()))
+            if max_loss is not None and not box[0] <= max_loss:
+                raise LossRefused(box[0], max_loss)
             return loss, None
 
         grad_x = self._backprop(x, None, loss_fn)

@@ -280,20 +280,6 @@ class PartExchange:
                 self._reject(e, peer, slot.key)
             return False
         return True
-def equal_mean(own: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Mean of all contributions, each weighted equally, summed in peer-id order so equal sets give equal bits."""
-    everyone = dict(parts)
-    everyone[own] = own_values
-    order = sorted(everyone)
-    means = []
-    for j in range(len(own_values)):  # a running sum: one extra copy per tensor, not one per contributor
-        total = everyone[order[0]][j].clone()
-        for p in order[1:]:
-            total += everyone[p][j]
-        means.append(total.div_(len(order)))
-    return means
-
-
 EXCHANGE_ATTEMPTS = 3
 EXCHANGE_BACKOFF_S = 0.2
 

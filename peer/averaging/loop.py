@@ -76,7 +76,6 @@ from peer.averaging.exchange import (
     PartExchange,
     Refused,
     Slot,
-    equal_mean,  # noqa: F401 - re-exported: the sync barrier and tests use the plain mean
     exchange_all,
     relative_distance_check,
 )

@@ -2,9 +2,12 @@
 
 Every replica calls ``all_average(step, tensors, peers)`` once per optimiser step with its gradients and its view of
 the stage's other replicas. Parts travel over the same validated pairwise exchange as the asynchronous rounds
-(``averaging.exchange``), with an exact codec by default, and every replica returns the equal-weight mean of its own
-tensors and every valid part that arrived before ``sync_timeout_s``, with how many replicas that mean covers. A
-replica that does not arrive costs the others the wait, never a wrong sum.
+(``averaging.exchange``), with an exact codec by default, and every replica returns the aggregate of its own tensors
+and every valid part that arrived before ``sync_timeout_s`` from a replica its view announces on the stage, with how
+many replicas it covers. With three or more parts, one far from the coordinate-wise median (zeros, a scaled or
+flipped gradient) is dropped as in the asynchronous rounds (``peer.averaging.aggregate``); the rest are averaged with
+the plain mean, as the textbook baseline does (a trimmed mean of a few gradients would be a different, noisier
+estimator). A replica that does not arrive costs the others the wait, never a wrong sum.
 
 Barriers are keyed by step number, and replicas must agree on it. A joiner loads a donor's state (and its step) from a
 snapshot while the others keep stepping, so it starts behind. When a part for a later step arrives while we wait at
@@ -16,6 +19,7 @@ allocate without bound.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peer.averaging.aggregate import robust_combine
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
     Refused,
     Slot,
-    equal_mean,
     exchange_all,
     finite_norm_check,
 )
@@ -59,6 +63,9 @@ class SyncAverager:
                  me: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config or NetAveragingConfig()
         self.metrics, self.clock = metrics, clock
+        # the textbook baseline averages gradients exactly: outliers are dropped, the rest is the plain mean (the
+        # run's aggregator, a trimmed mean by default, is for weights, whose replicas lie close together)
+        self._mean = dataclasses.replace(run.averaging, aggregator="mean")
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.last_step = -1
         self._opened_by: dict[int, str] = {}
@@ -136,9 +143,20 @@ class SyncAverager:
             self.metrics.inc("sync_average_incomplete")
             logger.warning("step %d: averaged without %d of %d replicas (%s)", step, len(missing), len(peers) + 1,
                            short_id(missing[0]))
-        mean = await asyncio.get_running_loop().run_in_executor(
-            None, equal_mean, self.me, slot.own_values, slot.contributions)
-        return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(slot.contributions) + 1
+        # only the replicas the caller's (validated) view announces on this stage count, and through the same
+        # robust aggregate as the asynchronous rounds: a stranger's or an outlying gradient is not averaged in
+        members = {p: v for p, v in slot.contributions.items() if p in peers}
+        for peer in slot.contributions.keys() - members.keys():
+            self.metrics.inc("rejected:avg_not_member")
+            logger.debug("step %d: part of %s ignored: not an announced replica of this stage", step, short_id(peer))
+        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: robust_combine(self.me, slot.own_values, members, self._mean,
+                                         outlier_factor=self.config.outlier_factor,
+                                         outlier_rms=self.config.outlier_rms))
+        for peer in dropped:
+            self.metrics.inc("rejected:avg_outlier")
+            logger.debug("step %d: part of %s dropped: far from the robust centre", step, short_id(peer))
+        return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(members) + 1 - len(dropped)
 
     async def _barrier(self, step: int, tensors: list[torch.Tensor], peers: list[str], *,
                        may_jump: bool) -> Slot | None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.pipeline.ledger import Sample, SampleLedger
-from peer.pipeline.servicer import Pending, PipelineStage
+from peer.pipeline.servicer import REFUSED, Pending, PipelineStage, Refused
 from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:
@@ -82,8 +82,9 @@ class Stage0Driver:
         return self.stop.is_set() or (self.max_steps > 0 and self.pipe.worker.local_step >= self.max_steps)
 
     # ----- one micro-batch ------------------------------------------------------------------------------------------
-    async def one(self, sample: tuple[torch.Tensor, torch.Tensor], *, is_eval: bool = False) -> float | None:
-        """Run one micro-batch through the pipeline; returns its loss, or None when it was dropped."""
+    async def one(self, sample: tuple[torch.Tensor, torch.Tensor], *, is_eval: bool = False) -> float | Refused | None:
+        """Run one micro-batch through the pipeline; returns its loss, None when it was dropped, or ``REFUSED`` when
+        the last stage would not train on it."""
         pipe = self.pipe
         x, y = sample
         mb_id = self.new_id()
@@ -116,6 +117,9 @@ class Stage0Driver:
         self.in_flight[key] = sample  # stays there if we are cancelled: given back when the driver stops
         loss = await self.one(sample)
         self.in_flight.pop(key, None)
+        if loss is REFUSED:  # the last stage would not train on it (loss far above its recent ones): not re-sent
+            self.metrics.inc("samples_refused", int(sample[0].shape[0]))
+            return True
         if loss is None:
             self.metrics.inc("microbatches_dropped")
             self.metrics.inc("microbatches_requeued")
@@ -210,7 +214,7 @@ class Stage0Driver:
     async def evaluate(self) -> float | None:
         """Validation loss over the fixed validation batches (mean of those that came back), or None."""
         results = await asyncio.gather(*(self.one(b, is_eval=True) for b in self.val))
-        losses = [r for r in results if r is not None and math.isfinite(r)]
+        losses = [r for r in results if isinstance(r, float) and math.isfinite(r)]
         if not losses:
             self.metrics.inc("eval_failed")
             return None

@@ -8,14 +8,25 @@
   warm-up); what falls outside is refused and counted, and never enters the window (an attacker cannot drag it).
 - A loss reported by the last stage is compared with the recent losses of its kind (median of a window); an outlier
   is flagged, counted and not reported as this peer's loss (the gradient, if within bounds, still counts).
+- The last stage trains on a micro-batch only if its loss is not far *above* its own recent training losses
+  (``loss_ceiling``): plausible-norm garbage (random activations, scrambled targets) gives a high loss and is refused
+  before its backward, so no stage on its route trains on it (``Backward.refused`` travels back).
+- A sender's share of a stage's work is bounded by what it measurably contributed (``WorkShare``): each sender may
+  hold ``allowance`` micro-batches here at once; it starts small, grows by one per micro-batch of its that was trained
+  and halves per refused one; a sender refused by our own loss check ``ban_after`` times in a row while others' work
+  was trained is refused for a while (a refusal relayed from a later stage halves, never bans). All refused losses
+  still enter the window, so when *everything* is refused (the stage's weights moved away from its senders', e.g. a
+  stage restarted from its init) the ceiling follows within half a window and nobody is banned.
 
 Backwards are already accepted only from peers we forwarded that micro-batch to (``Pending.sent_to``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from peer.membership.records import PeerRecord
+
+logger = logging.getLogger(__name__)
 
 SENDER_STATES = ("training", "draining")
 
@@ -47,6 +60,14 @@ class GuardConfig:
     """A loss further than max(tolerance x median, loss_abs_tolerance) from the median is an outlier."""
     loss_abs_tolerance: float = 1.0
     """Absolute floor of the loss tolerance (small medians)."""
+    share_initial: int = 2
+    """Micro-batches a sender with no trained work yet may hold here at once."""
+    share_max: int = 64
+    """Most micro-batches one sender may hold here at once, however much it contributed."""
+    share_ban_after: int = 8
+    """Refusals in a row (with others' work trained meanwhile) after which a sender is refused for ``share_ban_s``."""
+    share_ban_s: float = 60.0
+    """How long such a sender's forwards are answered Busy (doubles per repeat, up to 16x)."""
 
     def __post_init__(self) -> None:
         for name in ("remember_ids", "norm_window", "loss_window"):
@@ -70,12 +91,14 @@ class PipelineGuard:
     """Per-stage checks of incoming pipeline work. ``count(name)`` is told of every refusal (metrics)."""
 
     def __init__(self, *, stage: int, swarm: Callable[[], dict[str, PeerRecord]], count: Callable[[str], None],
-                 config: GuardConfig | None = None) -> None:
-        self.stage, self.swarm, self.count = stage, swarm, count
+                 config: GuardConfig | None = None, warn: Callable[[str, str], None] | None = None) -> None:
+        self.stage, self.swarm, self.count, self.warn = stage, swarm, count, warn
+        self._refused_logged_at = -math.inf
         self.config = config or GuardConfig()
         self._trained: OrderedDict[int, None] = OrderedDict()
         self._norms = {"activations": _Window(self.config.norm_window), "gradients": _Window(self.config.norm_window)}
         self._losses = {False: _Window(self.config.loss_window), True: _Window(self.config.loss_window)}
+        self.share = WorkShare(self.config, count)
 
     # ----- who -----------------------------------------------------------------------------------------------------
     def announced_sender(self, peer_id: str) -> bool:
@@ -115,16 +138,120 @@ class PipelineGuard:
         return True
 
     # ----- which losses --------------------------------------------------------------------------------------------
+    def _loss_bounds(self, is_eval: bool) -> tuple[float, float] | None:
+        """(median, tolerance) of recent losses of a kind, or None during the warm-up."""
+        window = self._losses[is_eval]
+        median = window.median()
+        if median is None or len(window.values) < self.config.loss_warmup:
+            return None
+        return median, max(self.config.loss_tolerance * median, self.config.loss_abs_tolerance)
+
     def loss_ok(self, loss: float, *, is_eval: bool) -> bool:
         """Whether ``loss`` agrees with recent losses of its kind; an outlier is counted. Every loss enters the
         window (its median is what an attacker would have to move, and it follows honest drift)."""
-        window = self._losses[is_eval]
-        median = window.median()
-        ok = True
-        if median is not None and len(window.values) >= self.config.loss_warmup:
-            tol = max(self.config.loss_tolerance * median, self.config.loss_abs_tolerance)
-            ok = abs(loss - median) <= tol
-        window.values.append(loss)
+        bounds = self._loss_bounds(is_eval)
+        ok = bounds is None or abs(loss - bounds[0]) <= bounds[1]
+        self._losses[is_eval].values.append(loss)
         if not ok:
             self.count("flagged:loss_outlier")
         return ok
+
+    def loss_ceiling(self) -> float | None:
+        """Last stage: the highest training loss it will train on now (None: no bound yet). Read on the event loop
+        and handed to the compute thread, which refuses above it before any backward."""
+        bounds = self._loss_bounds(False)
+        return None if bounds is None else bounds[0] + bounds[1]
+
+    def loss_verdict(self, sender: str | None, loss: float, *, refused: Exception | None = None) -> None:
+        """Last stage: a training loss it computed enters the window, and the sender's share learns whether the
+        micro-batch was trained on (``refused``: why not). Work thrown away on purpose is said out loud: on the
+        dashboard, and in the log at most once a minute."""
+        self._losses[False].values.append(loss)
+        if sender is not None:
+            if refused is None:
+                self.share.trained(sender)
+            else:
+                self.share.refused(sender)
+        if refused is None:
+            return
+        self.count("rejected:loss_above_ceiling")
+        if self.warn is not None:
+            self.warn("not training on micro-batches whose loss is far above this stage's recent losses (garbage "
+                      "from a sender, or this stage's weights moved away from its senders'); their samples are "
+                      "skipped (samples_refused)", "loss_refused")
+        now = time.monotonic()
+        if now - self._refused_logged_at >= 60.0:
+            self._refused_logged_at = now
+            logger.warning("refused to train on a micro-batch from %s: %s (further refusals this minute are only "
+                           "counted: rejected:loss_above_ceiling)", (sender or "?")[-8:], refused)
+
+
+@dataclass
+class _Share:
+    allowance: float
+    streak: int = 0  # refusals in a row
+    streak_mark: int = 0  # the stage's count of trained micro-batches when the streak began
+    bans: int = 0
+    banned_until: float = 0.0
+    trained: int = 0
+    refused: int = 0
+
+
+class WorkShare:
+    """How many micro-batches each sender may hold at a stage, earned by work of its that was trained (see the
+    module docstring). ``count(name)`` is told of refusals and bans."""
+
+    def __init__(self, config: GuardConfig, count: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.count, self.clock = config, count, clock
+        self._peers: dict[str, _Share] = {}
+        self._trained_total = 0
+
+    def _get(self, peer_id: str) -> _Share:
+        share = self._peers.get(peer_id)
+        if share is None:
+            if len(self._peers) >= 4096:  # bounded: forget the sender with the least history
+                del self._peers[min(self._peers, key=lambda p: self._peers[p].trained + self._peers[p].refused)]
+            share = self._peers[peer_id] = _Share(allowance=float(self.config.share_initial))
+        return share
+
+    def admits(self, peer_id: str, holding: int) -> bool:
+        """Whether ``peer_id``, holding ``holding`` micro-batches here, may hand us one more (else Busy)."""
+        share = self._get(peer_id)
+        if share.banned_until > self.clock():
+            self.count("rejected:share_banned")
+            return False
+        if holding >= int(share.allowance):
+            self.count("rejected:share_exceeded")
+            return False
+        return True
+
+    def trained(self, peer_id: str) -> None:
+        """A micro-batch ``peer_id`` sent us was trained (its gradient came back / its loss passed)."""
+        share = self._get(peer_id)
+        share.trained += 1
+        share.streak = 0
+        share.allowance = min(share.allowance + 1.0, float(self.config.share_max))
+        self._trained_total += 1
+
+    def refused(self, peer_id: str, *, measured_here: bool = True) -> None:
+        """A micro-batch ``peer_id`` sent us was refused: by our own loss check, or (``measured_here`` False) by a
+        later stage, whose word halves the allowance but never bans (a lying downstream peer must not get honest
+        senders banned)."""
+        share = self._get(peer_id)
+        share.refused += 1
+        share.allowance = max(1.0, share.allowance / 2)
+        if share.streak == 0:
+            share.streak_mark = self._trained_total
+        share.streak += 1
+        others_trained = self._trained_total > share.streak_mark  # it was refused while others were trained
+        if measured_here and share.streak >= self.config.share_ban_after and others_trained:
+            share.bans += 1
+            share.banned_until = self.clock() + self.config.share_ban_s * min(2 ** (share.bans - 1), 16)
+            share.streak = 0
+            self.count("share_bans")
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per sender: allowance, trained, refused (for /status and tests)."""
+        return {p: {"allowance": s.allowance, "trained": s.trained, "refused": s.refused}
+                for p, s in self._peers.items()}

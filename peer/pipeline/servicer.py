@@ -8,13 +8,17 @@ dropped and a ``Backward`` with no gradient and no loss travels back along the r
 forgets it and stage 0 re-queues its sample at once instead of waiting for the timeout.
 
 The last stage computes the loss and sends the gradient to the peer it received the micro-batch from; evaluation
-micro-batches stop at the last stage, whose loss goes straight back to the stage-0 peer that sent them.
+micro-batches stop at the last stage, whose loss goes straight back to the stage-0 peer that sent them. A training
+micro-batch whose loss is far above the last stage's recent ones is not trained on anywhere: a ``Backward`` marked
+``refused`` travels back instead of the gradient, and every stage holds it against the peer that sent it the
+micro-batch (``PipelineGuard.share``: a sender's allowance of micro-batches held here is earned by trained work).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -34,6 +38,7 @@ from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Ack, Backward, Busy, Error, Forward, Message
 from protocol.validation import TensorSpec
+from trainer.worker import LossRefused
 
 if TYPE_CHECKING:
     from peer.config import PeerConfig
@@ -49,6 +54,16 @@ PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 
 
+class Refused:
+    """What stage 0's ``Pending.done`` resolves to when the last stage refused to train on the micro-batch."""
+
+    def __repr__(self) -> str:
+        return "REFUSED"
+
+
+REFUSED = Refused()
+
+
 @dataclass
 class Pending:
     """A micro-batch whose gradient this stage still waits for."""
@@ -59,7 +74,7 @@ class Pending:
     deadline: float
     is_eval: bool = False
     sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
-    done: asyncio.Future | None = None  # stage 0: resolved with the loss (or None when dropped)
+    done: asyncio.Future | None = None  # stage 0: resolved with the loss (None when dropped, REFUSED)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -102,7 +117,7 @@ class PipelineStage:
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
         self.on_first_measure: Callable[[], None] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
-        self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc)
+        self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
@@ -170,6 +185,8 @@ class PipelineStage:
             return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
         if msg.mb_id in self.pending:
             return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
+        if not self.guard.share.admits(peer_id, sum(1 for q in self.pending.values() if q.prev_peer == peer_id)):
+            return Busy(retry_after_s=0.5)  # it holds all the work its trained work has earned it so far
         if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == "sync"):
             return self._reject("mode_mismatch", ErrorCode.BAD_REQUEST,
                                 f"this peer runs --mode {self.cfg.mode}; peers of one swarm must share the mode")
@@ -221,7 +238,9 @@ class PipelineStage:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if grad is not None and not self.guard.norm_ok("gradients", grad):
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
-        if msg.loss is not None and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
+        if msg.refused and (msg.gradient is not None or msg.is_eval):
+            return self._reject("bad_request", ErrorCode.BAD_REQUEST, "a refused micro-batch carries no gradient")
+        if msg.loss is not None and not msg.refused and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
             msg = dataclasses.replace(msg, loss=None)  # an outlier: flagged, never reported as our loss
         self.router.returned(peer_id, msg.mb_id)
         if msg.mb_id not in self.pending:  # dropped while we decoded
@@ -261,8 +280,17 @@ class PipelineStage:
                 return
             if self.on_flush is not None:
                 await self.on_flush(msg.flush)
-            loss, grad = await self.timed(msg.mb_id, True, self.worker.forward_loss, msg.mb_id, x, targets)
+            ceiling = self.guard.loss_ceiling()
+            try:
+                loss, grad = await self.timed(msg.mb_id, True, functools.partial(
+                    self.worker.forward_loss, max_loss=ceiling), msg.mb_id, x, targets)
+            except LossRefused as e:
+                self.pending.pop(msg.mb_id, None)
+                self.guard.loss_verdict(p.prev_peer, e.loss, refused=e)
+                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, e.loss, False, refused=True))
+                return
             self.pending.pop(msg.mb_id, None)
+            self.guard.loss_verdict(p.prev_peer, float(loss))
             self._count_step(float(loss), x)
             env = await self._encode(grad, self.run.compression.gradients)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
@@ -291,14 +319,22 @@ class PipelineStage:
             if p.done is not None and not p.done.done():
                 p.done.set_result(msg.loss)
             return
-        if grad is None:  # the route broke downstream
+        if grad is None:  # the route broke downstream, or the last stage refused the micro-batch
             await self.compute(self.worker.drop, msg.mb_id)
             self._fwd_s.pop(msg.mb_id, None)
+            if msg.refused:
+                self.metrics.inc("microbatches_refused")
+                if p.prev_peer is not None:
+                    self.guard.share.refused(p.prev_peer, measured_here=False)
             if p.done is not None and not p.done.done():
-                p.done.set_result(None)
+                p.done.set_result(REFUSED if msg.refused else None)
             elif p.prev_peer is not None:
-                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, None, False))
+                why = msg.refused
+                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, msg.loss if why else None, False,
+                                               refused=why))
             return
+        if p.prev_peer is not None:
+            self.guard.share.trained(p.prev_peer)
         grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
         # observed pipeline staleness (tau_s of the papers, here whatever the network made it): a moving average
         delay = float(self.worker.last_delay)
@@ -392,10 +428,11 @@ class PipelineStage:
         return [nxt[rank % len(nxt)]] if nxt else []
 
     async def _send_backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
-                             loss: float | None, is_eval: bool) -> None:
+                             loss: float | None, is_eval: bool, *, refused: bool = False) -> None:
         if peer is None:
             return
-        msg = Backward(run_id=self.run.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval)
+        msg = Backward(run_id=self.run.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,
+                       refused=refused)
         for attempt in range(2):
             try:
                 await self.send(peer, "backward", msg)
