@@ -232,8 +232,13 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     tpm = run.data.batch_size * run.model.block_size
     per_replica = int(case["tokens"] / tpm / args.replicas)
     steps = max(8, min(per_replica, args.sim_max_steps) // 8 * 8)
-    sim = SimConfig(preset="time-to-loss", run=run, n_replicas=args.replicas, steps=steps, micro_batches=4,
-                    tau=0 if not taus else taus[0], tau_samples=taus, fraction=run.averaging.fraction,
+    # the cadence the daemon really ran: a round opens on the first clock tick after round_steps local steps, so it
+    # stands for more steps than round_steps; the simulator opens one every measured steps-per-round, each round
+    # averaging the run's round fraction, so that both average the same fraction per local step
+    every = measured_round_steps(case["summaries"], run.averaging.round_steps)
+    sim_run = run.replace(averaging={"round_steps": every, "fraction": run.averaging.round_fraction / every})
+    sim = SimConfig(preset="time-to-loss", run=sim_run, n_replicas=args.replicas, steps=steps, micro_batches=4,
+                    tau=0 if not taus else taus[0], tau_samples=taus, fraction=run.averaging.round_fraction / every,
                     accumulate=max(1, run.optim.accumulate), eval_every=max(1, steps // 8),
                     eval_batches=args.eval_batches, methods=("asyncmesh",))
     rec = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
@@ -248,7 +253,14 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     return {"steps": steps, "delays_drawn_from": len(taus), "tokens": at, "daemon_loss": d_loss, "sim_loss": s_loss,
             "sim_agreement": d_loss / s_loss if d_loss and s_loss else None, "sim_curve": curve,
             "avg_fraction_per_step": rec["avg_fraction_per_step"], "avg_delay_steps": rec["avg_delay_steps"],
-            "data": rec["data"], "compute_s": rec["compute_s"]}
+            "round_steps": every, "data": rec["data"], "compute_s": rec["compute_s"]}
+
+
+def measured_round_steps(summaries: list[dict[str, Any]], planned: int) -> int:
+    """Local steps per successful averaging round, over the case's peers (``planned`` when none succeeded)."""
+    steps = sum(int(s.get("steps") or 0) for s in summaries)
+    rounds = sum(int(s.get("averaging_rounds_ok") or 0) for s in summaries)
+    return max(planned, round(steps / rounds)) if rounds else planned
 
 
 # ----- the plot ------------------------------------------------------------------------------------------------------
@@ -307,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens")
     p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
+    p.add_argument("--resimulate", type=Path, default=None, metavar="JSON",
+                   help="only re-run the simulator against the swarms of an earlier --json result, and rewrite it")
     p.add_argument("--compute-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
@@ -357,6 +371,33 @@ def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> di
     return figs
 
 
+def resimulate(args: argparse.Namespace, run: Any) -> int:
+    """Re-run only the simulator against the swarm figures of an earlier ``--json`` result (same run file), and
+    write the result back with the new ``simulator`` and ``sim_agreement``."""
+    doc = json.loads(args.resimulate.read_text())
+    label = (doc.get("simulator") or {}).get("case") or next(
+        (k for k in doc["cases"] if k.startswith("async/") and k.endswith(doc.get("headline_network") or "")), None)
+    if label is None or label not in doc["cases"]:
+        print(f"bench_ttl: error: {args.resimulate} holds no asynchronous case to simulate", file=sys.stderr)
+        return 2
+    if doc.get("meta", {}).get("run_id") not in (None, run.run_id):
+        print(f"bench_ttl: error: {args.resimulate} measured run {doc['meta']['run_id']}, --run is {run.run_id}",
+              file=sys.stderr)
+        return 2
+    sim = simulate_same_run(run, doc["cases"][label], args)
+    sim["case"] = label
+    logger.info("simulator: daemon %.4f / sim %.4f at %s tokens (a round every %d steps)",
+                sim["daemon_loss"] or float("nan"), sim["sim_loss"] or float("nan"), sim["tokens"], sim["round_steps"])
+    doc["simulator"], doc["sim_agreement"] = sim, sim["sim_agreement"]
+    doc.setdefault("meta", {})["resimulated"] = {
+        "command": " ".join(["python tools/bench_swarm.py --time-to-loss", *sys.argv[1:]]),
+        "loadavg": os.getloadavg(), "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write(args.json or args.resimulate, doc)
+    if args.plot:
+        plot(list(doc["cases"].values()), sim, args.plot)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compute_worker is not None:
@@ -369,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.data import corpus_identity, load_corpus
 
     run = RunConfig.from_toml(args.run)
+    if args.resimulate is not None:
+        return resimulate(args, run)
     try:
         cases = plan(args)
     except BenchError as e:
