@@ -570,3 +570,19 @@ async def test_a_barrier_opened_by_a_replica_is_reported_to_the_others():
     mean, n = await avgs[0].all_average(5, [torch.full((3,), 1.0)], names)
     assert opened == [(5, "p0")]
     assert n == 2 and torch.equal(mean[0], torch.full((3,), 2.0))
+
+
+def test_a_peer_averaging_far_less_per_step_than_the_run_says_is_told_what_to_change():
+    loop, metrics = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0"])
+    fraction = RUN.averaging.round_fraction
+    metrics.start_averaging(0)
+    for step in range(1, 7):  # six rounds, each standing for 5x round_steps local steps (a fast peer, a slow clock)
+        metrics.local_step = step * 5 * RUN.averaging.round_steps
+        metrics.observe_round(ok=True, group_size=2, tau=1.0, fraction=fraction)
+        loop._check_cadence()
+    assert any("round_steps" in w["text"] for w in metrics.snapshot()["warnings"])
+    for step in range(7, 200):  # it catches up (a round per round_steps): the warning goes away
+        metrics.local_step = 6 * 5 * RUN.averaging.round_steps + (step - 6) * RUN.averaging.round_steps
+        metrics.observe_round(ok=True, group_size=2, tau=1.0, fraction=fraction)
+        loop._check_cadence()
+    assert not any("round_steps" in w["text"] for w in metrics.snapshot()["warnings"])

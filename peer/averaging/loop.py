@@ -96,6 +96,9 @@ if TYPE_CHECKING:
     from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
+CADENCE_MIN_ROUNDS = 5  # rounds before the per-step fraction is compared with the run's
+CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is reported (the tick's
+# rounding alone costs up to one period per round: ~20 % on the default run on 2 CPU cores)
 
 AVG_RPC = "avg_part"
 
@@ -231,6 +234,21 @@ class AveragingLoop:
         finally:
             self._view_task = None
 
+    def _check_cadence(self) -> None:
+        """Say so when the round clock, not round_steps, sets the pace: a round opens on the first tick after
+        round_steps local steps, so a peer that steps faster than round_steps per period averages less per step than
+        the run file says (it is told on the dashboard, with what to change)."""
+        want, avg = self.run.averaging.fraction, self.run.averaging
+        got = self.metrics.averaging_cadence()["avg_fraction_per_step"]
+        rounds = self.metrics.count("averaging_rounds_ok")
+        if avg.rule != "wagma" and got is not None and rounds >= CADENCE_MIN_ROUNDS and got < CADENCE_TOLERANCE * want:
+            self.metrics.warn(f"averaging under half the run's {want:g} of the weights per local step: this peer "
+                              f"makes far more than averaging.round_steps = {avg.round_steps} steps per "
+                              f"{self.period_s:g}-s round clock tick; the run should raise round_steps",
+                              key="avg_cadence")
+        else:
+            self.metrics.resolve("avg_cadence")
+
     def _deadline(self, round_no: int) -> float:
         return round_deadline(round_no, self.period_s, self.config, self.run.averaging.timeout_s)
 
@@ -312,6 +330,7 @@ class AveragingLoop:
             tau = step1 - step0
             self.metrics.observe_round(ok=True, group_size=group, tau=tau, fraction=self._round_fraction())
             logger.debug("round %d: averaged with %d peers, tau %d", r, group - 1, tau)
+            self._check_cadence()
         except asyncio.CancelledError:
             raise
         except TimeoutError:

@@ -157,6 +157,10 @@ class PeerMetrics:
             self._last_progress = self._clock()
         self._local_step = int(value)
 
+    def count(self, name: str) -> int:
+        """The current value of counter ``name`` (0 before its first increment)."""
+        return int(self._counters[name])
+
     @property
     def tokens_total(self) -> int:
         """Training tokens this peer has processed (the ``tokens`` counter)."""
