@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -80,3 +81,29 @@ def test_export_and_generate_refuse_bad_input_in_one_line(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(240)
+def test_export_fetches_every_stage_live_from_a_running_swarm(swarm, tmp_path, capsys):  # noqa: F811
+    a = swarm.start("a", stage="0")
+    b = swarm.start("b", stage="1", initial=a.wait_maddrs()[:1])
+    for p in (a, b):
+        p.wait_status(lambda s: s.get("state") == "training" and s.get("local_step", 0) >= 15, 150, "15 steps")
+    ids = {p.status()["peer_id"]: p.name for p in (a, b)}
+    out = tmp_path / "live"
+    assert main(["export", "--run", str(TINY_RUN), "--initial-peers", *b.wait_maddrs()[:1], "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.load(open(out / "config.json"))
+    for stage, name in ((0, "a"), (1, "b")):  # each stage came from the peer serving it, at a trained step
+        src = config["sources"][f"stage {stage}"]
+        assert ids[src["peer"]] == name and src["step"] >= 15, config["sources"]
+    model, _ = load_model(out)
+    run = RunConfig.from_toml(TINY_RUN)
+    x = torch.tensor([list(b"def main():\n    return 0\n")])
+    with torch.no_grad():
+        trained = build_stage(run, 1).loss(model(x[:, :-1]), x[:, 1:])
+        init = build_stage(run, 1).loss(build_gpt(run)(x[:, :-1]), x[:, 1:])
+    assert trained < init
+    for p in (a, b):
+        p.signal(signal.SIGTERM)
+        assert p.wait_exit(30) == 0

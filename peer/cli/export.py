@@ -1,46 +1,61 @@
-"""`asyncmesh-peer export`: assemble the stages' latest checkpoints into one model (safetensors + config.json).
+"""`asyncmesh-peer export`: assemble the stages' latest states into one model (safetensors + config.json).
 
 Each peer checkpoints only the stage it serves (``<checkpoint-dir>/stage-N.pt``). ``export`` looks in every folder
 given, takes for each stage the checkpoint with the highest step (replicas of a stage average towards one model; the
 most advanced one is the freshest), renames the stages' layers to those of the whole GPT (``trainer.export``) and
-writes ``model.safetensors`` and ``config.json`` to ``--out``. Load it with a few lines of plain PyTorch (see
-docs/export.md) or sample it with ``asyncmesh-peer generate``.
+writes ``model.safetensors`` and ``config.json`` to ``--out``. With ``--initial-peers`` instead, it joins the running
+swarm's DHT as a client (it serves and stores nothing), and fetches every stage's state from its most advanced
+training peer through the same chunked, validated state transfer a joiner uses. Load the result with a few lines of
+plain PyTorch (see docs/export.md) or sample it with ``asyncmesh-peer generate``.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from peer.errors import UserError, user_input
 
-HELP = "Assemble the stages' latest checkpoints into one model file (safetensors) with its config."
+LIVE_DONORS = 3  # peers of a stage tried in turn by a live export
+
+HELP = "Assemble the stages' latest states (checkpoints, or a live swarm) into one safetensors model."
 EPILOG = """examples:
   the checkpoints of a local swarm (each peer's folder), into model/:
     asyncmesh-peer export --run tests/runs/tiny.toml --checkpoint-dir swarm/peer*/ckpt --out model
   a volunteer's own folder plus folders copied from other stages' peers:
     asyncmesh-peer export --run myrun.toml --checkpoint-dir ~/.asyncmesh/ckpt stage1-ckpt --out model
+  live, from a running swarm (every stage's most advanced training peer):
+    asyncmesh-peer export --run myrun.toml --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --out model
 then: asyncmesh-peer generate --model model --prompt 'def main('
-exit codes: 0 written; 2 bad input (a folder, a missing stage, another run's checkpoints)"""
+exit codes: 0 written; 2 bad input (a folder, a missing stage, another run's checkpoints, no peer of a stage)"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, metavar="FILE", help="the run file the peers trained (default: embedded)")
-    p.add_argument("--checkpoint-dir", nargs="+", required=True, metavar="DIR",
-                   help="folders holding stage-N.pt checkpoints (the peers' --checkpoint-dir); every stage is needed")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", nargs="+", metavar="DIR",
+                        help="folders holding stage-N.pt checkpoints (the peers' --checkpoint-dir); every stage is "
+                             "needed")
+    source.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                        help="fetch every stage's state live from the swarm these peers belong to (an open run, or "
+                             "a closed run whose peers serve state to strangers)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to join the DHT and fetch every stage (default 120)")
     p.add_argument("--out", required=True, metavar="DIR", help="where to write model.safetensors and config.json")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from peer.state.checkpoint import CheckpointError, checkpoint_path
+    from peer.state.checkpoint import checkpoint_path
     from trainer.config import RunConfig
-    from trainer.export import gpt_state, save_model
 
     with user_input(f"--run {args.run}" if args.run else ""):
         run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
-    best: dict[int, tuple[int, Path, dict]] = {}
+    if args.initial_peers:
+        return _write(args, run_cfg, _fetch_live(args, run_cfg))
+    best: dict[int, tuple[int, str, dict]] = {}
     for folder in map(Path, args.checkpoint_dir):
         if not folder.is_dir():
             raise UserError(f"--checkpoint-dir {folder} is not a folder")
@@ -58,16 +73,25 @@ def run(args: argparse.Namespace) -> int:
                                 "pass the run file the peers trained with --run")
             step = int(payload.get("step", -1))
             if stage not in best or step > best[stage][0]:
-                best[stage] = (step, path, payload["state"]["model"])
+                best[stage] = (step, str(path), payload["state"]["model"])
     missing = [s for s in range(run_cfg.n_stages) if s not in best]
     if missing:
         raise UserError(f"no checkpoint of stage(s) {missing} in {' '.join(args.checkpoint_dir)}; add the folder of a "
                         f"peer that served it (its --checkpoint-dir)")
+    return _write(args, run_cfg, best, source="checkpoint")
+
+
+def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, str, dict]], *,
+           source: str = "peer") -> int:
+    """Assemble the stages' weights ``{stage: (step, where from, model state)}`` and write the model."""
+    from peer.state.checkpoint import CheckpointError
+    from trainer.export import gpt_state, save_model
+
     try:
         state = gpt_state(run_cfg, {s: m for s, (_, _, m) in best.items()})
     except (ValueError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    sources = {f"stage {s}": {"checkpoint": str(p), "step": step} for s, (step, p, _) in sorted(best.items())}
+    sources = {f"stage {s}": {source: where, "step": step} for s, (step, where, _) in sorted(best.items())}
     with user_input(f"--out {args.out}"):
         out = save_model(args.out, run_cfg, state, sources)
     n = sum(t.numel() for t in state.values())
@@ -75,3 +99,61 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'model.safetensors'} ({n:,} parameters of run {run_cfg.name} ({run_cfg.run_id}); {steps}) "
           f"and {out / 'config.json'}")
     return 0
+
+
+def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, str, dict]]:
+    """Every stage's state from its most advanced training peers (tried in turn), as a DHT client."""
+    import asyncio
+
+    import uvloop
+
+    from peer.cli.checks import check_multiaddrs
+
+    check_multiaddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
+
+    async def fetch() -> dict[int, tuple[int, str, dict]]:
+        from hivemind import DHT
+
+        from peer.membership.records import fetch_swarm, record_validator
+        from peer.ops.metrics import PeerMetrics
+        from peer.state.sync import choose_donors, load_state_from_peers
+
+        try:
+            dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
+                                          record_validators=[record_validator(run_cfg.run_id)])
+        except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
+            raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
+                            "multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e
+        try:
+            p2p = await dht.replicate_p2p()
+            records = await fetch_swarm(dht, run_cfg.run_id, timeout=10.0)
+            best: dict[int, tuple[int, str, dict]] = {}
+            for stage in range(run_cfg.n_stages):
+                donors = choose_donors(records, stage, p2p.peer_id.to_base58())
+                if not donors:
+                    raise UserError(f"no training peer of stage {stage} of run {run_cfg.run_id} found through "
+                                    f"{args.initial_peers[0]}; check --run (the peers' run file) or export from "
+                                    "their checkpoint folders")
+                for donor in donors[:LIVE_DONORS]:  # the most advanced first; the next if it fails
+                    state = await load_state_from_peers(p2p=p2p, run=run_cfg, stage=stage,
+                                                        metrics=PeerMetrics("export", stage), donors=[donor])
+                    if state is not None:
+                        best[stage] = (int(state["local_step"]), donor, state["model"])
+                        break
+                else:
+                    raise UserError(f"no peer of stage {stage} delivered its state (they may refuse strangers in a "
+                                    "closed run, or be overloaded); try again, or export from their checkpoint "
+                                    "folders")
+            return best
+        finally:
+            await asyncio.to_thread(dht.shutdown)
+
+    async def bounded() -> dict[int, tuple[int, str, dict]]:
+        try:
+            return await asyncio.wait_for(fetch(), args.timeout)
+        except TimeoutError:
+            raise UserError(f"the swarm's states did not arrive within --timeout {args.timeout:g} s") from None
+
+    return uvloop.run(bounded())
