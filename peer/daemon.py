@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import random
 import signal
@@ -42,6 +41,7 @@ from peer.membership.stage_choice import capacities, choose_stage, estimate_thro
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
 from peer.ops.status_server import StatusServer, StatusServerError
+from peer.ops.summary import peer_summary, write_summary
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
@@ -482,42 +482,15 @@ class Daemon:
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""
-        snap = self.metrics.snapshot()
-        counters = snap.get("counters", {})
-        elapsed = time.monotonic() - self.started
-        d = self.driver
-        losses = d.losses if d is not None else []
-        val = self.final_val_loss if self.final_val_loss is not None else (d.val_losses[-1] if d and d.val_losses
-                                                                            else None)
-        return {
-            "peer_id": self.my_id, "stage": self.stage, "run_id": self.run.run_id, "mode": self.cfg.mode,
-            "exit_reason": self.exit_reason, "elapsed_s": round(elapsed, 3),
-            "steps": int(self.worker.local_step) if self.worker is not None else 0,
-            "tokens": int(d.tokens) if d is not None else int(counters.get("tokens", 0)),
-            "tokens_per_s": d.tokens_per_s() if d is not None else counters.get("tokens", 0) / max(elapsed, 1e-9),
-            "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else None,
-            "final_loss": sum(losses[-5:]) / len(losses[-5:]) if losses else self.metrics.train_loss,
-            "final_val_loss": val,
-            "val_losses": list(d.val_losses) if d is not None else [],
-            "samples_lost": self.ledger.lost, "samples_owed": len(self.ledger),
-            "samples_handed_back": self.ledger.handed_back,
-            **{k: int(counters.get(k, 0)) for k in ("microbatches_dropped", "microbatches_requeued", "retries",
-                                                      "averaging_rounds_ok", "averaging_rounds_failed",
-                                                      "samples_refused", "microbatches_refused")},
-            **self.metrics.averaging_cadence(),
-            "rejected_avg": {k: int(v) for k, v in counters.items() if k.startswith("rejected:avg_")},
-        }
+        head = {"peer_id": self.my_id, "stage": self.stage, "run_id": self.run.run_id, "mode": self.cfg.mode,
+                "exit_reason": self.exit_reason}
+        return peer_summary(self.metrics, head=head, elapsed_s=time.monotonic() - self.started,
+                            steps=int(self.worker.local_step) if self.worker is not None else 0, driver=self.driver,
+                            ledger=self.ledger, final_val_loss=self.final_val_loss)
 
     def write_summary(self) -> None:
-        if self.cfg.summary_json is None:
-            return
-        try:
-            self.cfg.summary_json.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cfg.summary_json.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.summary(), indent=1))
-            tmp.replace(self.cfg.summary_json)
-        except OSError as e:
-            logger.error("could not write the summary to %s: %s", self.cfg.summary_json, e)
+        if self.cfg.summary_json is not None:
+            write_summary(self.cfg.summary_json, self.summary())
 
 
 def _replace(cfg: PeerConfig, **kw: Any) -> PeerConfig:
