@@ -57,13 +57,13 @@ def test_peers_behind_nat_serve_through_the_relay(tmp_path: Path) -> None:
             assert relayed and relayed[0].startswith(f"/ip4/{lab.pub_ip}/"), peer.maddrs
         # what the relay costs: the same stage, trained directly (A) and through the relay (C), over one window
         before = {p.name: p.status()["tokens_total"] for p in (a, c)}
-        bytes_before, t0 = lab.forwarded_bytes(), time.monotonic()
+        bytes_before, t0 = lab.link_bytes(), time.monotonic()
         time.sleep(15.0)
         after = {p.name: p.status()["tokens_total"] for p in (a, c)}
-        bytes_after, dt = lab.forwarded_bytes(), time.monotonic() - t0
+        bytes_after, dt = lab.link_bytes(), time.monotonic() - t0
         figures = {
             "tokens_per_s": {n: round((after[n] - before[n]) / dt, 1) for n in after},
-            "router_bytes_per_s": {ns.rsplit("-", 1)[1]: round((bytes_after[ns] - bytes_before[ns]) / dt)
+            "link_bytes_per_s": {ns.rsplit("-", 1)[1]: round((bytes_after[ns] - bytes_before[ns]) / dt)
                                    for ns in bytes_after},
             "window_s": round(dt, 1), "nproc": os.cpu_count(), "loadavg": os.getloadavg(),
         }

@@ -187,14 +187,15 @@ class NatLab:
             raise out["error"]
         return out["value"]
 
-    def forwarded_bytes(self) -> dict[str, int]:
-        """Bytes the router forwarded, per home (both directions: its LAN link's rx + tx counters)."""
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes through the router's link to each namespace (rx + tx), keyed by namespace: a home's link carries
+        all its peer's traffic; the public link also carries every relayed byte twice (into the relay and out)."""
         tag = self.pub.rsplit("-", 1)[0][-8:]
         out = {}
-        for k in range(self.homes):
-            res = _run("ip", "-n", self.rtr, "-j", "-s", "link", "show", "dev", f"v{tag}b{k + 1}")
+        for k, ns in enumerate([self.pub, *self.home]):
+            res = _run("ip", "-n", self.rtr, "-j", "-s", "link", "show", "dev", f"v{tag}b{k}")
             stats = json.loads(res.stdout)[0]["stats64"]
-            out[self.home[k]] = int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
+            out[ns] = int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
         return out
 
 def _setns(name: str) -> None:
