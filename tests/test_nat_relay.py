@@ -1,10 +1,12 @@
 """Volunteers behind NAT serve through a circuit relay (network namespaces, iptables MASQUERADE; ``-m wan``).
 
-The lab (tools/natlab.py): peer A on the public side (stage 0, ``--relay-service on``), B behind one NAT (stage 1) and
-C behind another (stage 0), no port forwarding: nobody can dial B or C, and B and C cannot dial each other. A
-reaches B over the connection B opened itself, but C's micro-batches can reach B, and B's gradients C, only through
-A's relay. With ``--relay auto`` (the default) B and C find themselves unreachable, join again through A's relay,
-and C trains: its local step advances only when B's backward answers come back. With ``--relay off`` C never trains.
+The lab (tools/natlab.py): peer A on the public side (stage 0, ``--relay-service on``), B behind one NAT (stage 1), C
+behind another (stage 0) and, in the relay test, D behind a third (stage 1, B's replica); no port forwarding: nobody
+can dial B, C or D, and they cannot dial each other. A reaches B over the connection B opened itself, but C's
+micro-batches can reach B, B's gradients C, and B and D each other's averaging parts, only through A's relay. With
+``--relay auto`` (the default) the NATed peers find themselves unreachable and join again through A's relay; C trains
+(its local step advances only when stage 1's backward answers come back) and B and D average. With ``--relay off``
+C never trains.
 """
 
 from __future__ import annotations
@@ -36,21 +38,26 @@ def _start(lab: NatLab, ns: str, root: Path, name: str, *, stage: int, host: str
                              fetch=lambda p: lab.call_in(ns, lambda: fetch_status_http(p), timeout=10.0))
 
 
-def _swarm(lab: NatLab, root: Path, relay: str) -> tuple[PeerProcess, PeerProcess, PeerProcess]:
+def _swarm(lab: NatLab, root: Path, relay: str) -> list[PeerProcess]:
+    """A on the public side, then one peer in each home: stages 1, 0, 1 (B, C, D)."""
     a = _start(lab, lab.pub, root, "a", stage=0, host=lab.pub_ip, initial=[], extra=("--relay-service", "on"))
     first = [m for m in a.wait_maddrs(60) if f"/{lab.pub_ip}/" in m][:1]
-    b = _start(lab, lab.home[0], root, "b", stage=1, host=lab.home_ip(0), initial=first, extra=("--relay", relay))
-    c = _start(lab, lab.home[1], root, "c", stage=0, host=lab.home_ip(1), initial=first, extra=("--relay", relay))
-    return a, b, c
+    peers = [a]
+    for k, (name, stage) in enumerate([("b", 1), ("c", 0), ("d", 1)][:lab.homes]):
+        peers.append(_start(lab, lab.home[k], root, name, stage=stage, host=lab.home_ip(k), initial=first,
+                            extra=("--relay", relay)))
+    return peers
 
 
 @pytest.mark.timeout(180)
 def test_peers_behind_nat_serve_through_the_relay(tmp_path: Path) -> None:
-    with NatLab(homes=2) as lab:
-        a, b, c = _swarm(lab, tmp_path, "auto")
+    with NatLab(homes=3) as lab:
+        a, b, c, d = _swarm(lab, tmp_path, "auto")
         c.wait_status(lambda s: s["local_step"] >= STEPS, 120, f"{STEPS} steps of C (behind NAT, through the relay)")
         a.wait_status(lambda s: s["local_step"] >= STEPS, 30, f"{STEPS} steps of A (public)")
-        for peer in (b, c):
+        d.wait_status(lambda s: s["counters"].get("averaging_rounds_ok", 0) >= 1 and (s["avg_group_size"] or 0) >= 2,
+                      60, "an averaging round of D with B (both behind NAT, through the relay)")
+        for peer in (b, c, d):
             log = peer.log()
             assert "joining again through a relay" in log, f"{peer.name} did not switch to the relay:\n{log[-3000:]}"
             relayed = [m for m in peer.maddrs if "/p2p-circuit" in m]
