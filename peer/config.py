@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peer.membership.relay import check_modes as check_relay_modes
+
 MODES = ("async", "sync")
 MAX_RECORD_TTL_S = 60.0
 """The furthest ahead a DHT record may expire: every node refuses later expirations (membership/signing.py)."""
@@ -104,6 +106,13 @@ class PeerConfig:
     ASYNCMESH_METRICS_HOST) so that its published port can be scraped."""
     torch_threads: int = 0
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
+    relay: str = "auto"
+    """Listen through a circuit relay: 'auto' (when the reachability check finds us unreachable), 'on', 'off'."""
+    relay_service: str = "auto"
+    """Relay for peers behind NAT: 'auto' (when libp2p's AutoNAT finds us public), 'on' (a public organiser's peer),
+    'off'."""
+    relays: tuple[str, ...] = ()
+    """Full multiaddrs of the peers to reserve a relay slot at; empty uses initial_peers."""
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
     byzantine_attack: str = ""
@@ -116,6 +125,8 @@ class PeerConfig:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
         object.__setattr__(self, "host_maddrs", tuple(self.host_maddrs))
         object.__setattr__(self, "announce_maddrs", tuple(self.announce_maddrs))
+        object.__setattr__(self, "relays", tuple(self.relays))
+        check_relay_modes(self.relay, self.relay_service)
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))

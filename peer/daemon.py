@@ -34,6 +34,7 @@ from peer.membership.gate import AdmissionGate
 from peer.membership.moves import Mover, MoveTiming
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
+from peer.membership.relay import needs_relay_restart, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
@@ -104,6 +105,7 @@ class Daemon:
         self.my_id = ""
         self.maddrs: list[str] = []
         self.reachable = True
+        self.through_relay = cfg.relay == "on"  # p2pd listens through a relay (peer.membership.relay)
         self.started = time.monotonic()
         self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
@@ -158,15 +160,17 @@ class Daemon:
         return not_ready_error()
 
     # ----- start-up --------------------------------------------------------------------------------------------------
-    async def _start_dht(self) -> None:
+    async def _start_dht(self, *, rejoin: bool = False) -> None:
         self.dht = dht = await start_dht(self.cfg, self.stop, validators=[record_validator(self.run.run_id,
-                                                                                           organiser_key(self.run))])
+                                                                                           organiser_key(self.run))],
+                                         through_relay=self.through_relay, rejoin=rejoin)
         self.p2p = await dht.replicate_p2p()
         self.my_id = dht.peer_id.to_base58()
         self.signer = Signer.from_identity_file(self.cfg.identity_path)  # signs our DHT records (same key as p2pd)
         self.gate.load_own(self.my_id)  # closed runs: our credential must admit this peer id, else a clear error
         self.metrics.peer_id = self.my_id
-        visible = await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs)
+        visible = (await wait_relayed(dht, self.cfg.reachability_timeout_s) if self.through_relay
+                   else await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs))
         self.maddrs = [str(m) for m in visible][:8]
         self.metrics.maddrs = list(self.cfg.announce_maddrs) or list(self.maddrs)
         if self.cfg.maddrs_file is not None:
@@ -389,7 +393,26 @@ class Daemon:
 
     async def _take_a_stage(self) -> None:
         await self._check_reachability()
+        if needs_relay_restart(self.cfg.relay, self.reachable, self.through_relay):
+            await self._rejoin_through_relay()
         await self._enter_stage(await self._choose_stage())
+
+    async def _rejoin_through_relay(self) -> None:
+        """--relay auto found us unreachable: start the DHT again listening through a relay, before any stage or
+        record exists (the peer id stays; its handlers are registered on the new p2pd)."""
+        logger.warning("other peers cannot connect to this peer: joining again through a relay (--relay auto)")
+        assert self.rpc is not None and self.dht is not None
+        await self.rpc.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
+        self.dht = self.p2p = self.rpc = None
+        self.through_relay = True
+        await self._start_dht(rejoin=True)
+        await self._start_rpc()
+        assert self.rpc is not None
+        self.handlers = StageHandlers(self.rpc, self._not_ready)
+        relayed = [m for m in self.maddrs if "/p2p-circuit" in m]
+        self.metrics.warn(f"reachable only through a relay: {relayed[0]}" if relayed else
+                          "listening through a relay, but no relay slot was reserved yet")
 
     async def _unless_stopped(self, work: Awaitable[None]) -> None:
         """Run a start-up phase, abandoned at once if the peer is asked to stop (SIGTERM, Ctrl-C) meanwhile."""

@@ -4,6 +4,7 @@ public swarm (it must not serve as a port-probe oracle)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from peer.membership.reachability import ReachabilityHelper, is_private, swarm_is_local
 from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello
@@ -29,7 +30,7 @@ def test_reach_dials_only_the_requesters_own_address():
 
         async def observed(peer: str) -> set[str]:
             dialled.append(peer)
-            return {"127.0.0.1"} if peer == "me" else {"5.6.7.8"}
+            return {"127.0.0.1"} if peer == "me" else {"10.0.0.9"}
 
         try:
             local = ReachabilityHelper(run_id="run", timeout_s=2, observed=observed, local_swarm=lambda: True,
@@ -40,11 +41,18 @@ def test_reach_dials_only_the_requesters_own_address():
             # a public swarm: loopback is never dialled, even when it is where the requester connects from
             refused = await public.handle(_hello(f"/ip4/127.0.0.1/tcp/{port}"), "me")
             assert isinstance(refused, Error) and refused.code.name == "BAD_REQUEST"
-            # another host than the requester's own: refused without dialling
+            # another host than the requester's own is never dialled; its observed host is, and in a public swarm only
+            # when public (this one, 10.0.0.9, is private): refused without dialling
             other = await public.handle(_hello("/ip4/1.2.3.4/tcp/80"), "stranger")
             assert isinstance(other, Error) and other.code.name == "BAD_REQUEST"
-            other = await local.handle(_hello(f"/ip4/127.0.0.1/tcp/{port}"), "stranger")  # observed 5.6.7.8
-            assert isinstance(other, Error) and other.code.name == "BAD_REQUEST"
+            # seen from an address it does not announce (behind NAT): dialled there, on the ports it announces
+            assert isinstance(await local.handle(_hello(f"/ip4/10.9.9.9/tcp/{port}"), "me"), Ack)
+            closed = socket.socket()
+            closed.bind(("127.0.0.1", 0))
+            closed_port = closed.getsockname()[1]
+            closed.close()
+            nat = await local.handle(_hello(f"/ip4/10.9.9.9/tcp/{closed_port}"), "me")
+            assert isinstance(nat, Error) and "could not connect to 127.0.0.1:" in nat.message
         finally:
             server.close()
             await server.wait_closed()

@@ -45,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="addresses others should dial (public IP / forwarded port)")
+    p.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
+                   help="behind NAT without port forwarding: listen through a circuit relay at the initial peers "
+                        "(or --relays); auto (default) when the reachability check finds this peer unreachable")
+    p.add_argument("--relay-service", default="auto", choices=("auto", "on", "off"),
+                   help="relay for peers behind NAT: auto (default) when libp2p finds this peer public; on for an "
+                        "organiser's public peer (needed when its address is not confirmed public)")
+    p.add_argument("--relays", nargs="*", default=[], metavar="MADDR",
+                   help="full multiaddrs of the relays to listen through (default: --initial-peers)")
     p.add_argument("--identity", default=None, metavar="PATH",
                    help="private key file fixing the peer id (default ~/.asyncmesh/identity.key; created if missing)")
     p.add_argument("--credential", default=None, metavar="FILE",
@@ -111,7 +119,8 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
     kw: dict[str, object] = dict(
         stage=parse_stage(args.stage), initial_peers=tuple(args.initial_peers),
         announce_maddrs=tuple(args.announce_maddrs), checkpoint_dir=args.checkpoint_dir, data_path=args.data,
-        device=args.device, mode=args.mode,
+        device=args.device, mode=args.mode, relay=args.relay, relay_service=args.relay_service,
+        relays=tuple(args.relays),
         max_steps=args.max_steps, summary_json=args.summary_json, metrics_port=args.metrics_port,
         torch_threads=args.torch_threads)
     if args.host_maddrs:

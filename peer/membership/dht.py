@@ -16,6 +16,7 @@ from peer.config import PeerConfig
 from peer.errors import DaemonError
 from peer.membership.identity import IdentityError, check_permissions, ensure_identity
 from peer.membership.lifeline import LifelineDHT
+from peer.membership.relay import p2p_relay_kwargs, relay_targets
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,13 @@ class JoinInterrupted(Exception):
 
 
 async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
-                    validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:
+                    validators: Sequence[RecordValidatorBase] = (), *, through_relay: bool | None = None,
+                    rejoin: bool = False) -> hivemind.DHT:
     """Start this peer's DHT node (a child process running p2pd), joining ``cfg.initial_peers``.
 
     ``validators`` gate every record this node stores or reads (``records.record_validator``: owner-signed records).
+    ``through_relay`` (default: ``cfg.relay == "on"``) listens through the relays of ``peer.membership.relay``;
+    ``rejoin`` skips hivemind's "is this identity already in use" probe (this peer's own previous DHT just left).
 
     A joiner retries with backoff (1, 2, 4, 8 s) because the bootstrap peer may be busy starting up itself; a new swarm
     fails at once. Raises DaemonError saying what to check, or JoinInterrupted as soon as ``stop`` is set (the
@@ -43,10 +47,15 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
     except IdentityError as e:
         raise DaemonError(str(e)) from e
 
+    through_relay = cfg.relay == "on" if through_relay is None else through_relay
+    if through_relay and not relay_targets(cfg.relays, cfg.initial_peers):
+        raise DaemonError("--relay on needs a relay to listen through: pass --relays or --initial-peers with full "
+                          "multiaddrs (/ip4/HOST/tcp/PORT/p2p/PEER_ID)")
     stop = stop or asyncio.Event()
     for attempt in range(DHT_START_ATTEMPTS):
         try:
-            return await _start_once(cfg, str(identity), stop, validators)
+            return await _start_once(cfg, str(identity), stop, validators, through_relay=through_relay,
+                                     rejoin=rejoin)
         except JoinInterrupted:
             raise
         except Exception as e:  # the bootstrap peer may be busy starting up itself: retry before giving up
@@ -64,13 +73,17 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-async def _start_once(cfg: PeerConfig, identity: str, stop: asyncio.Event,
-                      validators: Sequence[RecordValidatorBase]) -> hivemind.DHT:
+async def _start_once(cfg: PeerConfig, identity: str, stop: asyncio.Event, validators: Sequence[RecordValidatorBase],
+                      *, through_relay: bool, rejoin: bool) -> hivemind.DHT:
     """One attempt. The DHT process is forked from this (the main) thread, which lives as long as the peer: its
     parent-death signal is bound to the forking thread. Readiness is awaited in an executor, checking ``stop``."""
+    relay = p2p_relay_kwargs(through_relay=through_relay, relay_service=cfg.relay_service,
+                             relays=relay_targets(cfg.relays, cfg.initial_peers))
+    extra = {"check_if_identity_free": False} if rejoin else {}
     dht = LifelineDHT(initial_peers=list(cfg.initial_peers), host_maddrs=list(cfg.host_maddrs),
                       announce_maddrs=list(cfg.announce_maddrs) or None, identity_path=identity,
-                      use_ipfs=cfg.use_ipfs, start=False, client_mode=False, record_validators=list(validators))
+                      use_ipfs=cfg.use_ipfs, start=False, client_mode=False, record_validators=list(validators),
+                      **relay, **extra)
     dht.start()
     loop = asyncio.get_running_loop()
     try:

@@ -5,8 +5,11 @@ send it micro-batches. The check asks a peer it already knows (an initial peer) 
 each announced address and to say whether one succeeded: a real dial-back from outside, not a reuse of the
 connection we opened. The helper answers at most once per ``min_interval_s`` per requester, dials at most
 ``MAX_ADDRS`` addresses per request, and only the requester's own address as libp2p observed it on the connection the
-request came over (any port: probing one's own host tells nothing new). Loopback, private and link-local addresses are
-dialled only when the swarm itself is local (every address it announces is one), so the helper is no port-probe
+request came over (any port: probing one's own host tells nothing new). A requester seen from an address it does not
+announce (behind NAT, or announcing its private address) is dialled at that observed address on the ports it
+announces: the answer says whether a port forward exists, and a "could not connect" marks a peer behind NAT, which
+``--relay auto`` then serves through a relay (``peer.membership.relay``). Loopback, private and link-local addresses
+are dialled only when the swarm itself is local (every address it announces is one), so the helper is no port-probe
 oracle into its own machine or network.
 """
 
@@ -95,6 +98,9 @@ class ReachabilityHelper:
         own = await self.observed(peer_id)
         local = self.local_swarm()
         allowed = [(h, p) for h, p in targets if h in own and (local or not is_private(h))]
+        if not allowed and not any(h in own for h, _ in targets):  # seen from elsewhere: NAT, or a port forward
+            ports = sorted({p for _, p in targets})
+            allowed = [(h, p) for h in sorted(own) if local or not is_private(h) for p in ports][:MAX_ADDRS]
         if not allowed:
             return Error(code=ErrorCode.BAD_REQUEST,
                          message="only the requester's own observed public address is dialled back")
@@ -114,7 +120,8 @@ async def check_reachable(*, call: Callable[[str, str, Message, float], Awaitabl
                           run_id: str, stage: int, my_id: str, maddrs: list[str],
                           timeout_s: float) -> tuple[bool | None, str]:
     """Ask up to two helpers to dial us back. Returns (True/False, message) or (None, why it could not be checked)."""
-    plain = sorted({f"/{m.strip('/').split('/p2p/')[0]}" for m in maddrs if tcp_targets([m])})  # no /p2p/ suffix
+    plain = sorted({f"/{m.strip('/').split('/p2p/')[0]}" for m in maddrs  # no /p2p/ suffix, no relayed address
+                    if tcp_targets([m]) and "/p2p-circuit" not in m})
     targets = [m for m in plain if not is_public_unroutable(tcp_targets([m])[0][0])] or plain
     if not helpers:
         return None, "no other peer to dial us back yet (first peer of the swarm)"
@@ -131,7 +138,8 @@ async def check_reachable(*, call: Callable[[str, str, Message, float], Awaitabl
             if "could not connect" in last:
                 return False, (f"other peers cannot connect to this peer at {', '.join(targets)}: {last}. Open the "
                                "TCP port in your firewall or forward it on your router, and pass the public address "
-                               "with --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT (and --host-maddrs with that port).")
+                               "with --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT (and --host-maddrs with that port); "
+                               "otherwise --relay auto (the default) serves through a relay.")
             continue
         except Exception as e:  # a helper that fails says nothing about us
             last = f"{short_id(helper)}: {e!r}"
