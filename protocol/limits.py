@@ -59,6 +59,11 @@ class RpcLimits:
     strangers_inflight_bytes: int = 256 * MiB
     #: concurrent request streams one stranger may hold open
     stranger_streams: int = 4
+    #: refused streams per second one stranger may cause (burst: twice as many); once it has used them up, its next
+    #: streams are closed unread and unanswered until the budget refills (requests that succeed cost nothing)
+    stranger_refusals_per_s: float = 20.0
+    #: refused streams per second all strangers together may cause (burst: as many), likewise
+    strangers_refusals_per_s: float = 200.0
 
     def __post_init__(self) -> None:
         for name in ("max_frame_bytes", "send_frame_bytes", "max_message_bytes", "max_streams_per_peer",
@@ -68,7 +73,7 @@ class RpcLimits:
             if type(value) is not int or value <= 0:
                 raise ValueError(f"RpcLimits.{name} must be a positive int, got {value!r}")
         for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s",
-                     "min_bytes_per_s", "rate_grace_s"):
+                     "min_bytes_per_s", "rate_grace_s", "stranger_refusals_per_s", "strangers_refusals_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
         if self.busy_retry_s < 0 or self.linger_s < 0:
@@ -96,6 +101,18 @@ class PeerBudgets:
     ) -> None:
         self.rate, self.burst, self.max_peers, self._clock = rate, burst, max_peers, clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, last refill time)
+
+    def empty(self, peer: str) -> bool:
+        """Whether ``peer`` has less than one token now (nothing is taken)."""
+        tokens, last = self._buckets.get(peer, (float(self.burst), self._clock()))
+        return min(float(self.burst), tokens + (self._clock() - last) * self.rate) < 1.0
+
+    def spend(self, peer: str, n: int = 1) -> None:
+        """Take up to ``n`` tokens, never below zero and never raising (a charge for what already happened)."""
+        try:
+            self.take(peer, n)
+        except RateLimited:
+            self._buckets[peer] = (0.0, self._clock())
 
     def take(self, peer: str, n: int) -> None:
         now = self._clock()

@@ -24,7 +24,14 @@ from typing import Protocol
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, ProtocolError, RemoteError, error_code_for
+from protocol.errors import (
+    ErrorCode,
+    FrameTooLarge,
+    PeerUnreachable,
+    ProtocolError,
+    RemoteError,
+    error_code_for,
+)
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
@@ -120,6 +127,11 @@ class RpcServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self._budgets = PeerBudgets(self.limits.per_peer_bytes_per_s, self.limits.burst_bytes)
+        # refused streams of strangers, per peer and all together: once a stranger's run out, its streams are closed
+        # before they cost a read or a reply (a flood of hopeless requests), while its successful requests cost nothing
+        per_s, all_per_s = self.limits.stranger_refusals_per_s, self.limits.strangers_refusals_per_s
+        self._refusals = PeerBudgets(per_s, max(1, int(2 * per_s)))
+        self._all_refusals = PeerBudgets(all_per_s, max(1, int(all_per_s)))
         self._streams: Counter[str] = Counter()
         self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
@@ -177,10 +189,14 @@ class RpcServer:
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
+        known = self.is_known(peer)
+        if not known and (self._refusals.empty(peer) or self._all_refusals.empty("")):
+            self.rejected["flood"] += 1  # a stranger that keeps being refused: no read, no reply until it slows down
+            writer.close()
+            return
         policy = self._policies.get(name) or _Policy()
         max_message = policy.max_message_bytes or limits.max_message_bytes
         buffered = stranger_buffered = 0
-        known = self.is_known(peer)
         # a stranger may always have one whole request of this handler in flight (or it could never start working)
         allowance = None if known else max(limits.stranger_inflight_bytes, max_message)
         start = asyncio.get_running_loop().time()
@@ -198,6 +214,8 @@ class RpcServer:
 
         def deadline(received: int) -> float:  # the minimum rate: a stalled or trickling stream is cut
             return start + limits.rate_grace_s + received / limits.min_bytes_per_s
+
+        refused = False
 
         try:
             if self.gate is not None and not await self.gate(peer):
@@ -247,24 +265,29 @@ class RpcServer:
         except _Saturated as e:
             self.rejected["busy"] += 1
             logger.debug("busy, refusing %s from %s: %s", name, peer, e)
+            refused = True
             reply = Busy(retry_after_s=limits.busy_retry_s)
         except ProtocolError as e:
             code = error_code_for(e)
             self.rejected[code.name.lower()] += 1
             logger.debug("refused %s from %s: %s", name, peer, e)
             reply = Error(code, str(e)[:4000])
+            refused = True
         except TimeoutError as e:
             self.rejected["timeout"] += 1
             logger.debug("timeout on %s from %s: %s", name, peer, e)
+            refused = True
             reply = Error(ErrorCode.TIMEOUT, str(e))
         except _NotAdmitted as e:
             self.rejected["unauthorized"] += 1
             logger.debug("refused %s: %s", name, e)
+            refused = True
             reply = Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
         except _WrongKind as e:
             self.rejected["wrong_kind"] += 1
             logger.debug("refused %s from %s: %s", name, peer, e)
             reply = Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
+            refused = True
         except Exception as e:
             self.rejected["internal"] += 1
             now = time.monotonic()
@@ -276,6 +299,9 @@ class RpcServer:
             else:
                 logger.debug("handler %s failed on a request from %s: %r", name, peer, e)
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
+        if refused and not known:  # what a stranger may cost us in refusals before its streams go unread
+            self._refusals.spend(peer)
+            self._all_refusals.spend("")
         try:
             payload = await _pack(reply)
             async with asyncio.timeout(limits.write_timeout_s):

@@ -157,12 +157,14 @@ def test_a_flood_of_never_writing_streams_from_one_id_does_not_stall_others():
                 assert isinstance(await call(honest, server.peer_id, "echo", HELLO, timeout=10, limits=limits), Ack)
                 worst = max(worst, time.monotonic() - t0)
             assert worst < 1.0 + 3 * base, (worst, base)  # (the issue saw 2-8 s stalls; base: the machine's load)
-            # a stranger holds at most a few streams: the others were refused Busy, or cut for silence once admitted
+            # a stranger holds at most a few streams: the others were refused Busy (until it had used up the refusals
+            # a stranger may cause: 2 x stranger_refusals_per_s at once), then closed unread, or cut for silence
             deadline = time.monotonic() + limits.rate_grace_s + 5
-            while rpc.rejected["busy"] + rpc.cut_slow < 200 and time.monotonic() < deadline:
+            handled = lambda: rpc.rejected["busy"] + rpc.rejected["flood"] + rpc.cut_slow  # noqa: E731
+            while handled() < 200 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-            assert rpc.rejected["busy"] + rpc.cut_slow >= 200, (rpc.rejected, rpc.cut_slow)
-            assert rpc.rejected["busy"] >= 100
+            assert handled() >= 200, (rpc.rejected, rpc.cut_slow)
+            assert rpc.rejected["busy"] >= 2 * limits.stranger_refusals_per_s and rpc.rejected["flood"] >= 100
             for o in opened:
                 if not isinstance(o, BaseException):
                     o[2].close()
@@ -236,5 +238,41 @@ def test_vouched_peers_get_the_full_budget_and_strangers_only_their_allowance():
             assert all(isinstance(r, Ack) for r in await asyncio.gather(*calls))
         finally:
             await asyncio.gather(client.shutdown(), server.shutdown(), return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_stranger_that_keeps_being_refused_has_its_streams_closed_unread_and_others_are_served():
+    limits = RpcLimits(stranger_refusals_per_s=5.0, strangers_refusals_per_s=1000.0)
+
+    async def main() -> None:
+        server, honest, attacker = await _peers(3)
+        try:
+            rpc = RpcServer(server, limits)
+
+            async def echo(msg, peer):
+                return Ack()
+
+            await rpc.add_handler("echo", echo)
+            rpc.restrict("echo", kinds=(Hello,))
+            wrong = Backward(run_id="r", mb_id=1, route=["a"], gradient=None, loss=None, is_eval=False)
+            replies = []
+            for _ in range(30):  # the wrong kind of message, over and over: refused BAD_REQUEST, then not read at all
+                try:
+                    replies.append(type(await call(attacker, server.peer_id, "echo", wrong, timeout=5)).__name__)
+                except RemoteError as e:
+                    replies.append(e.code.name)
+                except Exception as e:  # the stream closed unanswered
+                    replies.append(type(e).__name__)
+            assert replies[:10] == ["BAD_REQUEST"] * 10, replies  # its burst: 2 x stranger_refusals_per_s
+            # then only what its budget refills (5 per second) is read; the rest is closed unanswered
+            assert rpc.rejected["flood"] >= 15 and replies[10:].count("BAD_REQUEST") <= 5, (replies, rpc.rejected)
+            for _ in range(30):  # a stranger whose requests succeed is never charged
+                assert isinstance(await call(honest, server.peer_id, "echo", HELLO, timeout=10), Ack)
+            await asyncio.sleep(2 / limits.stranger_refusals_per_s + 0.2)  # its budget refills: it is heard again
+            with pytest.raises(RemoteError):
+                await call(attacker, server.peer_id, "echo", wrong, timeout=5)
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in (server, honest, attacker)), return_exceptions=True)
 
     asyncio.run(main())
