@@ -129,7 +129,7 @@ class StageService:
         source = await self.load_state()
         self.loaded = True
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
-        if source == "donor":  # a restart right after joining resumes from here instead of downloading again
+        if source in ("donor", "spare"):  # a restart right after joining resumes from here, not downloading again
             await host.checkpoint()
         host.metrics.local_step = self.worker.local_step
         self.pipe = pipe = PipelineStage(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
