@@ -87,6 +87,9 @@ class PeerConfig:
     """Random wait before acting on a stage choice, then re-check (spreads peers that join at the same time)."""
     checkpoint_every_s: float = 120.0
     """Periodic checkpoint interval when checkpoint_dir is set (0: only the final checkpoint)."""
+    backup_every_s: float = 120.0
+    """Keep a copy of the next stage's state, refreshed this often, so that stage survives losing all its peers
+    (0: off). Low priority: skipped while busy; the copy goes to checkpoint_dir when set, else memory."""
     drain_timeout_s: float = 10.0
     """On SIGTERM: wait this long for in-flight micro-batches before the final checkpoint."""
     state_load_timeout_s: float = 60.0
@@ -151,7 +154,7 @@ class PeerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
         for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s", "rebalance_settle_s",
-                     "rebalance_cooldown_s"):
+                     "rebalance_cooldown_s", "backup_every_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
         if self.record_ttl_s > MAX_RECORD_TTL_S:

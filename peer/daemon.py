@@ -47,6 +47,7 @@ from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
+from peer.state.spare import SpareStore, spare_fields
 from protocol.messages import Busy, Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig, stage_layer_ranges
@@ -113,6 +114,7 @@ class Daemon:
         self.run_guard = RunGuard(run.run_id, run.name)
         self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
         self.tasks: list[asyncio.Task] = []
+        self.spares = SpareStore(run, cfg.checkpoint_dir)  # the copy of a neighbour stage kept (peer.state.spare)
         self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
         self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
             jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s))
@@ -256,7 +258,8 @@ class Daemon:
                           version=int(self.worker.local_step) if self.worker is not None else 0, state=state,
                           maddrs=self.maddrs, reachable=self.reachable,
                           tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss,
-                          tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss)
+                          tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss,
+                          **spare_fields(self.spares.info))
 
     async def announce(self, state: str | None = None) -> None:
         await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
@@ -375,6 +378,7 @@ class Daemon:
             self._print_join_hint()
             if self.cfg.checkpoint_dir is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)
+                await asyncio.get_running_loop().run_in_executor(None, self.spares.scan)
             await self._unless_stopped(self._take_a_stage())
             self.tasks = [asyncio.ensure_future(self._every(self.cfg.announce_every_s, self._tick_announce)),
                           asyncio.ensure_future(self._every(1.0, self._tick_expire))]

@@ -30,8 +30,10 @@ from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.servicer import PipelineStage
+from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
+from peer.state.spare import SpareStore
 from peer.state.sync import StateServer, StateSyncConfig
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
@@ -68,6 +70,7 @@ class StageHost(Protocol):
     stop: asyncio.Event
     swarm: dict[str, PeerRecord]
     ledger: SampleLedger
+    spares: SpareStore
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T: ...
 
@@ -110,7 +113,7 @@ class StageService:
             restored = await restore_state(
                 run=host.run, stage=self.stage, my_id=host.my_id, refresh=host.refresh_swarm, p2p=host.p2p,
                 dht=host.dht, metrics=host.metrics, reference=reference, checkpoint_dir=host.cfg.checkpoint_dir,
-                io=host.compute, timeout_s=host.cfg.state_load_timeout_s)
+                io=host.compute, timeout_s=host.cfg.state_load_timeout_s, spare=host.spares)
         except CheckpointError as e:
             raise DaemonError(str(e)) from e
         if restored.state is not None:
@@ -126,7 +129,7 @@ class StageService:
         source = await self.load_state()
         self.loaded = True
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
-        if source == "donor":  # a restart right after joining resumes from here instead of downloading again
+        if source in ("donor", "spare"):  # a restart right after joining resumes from here, not downloading again
             await host.checkpoint()
         host.metrics.local_step = self.worker.local_step
         self.pipe = pipe = PipelineStage(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
@@ -139,7 +142,8 @@ class StageService:
         age = host.cfg.state_snapshot_max_age_s
         self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
                                         worker_call=self.worker_call, metrics=host.metrics,
-                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age))
+                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age),
+                                        spare=host.spares)
         await self.state_server.start()
         self.state_server.ready = True
         if host.cfg.mode == "async":
@@ -150,6 +154,11 @@ class StageService:
         else:
             self.sync = await SyncSchedule.start(host, self)
         self.tasks = [asyncio.ensure_future(pipe.serve())]
+        if host.cfg.backup_every_s > 0 and host.run.n_stages > 1:  # a copy of the next stage (peer.state.backup)
+            self.tasks.append(asyncio.ensure_future(backup_loop(
+                run=host.run, stage=stage, my_id=host.my_id, period_s=host.cfg.backup_every_s, spares=host.spares,
+                metrics=host.metrics, p2p=host.p2p, swarm=lambda: host.swarm,
+                busy=lambda: host.metrics.state != "training" or pipe.queued() >= max(2, host.cfg.max_queue // 2))))
         host.metrics.state = "training"
         await host.announce("training")
         await host.refresh_swarm()

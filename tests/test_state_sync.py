@@ -172,7 +172,7 @@ def test_a_donor_replacing_its_snapshot_mid_transfer_is_dropped_for_the_next():
 
         async def bump(peer_id, msg):  # donor "first" takes a new snapshot right after serving chunk 1
             if peer_id == "first" and msg.chunk == 1:
-                first._snapshot = await first._take()
+                first._snapshots[0] = await first._take()
 
         metrics = PeerMetrics("joiner", 0)
         state = await load_state_from_peers(p2p=None, run=RUN, stage=0, metrics=metrics, donors=["first", "second"],

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 STATES = ("joining", "loading_state", "training", "draining", "stopped")
 MAX_MADDRS = 8
 MAX_STR = 256
+BACKUP_FIELDS = ("backup_stage", "backup_step", "backup_taken_at")
 
 
 class RecordError(ValueError):
@@ -68,9 +69,25 @@ class PeerRecord:
     """Training tokens it has processed since it started (swarm progress; optional, 0 when absent)."""
     val_loss: float | None = None
     """Its latest validation loss, when it knows one (swarm progress; optional)."""
+    backup_stage: int | None = None
+    """The stage of the neighbour copy it keeps (``peer.state.spare``); None: none (the three backup fields are
+    optional, left out of the value when None so that older peers' validators still accept the record)."""
+    backup_step: int | None = None
+    """That copy's training step (local_step)."""
+    backup_taken_at: float | None = None
+    """When that copy was taken (Unix time), so a peer restoring from it can say how old it is."""
+
+    def __post_init__(self) -> None:
+        present = [f is not None for f in (self.backup_stage, self.backup_step, self.backup_taken_at)]
+        if any(present) and not all(present):
+            raise ValueError("backup_stage, backup_step and backup_taken_at are set together or not at all")
 
     def to_value(self) -> dict[str, Any]:
-        return asdict(self)
+        value = asdict(self)
+        if self.backup_stage is None:
+            for name in BACKUP_FIELDS:
+                del value[name]
+        return value
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> PeerRecord:
@@ -101,11 +118,26 @@ class PeerRecord:
         extra = set(value) - {f for f in cls.__dataclass_fields__}
         if extra:
             raise RecordError(f"unknown fields {sorted(extra)}")
+        backup = _backup(value)
         return cls(peer_id=peer_id, stage=value["stage"], throughput=float(value["throughput"]), queue=value["queue"],
                    version=value["version"], state=value["state"], maddrs=list(value["maddrs"]),
                    reachable=value["reachable"], tokens_per_s=float(value["tokens_per_s"]),
                    loss=None if loss is None else float(loss), tokens=optional["tokens"],
-                   val_loss=None if val is None else float(val))
+                   val_loss=None if val is None else float(val), **backup)
+
+
+def _backup(value: dict) -> dict[str, Any]:
+    """The backup fields of a record value: all three or none (None values count as absent)."""
+    present = [value.get(name) is not None for name in BACKUP_FIELDS]
+    if not any(present):
+        return {}
+    if not all(present):
+        raise RecordError(f"fields {list(BACKUP_FIELDS)} must be given together")
+    _check(value, "backup_stage", int, lambda v: 0 <= v < 1_000_000)
+    _check(value, "backup_step", int, lambda v: 0 <= v < 2**62)
+    _check(value, "backup_taken_at", (int, float), lambda v: math.isfinite(v) and 0 < v < 1e11)
+    return {"backup_stage": value["backup_stage"], "backup_step": value["backup_step"],
+            "backup_taken_at": float(value["backup_taken_at"])}
 
 
 def _check(value: dict, name: str, types: type | tuple[type, ...], ok: Any) -> None:

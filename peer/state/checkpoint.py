@@ -89,14 +89,23 @@ def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: di
         "saved_at": time.time(),
         "state": state,
     }
+    write_atomic(path, payload, previous=previous_path(directory, stage))
+    logger.info("checkpoint saved: %s (run %s, stage %d, step %s)", path, run.run_id, stage, payload["step"])
+    return path
+
+
+def write_atomic(path: Path, payload: dict[str, Any], *, previous: Path | None = None) -> None:
+    """``torch.save(payload)`` to ``path`` atomically (temporary file, fsync, rename); the file it replaces is moved
+    to ``previous`` when given. Raises OSError when the folder cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():
-            os.replace(path, previous_path(directory, stage))
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp_name, path)
     except BaseException:
         try:
@@ -105,8 +114,6 @@ def save_checkpoint(directory: str | Path, run: RunConfig, stage: int, state: di
             pass
         raise
     _fsync_dir(path.parent)
-    logger.info("checkpoint saved: %s (run %s, stage %d, step %s)", path, run.run_id, stage, payload["step"])
-    return path
 
 
 def load_checkpoint(directory: str | Path, run: RunConfig, stage: int) -> dict[str, Any] | None:

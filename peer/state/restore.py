@@ -5,12 +5,17 @@ run's seeded init (``peer.state.progress`` ranks them). Donors are asked only wh
 progress of the best local file; the state a donor delivers is compared again by its real ``local_step`` (an
 announcement may be a little stale) before it replaces anything, so a restarted peer never trades its trained
 checkpoint for a less-trained donor's state.
+
+When the stage has no training donor (every peer of it died), the neighbour copies of the stage are sources too
+(``peer.state.spare``): the ones other peers announce in their records and this peer's own, ranked by progress like
+the rest. Restoring from one logs a WARNING naming the peer that held it, its step and its age.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from peer.state.checkpoint import checkpoint_steps, load_checkpoint
 from peer.state.progress import StateSource, most_advanced, rank
+from peer.state.spare import SpareStore
 from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
 
 if TYPE_CHECKING:
@@ -52,14 +58,15 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                         refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
                         metrics: PeerMetrics, reference: dict[str, Any],
                         checkpoint_dir: Path | None, io: Callable[..., Any], timeout_s: float,
-                        donor_wait_s: float = DONOR_WAIT_S) -> Restored:
+                        donor_wait_s: float = DONOR_WAIT_S, spare: SpareStore | None = None) -> Restored:
     """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
 
     refresh: reads the swarm's records. When the swarm has trained but no donor of the stage is visible and there is
     no checkpoint, the records are read again for up to ``donor_wait_s`` (a view read while the stage's peers were
     still starting, or a DHT read that timed out, would otherwise throw the stage's training away). io: runs a
     blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
-    files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable.
+    files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable. spare:
+    this peer's own neighbour copy (considered, with the copies others announce, only when the stage has no donor).
     """
     files = [StateSource(kind="init", step=0, label="the run's seeded init")]
     if checkpoint_dir is not None:
@@ -95,6 +102,11 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                     best_file.step)
 
     candidates = list(files)
+    if not donors:
+        copy = await _from_copies(run=run, stage=stage, my_id=my_id, records=records, p2p=p2p, metrics=metrics,
+                                  reference=reference, spare=spare, io=io, floor=best_file.step, timeout_s=timeout_s)
+        if copy is not None:
+            return copy
     if delivered is not None:
         candidates.append(StateSource(kind="donor", step=_step_of(delivered), label="the donor's delivered state"))
     chosen = most_advanced(candidates)
@@ -115,3 +127,46 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
         logger.warning("%s", text)
         metrics.warn(text)
     return Restored(source=most_advanced(files[:1]), state=None)
+
+
+async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], p2p: P2P,
+                       metrics: PeerMetrics, reference: dict[str, Any], spare: SpareStore | None,
+                       io: Callable[..., Any], floor: int, timeout_s: float) -> Restored | None:
+    """The most advanced neighbour copy of ``stage`` ahead of ``floor`` (the best local file's step), or None."""
+    holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == "training"
+               and r.peer_id != my_id and r.backup_step is not None and r.backup_step > floor}
+    held = spare.info if spare is not None else None
+    copies = [StateSource(kind="spare", step=int(r.backup_step or 0), label=r.peer_id) for r in holders.values()]
+    if held is not None and held.stage == stage and held.step > floor:
+        copies.append(StateSource(kind="spare", step=held.step, label=my_id))
+    if not copies:
+        return None
+    logger.info("stage %d has no donor; neighbour copies, most advanced first: %s", stage,
+                ", ".join(f"{c.label[:16]} step {c.step}" for c in rank(copies)))
+    deadline = time.monotonic() + timeout_s
+    for copy in rank(copies):
+        if copy.label == my_id:
+            assert spare is not None and held is not None
+            state, taken_at = await io(spare.read, stage), held.taken_at
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                state = await asyncio.wait_for(load_state_from_peers(
+                    p2p=p2p, run=run, stage=stage, metrics=metrics, reference=reference, donors=[copy.label],
+                    config=StateSyncConfig(max_donors=1)), timeout=left)
+            except TimeoutError:
+                state = None
+            taken_at = float(holders[copy.label].backup_taken_at or 0.0)
+        step = _step_of(state)
+        if state is None or step <= floor:
+            continue
+        age = max(0.0, time.time() - taken_at)
+        text = (f"stage {stage} had no peer left: restored from a backup copy held by peer {copy.label[:16]}, at "
+                f"step {step}, taken {age:.0f} s ago (the stage's training since then is lost)")
+        logger.warning("%s", text)
+        metrics.warn(text)
+        metrics.inc("backup_restores")
+        return Restored(source=StateSource(kind="spare", step=step, label=copy.label), state=state)
+    return None

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from peer.membership.records import PeerRecord
     from peer.ops.metrics import PeerMetrics
+    from peer.state.spare import SpareStore
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class StateSyncError(Exception):
 
 @dataclass
 class _Snapshot:
+    stage: int
     version: int
     taken_at: float
     touched_at: float
@@ -122,18 +124,22 @@ class _Snapshot:
 
 
 class StateServer:
-    """Serves this peer's state to joiners in chunks; see the module docstring. ``ready`` gates serving."""
+    """Serves this peer's state to joiners in chunks; see the module docstring. ``ready`` gates serving.
+
+    spare: the neighbour copy this peer keeps (``peer.state.spare``); a request for that copy's stage is served from
+    it, with the same chunking and limits, in a snapshot of its own (counted as ``backup_bytes_out``)."""
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, run: RunConfig, stage: int,
                  worker_call: WorkerCall, metrics: PeerMetrics,
                  config: StateSyncConfig | None = None, transport: Transport | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, spare: SpareStore | None = None) -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
+        self.spare = spare
         self.config = config or StateSyncConfig()
         self.transport = transport or RpcTransport(p2p, rpc_server)
         self.clock = clock
         self.ready = False
-        self._snapshot: _Snapshot | None = None
+        self._snapshots: dict[int, _Snapshot] = {}  # by stage: our own, and the neighbour copy's
         self._versions = 0
         self._lock = asyncio.Lock()
         self._encoding = asyncio.Semaphore(self.config.max_concurrent)
@@ -150,11 +156,13 @@ class StateServer:
             return self._refuse(ErrorCode.BAD_REQUEST, "not_a_request", "state: expected a StateRequest")
         if msg.run_id != self.run.run_id:
             return self._refuse(ErrorCode.WRONG_RUN, "wrong_run", f"state: this peer trains run {self.run.run_id}")
-        if msg.stage != self.stage:
+        spare = self.spare.info if self.spare is not None else None
+        is_spare = msg.stage != self.stage and spare is not None and spare.stage == msg.stage
+        if msg.stage != self.stage and not is_spare:
             return self._refuse(ErrorCode.WRONG_STAGE, "wrong_stage", f"state: this peer serves stage {self.stage}")
         if not self.ready:
             return Error(code=ErrorCode.NOT_READY, message="state: this peer is still loading its own state")
-        snap = await self._snapshot_for(msg.chunk)
+        snap = await self._snapshot_for(msg.stage, msg.chunk)
         if snap is None:
             return Error(code=ErrorCode.NOT_READY, message="state: no transfer in progress; request chunk 0 first")
         if not 0 <= msg.chunk < snap.plan.n_chunks:
@@ -163,28 +171,44 @@ class StateServer:
         async with self._encoding:
             chunk = await asyncio.get_running_loop().run_in_executor(None, self._build, snap, msg.chunk)
         self.metrics.inc("state_chunks_served")
+        if is_spare:
+            self.metrics.inc("backup_bytes_out", _chunk_bytes(snap, msg.chunk))
+            if msg.chunk == 0:
+                self.metrics.inc("backups_served")
         return chunk
 
-    async def _snapshot_for(self, chunk: int) -> _Snapshot | None:
+    async def _snapshot_for(self, stage: int, chunk: int) -> _Snapshot | None:
         async with self._lock:
             now = self.clock()
-            snap = self._snapshot
+            snap = self._snapshots.get(stage)
             if snap is not None and now - snap.touched_at > self.config.snapshot_idle_s:
-                snap = self._snapshot = None  # idle: release its memory
+                snap = None  # idle: release its memory
+                del self._snapshots[stage]
             if chunk == 0 and (snap is None or now - snap.taken_at > self.config.snapshot_max_age_s):
                 if snap is None or now - snap.touched_at > self.config.snapshot_idle_s / 2:
-                    snap = self._snapshot = await self._take()
+                    snap = await self._take(stage)
+                    if snap is None:
+                        self._snapshots.pop(stage, None)
+                    else:
+                        self._snapshots[stage] = snap
             if snap is not None:
                 snap.touched_at = self.clock()
             return snap
 
-    async def _take(self) -> _Snapshot:
-        state = await asyncio.wait_for(self.worker_call(lambda w: w.state_dict()), self.config.worker_timeout_s)
+    async def _take(self, stage: int | None = None) -> _Snapshot | None:
+        if stage is None or stage == self.stage:
+            state = await asyncio.wait_for(self.worker_call(lambda w: w.state_dict()), self.config.worker_timeout_s)
+        else:  # the neighbour copy (None when it was replaced by a copy of another stage meanwhile)
+            assert self.spare is not None
+            state = await asyncio.get_running_loop().run_in_executor(None, self.spare.read, stage)
+            if state is None:
+                return None
         skeleton, tensors = await asyncio.get_running_loop().run_in_executor(None, flatten_state, state)
         self._versions += 1
         now = self.clock()
         step = state.get("local_step", 0) if isinstance(state, dict) else 0
-        snap = _Snapshot(version=self._versions, taken_at=now, touched_at=now, skeleton=skeleton, tensors=tensors,
+        snap = _Snapshot(stage=self.stage if stage is None else stage, version=self._versions, taken_at=now,
+                         touched_at=now, skeleton=skeleton, tensors=tensors,
                          plan=plan_pieces(tensors, self.config.chunk_bytes), local_step=int(step))
         logger.info("state snapshot %d taken for joiners: %d tensors, %d chunks", snap.version, len(tensors),
                     snap.plan.n_chunks)
@@ -200,8 +224,14 @@ class StateServer:
             raw = torch.frombuffer(bytearray(snap.skeleton.encode()), dtype=torch.uint8)
             tensors[SKELETON_KEY] = encode(raw, "none")
             meta = {"piece_bytes": snap.plan.piece_bytes, "local_step": snap.local_step}
-        return StateChunk(run_id=self.run.run_id, stage=self.stage, version=snap.version, chunk=chunk,
+        return StateChunk(run_id=self.run.run_id, stage=snap.stage, version=snap.version, chunk=chunk,
                           n_chunks=snap.plan.n_chunks, meta=meta, tensors=tensors)
+
+
+def _chunk_bytes(snap: _Snapshot, chunk: int) -> int:
+    """Payload bytes of one chunk (the skeleton's included in chunk 0): the traffic a backup costs its server."""
+    n = sum(length * snap.tensors[idx].element_size() for idx, _, length in snap.plan.chunks[chunk])
+    return n + (len(snap.skeleton.encode()) if chunk == 0 else 0)
 
 
 def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[str]:

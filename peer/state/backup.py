@@ -1,0 +1,128 @@
+"""Neighbour backups: now and then a peer copies the state of the next stage, so a stage whose every peer dies is
+restored from the freshest copy in the swarm instead of the run's seeded init.
+
+Every ``backup_every_s`` (jittered) a peer of stage s fetches stage (s+1) mod n from a training peer of that stage
+through the ordinary state-sync client (same chunks, limits and validation as a joiner's) and offers it to its
+``SpareStore`` (``peer.state.spare``), which keeps the more advanced of the held copy and the new one. It is low
+priority: skipped while the peer is not training, while its compute queue is busy, and when no peer of the neighbour
+stage is ahead of the copy held. The traffic is counted: ``backup_bytes_in`` and ``backups_taken`` here,
+``backup_bytes_out`` and ``backups_served`` at the serving peer (``peer.state.sync``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.state.codec import StateFormatError, check_against_reference
+from peer.state.spare import SpareStore
+from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers, state_nbytes
+from protocol.rpc import Transport
+from trainer.model import build_stage
+from trainer.worker import STATE_FORMAT
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+    from peer.membership.records import PeerRecord
+    from peer.ops.metrics import PeerMetrics
+    from trainer.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_HOLDERS = 2  # neighbour peers tried per backup before waiting for the next period
+JITTER = 0.25  # +-25 % on the period, so the peers of a stage do not all fetch at once
+
+
+def neighbour_stage(n_stages: int, stage: int) -> int | None:
+    """The stage a peer of ``stage`` keeps a copy of: the next one, wrapping; None with a single stage."""
+    return None if n_stages < 2 else (stage + 1) % n_stages
+
+
+def shape_reference(run: RunConfig, stage: int) -> tuple[dict[str, Any], int]:
+    """What a copy of ``stage`` must look like (parameter names, shapes, dtypes as meta tensors, no memory) and the
+    bytes of its parameters (blocking: builds the stage's module once)."""
+    model = build_stage(run, stage)
+    params = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+    nbytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    return {"format": STATE_FORMAT, "run_id": run.run_id, "stage": stage, "model": params}, nbytes
+
+
+async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], spares: SpareStore,
+                      metrics: PeerMetrics, p2p: P2P | None, reference: tuple[dict[str, Any], int] | None = None,
+                      transport: Transport | None = None, config: StateSyncConfig | None = None) -> bool:
+    """Fetch the neighbour stage of ``stage`` from one of its training peers and offer it to ``spares``. Returns
+    whether a new copy is kept (False: no neighbour, nobody ahead of the held copy, no peer delivered, or less
+    advanced than the held copy). reference: ``shape_reference`` of the neighbour stage (built when None)."""
+    neighbour = neighbour_stage(run.n_stages, stage)
+    if neighbour is None:
+        return False
+    holders = choose_donors(records, neighbour, my_id)
+    held = spares.info
+    if held is not None and held.stage == neighbour:
+        holders = [h for h in holders if records[h].version > held.step]
+    if not holders:
+        return False
+    loop = asyncio.get_running_loop()
+    if reference is None:
+        reference = await loop.run_in_executor(None, shape_reference, run, neighbour)
+    shapes, param_bytes = reference
+    # parameters + two optimiser moments + averaging state, with room: what state sync bounds a joiner's download by
+    config = config or StateSyncConfig(max_state_bytes=max(4 * param_bytes + 64 * 2**20, 1024 * 1024))
+    for holder in holders[:MAX_HOLDERS]:
+        state = await load_state_from_peers(p2p=p2p, run=run, stage=neighbour, metrics=metrics, donors=[holder],
+                                            config=config, transport=transport)
+        if state is None:
+            continue
+        try:
+            check_against_reference(state, shapes)
+        except StateFormatError as e:
+            metrics.inc("rejected:backup_shape")
+            logger.debug("a copy of stage %d from %s does not fit the stage: %s", neighbour, holder[:16], e)
+            continue
+        nbytes = await loop.run_in_executor(None, state_nbytes, state)
+        metrics.inc("backup_bytes_in", nbytes)
+        metrics.inc("backups_taken")
+        try:
+            kept = await loop.run_in_executor(None, functools.partial(spares.offer, neighbour, state, source=holder,
+                                                                      taken_at=time.time()))
+        except OSError as e:
+            text = f"keeping a copy of stage {neighbour} failed: {e}; check free space of --checkpoint-dir"
+            logger.warning("%s", text)
+            metrics.warn(text)
+            return False
+        step = state.get("local_step", -1)
+        logger.info("copy of neighbour stage %d at step %s from %s: %d bytes, %s", neighbour, step, holder[:16],
+                    nbytes, "kept" if kept else "less advanced than the one held, dropped")
+        return kept
+    return False
+
+
+async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float, spares: SpareStore,
+                      metrics: PeerMetrics, p2p: P2P, swarm: Callable[[], dict[str, PeerRecord]],
+                      busy: Callable[[], bool]) -> None:
+    """Take a backup of the neighbour stage every ``period_s`` (jittered) unless ``busy()``; runs until cancelled."""
+    neighbour = neighbour_stage(run.n_stages, stage)
+    if neighbour is None or period_s <= 0:
+        return
+    reference = await asyncio.get_running_loop().run_in_executor(None, shape_reference, run, neighbour)
+    while True:
+        await asyncio.sleep(period_s * random.uniform(1 - JITTER, 1 + JITTER))
+        if busy():
+            metrics.inc("backups_skipped_busy")
+            continue
+        try:
+            await take_backup(run=run, stage=stage, my_id=my_id, records=swarm(), spares=spares, metrics=metrics,
+                              p2p=p2p, reference=reference)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failed backup costs the next period, never the peer
+            metrics.inc("backups_failed")
+            logger.warning("taking a copy of stage %d failed: %s: %s", neighbour, type(e).__name__, e)

@@ -1,0 +1,240 @@
+"""Neighbour backups: the copy a peer keeps of the next stage (fetched, kept, never replaced by a less advanced one),
+announced in its signed record, served by its state server, and restored when a stage has no peer left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+import peer.state.restore as restore_mod
+from peer.membership.records import PeerRecord, RecordError, record_validator, swarm_key
+from peer.membership.signing import Signer, seal
+from peer.ops.metrics import PeerMetrics
+from peer.state.backup import neighbour_stage, take_backup
+from peer.state.checkpoint import checkpoint_path, checkpoint_steps, save_checkpoint
+from peer.state.spare import SpareStore, spare_fields, spare_path
+from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
+from protocol.errors import RemoteError
+from protocol.messages import Error, pack, unpack
+from tests.test_peer_signing import _dht_record
+from trainer.config import RunConfig
+from trainer.worker import StageWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")  # 2 stages
+SMALL = StateSyncConfig(chunk_bytes=16 * 1024, chunk_timeout_s=5.0)
+
+
+def worker(stage: int, steps: int) -> StageWorker:
+    w = StageWorker(RUN, stage)
+    g = torch.Generator().manual_seed(stage * 100 + steps)
+    for _ in range(steps):
+        w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+        w.optimizer_step()
+    return w
+
+
+def rec(pid: str, stage: int, version: int = 0, st: str = "training", **kw) -> PeerRecord:
+    return PeerRecord(peer_id=pid, stage=stage, throughput=1.0, queue=0, version=version, state=st, **kw)
+
+
+class Direct:
+    """Transport straight into in-process StateServers, through the real message codec."""
+
+    def __init__(self, servers: dict[str, StateServer]) -> None:
+        self.servers = servers
+
+    async def call(self, peer_id, name, msg, *, timeout):
+        reply = await self.servers[peer_id]._handle(unpack(pack(msg)), "client")
+        if isinstance(reply, Error):
+            raise RemoteError(reply.code, reply.message)
+        return unpack(pack(reply))
+
+
+def server(w: StageWorker, spare: SpareStore | None = None) -> StateServer:
+    async def worker_call(fn):
+        return fn(w)
+
+    s = StateServer(p2p=None, rpc_server=None, run=RUN, stage=w.stage, worker_call=worker_call,
+                    metrics=PeerMetrics("srv", w.stage), config=SMALL, transport=Direct({}), spare=spare)
+    s.ready = True
+    return s
+
+
+# ----- the record ----------------------------------------------------------------------------------------------------
+def test_the_record_announces_the_copy_and_older_records_stay_valid():
+    plain = rec("QmA", 0).to_value()
+    assert not any(k.startswith("backup_") for k in plain)  # what older validators accept, unchanged
+    assert PeerRecord.from_value("QmA", plain).backup_stage is None
+    value = rec("QmA", 0, backup_stage=1, backup_step=42, backup_taken_at=1.7e9).to_value()
+    back = PeerRecord.from_value("QmA", value)
+    assert (back.backup_stage, back.backup_step, back.backup_taken_at) == (1, 42, 1.7e9)
+    assert spare_fields(None) == {}
+    with pytest.raises(ValueError):
+        rec("QmA", 0, backup_stage=1)  # the three fields go together
+
+
+@pytest.mark.parametrize("bad", [
+    {"backup_stage": 1},  # partial
+    {"backup_stage": 1, "backup_step": 5},
+    {"backup_stage": -1, "backup_step": 5, "backup_taken_at": 1.0},
+    {"backup_stage": True, "backup_step": 5, "backup_taken_at": 1.0},
+    {"backup_stage": "1", "backup_step": 5, "backup_taken_at": 1.0},
+    {"backup_stage": 1, "backup_step": -3, "backup_taken_at": 1.0},
+    {"backup_stage": 1, "backup_step": 2**63, "backup_taken_at": 1.0},
+    {"backup_stage": 1, "backup_step": 5, "backup_taken_at": math.nan},
+    {"backup_stage": 1, "backup_step": 5, "backup_taken_at": 0.0},
+    {"backup_stage": 1, "backup_step": 5, "backup_taken_at": "yesterday"},
+])
+def test_malformed_backup_fields_are_refused_by_every_nodes_validator(bad):
+    with pytest.raises(RecordError):
+        PeerRecord.from_value("QmA", {**rec("QmA", 0).to_value(), **bad})
+    signer = Signer.generate()
+    key, v, exp = swarm_key("backup-run"), record_validator("backup-run"), get_dht_time() + 20
+    good = rec(signer.peer_id, 0, backup_stage=1, backup_step=9, backup_taken_at=time.time()).to_value()
+    assert v.validate(_dht_record(signer.peer_id, seal(signer, key, good, exp, None), exp, key=key))
+    malformed = {**rec(signer.peer_id, 0).to_value(), **bad}
+    assert not v.validate(_dht_record(signer.peer_id, seal(signer, key, malformed, exp, None), exp, key=key))
+
+
+# ----- keeping the copy ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_a_less_advanced_copy_never_replaces_a_more_advanced_one(tmp_path, on_disk):
+    store = SpareStore(RUN, tmp_path if on_disk else None)
+    assert store.offer(1, worker(1, 3).state_dict(), source="a", taken_at=100.0)
+    assert not store.offer(1, worker(1, 2).state_dict(), source="b", taken_at=200.0)
+    assert store.info.step == 3 and store.info.source == "a" and store.read(1)["local_step"] == 3
+    assert store.read(0) is None
+    assert store.offer(1, worker(1, 5).state_dict(), source="b", taken_at=300.0)
+    assert store.read(1)["local_step"] == 5 and spare_fields(store.info)["backup_step"] == 5
+    if on_disk:  # a restarted peer finds its copy again; its own-stage checkpoint files are left alone
+        again = SpareStore(RUN, tmp_path)
+        assert again.scan() == store.info
+        assert not checkpoint_path(tmp_path, 1).exists() and checkpoint_steps(tmp_path, RUN) == {}
+        assert spare_path(tmp_path, 1).exists()
+
+
+def test_the_copy_lives_beside_the_peers_own_checkpoint_of_that_stage(tmp_path):
+    save_checkpoint(tmp_path, RUN, 1, worker(1, 7).state_dict())
+    store = SpareStore(RUN, tmp_path)
+    store.offer(1, worker(1, 2).state_dict(), source="a", taken_at=1.0)
+    assert checkpoint_steps(tmp_path, RUN) == {1: 7}  # the peer's own checkpoint is not replaced
+
+
+# ----- fetching and serving ------------------------------------------------------------------------------------------
+def test_a_backup_is_fetched_from_the_neighbour_kept_and_only_fetched_again_when_it_moved_on(tmp_path):
+    async def main():
+        trained = worker(1, 4)
+        donor = server(trained)
+        store, metrics = SpareStore(RUN, tmp_path), PeerMetrics("me", 0)
+        records = {"d": rec("d", 1, version=4), "x": rec("x", 0, version=9)}
+        transport = Direct({"d": donor})
+        kw = dict(run=RUN, stage=0, my_id="me", spares=store, metrics=metrics, p2p=None, transport=transport,
+                  config=SMALL)
+        assert await take_backup(records=records, **kw)
+        assert store.info.stage == 1 and store.info.step == 4 and store.info.source == "d"
+        taken = metrics.snapshot()["counters"]
+        assert taken["backups_taken"] == 1 and taken["backup_bytes_in"] > 0
+        assert not await take_backup(records=records, **kw)  # nobody is ahead of the copy: no traffic
+        assert metrics.snapshot()["counters"]["backups_taken"] == 1
+        assert not await take_backup(records={"x": rec("x", 0, version=9)}, **kw)  # no peer on the neighbour stage
+        return store.read(1), trained.state_dict()
+
+    copy, original = asyncio.run(main())
+    assert copy["local_step"] == 4 and copy["model"].keys() == original["model"].keys()
+    assert all(torch.equal(copy["model"][k], original["model"][k]) for k in original["model"])
+    assert neighbour_stage(1, 0) is None and neighbour_stage(3, 2) == 0
+
+
+def test_a_peer_serves_its_copy_for_the_copys_stage_and_counts_the_traffic(tmp_path):
+    async def main():
+        store = SpareStore(RUN, tmp_path)
+        store.offer(1, worker(1, 6).state_dict(), source="d", taken_at=time.time())
+        holder = server(worker(0, 2), spare=store)
+        metrics = PeerMetrics("joiner", 1)
+        got = await load_state_from_peers(p2p=None, run=RUN, stage=1, metrics=metrics, donors=["h"],
+                                          reference=StageWorker(RUN, 1).state_dict(), config=SMALL,
+                                          transport=Direct({"h": holder}))
+        served = holder.metrics.snapshot()["counters"]
+        nobody = SpareStore(RUN, None)
+        plain = server(worker(0, 2), spare=nobody)
+        refused = await load_state_from_peers(p2p=None, run=RUN, stage=1, metrics=metrics, donors=["p"],
+                                              config=SMALL, transport=Direct({"p": plain}))
+        return got, served, refused, plain.metrics.snapshot()["counters"]
+
+    got, served, refused, plain = asyncio.run(main())
+    assert got is not None and got["local_step"] == 6 and got["stage"] == 1
+    assert served["backups_served"] == 1 and served["backup_bytes_out"] > 0
+    assert refused is None and plain["rejected:state_wrong_stage"] >= 1
+
+
+# ----- restoring an emptied stage ------------------------------------------------------------------------------------
+def _restore(tmp_path, monkeypatch, records, delivered: dict, spare=None):
+    asked: list[list[str]] = []
+
+    async def fake_load(*, donors, **kw):
+        asked.append(list(donors))
+        return delivered.get(donors[0])
+
+    async def io(fn, *args):
+        return fn(*args)
+
+    async def refresh():
+        return records
+
+    monkeypatch.setattr(restore_mod, "load_state_from_peers", fake_load)
+    metrics = PeerMetrics()
+    out = asyncio.run(restore_mod.restore_state(
+        run=RUN, stage=1, my_id="me", refresh=refresh, p2p=None, dht=None, metrics=metrics,
+        reference={}, checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=0.0, spare=spare))
+    return out, asked, metrics
+
+
+def test_an_emptied_stage_is_restored_from_the_freshest_announced_copy_with_its_age(tmp_path, monkeypatch, caplog):
+    taken = time.time() - 90
+    records = {"s0a": rec("s0a", 0, 500, backup_stage=1, backup_step=300, backup_taken_at=taken - 600),
+               "s0b": rec("s0b", 0, 500, backup_stage=1, backup_step=450, backup_taken_at=taken),
+               "gone": rec("gone", 0, 500, st="draining", backup_stage=1, backup_step=999, backup_taken_at=taken)}
+    with caplog.at_level(logging.WARNING, logger="peer.state.restore"):
+        out, asked, metrics = _restore(tmp_path, monkeypatch, records,
+                                       {"s0a": {"local_step": 300}, "s0b": {"local_step": 450}})
+    assert out.source.kind == "spare" and out.source.label == "s0b" and out.state["local_step"] == 450
+    assert asked == [["s0b"]]
+    line = next(r.getMessage() for r in caplog.records if "backup copy" in r.getMessage())
+    assert "held by peer s0b" in line and "step 450" in line
+    age = int(line.split("taken ")[1].split(" s ago")[0])
+    assert 89 <= age <= 95
+    assert any("backup copy" in w["text"] for w in metrics.snapshot()["warnings"])
+    assert "seeded init" not in caplog.text
+
+
+def test_a_failed_copy_falls_to_the_next_and_a_checkpoint_ahead_wins(tmp_path, monkeypatch):
+    records = {"a": rec("a", 0, 500, backup_stage=1, backup_step=300, backup_taken_at=time.time()),
+               "b": rec("b", 0, 500, backup_stage=1, backup_step=450, backup_taken_at=time.time())}
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"a": {"local_step": 300}})  # b fails to deliver
+    assert out.source.label == "a" and asked == [["b"], ["a"]]
+    save_checkpoint(tmp_path, RUN, 1, {"local_step": 400, "model": {}})
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"b": {"local_step": 450}})
+    assert out.source.label == "b"  # ahead of the checkpoint
+    save_checkpoint(tmp_path, RUN, 1, {"local_step": 600, "model": {}})
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"b": {"local_step": 450}})
+    assert out.source.kind == "checkpoint" and asked == []  # no copy is ahead of it: nothing downloaded
+
+
+def test_copies_are_not_used_while_the_stage_has_a_donor_and_the_own_copy_counts(tmp_path, monkeypatch):
+    records = {"d": rec("d", 1, 10), "a": rec("a", 0, 500, backup_stage=1, backup_step=300,
+                                                 backup_taken_at=time.time())}
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"d": {"local_step": 10}})
+    assert out.source.kind == "donor" and asked == [["d"]]
+    own = SpareStore(RUN, None)
+    own.offer(1, {"local_step": 77}, source="x", taken_at=time.time() - 5)
+    out, asked, _ = _restore(tmp_path / "empty", monkeypatch, {"s0": rec("s0", 0, 90)}, {}, spare=own)
+    assert out.source.kind == "spare" and out.source.label == "me" and out.state["local_step"] == 77

@@ -1,0 +1,37 @@
+"""A stage whose only peer is killed with SIGKILL is restored from the neighbour copy another stage's peer keeps: a
+replacement with an empty checkpoint folder resumes near the killed peer's step, not at the seeded init (real peer
+processes on loopback, reaped by the ``swarm`` fixture)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from swarm_utils import swarm  # noqa: F401  (fixture)
+
+BACKUP = ("backup_every_s=2",)
+
+
+@pytest.mark.timeout(150)
+def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: F811
+    a = swarm.start("a", stage="0", extra=BACKUP)
+    first = a.wait_maddrs()[:1]
+    b = swarm.start("b", stage="1", initial=first, extra=BACKUP)
+    b.wait_status(lambda s: s["local_step"] >= 15, 60, "15 steps on stage 1")
+    taken = a.status()["counters"].get("backups_taken", 0)
+    a.wait_status(lambda s: s["counters"].get("backups_taken", 0) > taken, 30, "a copy of stage 1 taken after it")
+    b.proc.kill()  # kill -9 the stage's only peer: no drain, no final checkpoint
+    b.proc.wait()
+    fetched = a.status()["counters"]
+    assert fetched["backup_bytes_in"] > 0
+    print(f"stage-0 peer: {fetched['backups_taken']} copies of stage 1, {fetched['backup_bytes_in']} bytes in")
+    time.sleep(4.5)  # the killed peer's record expires (record_ttl_s=4)
+    b2 = swarm.start("b2", stage="1", initial=first, extra=BACKUP)  # a fresh peer: empty checkpoint folder
+    snap = b2.wait_status(lambda s: s.get("state") == "training", 60, "training state")
+    log = b2.log()
+    assert "restored from a backup copy held by peer" in log, log[-3000:]
+    assert "starts from the run's seeded init" not in log
+    assert snap["local_step"] >= 15  # near the killed peer's step, not 0
+    served = a.status()["counters"]
+    assert served.get("backups_served", 0) >= 1 and served.get("backup_bytes_out", 0) > 0
+    assert "Traceback" not in a.log() + log
