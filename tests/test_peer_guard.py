@@ -61,6 +61,33 @@ def test_guard_checks_sender_ids_norms_and_losses():
     assert counts["flagged:loss_outlier"] == 2
 
 
+def test_norm_bounds_are_relearnt_when_every_sender_falls_outside_them():
+    """A previous stage restarted from its init sends activations ~20x smaller than trained ones (measured on the tiny
+    run: 2.7 at init, 60-74 after ~550 steps): refused for good before, which stalled the swarm after a stage move."""
+    counts: Counter[str] = Counter()
+    warned: list[str] = []
+    g = PipelineGuard(stage=1, swarm=dict, count=lambda k: counts.update([k]), warn=lambda m, k: warned.append(k),
+                      config=GuardConfig(norm_relearn_after=4))
+    torch.manual_seed(0)
+    for _ in range(16):
+        assert g.norm_ok("activations", 25 * torch.randn(8, 32, 32))
+    small = [torch.randn(8, 32, 32) for _ in range(4)]
+    # an attacker's outliers interleaved with accepted traffic never reset the bound
+    for x in small[:3]:
+        assert not g.norm_ok("activations", 1000 * x)
+    assert g.norm_ok("activations", 25 * torch.randn(8, 32, 32))
+    assert not g.norm_ok("activations", 1000 * small[0]) and counts["relearnt:activations_norm"] == 0
+    assert g.norm_ok("activations", 25 * torch.randn(8, 32, 32))
+    # nothing but out-of-bound norms, norm_relearn_after times in a row: the bound is learnt again from them
+    for x in small:
+        assert not g.norm_ok("activations", x)
+    assert counts["relearnt:activations_norm"] == 1 and warned == ["norm_relearn:activations"]
+    for _ in range(16):
+        assert g.norm_ok("activations", torch.randn(8, 32, 32))
+    assert not g.norm_ok("activations", 25 * torch.randn(8, 32, 32))  # the new bound holds
+    assert not g.norm_ok("gradients", torch.full((4,), float("nan")))  # non-finite, even during the warm-up
+
+
 def test_routing_does_not_trust_announced_throughput():
     router = Router([1.0, 1.0], rng=random.Random(0))
     recs = [rec("h1"), rec("h2"), rec("h3"), rec("liar", thr=1e9)]

@@ -6,6 +6,9 @@
   forward is refused (and a retry is idempotent).
 - Activation and gradient norms must lie within ``norm_factor`` of the median of recently accepted ones (after a
   warm-up); what falls outside is refused and counted, and never enters the window (an attacker cannot drag it).
+  After ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, the bound is forgotten and
+  learnt again: every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from
+  its init, whose activations are an order of magnitude smaller than trained ones), not an attack to hold out.
 - A loss reported by the last stage is compared with the recent losses of its kind (median of a window); an outlier
   is flagged, counted and not reported as this peer's loss (the gradient, if within bounds, still counts).
 - The last stage trains on a micro-batch only if its loss is not far *above* its own recent training losses
@@ -52,6 +55,8 @@ class GuardConfig:
     """Norms accepted on the static checks alone before the learnt bounds apply."""
     norm_factor: float = 8.0
     """A norm above median x factor or below median / factor is refused."""
+    norm_relearn_after: int = 4
+    """Refusals of one kind in a row, none accepted meanwhile, after which its learnt norm bound is relearnt."""
     loss_window: int = 64
     """Recent losses (per kind: training, evaluation) an incoming loss is compared with."""
     loss_warmup: int = 8
@@ -70,7 +75,7 @@ class GuardConfig:
     """How long such a sender's forwards are answered Busy (doubles per repeat, up to 16x)."""
 
     def __post_init__(self) -> None:
-        for name in ("remember_ids", "norm_window", "loss_window"):
+        for name in ("remember_ids", "norm_window", "loss_window", "norm_relearn_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GuardConfig.{name} must be >= 1")
         if self.norm_factor <= 1.0 or self.loss_tolerance <= 0 or self.loss_abs_tolerance < 0:
@@ -82,6 +87,7 @@ class _Window:
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)
+        self.refused_in_a_row = 0
 
     def median(self) -> float | None:
         return statistics.median(self.values) if self.values else None
@@ -133,9 +139,30 @@ class PipelineGuard:
             f = self.config.norm_factor
             if not (median / f <= norm <= median * f) or not math.isfinite(norm):
                 self.count(f"rejected:{kind}_norm")
+                window.refused_in_a_row += 1
+                if window.refused_in_a_row >= self.config.norm_relearn_after:
+                    self._relearn(kind, median, norm)
                 return False
+        if not math.isfinite(norm):  # the static checks of the warm-up still hold
+            self.count(f"rejected:{kind}_norm")
+            return False
+        window.refused_in_a_row = 0
         window.values.append(norm)
         return True
+
+    def _relearn(self, kind: str, median: float, norm: float) -> None:
+        """Forget the learnt bound of ``kind``: nothing within it arrived for ``norm_relearn_after`` tries. Without
+        this, a stage whose neighbour restarted from its init refused that neighbour's work for good (refused norms
+        never enter the window) and the neighbour's router banned it longer and longer."""
+        self._norms[kind].values.clear()
+        self._norms[kind].refused_in_a_row = 0
+        self.count(f"relearnt:{kind}_norm")
+        logger.warning("the last %d %s were all refused (norm %.3g against a learnt median of %.3g): the neighbour "
+                       "stage's weights moved (restarted from its init?); forgetting the bound and learning it again",
+                       self.config.norm_relearn_after, kind, norm, median)
+        if self.warn is not None:
+            self.warn(f"{kind} norms moved away from the learnt bound (a neighbour stage restarted?); relearning it",
+                      f"norm_relearn:{kind}")
 
     # ----- which losses --------------------------------------------------------------------------------------------
     def _loss_bounds(self, is_eval: bool) -> tuple[float, float] | None:
