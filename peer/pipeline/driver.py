@@ -212,10 +212,11 @@ class Stage0Driver:
             self.finished = time.monotonic()
 
     async def evaluate(self) -> float | None:
-        """Validation loss over the fixed validation batches (mean of those that came back), or None."""
+        """Validation loss over the fixed validation batches, or None when any of them did not come back (a mean over
+        a subset is a different figure: the batches' losses differ by more than a few evaluations' progress)."""
         results = await asyncio.gather(*(self.one(b, is_eval=True) for b in self.val))
         losses = [r for r in results if isinstance(r, float) and math.isfinite(r)]
-        if not losses:
+        if not losses or len(losses) < len(self.val):
             self.metrics.inc("eval_failed")
             return None
         value = sum(losses) / len(losses)
