@@ -38,9 +38,9 @@ if __package__ in (None, ""):  # run as a script: make the packages importable f
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.ops.procs import terminate  # noqa: E402 - one place reaps child processes
+from tools.wan import _setns  # noqa: E402 - one way into a network namespace
 
 T = TypeVar("T")
-CLONE_NEWNET = 0x40000000
 PREFIX = "amn"
 LINGER_S = 3.0  # after its commands exit, wait this long for their children (DHT process, p2pd) to leave
 
@@ -197,20 +197,6 @@ class NatLab:
             stats = json.loads(res.stdout)[0]["stats64"]
             out[ns] = int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
         return out
-
-def _setns(name: str) -> None:
-    """Move the calling thread into network namespace ``name``."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
 
 def clean_leftovers() -> list[str]:
     """Delete namespaces ``<PREFIX><pid>-*`` whose creating process no longer runs; returns their names."""
