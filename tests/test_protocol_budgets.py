@@ -10,6 +10,7 @@ answered Busy until the read timeout; now nothing is reserved until it arrives a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -51,6 +52,22 @@ async def _peers(n: int) -> list[P2P]:
     rest = await asyncio.gather(*(P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
                                   for _ in range(n - 1)))
     return [first, *rest]
+
+@contextlib.asynccontextmanager
+async def _ack_server(limits: RpcLimits):
+    """A server answering Ack on "echo" under ``limits``, an honest client and an attacker (all shut down after)."""
+    server, honest, attacker = await _peers(3)
+    try:
+        rpc = RpcServer(server, limits)
+
+        async def echo(msg, peer):
+            return Ack()
+
+        await rpc.add_handler("echo", echo)
+        yield rpc, server, honest, attacker
+    finally:
+        await asyncio.gather(*(p.shutdown() for p in (server, honest, attacker)), return_exceptions=True)
+
 
 
 async def _stalled_stream(attacker: P2P, server: P2P, announce: int) -> asyncio.StreamWriter:
@@ -135,14 +152,7 @@ def test_a_flood_of_never_writing_streams_from_one_id_does_not_stall_others():
     limits = RpcLimits(rate_grace_s=2.0, linger_s=0.1)
 
     async def main() -> None:
-        server, honest, attacker = await _peers(3)
-        try:
-            rpc = RpcServer(server, limits)
-
-            async def echo(msg, peer):
-                return Ack()
-
-            await rpc.add_handler("echo", echo)
+        async with _ack_server(limits) as (rpc, server, honest, attacker):
             base = 0.0
             for _ in range(5):  # honest latency before the flood, on this machine now
                 t0 = time.monotonic()
@@ -168,8 +178,6 @@ def test_a_flood_of_never_writing_streams_from_one_id_does_not_stall_others():
             for o in opened:
                 if not isinstance(o, BaseException):
                     o[2].close()
-        finally:
-            await asyncio.gather(*(p.shutdown() for p in (server, honest, attacker)), return_exceptions=True)
 
     asyncio.run(main())
 
@@ -246,14 +254,7 @@ def test_a_stranger_that_keeps_being_refused_has_its_streams_closed_unread_and_o
     limits = RpcLimits(stranger_refusals_per_s=5.0, strangers_refusals_per_s=1000.0)
 
     async def main() -> None:
-        server, honest, attacker = await _peers(3)
-        try:
-            rpc = RpcServer(server, limits)
-
-            async def echo(msg, peer):
-                return Ack()
-
-            await rpc.add_handler("echo", echo)
+        async with _ack_server(limits) as (rpc, server, honest, attacker):
             rpc.restrict("echo", kinds=(Hello,))
             wrong = Backward(run_id="r", mb_id=1, route=["a"], gradient=None, loss=None, is_eval=False)
             replies = []
@@ -272,7 +273,5 @@ def test_a_stranger_that_keeps_being_refused_has_its_streams_closed_unread_and_o
             await asyncio.sleep(2 / limits.stranger_refusals_per_s + 0.2)  # its budget refills: it is heard again
             with pytest.raises(RemoteError):
                 await call(attacker, server.peer_id, "echo", wrong, timeout=5)
-        finally:
-            await asyncio.gather(*(p.shutdown() for p in (server, honest, attacker)), return_exceptions=True)
 
     asyncio.run(main())

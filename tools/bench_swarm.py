@@ -323,8 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[Case]:
-    """The cases in running order: per network, every mode back to back (so ratios compare neighbours in time)."""
+def plan(args: argparse.Namespace, *, zero_delay: bool = True) -> list[Case]:
+    """The cases in running order: per network, every mode of ``args.modes`` back to back (so ratios compare
+    neighbours in time). ``zero_delay``: always add the 0-ms WAN case (latency hiding's reference)."""
     nets: list[tuple[str, float, float]] = [("loopback", 0.0, 0.0)] if args.loopback else []
     if args.wan != "no":
         reason = check_available(args.emulator)
@@ -333,7 +334,7 @@ def plan(args: argparse.Namespace) -> list[Case]:
         if reason:
             logger.warning("skipping the emulated WAN: %s", reason)
         else:
-            delays = sorted(set(args.delays_ms) | {0.0})  # 0 ms is latency hiding's reference
+            delays = sorted(set(args.delays_ms) | ({0.0} if zero_delay else set()))
             nets += [("wan", d, args.rate_mbit) for d in delays]
     return [Case(mode, net, delay, rate) for net, delay, rate in nets for mode in args.modes]
 

@@ -43,7 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.bench_swarm import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
-from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, check_available, install_signal_handlers  # noqa: E402
+from tools.bench_swarm import plan as swarm_plan  # noqa: E402
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, install_signal_handlers  # noqa: E402
 
 logger = logging.getLogger("bench_ttl")
 
@@ -334,16 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
-    nets: list[tuple[str, float, float]] = [("loopback", 0.0, 0.0)] if args.loopback else []
-    if args.wan != "no":
-        reason = check_available(args.emulator)
-        if reason and args.wan == "yes":
-            raise BenchError(f"--wan yes: {reason}")
-        if reason:
-            logger.warning("skipping the emulated WAN: %s", reason)
-        else:
-            nets += [("wan", d, args.rate_mbit) for d in sorted(set(args.delays_ms))]
-    return [Case(mode, net, delay, rate) for net, delay, rate in nets for mode in ("async", "sync")]
+    """bench_swarm's cases for both modes, at exactly the delays asked for."""
+    return swarm_plan(argparse.Namespace(**{**vars(args), "modes": ("async", "sync")}), zero_delay=False)
 
 
 def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> dict[str, Any]:
