@@ -284,6 +284,8 @@ class Daemon:
         if pipe is not None and worker is not None:
             self.metrics.inflight, self.metrics.queued = len(pipe.pending), pipe.queued()
             self.metrics.local_step = worker.local_step
+        held = self.spares.info
+        self.metrics.backup = None if held is None else (held.stage, held.step, held.taken_at)
         await self.refresh_swarm()
         await self.announce()
 

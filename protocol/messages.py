@@ -41,8 +41,9 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 3  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`
-SUPPORTED_VERSIONS: tuple[int, ...] = (3,)
+PROTOCOL_VERSION = 4  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+# 4: StateRequest names the snapshot `version` it continues
+SUPPORTED_VERSIONS: tuple[int, ...] = (4,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -166,13 +167,16 @@ class AveragingPart(Message):
     weight: float
 
 
-@_message(8, run_id=s.text(), stage=_stage, chunk=s.integer(0, 2**20))
+@_message(8, run_id=s.text(), stage=_stage, chunk=s.integer(0, 2**20), version=_count)
 class StateRequest(Message):
-    """Ask a same-stage peer for chunk `chunk` of its current state."""
+    """Ask a peer for chunk `chunk` of a stage's state. Chunk 0 starts a transfer of the server's current snapshot
+    (`version` 0); the other chunks name the snapshot `version` that chunk 0 carried, so a transfer keeps reading one
+    snapshot while the server takes newer ones for later requests."""
 
     run_id: str
     stage: int
     chunk: int
+    version: int = 0
 
 
 @_message(9, run_id=s.text(), stage=_stage, version=_count, chunk=s.integer(0, 2**20), n_chunks=s.integer(1, 2**20),

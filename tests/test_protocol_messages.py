@@ -111,7 +111,7 @@ def test_unpack_rejects_malformed(data: bytes) -> None:
 
 
 def test_version_mismatch_says_which_versions() -> None:
-    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 3"):
+    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 4"):
         unpack(_raw(7, 4, []))
     with pytest.raises(VersionMismatch):
         unpack(_raw(7, "garbage", "fields"))  # the version is checked first

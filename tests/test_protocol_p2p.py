@@ -15,7 +15,7 @@ from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode, FrameTooLarge, PeerUnreachable, RemoteError, ValidationError
 from protocol.framing import HEADER, frame_header, read_message
 from protocol.limits import RpcLimits
-from protocol.messages import Ack, Busy, Error, Hello, StateChunk, StateRequest, pack, unpack
+from protocol.messages import PROTOCOL_VERSION, Ack, Busy, Error, Hello, StateChunk, StateRequest, pack, unpack
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call
 from protocol.validation import TensorSpec
 
@@ -157,9 +157,10 @@ def test_error_replies_for_junk_version_handler_failure_and_timeouts() -> None:
         junk = b"\xc1\xc1 not msgpack"
         assert (await raw(frame_header(len(junk), end=True) + junk)).code == ErrorCode.BAD_REQUEST
         assert (await raw(b"GET / HTTP/1.1\r\n\r\n")).code == ErrorCode.BAD_REQUEST
-        future = pack(hello).replace(b"\x93\x03", b"\x93\x09", 1)  # [version 9, kind, fields]
+        future = pack(hello).replace(bytes([0x93, PROTOCOL_VERSION]), b"\x93\x09", 1)  # [version 9, kind, fields]
         reply = await raw(frame_header(len(future), end=True) + future)
-        assert reply.code == ErrorCode.VERSION_MISMATCH and "3" in reply.message and "9" in reply.message
+        assert reply.code == ErrorCode.VERSION_MISMATCH
+        assert str(PROTOCOL_VERSION) in reply.message and "9" in reply.message
         assert (await raw(frame_header(100, end=True) + b"short")).code == ErrorCode.TIMEOUT
 
         for stage, code in ((1, ErrorCode.INTERNAL), (2, ErrorCode.TIMEOUT), (3, ErrorCode.BAD_REQUEST)):

@@ -238,3 +238,12 @@ def test_copies_are_not_used_while_the_stage_has_a_donor_and_the_own_copy_counts
     own.offer(1, {"local_step": 77}, source="x", taken_at=time.time() - 5)
     out, asked, _ = _restore(tmp_path / "empty", monkeypatch, {"s0": rec("s0", 0, 90)}, {}, spare=own)
     assert out.source.kind == "spare" and out.source.label == "me" and out.state["local_step"] == 77
+
+
+def test_a_donor_whose_record_outlives_it_does_not_hide_the_copies(tmp_path, monkeypatch):
+    # the stage's only peer was killed a moment ago: its record still says "training" until it expires
+    records = {"dead": rec("dead", 1, 320), "a": rec("a", 0, 500, backup_stage=1, backup_step=300,
+                                                     backup_taken_at=time.time())}
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"a": {"local_step": 300}})
+    assert asked == [["dead"], ["a"]]
+    assert out.source.kind == "spare" and out.state["local_step"] == 300

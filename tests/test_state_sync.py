@@ -184,32 +184,43 @@ def test_a_donor_replacing_its_snapshot_mid_transfer_is_dropped_for_the_next():
     asyncio.run(main())
 
 
-def test_server_shares_one_snapshot_while_it_is_in_use_and_releases_it_when_idle():
+def test_server_shares_a_fresh_snapshot_keeps_the_replaced_one_for_its_transfers_and_releases_idle_ones():
     async def main():
         now = [1000.0]
         config = StateSyncConfig(chunk_bytes=128 * 1024, snapshot_max_age_s=60, snapshot_idle_s=60)
         server = _server(_trained_worker(1, 1), clock=lambda: now[0], config=config)
 
-        async def ask(chunk, run=RUN):
-            return await server._handle(StateRequest(run_id=run.run_id, stage=0, chunk=chunk), "joiner")
+        async def ask(chunk, version=0, run=RUN):
+            return await server._handle(StateRequest(run_id=run.run_id, stage=0, chunk=chunk, version=version),
+                                        "joiner")
 
         server.ready = False
         assert (await ask(0)).code == ErrorCode.NOT_READY
         server.ready = True
-        assert (await ask(1)).code == ErrorCode.NOT_READY  # no transfer in progress: start at chunk 0
+        assert (await ask(1)).code == ErrorCode.BAD_REQUEST  # a later chunk must name its snapshot
+        assert (await ask(1, version=7)).code == ErrorCode.NOT_READY  # no such snapshot: start at chunk 0
         v1 = (await ask(0)).version
         now[0] += 10
         assert (await ask(0)).version == v1  # a second joiner shares the fresh snapshot
-        now[0] += 55
-        assert (await ask(1)).version == v1
-        now[0] += 10  # old (75 s) but in use 10 s ago: a new joiner must not break the running transfer
-        assert (await ask(0)).version == v1
-        now[0] += 61  # nobody touched it for 61 s: released, and a new transfer gets a new snapshot
-        assert (await ask(1)).code == ErrorCode.NOT_READY
+        # Demand every few seconds must not pin a snapshot forever (neighbour backups every 2 s once received a
+        # step-0 state for as long as they kept asking): past its age a new transfer gets a new snapshot ...
+        for _ in range(30):
+            now[0] += 5
+            assert (await ask(1, version=v1)).version == v1
         assert (await ask(0)).version == v1 + 1
-        assert (await ask(10**6)).code == ErrorCode.BAD_REQUEST
-        assert (await ask(0, RUN.replace(seed=5))).code == ErrorCode.WRONG_RUN
+        # ... while the transfer of the replaced one goes on reading it, whole
+        now[0] += 5
+        assert (await ask(1, version=v1)).version == v1
+        assert (await ask(1, version=v1 + 1)).version == v1 + 1
+        now[0] += 61  # nobody touched either for 61 s: both released
+        assert (await ask(1, version=v1)).code == ErrorCode.NOT_READY
+        assert (await ask(1, version=v1 + 1)).code == ErrorCode.NOT_READY
+        assert (await ask(0)).version == v1 + 2
+        assert len(server._snapshots[0]) == 1
+        assert (await ask(10**6, version=v1 + 2)).code == ErrorCode.BAD_REQUEST
+        assert (await ask(0, run=RUN.replace(seed=5))).code == ErrorCode.WRONG_RUN
         counters = server.metrics.snapshot()["counters"]
         assert counters["rejected:state_bad_chunk"] == 1 and counters["rejected:state_wrong_run"] == 1
+        assert counters["rejected:state_no_version"] == 1
 
     asyncio.run(main())

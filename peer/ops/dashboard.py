@@ -274,6 +274,10 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
                      style="bold red" if n == 0 else ("bold" if mine else ""))
     _row(grid, "swarm", swarm if pps else Text("not fetched yet", style="dim"))
     _row(grid, "run", Text(progress_line(s.get("swarm"), duration, human), style="" if s.get("swarm") else "dim"))
+    if s.get("backup"):
+        b = s["backup"]
+        _row(grid, "backup", Text(f"copy of stage {b['stage']} at step {b['step']}, {duration(b.get('age_s'))} old",
+                                  style="dim"))
     rejected = s.get("rejected", {})
     _row(grid, "rejected", Text(" · ".join(f"{r} {n}" for r, n in sorted(rejected.items())) or "none",
                                 style="red" if rejected else "dim"))

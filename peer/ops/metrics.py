@@ -106,6 +106,7 @@ class PeerMetrics:
         self.access = "open"  # the run's access mode: "open" (anyone may join) or "closed" (admitted peers only)
         self.n_stages: int | None = None
         self.maddrs: list[str] = []
+        self.backup: tuple[int, int, float] | None = None  # the neighbour copy held: stage, step, taken at (Unix s)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.pipeline_delay = 0.0
@@ -331,6 +332,8 @@ class PeerMetrics:
             "rejected": rejected,
             "peers_per_stage": {str(s): n for s, n in sorted(self._peers_per_stage.items())},
             "swarm": self.swarm_progress,
+            "backup": None if self.backup is None else {
+                "stage": self.backup[0], "step": self.backup[1], "age_s": max(0.0, time.time() - self.backup[2])},
             "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings
                          if now - w["at"] <= self.warning_ttl_s],
         }

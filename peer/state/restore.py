@@ -6,7 +6,8 @@ progress of the best local file; the state a donor delivers is compared again by
 announcement may be a little stale) before it replaces anything, so a restarted peer never trades its trained
 checkpoint for a less-trained donor's state.
 
-When the stage has no training donor (every peer of it died), the neighbour copies of the stage are sources too
+When no donor of the stage delivers a state (every peer of it died, and their records may not have expired yet), the
+neighbour copies of the stage are sources too
 (``peer.state.spare``): the ones other peers announce in their records and this peer's own, ranked by progress like
 the rest. Restoring from one logs a WARNING naming the peer that held it, its step and its age.
 """
@@ -66,7 +67,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     still starting, or a DHT read that timed out, would otherwise throw the stage's training away). io: runs a
     blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
     files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable. spare:
-    this peer's own neighbour copy (considered, with the copies others announce, only when the stage has no donor).
+    this peer's own neighbour copy (considered, with the copies others announce, only when no donor delivered).
     """
     files = [StateSource(kind="init", step=0, label="the run's seeded init")]
     if checkpoint_dir is not None:
@@ -102,7 +103,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                     best_file.step)
 
     candidates = list(files)
-    if not donors:
+    if delivered is None:  # no donor, or none delivered (a dead peer's record outlives it by up to its TTL)
         copy = await _from_copies(run=run, stage=stage, my_id=my_id, records=records, p2p=p2p, metrics=metrics,
                                   reference=reference, spare=spare, io=io, floor=best_file.step, timeout_s=timeout_s)
         if copy is not None:
@@ -141,7 +142,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
         copies.append(StateSource(kind="spare", step=held.step, label=my_id))
     if not copies:
         return None
-    logger.info("stage %d has no donor; neighbour copies, most advanced first: %s", stage,
+    logger.info("no donor delivered stage %d; neighbour copies, most advanced first: %s", stage,
                 ", ".join(f"{c.label[:16]} step {c.step}" for c in rank(copies)))
     deadline = time.monotonic() + timeout_s
     for copy in rank(copies):

@@ -3,10 +3,11 @@
 **Serving** (``StateServer``): on a request for chunk 0 the server takes one snapshot of ``worker.state_dict()`` on the
 compute thread (the worker returns copies, so training goes on meanwhile), flattens it into a JSON skeleton plus a
 list of tensors, and plans fixed-size pieces (``chunk_bytes``) of those tensors. Chunks are encoded on request, in an
-executor, with the exact codec ('none'). One snapshot is shared by every concurrent transfer and replaced only when it
-is older than ``snapshot_max_age_s`` and no transfer touched it for ``snapshot_idle_s``, so memory stays bounded by one
-copy of the state plus ``max_concurrent`` chunks. Every chunk carries the snapshot's version: a client that sees it
-change restarts, never mixing two snapshots.
+executor, with the exact codec ('none'). A transfer starting within ``snapshot_max_age_s`` of the current snapshot
+shares it; a later one gets a new snapshot, however busy the server is (so what a joiner or a neighbour backup receives
+is never more than that age behind the server's training). The replaced snapshot stays for the transfers still reading
+it, named by the ``version`` of their chunk requests, until no transfer touched it for ``snapshot_idle_s``: memory is
+bounded by two copies of the state plus ``max_concurrent`` chunks. A transfer never mixes two snapshots.
 
 **Loading** (``load_state_from_peers``): donors are the stage's training peers, highest state version first. From one
 donor at a time it fetches chunk 0 (skeleton, sizes, piece size) and then every other chunk, each with its own
@@ -86,9 +87,9 @@ class StateSyncConfig:
     max_state_bytes: int = 64 * 2**30
     """Client: refuse a state larger than this (also bounded by 4x the reference's size plus 64 MiB)."""
     snapshot_max_age_s: float = 60.0
-    """Server: a snapshot younger than this is reused for new transfers instead of taking another."""
+    """Server: a snapshot younger than this is reused for new transfers; an older one is replaced for them."""
     snapshot_idle_s: float = 60.0
-    """Server: a snapshot no transfer touched for this long may be replaced or dropped."""
+    """Server: a snapshot no transfer touched for this long is dropped (memory)."""
     max_concurrent: int = 2
     """Server: chunks encoded at once (bounds the memory of replies in flight)."""
     window: int = 2
@@ -139,7 +140,7 @@ class StateServer:
         self.transport = transport or RpcTransport(p2p, rpc_server)
         self.clock = clock
         self.ready = False
-        self._snapshots: dict[int, _Snapshot] = {}  # by stage: our own, and the neighbour copy's
+        self._snapshots: dict[int, list[_Snapshot]] = {}  # by stage (ours, the neighbour copy's): newest first, <= 2
         self._versions = 0
         self._lock = asyncio.Lock()
         self._encoding = asyncio.Semaphore(self.config.max_concurrent)
@@ -162,9 +163,13 @@ class StateServer:
             return self._refuse(ErrorCode.WRONG_STAGE, "wrong_stage", f"state: this peer serves stage {self.stage}")
         if not self.ready:
             return Error(code=ErrorCode.NOT_READY, message="state: this peer is still loading its own state")
-        snap = await self._snapshot_for(msg.stage, msg.chunk)
+        if msg.chunk > 0 and msg.version == 0:
+            return self._refuse(ErrorCode.BAD_REQUEST, "no_version",
+                                "state: a chunk after the first must name the snapshot version chunk 0 carried")
+        snap = await self._snapshot_for(msg.stage, msg.version)
         if snap is None:
-            return Error(code=ErrorCode.NOT_READY, message="state: no transfer in progress; request chunk 0 first")
+            return Error(code=ErrorCode.NOT_READY,
+                         message=f"state: snapshot {msg.version} is gone (replaced and idle); request chunk 0 again")
         if not 0 <= msg.chunk < snap.plan.n_chunks:
             return self._refuse(ErrorCode.BAD_REQUEST, "bad_chunk",
                                 f"state: chunk {msg.chunk} out of range [0, {snap.plan.n_chunks})")
@@ -177,20 +182,24 @@ class StateServer:
                 self.metrics.inc("backups_served")
         return chunk
 
-    async def _snapshot_for(self, stage: int, chunk: int) -> _Snapshot | None:
+    async def _snapshot_for(self, stage: int, version: int) -> _Snapshot | None:
+        """The snapshot of ``stage`` with ``version``, or for 0 the current one (a new one when it is older than
+        ``snapshot_max_age_s``); None when that version is gone or the stage's state cannot be read."""
         async with self._lock:
             now = self.clock()
-            snap = self._snapshots.get(stage)
-            if snap is not None and now - snap.touched_at > self.config.snapshot_idle_s:
-                snap = None  # idle: release its memory
-                del self._snapshots[stage]
-            if chunk == 0 and (snap is None or now - snap.taken_at > self.config.snapshot_max_age_s):
-                if snap is None or now - snap.touched_at > self.config.snapshot_idle_s / 2:
+            kept = [s for s in self._snapshots.get(stage, []) if now - s.touched_at <= self.config.snapshot_idle_s]
+            if version:
+                snap = next((s for s in kept if s.version == version), None)
+            else:
+                snap = kept[0] if kept and now - kept[0].taken_at <= self.config.snapshot_max_age_s else None
+                if snap is None:
                     snap = await self._take(stage)
-                    if snap is None:
-                        self._snapshots.pop(stage, None)
-                    else:
-                        self._snapshots[stage] = snap
+                    if snap is not None:
+                        kept = [snap, *kept][:2]  # the one replaced stays for the transfers reading it
+            if kept:
+                self._snapshots[stage] = kept
+            else:
+                self._snapshots.pop(stage, None)
             if snap is not None:
                 snap.touched_at = self.clock()
             return snap
@@ -284,8 +293,8 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
 
 
 async def _request(transport: Transport, donor: str, run: RunConfig, stage: int, chunk: int,
-                   config: StateSyncConfig) -> StateChunk:
-    request = StateRequest(run_id=run.run_id, stage=stage, chunk=chunk)
+                   config: StateSyncConfig, version: int = 0) -> StateChunk:
+    request = StateRequest(run_id=run.run_id, stage=stage, chunk=chunk, version=version)
     for attempt in range(config.chunk_retries + 1):
         try:
             reply = await transport.call(donor, STATE_RPC, request, timeout=config.chunk_timeout_s)
@@ -320,6 +329,8 @@ async def _request(transport: Transport, donor: str, run: RunConfig, stage: int,
 async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
                     limit: int) -> dict:
     first = await _request(transport, donor, run, stage, 0, config)
+    if first.version == 0:
+        raise StateSyncError("chunk 0 carries no snapshot version")
     piece_bytes, env = first.meta.get("piece_bytes"), first.tensors.get(SKELETON_KEY)
     if type(piece_bytes) is not int or env is None:
         raise StateSyncError("chunk 0 lacks the skeleton or the piece size")
@@ -332,14 +343,15 @@ async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int
         raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
     builder = await loop.run_in_executor(None, assemble, skeleton, piece_bytes, limit)
     # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
-    pending = {c: asyncio.ensure_future(_request(transport, donor, run, stage, c, config))
+    pending = {c: asyncio.ensure_future(_request(transport, donor, run, stage, c, config, first.version))
                for c in range(1, min(first.n_chunks, 1 + config.window))}
     try:
         for chunk in range(first.n_chunks):
             reply = first if chunk == 0 else await pending.pop(chunk)
             following = chunk + config.window
             if chunk > 0 and following < first.n_chunks:  # chunks 1..window were requested up front
-                pending[following] = asyncio.ensure_future(_request(transport, donor, run, stage, following, config))
+                pending[following] = asyncio.ensure_future(
+                    _request(transport, donor, run, stage, following, config, first.version))
             if reply.version != first.version or reply.n_chunks != first.n_chunks:
                 raise StateSyncError("the donor replaced its snapshot mid-transfer")
             await loop.run_in_executor(None, _add_pieces, builder, reply, donor)
