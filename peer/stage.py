@@ -33,7 +33,7 @@ from peer.pipeline.servicer import PipelineStage
 from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
-from peer.state.spare import SpareStore
+from peer.state.spare import SpareStore, adopt_checkpoint
 from peer.state.sync import StateServer, StateSyncConfig
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
@@ -131,6 +131,8 @@ class StageService:
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
         if source in ("donor", "spare"):  # a restart right after joining resumes from here, not downloading again
             await host.checkpoint()
+        await asyncio.get_running_loop().run_in_executor(  # a former stage's checkpoint, offered to the swarm
+            None, adopt_checkpoint, host.spares, host.cfg.checkpoint_dir, host.run, stage)
         host.metrics.local_step = self.worker.local_step
         self.pipe = pipe = PipelineStage(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                          send=host.send, swarm=lambda: host.swarm, router=host.router,

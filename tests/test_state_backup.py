@@ -19,7 +19,7 @@ from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
 from peer.state.backup import neighbour_stage, take_backup
 from peer.state.checkpoint import checkpoint_path, checkpoint_steps, save_checkpoint
-from peer.state.spare import SpareStore, spare_fields, spare_path
+from peer.state.spare import SpareStore, adopt_checkpoint, spare_fields, spare_path
 from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import RemoteError
 from protocol.messages import Error, pack, unpack
@@ -229,11 +229,15 @@ def test_a_failed_copy_falls_to_the_next_and_a_checkpoint_ahead_wins(tmp_path, m
     assert out.source.kind == "checkpoint" and asked == []  # no copy is ahead of it: nothing downloaded
 
 
-def test_copies_are_not_used_while_the_stage_has_a_donor_and_the_own_copy_counts(tmp_path, monkeypatch):
-    records = {"d": rec("d", 1, 10), "a": rec("a", 0, 500, backup_stage=1, backup_step=300,
-                                                 backup_taken_at=time.time())}
-    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"d": {"local_step": 10}})
-    assert out.source.kind == "donor" and asked == [["d"]]
+def test_a_copy_behind_the_donor_is_not_fetched_one_ahead_wins_and_the_own_copy_counts(tmp_path, monkeypatch):
+    records = {"d": rec("d", 1, 400), "a": rec("a", 0, 500, backup_stage=1, backup_step=300,
+                                                  backup_taken_at=time.time())}
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"d": {"local_step": 400}})
+    assert out.source.kind == "donor" and asked == [["d"]]  # the steady swarm: copies trail their donors
+    # a whole-swarm restart: the donor came back behind a state its former peer now offers as a copy
+    records["d"] = rec("d", 1, 10)
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, {"d": {"local_step": 10}, "a": {"local_step": 300}})
+    assert out.source.kind == "spare" and out.source.label == "a" and asked == [["d"], ["a"]]
     own = SpareStore(RUN, None)
     own.offer(1, {"local_step": 77}, source="x", taken_at=time.time() - 5)
     out, asked, _ = _restore(tmp_path / "empty", monkeypatch, {"s0": rec("s0", 0, 90)}, {}, spare=own)
@@ -247,3 +251,16 @@ def test_a_donor_whose_record_outlives_it_does_not_hide_the_copies(tmp_path, mon
     out, asked, _ = _restore(tmp_path, monkeypatch, records, {"a": {"local_step": 300}})
     assert asked == [["dead"], ["a"]]
     assert out.source.kind == "spare" and out.state["local_step"] == 300
+
+
+def test_a_peer_that_came_back_on_another_stage_offers_its_former_checkpoint_as_a_copy(tmp_path):
+    save_checkpoint(tmp_path, RUN, 0, {"local_step": 3216, "model": {}})
+    save_checkpoint(tmp_path, RUN, 1, {"local_step": 3157, "model": {}})
+    store = SpareStore(RUN, tmp_path)
+    info = adopt_checkpoint(store, tmp_path, RUN, stage=1)
+    assert info is not None and (info.stage, info.step) == (0, 3216)
+    assert store.read(0)["local_step"] == 3216 and spare_fields(store.info)["backup_step"] == 3216
+    assert adopt_checkpoint(store, tmp_path, RUN, stage=1) is None  # held already
+    store.offer(0, {"local_step": 4000}, source="n", taken_at=time.time())
+    assert adopt_checkpoint(store, tmp_path, RUN, stage=1) is None  # a more advanced copy of that stage is kept
+    assert adopt_checkpoint(SpareStore(RUN, tmp_path / "x"), tmp_path / "x", RUN, stage=0) is None  # nothing held

@@ -103,11 +103,15 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                     best_file.step)
 
     candidates = list(files)
-    if delivered is None:  # no donor, or none delivered (a dead peer's record outlives it by up to its TTL)
-        copy = await _from_copies(run=run, stage=stage, my_id=my_id, records=records, p2p=p2p, metrics=metrics,
-                                  reference=reference, spare=spare, io=io, floor=best_file.step, timeout_s=timeout_s)
-        if copy is not None:
-            return copy
+    # Copies count when no donor delivered (a dead peer's record outlives it by up to its TTL) and when one is ahead
+    # of every donor (a former peer of the stage offers its checkpoint after a whole-swarm restart put it elsewhere);
+    # in a steady swarm they trail the donors they were taken from, and nothing is downloaded.
+    floor = max(best_file.step, _step_of(delivered))
+    copy = await _from_copies(run=run, stage=stage, my_id=my_id, records=records, p2p=p2p, metrics=metrics,
+                              reference=reference, spare=spare, io=io, floor=floor, timeout_s=timeout_s,
+                              ahead_of_donor=delivered is not None)
+    if copy is not None:
+        return copy
     if delivered is not None:
         candidates.append(StateSource(kind="donor", step=_step_of(delivered), label="the donor's delivered state"))
     chosen = most_advanced(candidates)
@@ -132,8 +136,10 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
 
 async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], p2p: P2P,
                        metrics: PeerMetrics, reference: dict[str, Any], spare: SpareStore | None,
-                       io: Callable[..., Any], floor: int, timeout_s: float) -> Restored | None:
-    """The most advanced neighbour copy of ``stage`` ahead of ``floor`` (the best local file's step), or None."""
+                       io: Callable[..., Any], floor: int, timeout_s: float,
+                       ahead_of_donor: bool = False) -> Restored | None:
+    """The most advanced copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's
+    delivered state), or None. ahead_of_donor: a donor delivered (only the log line differs)."""
     holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == "training"
                and r.peer_id != my_id and r.backup_step is not None and r.backup_step > floor}
     held = spare.info if spare is not None else None
@@ -142,7 +148,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
         copies.append(StateSource(kind="spare", step=held.step, label=my_id))
     if not copies:
         return None
-    logger.info("no donor delivered stage %d; neighbour copies, most advanced first: %s", stage,
+    logger.info("stage %d: copies ahead of step %d, most advanced first: %s", stage, floor,
                 ", ".join(f"{c.label[:16]} step {c.step}" for c in rank(copies)))
     deadline = time.monotonic() + timeout_s
     for copy in rank(copies):
@@ -164,8 +170,12 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
         if state is None or step <= floor:
             continue
         age = max(0.0, time.time() - taken_at)
-        text = (f"stage {stage} had no peer left: restored from a backup copy held by peer {copy.label[:16]}, at "
-                f"step {step}, taken {age:.0f} s ago (the stage's training since then is lost)")
+        if ahead_of_donor:
+            text = (f"stage {stage}: restored from a backup copy held by peer {copy.label[:16]}, at step {step}, "
+                    f"taken {age:.0f} s ago: it is ahead of every donor and local file (step {floor})")
+        else:
+            text = (f"stage {stage} had no peer left: restored from a backup copy held by peer {copy.label[:16]}, "
+                    f"at step {step}, taken {age:.0f} s ago (the stage's training since then is lost)")
         logger.warning("%s", text)
         metrics.warn(text)
         metrics.inc("backup_restores")

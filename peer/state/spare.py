@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from peer.state.checkpoint import FORMAT_VERSION, CheckpointError, write_atomic
+from peer.state.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    checkpoint_path,
+    checkpoint_steps,
+    load_checkpoint,
+    previous_path,
+    write_atomic,
+)
 from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -141,6 +149,37 @@ def _read(path: Path, run: RunConfig, stage: int, *, mmap: bool = False) -> dict
     if not ok:
         raise CheckpointError(f"{path} is not a neighbour copy of stage {stage} of this run; it is ignored")
     return payload
+
+
+def adopt_checkpoint(spares: SpareStore, directory: Path | None, run: RunConfig, stage: int) -> SpareInfo | None:
+    """Offer this peer's checkpoint of another stage than ``stage`` (the one it took) as its copy (blocking).
+
+    A peer that comes back on another stage than before (a whole-swarm restart, where the capacity rule placed it
+    elsewhere) may hold the most advanced state of its former stage; announced as a copy, the peers restoring that
+    stage rank it with the rest instead of leaving it unused on this disk. It replaces the copy held only when that
+    one is older (by step for the same stage, by time for another); the next neighbour backup replaces it in turn.
+    Returns what was adopted, or None."""
+    if directory is None:
+        return None
+    others = {t: step for t, step in checkpoint_steps(directory, run).items() if t != stage and step > 0}
+    if not others:
+        return None
+    former = max(others, key=lambda t: others[t])
+    path = checkpoint_path(directory, former)
+    taken_at = (path if path.exists() else previous_path(directory, former)).stat().st_mtime
+    held = spares.info
+    if held is not None and (held.step >= others[former] if held.stage == former else held.taken_at >= taken_at):
+        return None
+    try:
+        state = load_checkpoint(directory, run, former)
+    except CheckpointError as e:
+        logger.warning("%s", e)
+        return None
+    if state is None or not spares.offer(former, state, source="this peer's checkpoint", taken_at=taken_at):
+        return None
+    logger.info("offering this peer's checkpoint of stage %d (step %d) to the swarm as a copy", former,
+                others[former])
+    return spares.info
 
 
 def spare_fields(info: SpareInfo | None) -> dict[str, Any]:
