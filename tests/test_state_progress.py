@@ -98,9 +98,14 @@ def test_a_restarting_peer_takes_the_stage_it_holds_a_checkpoint_for():
     assert choose_stage(snap, costs, held={0: 400}) == 1  # capacity still decides: stage 1 is empty
     # it holds both (it moved once): the more trained one, while the swarm has neither
     assert choose_stage({}, costs, held={0: 100, 1: 2578}) == 1
-    # tied capacities: the stage where its checkpoint is ahead of every live replica
+    # the stage where its checkpoint is ahead of every live replica
     snap = {"a": rec("a", 0, version=3000), "b": rec("b", 1, version=10)}
     assert choose_stage(snap, costs, held={0: 2000, 1: 2000}) == 1
+    # ... even against capacity: a whole-swarm restart where the peers back first (still loading: version 0) sit on
+    # this peer's stage, and the other stage is empty (today's capacity rule swapped stages and lost 150-370 steps)
+    snap = {"a": rec("a", 0, version=0), "b": rec("b", 0, version=0)}
+    assert choose_stage(snap, costs, held={0: 2770}) == 0
+    assert choose_stage({"a": rec("a", 0, version=2770)}, costs, held={0: 2617}) == 1  # behind: capacity decides
 
 
 def test_without_checkpoints_ties_still_spread_at_random():

@@ -69,21 +69,25 @@ def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]
 
 def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held: Mapping[int, int] | None = None,
                  rng: random.Random | None = None, tolerance: float = 0.05) -> int:
-    """The stage of least capacity; ties (within ``tolerance`` relative) are settled by the checkpoints this peer
-    holds, then at random to spread joiners.
+    """The stage whose checkpoint this peer holds ahead of every announced version of it, else the stage of least
+    capacity; ties (within ``tolerance`` relative) are settled by the checkpoints held, then at random to spread
+    joiners.
 
-    held: stage -> step of this peer's checkpoints. Among the tied stages, one whose checkpoint is ahead of every
-    announced version of that stage comes first (the most advanced such checkpoint): without this peer, that
-    training would be lost. Then any stage it holds a checkpoint for (it resumes without a download).
+    held: stage -> step of this peer's checkpoints. A checkpoint ahead of every announced version of its stage is the
+    most advanced state of that stage in the swarm: without this peer that training would be lost, so it outweighs
+    capacity (which rebalancing evens out later, moving state along). This is what brings every peer of a whole-swarm
+    restart back to its own stage: the peers that came back before it announce version 0 until they loaded. Among
+    several such stages, the most advanced checkpoint. Among tied stages, then, any stage it holds a checkpoint for
+    (it resumes without a download).
     """
+    held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
+    best = best_versions(records, len(costs))
+    ahead = [s for s in held if held[s] > max(best[s], 0)]
+    if ahead:
+        return max(ahead, key=lambda s: (held[s], -s))
     cap = capacities(records, costs)
     lowest = min(cap)
     candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]
-    held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
-    best = best_versions(records, len(costs))
-    ahead = [s for s in candidates if s in held and held[s] > best[s]]
-    if ahead:
-        return max(ahead, key=lambda s: (held[s], -s))
     kept = [s for s in candidates if s in held]
     return (rng or random).choice(kept or candidates)
 
