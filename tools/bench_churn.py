@@ -206,7 +206,7 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
             if step > best:
                 if best > 0 and time.monotonic() - progress_t > STALL_S:
                     stalls.append({"from_s": round(progress_t - sw.t0, 1),
-                                   "s": round(time.monotonic() - progress_t, 1)})
+                                   "s": round(time.monotonic() - progress_t, 1), "at": progress_t})
                 progress_t, best = time.monotonic(), step
             if best > 0 and not any(p.alive() for p in sw.peers.values()):
                 break
@@ -235,7 +235,10 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
         sw.close()
     summaries = {p.name: p.summary() for p in sw.peers.values()}
     logs = "".join(p.log() for p in {p.dir: p for p in sw.all}.values())  # a restarted peer appends to its log
-    real = [s for s in stalls if not any(a <= sw.t0 + s["from_s"] <= b for a, b, _ in excused)]
+    # (judged on the unrounded start: a stall that starts at the event itself is the event's, not 0.1 s before it)
+    real = [s for s in stalls if not any(a <= s["at"] <= b for a, b, _ in excused)]
+    for s in stalls:
+        del s["at"]
     return {
         "label": label, "events": sw.events, "steps_reached": best,
         "states_lost": logs.count(LOST_LINE),
