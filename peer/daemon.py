@@ -46,7 +46,7 @@ from peer.ops.summary import peer_summary, write_summary
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.sizes import restrict_handlers
 from peer.stage import StageHandlers, StageService, not_ready_error
-from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, save_checkpoint
+from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, newest_checkpoint_stage, save_checkpoint
 from peer.state.spare import SpareStore, spare_fields
 from protocol.messages import Busy, Error, Message
 from protocol.rpc import RpcLimits, RpcServer, call
@@ -233,14 +233,16 @@ class Daemon:
         if self.cfg.stage is not None:
             return self.cfg.stage
         held: dict[int, int] = {}
+        last: int | None = None
         if self.cfg.checkpoint_dir is not None:
             held = await asyncio.get_running_loop().run_in_executor(None, checkpoint_steps, self.cfg.checkpoint_dir,
                                                                     self.run)
             if held:
-                logger.info("checkpoints held (stage: step): %s", held)
-        first = choose_stage(await self.refresh_swarm(), self.costs, held=held)
+                last = newest_checkpoint_stage(self.cfg.checkpoint_dir, held)
+                logger.info("checkpoints held (stage: step): %s; stage %s served last", held, last)
+        first = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
         await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held)
+        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
         caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))

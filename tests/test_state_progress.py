@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from peer.state.checkpoint import (
     checkpoint_path,
     checkpoint_steps,
     load_checkpoint,
+    newest_checkpoint_stage,
     previous_path,
     save_checkpoint,
 )
@@ -106,6 +108,21 @@ def test_a_restarting_peer_takes_the_stage_it_holds_a_checkpoint_for():
     snap = {"a": rec("a", 0, version=0), "b": rec("b", 0, version=0)}
     assert choose_stage(snap, costs, held={0: 2770}) == 0
     assert choose_stage({"a": rec("a", 0, version=2770)}, costs, held={0: 2617}) == 1  # behind: capacity decides
+    # it holds both (it moved once) and both are ahead: the stage it served last, whatever the step counts (stages
+    # step at different rates: a stale stage-1 file at 3258 must not beat the stage-0 one at 2630 it wrote last)
+    assert choose_stage({}, costs, held={0: 2630, 1: 3258}, last=0) == 0
+    assert choose_stage({}, costs, held={0: 2630, 1: 3258}) == 1
+
+
+def test_the_stage_served_last_is_the_newest_checkpoint_file(tmp_path):
+    run = RunConfig.default()
+    save_checkpoint(tmp_path, run, 1, {"local_step": 3258, "model": {}})
+    save_checkpoint(tmp_path, run, 0, {"local_step": 2630, "model": {}})
+    os.utime(checkpoint_path(tmp_path, 1), (1e9, 1e9))
+    assert newest_checkpoint_stage(tmp_path, [0, 1]) == 0
+    os.utime(checkpoint_path(tmp_path, 0), (1e8, 1e8))
+    assert newest_checkpoint_stage(tmp_path, [0, 1]) == 1
+    assert newest_checkpoint_stage(tmp_path, []) is None
 
 
 def test_without_checkpoints_ties_still_spread_at_random():

@@ -68,7 +68,7 @@ def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]
 
 
 def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held: Mapping[int, int] | None = None,
-                 rng: random.Random | None = None, tolerance: float = 0.05) -> int:
+                 last: int | None = None, rng: random.Random | None = None, tolerance: float = 0.05) -> int:
     """The stage whose checkpoint this peer holds ahead of every announced version of it, else the stage of least
     capacity; ties (within ``tolerance`` relative) are settled by the checkpoints held, then at random to spread
     joiners.
@@ -77,14 +77,15 @@ def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held:
     most advanced state of that stage in the swarm: without this peer that training would be lost, so it outweighs
     capacity (which rebalancing evens out later, moving state along). This is what brings every peer of a whole-swarm
     restart back to its own stage: the peers that came back before it announce version 0 until they loaded. Among
-    several such stages, the most advanced checkpoint. Among tied stages, then, any stage it holds a checkpoint for
-    (it resumes without a download).
+    several such stages, ``last`` (the stage whose checkpoint was written last: the one it served before), else the
+    most advanced checkpoint. Among tied stages, then, any stage it holds a checkpoint for (it resumes without a
+    download).
     """
     held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
     best = best_versions(records, len(costs))
     ahead = [s for s in held if held[s] > max(best[s], 0)]
     if ahead:
-        return max(ahead, key=lambda s: (held[s], -s))
+        return last if last in ahead else max(ahead, key=lambda s: (held[s], -s))
     cap = capacities(records, costs)
     lowest = min(cap)
     candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]

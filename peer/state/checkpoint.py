@@ -25,10 +25,12 @@ Interface for the daemon::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +186,18 @@ def checkpoint_steps(directory: str | Path, run: RunConfig) -> dict[int, int]:
                 steps[stage] = int(payload.get("step", -1))
                 break
     return steps
+
+
+def newest_checkpoint_stage(directory: str | Path, stages: Iterable[int]) -> int | None:
+    """Of ``stages`` (those ``checkpoint_steps`` found), the one whose checkpoint was written last: the stage this
+    peer served last (steps of different stages are not comparable: stages step at different rates)."""
+    times = {}
+    for stage in stages:
+        for path in (checkpoint_path(directory, stage), previous_path(directory, stage)):
+            with contextlib.suppress(OSError):
+                times[stage] = path.stat().st_mtime
+                break
+    return max(times, key=lambda s: times[s]) if times else None
 
 
 def _read(path: Path, *, mmap: bool = False) -> dict[str, Any]:
