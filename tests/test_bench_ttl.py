@@ -15,7 +15,9 @@ from tools.bench_ttl import (  # noqa: E402
     compute_only_tokens_per_s,
     final_loss,
     interpolate,
+    measured_round_steps,
     merge_replicas,
+    pipeline_extra,
     time_to_reach,
     ttl_speedup,
 )
@@ -44,6 +46,16 @@ def test_replicas_merge_once_each_has_evaluated_and_compute_only_takes_the_slowe
     evals = {0: [(5.0, 100, 4.0), (10.0, 200, 3.0)], 2: [(6.0, 120, 5.0), (11.0, 220, 2.0)]}
     assert merge_replicas(evals) == [(6.0, 120, 4.5), (10.0, 200, 4.0), (11.0, 220, 2.5)]
     assert compute_only_tokens_per_s({0: [2.0, 2.0], 1: [1.5, 1.0]}, 1024) == pytest.approx(2.5 * 1024)
+
+
+def test_the_simulator_gets_the_daemons_measured_cadence_and_stage_0_staleness():
+    summaries = [{"stage": 0, "steps": 1300, "averaging_rounds_ok": 100, "pipeline_delay_steps": 2.2},
+                 {"stage": 0, "steps": 1200, "averaging_rounds_ok": 100, "pipeline_delay_steps": 1.9},
+                 {"stage": 1, "steps": 2500, "averaging_rounds_ok": 200, "pipeline_delay_steps": 0.0}]
+    assert measured_round_steps(summaries, 10) == 12  # 5,000 steps over 400 rounds
+    assert measured_round_steps(summaries[:1], 20) == 20  # never fewer steps per round than the run's
+    assert pipeline_extra(summaries, 2) == 1  # stage 0 saw ~2 steps of staleness where 1F1B on 2 stages gives 1
+    assert pipeline_extra(summaries, 4) == 0 and pipeline_extra([{"stage": 1}], 2) == 0
 
 
 @pytest.mark.timeout(600)

@@ -24,7 +24,7 @@ from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(120)
 
-RUN = RunConfig.default().replace(averaging={"period_s": 1.5, "round_steps": 1})
+RUN = RunConfig.default().replace(averaging={"period_s": 1.5, "round_steps": 1, "rounds_per_tick": 1})
 CFG = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=1.0, swarm_timeout_s=2.0)
 
 

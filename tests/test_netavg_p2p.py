@@ -28,7 +28,7 @@ from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(90)
 
-RUN = RunConfig.default().replace(averaging={"period_s": 2.5, "round_steps": 1})
+RUN = RunConfig.default().replace(averaging={"period_s": 2.5, "round_steps": 1, "rounds_per_tick": 1})
 # a 1.5 s exchange window: generous for loopback, and still robust when six test suites share two cores
 CFG = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=1.5, clock_skew_s=0.3)
 

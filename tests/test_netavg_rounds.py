@@ -32,7 +32,7 @@ from protocol.errors import RemoteError
 from protocol.messages import AveragingPart, Error
 from trainer.config import AveragingConfig, RunConfig
 
-RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1})
+RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1, "rounds_per_tick": 1})
 SHAPES = [(3000,), (37,), (5,)]
 FAST = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2)
 
@@ -254,6 +254,54 @@ async def test_a_peer_opens_a_round_only_when_due_and_joins_a_due_partners_round
     for _, metrics in peers:
         rounds = metrics.snapshot()["counters"]["averaging_rounds_ok"]
         assert metrics._avg_fraction_sum == pytest.approx(0.3 * rounds)
+
+
+@pytest.mark.parametrize(("steps_per_tick", "per_tick"), [(4.2, 1), (9.7, 1), (13, 2), (27, 3), (3, 2)])
+def test_rounds_follow_local_steps_however_they_fall_on_the_ticks(steps_per_tick, per_tick):
+    """round_steps = 10: a peer owes one round per 10 local steps and carries the remainder, so over 200 ticks it
+    takes part in steps / 10 rounds (within one), not one round per first tick after 10 steps (at 4.2 steps a tick:
+    one round per 3 ticks, 67 rounds for 840 steps, 20 % too few). Up to rounds_per_tick rounds open at one tick,
+    each its own slot."""
+    run = RUN.replace(averaging={"round_steps": 10, "fraction": 0.05, "rounds_per_tick": per_tick})
+    worker = FakeWorker(0)
+    loop, _ = _make_peer(MemTransport(), "p0", worker, ["p0", "p1"], run=run)
+    loop.peers = ["p1"]
+    steps, keys = 0.0, []
+    loop.local_step = lambda: int(steps)
+    loop._ensure_round = lambda key: (keys.append(key), loop._pay())
+    for tick in range(200):
+        steps += steps_per_tick
+        opened = loop.open_due(tick)
+        assert opened == [tick * per_tick + j for j in range(len(opened))]  # slots 0, 1, ... of this tick
+    # the first round opens at once, for the steps before it; every 10 steps after it owe one more
+    assert abs(len(keys) - (1 + (int(steps) - int(steps_per_tick)) / 10)) <= 1.0
+    assert len(set(keys)) == len(keys)
+
+
+def test_owed_rounds_are_capped_and_a_failed_round_is_owed_again():
+    run = RUN.replace(averaging={"round_steps": 10, "fraction": 0.05, "rounds_per_tick": 2})
+    loop, _ = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"], run=run)
+    loop.peers = ["p1"]
+    loop._ensure_round = lambda key: loop._pay()
+    steps = 0
+    loop.local_step = lambda: steps
+    assert loop.due()  # the first round is owed at once
+    loop._pay()
+    assert not loop.due()
+    steps = 1000  # a long time alone: at most rounds_per_tick + 1 rounds are owed, not 100
+    assert loop.owed() == 30
+    assert loop.open_due(7) == [14, 15]  # rounds_per_tick at one tick, the third at the next
+    assert loop.open_due(8) == [16]
+    assert not loop.due()
+    loop._pay(-1)  # that round failed: owed again
+    assert loop.due() and loop.owed() == 10
+    for _ in range(5):  # pulled into a faster partner's rounds: owes at most -round_steps
+        loop._pay()
+    assert loop.owed() == -10
+    steps += 19
+    assert not loop.due()
+    steps += 1
+    assert loop.due() and loop.owed() == 10
 
 
 @pytest.mark.timeout(30)

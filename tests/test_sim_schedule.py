@@ -26,8 +26,8 @@ def build(sim: SimConfig, method: str, tau: int | None = None) -> _Run:
     return _Run(sim, METHODS[method], sim.tau if tau is None else tau, corpus, val)
 
 
-@pytest.mark.timeout(60)
-def test_async_delay_of_stage_s_is_k_minus_1_minus_s(monkeypatch):
+def backward_delays(monkeypatch) -> dict[int, list[int]]:
+    """stage -> the staleness (local steps since its forward) of every backward any worker of that stage runs."""
     seen: dict[int, list[int]] = defaultdict(list)
     original = StageWorker.backward
 
@@ -36,6 +36,12 @@ def test_async_delay_of_stage_s_is_k_minus_1_minus_s(monkeypatch):
         return original(self, mb_id, grad)
 
     monkeypatch.setattr(StageWorker, "backward", spy)
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_async_delay_of_stage_s_is_k_minus_1_minus_s(monkeypatch):
+    seen = backward_delays(monkeypatch)
     k, n = 4, 24
     state = build(tiny(stages=k, steps=n), "asyncpp")
     state.run_async()
@@ -49,6 +55,34 @@ def test_async_delay_of_stage_s_is_k_minus_1_minus_s(monkeypatch):
         assert per_replica[tau_s:] == [tau_s] * (n - tau_s)
     assert all(w.local_step == n for row in state.w for w in row)  # one step per micro-batch, every stage
     assert all(w.pending() == 0 for row in state.w for w in row)  # drained
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [1, 2])
+def test_pipeline_extra_delays_every_stage_by_that_many_steps(monkeypatch, extra):
+    """A daemon's stage 0 with W micro-batches in flight on K stages sees W - 1 steps of staleness: pipeline_extra
+    adds W - K to 1F1B's K - 1 - s at every stage but the last, and every micro-batch is still trained once."""
+    seen = backward_delays(monkeypatch)
+    k, n = 3, 16
+    state = build(dataclasses.replace(tiny(stages=k, steps=n), pipeline_extra=extra), "asyncpp")
+    state.run_async()
+    for s in range(k - 1):
+        per_replica = seen[s][:: state.R]
+        tau_s = k - 1 - s + extra
+        assert len(per_replica) == n and per_replica[tau_s:] == [tau_s] * (n - tau_s)
+    assert all(w.local_step == n for row in state.w for w in row)
+    assert all(w.pending() == 0 for row in state.w for w in row)
+
+
+def test_each_replica_evaluation_is_the_mean_of_the_replicas_own_losses():
+    sim = dataclasses.replace(tiny(steps=8), eval_replicas="each")
+    state = build(sim, "asyncmesh")
+    state.run_async()
+    own = [state._val_loss(r) for r in range(state.R)]
+    assert state.evaluate() == pytest.approx(sum(own) / len(own))
+    averaged = build(dataclasses.replace(sim, eval_replicas="averaged"), "asyncmesh")
+    averaged.w = state.w
+    assert averaged.evaluate() != pytest.approx(state.evaluate())  # replicas differ, so the two evaluations do
 
 
 @pytest.mark.timeout(60)

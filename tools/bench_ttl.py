@@ -17,8 +17,10 @@ Figures (``--json OUT``; a plot with ``--plot PNG``):
   evaluations); the top-level figure is the largest delay's.
 * ``final_val_loss`` {"async", "sync"} of that network, and each curve against tokens (equal-tokens comparison).
 * ``sim_agreement``: the simulator (trainer/sim) trains the same run with the same cadence and R replicas, each
-  round's delay drawn from the taus the async daemon peers measured (their summaries' ``avg_delay_hist``), for as many
-  micro-batches per replica as the daemon trained; daemon loss / simulator loss at the daemon's final token count.
+  round's delay drawn from the taus the async daemon peers measured (their summaries' ``avg_delay_hist``), its
+  stage 0 as stale as the daemon's stage-0 peers measured (``pipeline_delay_steps``), each replica validated on its
+  own weights as the daemon's are, for as many micro-batches per replica as the daemon trained; daemon loss /
+  simulator loss at the daemon's final token count.
 * ``utilisation`` per network: swarm tokens/s over the budget / compute-only tokens/s, where compute-only runs the
   same stage workers (``StageWorker``), one process per peer with the same torch threads, side by side as the swarm
   does, on synthetic inputs with no network: R x the slowest stage's micro-batches/s x tokens per micro-batch.
@@ -238,10 +240,12 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     # averaging the run's round fraction, so that both average the same fraction per local step
     every = measured_round_steps(case["summaries"], run.averaging.round_steps)
     sim_run = run.replace(averaging={"round_steps": every, "fraction": run.averaging.round_fraction / every})
+    extra = pipeline_extra(case["summaries"], run.n_stages)
     sim = SimConfig(preset="time-to-loss", run=sim_run, n_replicas=args.replicas, steps=steps, micro_batches=4,
                     tau=0 if not taus else taus[0], tau_samples=taus, fraction=run.averaging.round_fraction / every,
                     accumulate=max(1, run.optim.accumulate), eval_every=max(1, steps // 8),
-                    eval_batches=args.eval_batches, methods=("asyncmesh",))
+                    eval_batches=args.eval_batches, methods=("asyncmesh",), pipeline_extra=extra,
+                    eval_replicas="each")
     rec = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
     curve = [(p["samples"] * run.model.block_size, p["val_loss"]) for p in rec["curve"]]
     daemon = [(c["tokens"], c["val_loss"]) for c in case["curve"]]
@@ -254,7 +258,15 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     return {"steps": steps, "delays_drawn_from": len(taus), "tokens": at, "daemon_loss": d_loss, "sim_loss": s_loss,
             "sim_agreement": d_loss / s_loss if d_loss and s_loss else None, "sim_curve": curve,
             "avg_fraction_per_step": rec["avg_fraction_per_step"], "avg_delay_steps": rec["avg_delay_steps"],
-            "round_steps": every, "data": rec["data"], "compute_s": rec["compute_s"]}
+            "round_steps": every, "pipeline_extra": extra, "data": rec["data"], "compute_s": rec["compute_s"]}
+
+
+def pipeline_extra(summaries: list[dict[str, Any]], n_stages: int) -> int:
+    """Ticks the simulator's 1F1B must hold gradients back so that its stage 0 is as stale as the daemon's stage-0
+    peers measured (``pipeline_delay_steps``, mean over the run): round(measured) - (K - 1), at least 0."""
+    seen = [float(s["pipeline_delay_steps"]) for s in summaries
+            if s.get("stage") == 0 and s.get("pipeline_delay_steps") is not None]
+    return max(0, round(sum(seen) / len(seen)) - (n_stages - 1)) if seen else 0
 
 
 def measured_round_steps(summaries: list[dict[str, Any]], planned: int) -> int:

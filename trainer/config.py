@@ -126,11 +126,15 @@ class AveragingConfig:
     """Local steps at mu_start before the cosine annealing to mu_end begins."""
     round_steps: int = 1
     """Local steps one averaging round stands for: a round averages fraction * round_steps of each tensor (capped at
-    1), and a replica begins one once it has made round_steps steps since its last (simulator and daemon alike)."""
+    1), and a replica takes part in one round per round_steps local steps (simulator and daemon alike)."""
     period_s: float = 1.0
-    """Daemon: the round clock. Round r opens at unix time r * period_s for every replica that is due (and any
-    replica a due one asks); keep it well under the time round_steps steps take, or rounds start late and fewer
-    weights are averaged per step than ``fraction`` (the summary's avg_fraction_per_step says how many were)."""
+    """Daemon: the round clock. Every period_s of unix time a tick opens the rounds a replica owes (it owes one per
+    round_steps local steps it made, the remainder carried to the next tick), and a replica asked by a partner takes
+    part in that round; a round collects parts for 0.6 period_s (at most timeout_s)."""
+    rounds_per_tick: int = 1
+    """Daemon: at most this many rounds open at one tick (each a different partition). A replica making more than
+    rounds_per_tick * round_steps steps per period_s averages less per step than ``fraction`` (the summary's
+    avg_fraction_per_step says how much; its dashboard says what to raise)."""
     wagma_group_size: int = 2
     """WAGMA: replicas per averaging group (groups rotate over the bit-fields of the replica index)."""
     wagma_global_every: int = 11
@@ -168,6 +172,8 @@ class AveragingConfig:
             raise ValueError("averaging.round_steps must be >= 1 and mu_warmup_steps >= 0")
         if self.period_s <= 0:
             raise ValueError(f"averaging.period_s must be positive, got {self.period_s}")
+        if self.rounds_per_tick < 1:
+            raise ValueError(f"averaging.rounds_per_tick must be >= 1, got {self.rounds_per_tick}")
         if self.wagma_group_size < 2 or self.wagma_global_every < 1:
             raise ValueError("averaging.wagma_group_size must be >= 2 and wagma_global_every >= 1")
         if self.timeout_s <= 0:

@@ -18,7 +18,9 @@ class NetAveragingConfig:
     call_timeout_s: float = 10.0
     """Timeout of one exchange call (capped by the round's deadline)."""
     swarm_timeout_s: float = 3.0
-    """Timeout of reading the stage's peers from the DHT at a round's start."""
+    """Timeout of reading the stage's peers from the DHT."""
+    view_refresh_s: float = 1.0
+    """The stage's peers are re-read from the DHT this often, in the background of the round clock."""
     worker_timeout_s: float = 30.0
     """Timeout of a begin/finish call on the compute thread."""
     clock_skew_s: float = 1.0
@@ -43,7 +45,7 @@ class NetAveragingConfig:
     """Blocking average: reject a part whose norm exceeds ours by this factor (or 1.0, whichever is larger)."""
 
     def __post_init__(self) -> None:
-        for name in ("call_timeout_s", "swarm_timeout_s", "worker_timeout_s", "sync_timeout_s",
+        for name in ("call_timeout_s", "swarm_timeout_s", "view_refresh_s", "worker_timeout_s", "sync_timeout_s",
                      "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")

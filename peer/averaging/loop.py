@@ -2,28 +2,34 @@
 
 **The cadence is the run's.** ``run.averaging`` says how many weights a replica averages per local step
 (``fraction`` = p) and how many local steps one network round stands for (``round_steps`` = S): a round averages a
-partition of p * S of every tensor. **Rounds come from a shared clock** with the run's ``period_s``: round ``r``
-opens at unix time ``r * period_s`` and stops collecting at ``start + min(collect_fraction * period_s,
-run.averaging.timeout_s)``. Peers of a stage must agree on ``r`` because ``r`` picks the partition
-(``worker.averaging_begin(r)`` derives it from the run seed and ``r``, nothing on the wire); local step counts cannot
-give that agreement in an asynchronous swarm (replicas step at different speeds), wall time can, to within NTP skew.
-A peer opens round ``r`` only when it is **due**: it has made at least S local steps since the last round it began;
-a due peer's partners take part on demand. So a replica averages p * S every S or a few more steps (a tick late at
-most), and the summary reports what it really got: ``avg_fraction_per_step`` (fractions of the rounds applied over
-local steps made) and ``avg_delay_steps`` (tau, local steps between begin and finish, with their histogram).
-Parts for the next round are accepted up to ``clock_skew_s`` early; anything else says which round we are in, so an
+partition of p * S of every tensor. **Rounds come from a shared clock** with the run's ``period_s``: tick ``t`` is
+unix time ``t * period_s``, and its rounds stop collecting at ``start + min(collect_fraction * period_s,
+run.averaging.timeout_s)``. A tick has ``rounds_per_tick`` (J) slots; slot j of tick t is round ``k = t * J + j``.
+Peers of a stage must agree on ``k`` because ``k`` picks the partition (``worker.averaging_begin(k)`` derives it from
+the run seed and ``k``, nothing on the wire); local step counts cannot give that agreement in an asynchronous swarm
+(replicas step at different speeds), wall time can, to within NTP skew.
+**A replica owes one round per S local steps** (``owed``: steps made since the last round, in units of S; every
+round it takes part in, its own or a partner's, pays S). At each tick it opens the first ``floor(owed / S)`` slots
+(at most J) and the remainder carries over, so over a run a replica averages exactly p per local step as long as it
+makes at most J * S steps per tick; a round that fails is owed again. What is owed is capped at (J + 1) * S (after a
+time alone a replica catches up one tick's worth, not everything) and bounded below by -S (a slower replica pulled
+into a faster partner's rounds averages more than p per step; it then opens none of its own). The summary reports
+what a replica really got:
+``avg_fraction_per_step`` (fractions of the rounds applied over local steps made) and ``avg_delay_steps`` (tau, local
+steps between begin and finish, with their histogram).
+Parts for the next tick are accepted up to ``clock_skew_s`` early; anything else says which round we are in, so an
 operator with a wrong clock sees why.
 
-**A round** (``AveragingLoop``): at its start the peer reads its stage's peers from the DHT
-(``records.fetch_swarm``), asks the compute thread for the partition's values (``averaging_begin``), quantises
-them with the run's averaging codec, and exchanges them pairwise with every same-stage peer it knows
+**A round** (``AveragingLoop``): the peer knows its stage's peers from the DHT (``records.fetch_swarm``, re-read in the
+background every ``view_refresh_s``), asks the compute thread for the partition's values (``averaging_begin``),
+quantises them with the run's averaging codec, and exchanges them pairwise with every same-stage peer it knows
 (``averaging.exchange``: one call per pair carries both parts). At the deadline, or as soon as every known peer has
-answered, it combines its own part and every *validated* part that arrived (``peer.averaging.aggregate``: outliers
-from the robust centre dropped, then the run's aggregator, one equal weight per peer id), and hands the result
-to ``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
-since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``.
-A round with no valid partner part is aborted (``averaging_abort``): weights untouched. A peer that is asked for a
-round it has not begun yet begins it on demand, so a joiner that the others already see takes part at once.
+answered, it combines its own part and every *validated* part that arrived (``peer.averaging.aggregate``: outliers from
+the robust centre dropped, then the run's aggregator, one equal weight per peer id), and hands the result to
+``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
+since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``. A
+round with no valid partner part is aborted (``averaging_abort``): weights untouched. A peer that is asked for a round
+it has not begun yet begins it on demand, so a joiner that the others already see takes part at once.
 
 **Who takes part.** Only announced peers of the stage: a part from a peer id that is not in our view of the DHT
 (same stage, state 'training') is refused (UNAUTHORIZED, ``rejected:avg_not_member``) after at most one re-read of the
@@ -105,29 +111,34 @@ AVG_RPC = "avg_part"
 
 
 
-def round_start(round_no: int, period_s: float) -> float:
-    """Unix time at which ``round_no`` starts."""
-    return round_no * period_s
+def round_start(tick: int, period_s: float) -> float:
+    """Unix time at which ``tick`` starts."""
+    return tick * period_s
 
 
-def round_deadline(round_no: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float) -> float:
-    """Unix time at which ``round_no`` stops collecting parts."""
-    return round_start(round_no, period_s) + min(config.collect_fraction * period_s, run_timeout_s)
+def round_deadline(tick: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float) -> float:
+    """Unix time at which the rounds of ``tick`` stop collecting parts."""
+    return round_start(tick, period_s) + min(config.collect_fraction * period_s, run_timeout_s)
 
 
 def next_round(now: float, period_s: float) -> int:
-    """The first round that starts at or after ``now``."""
+    """The first tick that starts at or after ``now``."""
     return math.ceil(now / period_s - 1e-9)
 
 
-def admissible(round_no: int, now: float, period_s: float, config: NetAveragingConfig,
+def admissible(tick: int, now: float, period_s: float, config: NetAveragingConfig,
                run_timeout_s: float) -> str | None:
-    """None if a part for ``round_no`` may open that round now, else why not ('stale_round' / 'future_round')."""
-    if now >= round_deadline(round_no, period_s, config, run_timeout_s):
+    """None if a part for a round of ``tick`` may open it now, else why not ('stale_round' / 'future_round')."""
+    if now >= round_deadline(tick, period_s, config, run_timeout_s):
         return "stale_round"
-    if now < round_start(round_no, period_s) - config.clock_skew_s:
+    if now < round_start(tick, period_s) - config.clock_skew_s:
         return "future_round"
     return None
+
+
+def rounds_to_open(owed_steps: float, round_steps: int, per_tick: int) -> int:
+    """Rounds a replica that owes ``owed_steps`` local steps of averaging opens at a tick (at most ``per_tick``)."""
+    return max(0, min(per_tick, math.floor(owed_steps / round_steps + 1e-9)))
 
 
 def wagma_partners(me: str, view: list[str], round_no: int, group_size: int) -> list[str]:
@@ -167,9 +178,10 @@ class AveragingLoop:
                  local_step: Callable[[], int] | None = None, attack: str = "") -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.config = config or NetAveragingConfig()
-        self.period_s = run.averaging.period_s
+        self.period_s, self.per_tick = run.averaging.period_s, run.averaging.rounds_per_tick
         self.local_step = local_step or (lambda: metrics.local_step)
-        self._last_begun: int | None = None  # local step at the last round this peer began (None: none yet)
+        self._owed = 0.0  # local steps of averaging owed at local step _owed_at (see owed())
+        self._owed_at: int | None = None  # None: no round taken yet, one is owed at once
         self.attack = attack
         if attack:
             logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", attack)
@@ -235,39 +247,75 @@ class AveragingLoop:
             self._view_task = None
 
     def _check_cadence(self) -> None:
-        """Say so when the round clock, not round_steps, sets the pace: a round opens on the first tick after
-        round_steps local steps, so a peer that steps faster than round_steps per period averages less per step than
-        the run file says (it is told on the dashboard, with what to change)."""
+        """Say so when the round clock, not round_steps, sets the pace: a peer that makes more than rounds_per_tick x
+        round_steps local steps per tick cannot open the rounds it owes and averages less per step than the run file
+        says (it is told on the dashboard, with what to change)."""
         want, avg = self.run.averaging.fraction, self.run.averaging
         got = self.metrics.averaging_cadence()["avg_fraction_per_step"]
         rounds = self.metrics.count("averaging_rounds_ok")
         if avg.rule != "wagma" and got is not None and rounds >= CADENCE_MIN_ROUNDS and got < CADENCE_TOLERANCE * want:
             self.metrics.warn(f"averaging under half the run's {want:g} of the weights per local step: this peer "
-                              f"makes far more than averaging.round_steps = {avg.round_steps} steps per "
-                              f"{self.period_s:g}-s round clock tick; the run should raise round_steps",
-                              key="avg_cadence")
+                              f"makes more than averaging.rounds_per_tick x round_steps = {avg.rounds_per_tick} x "
+                              f"{avg.round_steps} steps per {self.period_s:g}-s tick; the run should raise "
+                              "rounds_per_tick (or shorten period_s)", key="avg_cadence")
         else:
             self.metrics.resolve("avg_cadence")
 
-    def _deadline(self, round_no: int) -> float:
-        return round_deadline(round_no, self.period_s, self.config, self.run.averaging.timeout_s)
+    def _tick(self, key: int) -> int:
+        return key // self.per_tick
+
+    def _deadline(self, key: int) -> float:
+        return round_deadline(self._tick(key), self.period_s, self.config, self.run.averaging.timeout_s)
+
+    def owed(self) -> float:
+        """Local steps of averaging this peer owes: steps made since its rounds last paid for them (one round pays
+        round_steps), at most (rounds_per_tick + 1) x round_steps; round_steps before its first round."""
+        s = self.run.averaging.round_steps
+        if self._owed_at is None:
+            return float(s)
+        return min(self._owed + self.local_step() - self._owed_at, float((self.per_tick + 1) * s))
 
     def due(self) -> bool:
-        """True when this peer has made round_steps local steps since the last round it began."""
-        return self._last_begun is None or self.local_step() - self._last_begun >= self.run.averaging.round_steps
+        """True when this peer owes at least one round (round_steps local steps of averaging)."""
+        return rounds_to_open(self.owed(), self.run.averaging.round_steps, self.per_tick) > 0
+
+    def _pay(self, sign: int = 1) -> None:
+        """A round taken (sign 1) or failed, so owed again (sign -1)."""
+        s = self.run.averaging.round_steps
+        owed, self._owed_at = self.owed() - sign * s, self.local_step()
+        self._owed = min(max(owed, -float(s)), float((self.per_tick + 1) * s))
 
     async def _loop(self) -> None:
+        # the view is read in the background: a slow DHT must neither delay a tick nor eat a round's exchange window
+        views = asyncio.create_task(self._read_views(), name=f"averaging-view-stage{self.stage}")
+        try:
+            while not self._stopped:
+                t = next_round(self.clock(), self.period_s)
+                await asyncio.sleep(max(0.0, round_start(t, self.period_s) - self.clock()))
+                self.open_due(t)
+        finally:
+            views.cancel()
+
+    async def _read_views(self) -> None:
+        """Re-read the stage's peers from the DHT every ``view_refresh_s`` (a failed read keeps the last view)."""
         while not self._stopped:
-            # read the view *before* the round starts: a slow DHT must not eat the round's exchange window
+            started = time.monotonic()
             try:
                 self.peers = await asyncio.wait_for(self.fetch_peers(), self.config.swarm_timeout_s)
-            except Exception as e:  # a DHT hiccup costs this round only
+            except Exception as e:  # a DHT hiccup: the next read tries again
                 logger.debug("reading the stage's peers failed: %r", e)
-                self.peers = []
-            r = next_round(self.clock(), self.period_s)
-            await asyncio.sleep(max(0.0, round_start(r, self.period_s) - self.clock()))
-            if self.due() and self.partners(r):
-                self._ensure_round(r)
+            await asyncio.sleep(max(0.0, self.config.view_refresh_s - (time.monotonic() - started)))
+
+    def open_due(self, tick: int) -> list[int]:
+        """Open the rounds this peer owes at ``tick`` (slots 0, 1, ... of the tick, at most rounds_per_tick);
+        returns their keys."""
+        opened = []
+        for key in range(tick * self.per_tick, (tick + 1) * self.per_tick):
+            if not self.due() or not self.partners(key):
+                break
+            self._ensure_round(key)
+            opened.append(key)
+        return opened
 
     def partners(self, round_no: int) -> list[str]:
         """Whom we average with in ``round_no``: every known same-stage peer, or under the 'wagma' rule our
@@ -283,18 +331,21 @@ class AveragingLoop:
             raise Refused(ErrorCode.NOT_READY, "this peer has stopped averaging")
         if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, f"not in our WAGMA group of round {round_no}")
-        reason = admissible(round_no, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
+        tick = self._tick(round_no)
+        reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
         if reason is not None:
             current = math.floor(self.clock() / self.period_s)
-            if reason == "stale_round" and round_no == current:
+            if reason == "stale_round" and tick == current:
                 raise Refused(ErrorCode.NOT_READY, f"round {round_no} closed: its exchange window has ended")
             raise Refused(ErrorCode.BAD_REQUEST if reason == "future_round" else ErrorCode.NOT_READY,
-                          f"{reason} (round {round_no}; ours is {current}: check that the peers' clocks are synced)")
+                          f"{reason} (round {round_no} of tick {tick}; ours is tick {current}: check that the peers' "
+                          "clocks are synced)")
         return self._ensure_round(round_no)
 
     def _ensure_round(self, round_no: int) -> Slot:
         slot = self.exchange.slots.get(round_no)
         if slot is None:
+            self._pay()
             slot = self.exchange.open(round_no, self._deadline(round_no))
             task = asyncio.create_task(self._drive(slot), name=f"averaging-round-{round_no}")
             self._drivers[round_no] = task
@@ -308,12 +359,11 @@ class AveragingLoop:
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
-            self._last_begun = step0 if self._last_begun is None else max(self._last_begun, step0)
             if self.attack:
                 values = [byzantine_part(self.attack, v) for v in values]
             await self.exchange.publish(slot, values)
             peers = self.partners(r)
-            start = max(self.clock(), round_start(r, self.period_s))
+            start = max(self.clock(), round_start(self._tick(r), self.period_s))
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
@@ -322,6 +372,7 @@ class AveragingLoop:
                 await self._abort(r)
                 begun = False
                 self.metrics.observe_round(ok=False)
+                self._pay(-1)
                 return
             mean, group = await self._combine(slot)
             finish = self._finisher(r, mean, group)
@@ -338,10 +389,12 @@ class AveragingLoop:
                            "(if this repeats, lengthen the run's averaging.period_s: it must span several compute "
                            "steps)", r)
             self.metrics.observe_round(ok=False)
+            self._pay(-1)
             begun = True
         except Exception as e:  # the round fails; training goes on
             logger.warning("averaging round %d failed: %s: %s", r, type(e).__name__, e)
             self.metrics.observe_round(ok=False)
+            self._pay(-1)
             begun = True
         finally:
             self.exchange.close(r)

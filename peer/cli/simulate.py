@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delays-from", type=Path, action="append", default=[], metavar="SUMMARY_JSON",
                         help="draw every round's delay from the taus a daemon measured (its --summary-json's "
                         "avg_delay_hist; repeatable) instead of --tau")
+    parser.add_argument("--pipeline-extra", type=int, default=None, metavar="E",
+                        help="hold every stage's gradient E more ticks than 1F1B (a daemon's stage 0 with W "
+                        "micro-batches in flight on K stages: E = W - K; default 0)")
+    parser.add_argument("--eval-replicas", choices=("averaged", "each"), default=None,
+                        help="validate the replicas' averaged weights (default, as the AsyncMesh code) or each "
+                        "replica's own, mean over replicas (as the daemon's replicas report)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--compression", choices=CODECS, default=None,
                         help="codec for activations (and gradients, unless --grad-compression) between stages "
@@ -118,6 +124,10 @@ def _build_config(args: argparse.Namespace):
         sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": args.round_steps}))
     if args.delays_from:
         sim = dataclasses.replace(sim, tau_samples=measured_delays(args.delays_from))
+    if args.pipeline_extra is not None:
+        sim = dataclasses.replace(sim, pipeline_extra=args.pipeline_extra)
+    if args.eval_replicas is not None:
+        sim = dataclasses.replace(sim, eval_replicas=args.eval_replicas)
     return sim
 
 

@@ -115,6 +115,7 @@ class PeerMetrics:
         self._avg_base_step: int | None = None  # local step when averaging started (None: this peer does not average)
         self._avg_fraction_sum = 0.0  # sum over applied rounds of the fraction of every tensor they averaged
         self._avg_taus: Counter[int] = Counter()  # tau (local steps) -> applied rounds
+        self._pipe_delays: Counter[int] = Counter()  # pipeline staleness (local steps) -> backwards
         self.inflight = 0
         self.queued = 0
         self.drain_deadline: float | None = None
@@ -226,14 +227,24 @@ class PeerMetrics:
             if fraction is not None:
                 self._avg_fraction_sum += float(fraction)
 
+    def observe_pipeline_delay(self, delay: int) -> None:
+        """A backward ran ``delay`` local steps after its forward: the moving ``pipeline_delay`` and the run's
+        histogram (``pipeline_delay_steps``, ``pipeline_delay_hist``) take it."""
+        seen = bool(self._pipe_delays)
+        self.pipeline_delay = 0.9 * self.pipeline_delay + 0.1 * delay if seen else float(delay)
+        self._pipe_delays[int(delay)] += 1
+
     def averaging_cadence(self) -> dict[str, Any]:
-        """avg_fraction_per_step, avg_delay_steps (mean measured tau) and avg_delay_hist (tau -> rounds)."""
+        """avg_fraction_per_step, avg_delay_steps (mean measured tau) and avg_delay_hist (tau -> rounds); and the
+        pipeline's staleness over the run: pipeline_delay_steps (mean) and pipeline_delay_hist (delay -> backwards)."""
         steps = None if self._avg_base_step is None else self._local_step - self._avg_base_step
-        n = sum(self._avg_taus.values())
+        n, m = sum(self._avg_taus.values()), sum(self._pipe_delays.values())
         return {
             "avg_fraction_per_step": (self._avg_fraction_sum / steps) if steps else None,
             "avg_delay_steps": (sum(t * c for t, c in self._avg_taus.items()) / n) if n else None,
             "avg_delay_hist": {str(t): c for t, c in sorted(self._avg_taus.items())},
+            "pipeline_delay_steps": (sum(d * c for d, c in self._pipe_delays.items()) / m) if m else None,
+            "pipeline_delay_hist": {str(d): c for d, c in sorted(self._pipe_delays.items())},
         }
 
     def set_swarm(self, peers_per_stage: dict[int, int]) -> None:

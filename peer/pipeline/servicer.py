@@ -111,7 +111,6 @@ class PipelineStage:
         self.last_forward = time.monotonic()
         self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
         self._fwd_s: dict[int, float] = {}
-        self._delay_seen = False
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
@@ -336,10 +335,8 @@ class PipelineStage:
         if p.prev_peer is not None:
             self.guard.share.trained(p.prev_peer)
         grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
-        # observed pipeline staleness (tau_s of the papers, here whatever the network made it): a moving average
-        delay = float(self.worker.last_delay)
-        seen, self._delay_seen = self._delay_seen, True
-        self.metrics.pipeline_delay = 0.9 * self.metrics.pipeline_delay + 0.1 * delay if seen else delay
+        # observed pipeline staleness (tau_s of the papers, here whatever the network made it)
+        self.metrics.observe_pipeline_delay(self.worker.last_delay)
         if not self.is_first:
             self.metrics.inc("tokens", self.run.data.batch_size * self.run.model.block_size)
             self.metrics.local_step = self.worker.local_step

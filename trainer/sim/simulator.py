@@ -8,7 +8,9 @@ schedule, so what it shows about convergence holds for the daemon's code:
   ``tau_s = K - 1 - s`` ticks earlier at that stage; the worker steps after the backward. Within a tick the last stage
   runs ``forward_loss`` (forward and backward at once, delay 0), the other stages their forwards, then the gradient
   sweeps from stage K - 2 down to 0. Ticks ``0 .. K - 2`` fill the pipe and the last ``K - 1`` drain it, so every
-  micro-batch is trained on and a stage makes exactly one step per micro-batch (fewer with accumulation).
+  micro-batch is trained on and a stage makes exactly one step per micro-batch (fewer with accumulation). With
+  ``pipeline_extra`` E > 0 the sweep of a micro-batch runs E ticks after its loss, as in a daemon whose stage 0 keeps
+  more micro-batches in flight than there are stages: stage s then sees a delay of K - 1 - s + E.
 * **sync** (GPipe with M micro-batches and a flush): all micro-batches of a step see the same weights, so running
   each one's forward and backward back to back is numerically identical to GPipe's all-forwards-then-all-backwards.
 * **Replicas**: 'grad' averages the replicas' summed gradients before every optimiser step (they stay identical);
@@ -34,7 +36,8 @@ schedule, so what it shows about convergence holds for the daemon's code:
   read is reported so this is checked, not assumed.
 
 Validation uses a fixed set of batches (``val_batches``) and, for parameter-averaging methods, the model averaged over
-replicas (as the AsyncMesh code evaluates), without compression.
+replicas (as the AsyncMesh code evaluates), without compression; or (``eval_replicas = 'each'``) the mean of every
+replica's own loss, as the daemon's replicas report it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
 logger = logging.getLogger(__name__)
+
+
+EVAL_REPLICAS = ("averaged", "each")
 
 
 class SimulationError(RuntimeError):
@@ -98,6 +104,14 @@ class SimConfig:
     """The last this many replicas send attacked averaging parts (parameter-averaging methods); 0: all honest."""
     attack: str = "zeros"
     """What the Byzantine replicas send: one of trainer.attacks.ATTACKS."""
+    pipeline_extra: int = 0
+    """Async schedules: every stage's gradient arrives this many ticks later than in PipeDream's 1F1B, so stage s sees
+    a delay of K - 1 - s + pipeline_extra (a daemon's stage 0 keeping W micro-batches in flight on K stages sees about
+    W - 1, i.e. pipeline_extra = W - K; its summary's pipeline_delay_steps says what it saw)."""
+    eval_replicas: str = "averaged"
+    """'averaged': validate replica 0 holding the weights averaged over the honest replicas (as the AsyncMesh code
+    evaluates); 'each': the mean over honest replicas r of the validation loss of replica r's own stages (as the
+    daemon's stage-0 replicas each report theirs)."""
     device: str = "cpu"
     """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
     On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
@@ -120,6 +134,9 @@ class SimConfig:
         if not 0 <= self.byzantine < self.n_replicas or self.attack not in ATTACKS:
             raise ValueError(f"byzantine must be in [0, n_replicas) and attack one of {ATTACKS}, "
                              f"got {self.byzantine}, {self.attack!r}")
+        if self.pipeline_extra < 0 or self.eval_replicas not in EVAL_REPLICAS:
+            raise ValueError(f"pipeline_extra must be >= 0 and eval_replicas one of {EVAL_REPLICAS}, "
+                             f"got {self.pipeline_extra}, {self.eval_replicas!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -148,6 +165,8 @@ class SimConfig:
             avg.pop("delay_steps", None)  # the delay was always the simulation's tau
             run["averaging"] = avg
         d.setdefault("byzantine", 0)
+        d.setdefault("pipeline_extra", 0)  # results written before these fields ran 1F1B and the averaged evaluation
+        d.setdefault("eval_replicas", "averaged")
         d.setdefault("attack", "zeros")
         d["run"] = RunConfig.from_dict(run)
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
@@ -317,8 +336,10 @@ class _Run:
     # --- evaluation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss of replica 0, holding the weights averaged over the honest replicas when replicas may
-        differ."""
+        """Mean validation loss (SimConfig.eval_replicas): of replica 0 holding the weights averaged over the honest
+        replicas when replicas may differ, or the mean over honest replicas of each one's own."""
+        if self.sim.eval_replicas == "each" and self.R > 1:
+            return sum(self._val_loss(r) for r in range(self.honest)) / self.honest
         swap = self.R > 1 and self.spec.combine != "grad"
         saved: list[list[torch.Tensor]] = []
         if swap:
@@ -328,17 +349,20 @@ class _Run:
                 for j, p in enumerate(ps[0]):
                     p.copy_(torch.stack([ps[r][j] for r in range(self.honest)]).mean(0))
         try:
-            total = 0.0
-            for x, y in self.val:
-                h = x
-                for s in range(self.K - 1):
-                    h = self.w[0][s].evaluate(h)
-                total += float(self.w[0][self.K - 1].evaluate(h, y))
-            return total / len(self.val)
+            return self._val_loss(0)
         finally:
             for s, ps in enumerate(saved):
                 for p, v in zip(self.w[0][s].parameters(), ps, strict=True):
                     p.copy_(v)
+
+    def _val_loss(self, r: int) -> float:
+        total = 0.0
+        for x, y in self.val:
+            h = x
+            for s in range(self.K - 1):
+                h = self.w[r][s].evaluate(h)
+            total += float(self.w[r][self.K - 1].evaluate(h, y))
+        return total / len(self.val)
 
     def record(self) -> None:
         val = self.evaluate()
@@ -355,19 +379,20 @@ class _Run:
 
     # --- schedules --------------------------------------------------------------------------------------------------
     def run_async(self) -> None:
-        K, N = self.K, self.sim.steps
+        K, N, E = self.K, self.sim.steps, self.sim.pipeline_extra
         outs: list[list[Any]] = [[None] * K for _ in range(self.R)]  # stage s's output of the previous tick
         targets: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]
-        for t in range(N + K - 1):
+        held: list[dict[int, Any]] = [{} for _ in range(self.R)]  # last stage's input gradients, held E ticks
+        for t in range(N + K - 1 + E):
             for r in range(self.R):
-                w, grad = self.w[r], None
+                w = self.w[r]
                 mb = t - (K - 1)
-                if mb >= 0:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
+                if 0 <= mb < N:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
                     if K == 1:
                         x, y = self.next_batch(r)
                     else:
                         x, y = outs[r][K - 2], targets[r].pop(mb)
-                    loss, grad = w[K - 1].forward_loss(mb, x, y)
+                    loss, held[r][mb] = w[K - 1].forward_loss(mb, x, y)
                     self.losses.append(loss)
                 for s in range(K - 2, -1, -1):  # forwards, deepest first so each reads the previous tick's output
                     m = t - s
@@ -377,9 +402,11 @@ class _Run:
                         else:
                             inp = outs[r][s - 1]
                         outs[r][s] = self.act(w[s].forward(m, inp))
-                if mb >= 0:  # backward sweep of micro-batch t - (K - 1): stage s's forward ran tau_s ticks ago
+                back = t - (K - 1) - E
+                if back >= 0:  # backward sweep of micro-batch ``back``: stage s's forward ran K - 1 - s + E ticks ago
+                    grad = held[r].pop(back)
                     for s in range(K - 2, -1, -1):
-                        grad = w[s].backward(mb, self.grad(grad))
+                        grad = w[s].backward(back, self.grad(grad))
             self.after_backward_sweep()
             if t < N:
                 self.consumed = t + 1
