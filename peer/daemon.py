@@ -6,9 +6,9 @@ with jitter and re-check) → state from donors, else the local checkpoint, else
 checkpoint periodically, rebalance when the stage is over-served → on SIGTERM/SIGINT or ``max_steps``: stop taking
 work, drain within ``drain_timeout_s``, final checkpoint, withdraw the record, write the summary, exit 0.
 
-All model work runs on one ``ThreadPoolExecutor(max_workers=1)``: the worker is never touched from two threads and
-the event loop never blocks on tensor math. Failures of remote peers are logged at DEBUG and counted; nothing a
-remote peer sends can raise out of the serve loop.
+All model work runs on one ``peer.compute.ComputeThread``: the worker is never touched from two threads and the event
+loop never blocks on tensor math; averaging and state jobs go before queued micro-batches. Failures of remote peers are
+logged at DEBUG and counted; nothing a remote peer sends can raise out of the serve loop.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import random
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from peer.compute import ComputeThread
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.membership.admission import organiser_key
@@ -92,7 +92,7 @@ class Daemon:
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.executor = ComputeThread("compute")
         self.stop = asyncio.Event()
         self.swarm: dict[str, PeerRecord] = {}
         self.service: StageService | None = None
@@ -137,8 +137,8 @@ class Daemon:
         return self.service.driver_task if self.service is not None else None
 
     # ----- compute thread -------------------------------------------------------------------------------------------
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def compute(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        return await self.executor.run(fn, *args, urgent=urgent)
 
     # ----- RPC plumbing ---------------------------------------------------------------------------------------------
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:

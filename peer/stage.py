@@ -72,7 +72,7 @@ class StageHost(Protocol):
     ledger: SampleLedger
     spares: SpareStore
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T: ...
+    async def compute(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T: ...
 
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message: ...
 
@@ -99,8 +99,9 @@ class StageService:
         self.loaded = False  # the stage's state is loaded: only then may a checkpoint of this worker be written
 
     async def worker_call(self, fn: Callable[[StageWorker], T]) -> T:
-        """Run ``fn(worker)`` on the compute thread (the interface of averaging and state sync)."""
-        return await self.host.compute(fn, self.worker)
+        """Run ``fn(worker)`` on the compute thread before any queued micro-batch (the interface of averaging and
+        state sync: short jobs that must not wait behind a full compute queue, see peer.compute)."""
+        return await self.host.compute(fn, self.worker, urgent=True)
 
     # ----- entry -----------------------------------------------------------------------------------------------------
     async def load_state(self) -> str:

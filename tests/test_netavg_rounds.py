@@ -304,6 +304,25 @@ def test_owed_rounds_are_capped_and_a_failed_round_is_owed_again():
     assert loop.due() and loop.owed() == 10
 
 
+@aio
+async def test_a_round_is_opened_once_however_late_its_parts_come():
+    """A partner's part for a round this peer already finished (or opened early on its part) never opens it again:
+    the tick skips it and the late part is told the round is over here."""
+    loop, _ = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"], run=RUN)
+    loop.peers = ["p1"]
+    key = next_round(time.time(), RUN.averaging.period_s)
+    slot = loop._ensure_round(key)
+    loop.exchange.close(key)
+    loop.exchange.slots.pop(key, None)
+    await loop.stop()
+    loop._stopped = False
+    with pytest.raises(Exception, match="over here"):
+        loop._ensure_round(key)
+    loop.local_step = lambda: 100
+    assert loop.due() and loop.open_due(key) == []  # owed, but that slot is taken: the tick skips it
+    assert slot.key == key
+
+
 @pytest.mark.timeout(30)
 @aio
 async def test_malicious_parts_are_rejected_counted_and_do_not_reach_honest_weights():

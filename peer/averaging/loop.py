@@ -107,6 +107,7 @@ CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is 
 # rounding alone costs up to one period per round: ~20 % on the default run on 2 CPU cores)
 
 AVG_RPC = "avg_part"
+TAKEN_MEMORY = 256  # rounds remembered as taken, so that a late part cannot open one a second time
 
 
 
@@ -198,6 +199,7 @@ class AveragingLoop:
         self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
+        self._taken: dict[int, None] = {}  # keys of the rounds this peer opened, oldest first (never re-opened)
         self._stopped = False
 
     @property
@@ -311,6 +313,8 @@ class AveragingLoop:
         returns their keys."""
         opened = []
         for key in range(tick * self.per_tick, (tick + 1) * self.per_tick):
+            if key in self._taken:  # a partner's early part opened it already
+                continue
             if not self.due() or not self.partners(key):
                 break
             self._ensure_round(key)
@@ -345,6 +349,11 @@ class AveragingLoop:
     def _ensure_round(self, round_no: int) -> Slot:
         slot = self.exchange.slots.get(round_no)
         if slot is None:
+            if round_no in self._taken:  # a late part of a round this peer already finished or gave up
+                raise Refused(ErrorCode.NOT_READY, f"round {round_no} is over here")
+            self._taken[round_no] = None
+            while len(self._taken) > TAKEN_MEMORY:
+                del self._taken[next(iter(self._taken))]
             self._pay()
             slot = self.exchange.open(round_no, self._deadline(round_no))
             task = asyncio.create_task(self._drive(slot), name=f"averaging-round-{round_no}")
