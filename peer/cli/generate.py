@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     live.add_argument("--run", default=None, metavar="FILE", help="the run file the peers train (default: embedded)")
     live.add_argument("--codec", default=None,
                       help="how the stages send activations and logits back: the run's activation codec (default), "
-                           "fp16 or none (exact)")
+                           "fp16 or none (fp32)")
     live.add_argument("--timeout", type=float, default=30.0,
                       help="seconds to find every stage's peers, and for each token through every stage (default 30)")
 

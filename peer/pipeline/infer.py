@@ -19,7 +19,8 @@ Anyone who can reach the peer may call it, so what it may cost is bounded, cheap
 
 Malformed requests and rate-limit refusals are raised as ``ProtocolError`` so the RPC server answers them and charges
 them to a stranger's refusal budget (``protocol.rpc``), as it does for every handler; every refusal is counted
-(``rejected:infer_*``, ``infer_busy``), every answer in ``infer_served``. The request size limit is in ``sizes.py``.
+(``rejected:infer_*``, ``infer_busy``), every answer in ``infer_served`` and its compute time in ``infer_compute_ms``.
+The request size limit is in ``sizes.py``.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class InferService:
             x = await self._decode(msg, peer_id)
             out, seconds, version = await self.compute(self._forward, x)
             self._share.spend(seconds)
+            self.metrics.inc("infer_compute_ms", round(1000 * seconds))
             env = await asyncio.get_running_loop().run_in_executor(None, encode, out, msg.codec)
         finally:
             self.active -= 1

@@ -46,6 +46,7 @@ ReadSwarm = Callable[[], Awaitable[dict[str, PeerRecord]]]
 RETRY_WAIT_S = 0.2  # pause once every candidate of a stage failed, refused or was busy
 REFRESH_S = 5.0  # the swarm's records are re-read this often while generating
 REFRESH_MIN_S = 1.0  # ... and at most this often when a stage runs out of candidates
+RATE_LIMITED_WAIT_S = 0.25  # a peer that says we ask too often is skipped this long
 
 
 class SwarmUnavailable(UserError):
@@ -128,7 +129,8 @@ class RemotePipeline:
 
     def _unavailable(self, stages: list[int]) -> SwarmUnavailable:
         run, where = self.run, self.where
-        seen = "no peer of this run" if not self.records else f"{len(self.records)} peer(s) of this run"
+        seen = ("no peer of this run at all: check --run, the peers' run file" if not self.records
+                else f"{len(self.records)} peer(s) of this run")
         return SwarmUnavailable(
             f"no training peer of stage(s) {stages} of run {run.run_id} ({run.name!r}) in the swarm at {where} "
             f"({seen}); try again when one trains, or start one: asyncmesh-peer join --stage {stages[0]} --run "
@@ -215,7 +217,7 @@ class RemotePipeline:
                 if e.code == ErrorCode.UNAUTHORIZED:
                     refused.add(pid)
                 if e.code == ErrorCode.RATE_LIMITED:
-                    self.router.busy(pid, 1.0)
+                    self.router.busy(pid, RATE_LIMITED_WAIT_S)
                 else:
                     self.router.failure(pid)
                 continue
