@@ -2,10 +2,11 @@
 
 ``StageService(host, stage)`` is created when the peer claims the stage; ``start()`` builds the ``StageWorker`` on the
 compute thread, loads the stage's state (the most advanced of donors, the local checkpoint and the run's seeded
-init), starts the pipeline servicer, the state server and the averaging loop (or, in ``--mode sync``, the blocking
-gradient average through ``SyncSchedule``), and on stage 0 the data driver. ``leave()`` stops taking work, drains
-within the deadline and stops those services, so a rebalancing move is ``leave`` on one object and ``start`` of the
-next: nothing of the old stage is reset field by field, it is dropped together.
+init), starts the pipeline servicer, the generation handler (``infer``), the state server and the averaging loop (or,
+in ``--mode sync``, the blocking gradient average through ``SyncSchedule``), and on stage 0 the data driver.
+``leave()`` stops taking work, drains within the deadline and stops those services, so a rebalancing move is
+``leave`` on one object and ``start`` of the next: nothing of the old stage is reset field by field, it is dropped
+together.
 
 ``StageHost`` is what a stage needs of the peer around it (the ``Daemon``): run and peer config, metrics, the P2P
 node and DHT, the handler table, the compute thread, sends, the swarm view and announcements.
@@ -28,6 +29,7 @@ from peer.ids import short_id
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.infer import INFER_RPC, InferService
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.servicer import PipelineStage
 from peer.state.backup import backup_loop
@@ -90,6 +92,7 @@ class StageService:
         self.host, self.stage = host, stage
         self.worker: StageWorker | None = None
         self.pipe: PipelineStage | None = None
+        self.infer: InferService | None = None
         self.state_server: StateServer | None = None
         self.averager: AveragingLoop | None = None
         self.sync: SyncSchedule | None = None
@@ -139,6 +142,11 @@ class StageService:
                                          send=host.send, swarm=lambda: host.swarm, router=host.router,
                                          metrics=host.metrics, cfg=host.cfg, my_id=host.my_id,
                                          cost=host.costs[stage])
+        # generation through the swarm (``infer``): forward only, at low priority, only while this stage trains
+        self.infer = InferService(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
+                                  metrics=host.metrics, queued=pipe.queued,
+                                  serving=lambda: pipe.accepting and host.metrics.state == "training")
+        await host.handlers.add_handler(INFER_RPC, self.infer.rpc_infer)
         # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
         # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
         pipe.on_first_measure = lambda: pipe.spawn(self._announce_measured())
@@ -223,7 +231,7 @@ class StageService:
             t.cancel()
         await asyncio.gather(*self.tasks, *pipe.tasks, return_exceptions=True)
         self.host.handlers.clear()
-        self.pipe = self.averager = self.sync = self.driver_task = None
+        self.pipe = self.infer = self.averager = self.sync = self.driver_task = None
 
 
 class SyncSchedule:

@@ -35,15 +35,17 @@ __all__ = [
     "AveragingPart",
     "StateRequest",
     "StateChunk",
+    "Infer",
+    "InferResult",
     "pack",
     "unpack",
     "payload_bytes",
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 4  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
-# 4: StateRequest names the snapshot `version` it continues
-SUPPORTED_VERSIONS: tuple[int, ...] = (4,)
+PROTOCOL_VERSION = 5  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+# 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation)
+SUPPORTED_VERSIONS: tuple[int, ...] = (5,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -198,8 +200,33 @@ class StateChunk(Message):
             raise s.SchemaError(f"StateChunk.chunk {self.chunk} must be below n_chunks {self.n_chunks}")
 
 
+@_message(10, run_id=s.text(), stage=_stage, inputs=s.envelope, codec=s.text(32))
+class Infer(Message):
+    """Forward only, for generation: run `inputs` through the receiver's stage at its latest weights, train nothing.
+
+    Stage 0 takes token ids [1, T], a later stage the activations [1, T, n_embd] the previous stage returned. The
+    reply is an `InferResult` whose outputs are encoded with `codec` (a name, e.g. "int8", "fp16", "none").
+    """
+
+    run_id: str
+    stage: int
+    inputs: TensorEnvelope
+    codec: str
+
+
+@_message(11, stage=_stage, version=_count, outputs=s.envelope)
+class InferResult(Message):
+    """The reply to `Infer`: the stage's activations [1, T, n_embd], or on the last stage the logits of the last
+    position only [1, vocab]; `version` is the local step of the weights that computed them."""
+
+    stage: int
+    version: int
+    outputs: TensorEnvelope
+
+
 MESSAGE_KINDS: dict[int, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk)
+    cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
+                              Infer, InferResult)
 }
 
 

@@ -32,6 +32,8 @@ from protocol.messages import (
     Error,
     Forward,
     Hello,
+    Infer,
+    InferResult,
     Message,
     StateChunk,
     StateRequest,
@@ -61,6 +63,7 @@ MESSAGES: list[Message] = [
     AveragingPart("run", 0, 3, "QmA", ENVELOPES[5:7], 1.0),
     StateChunk("run", 0, 9, 0, 1, {"step": 9, "lr": 0.1}, {"a": ENVELOPES[0], "b": ENVELOPES[8]}),
     StateRequest("run", 0, 0), Ack(), Busy(1.0), Error(5, "too large"),
+    Infer("run", 1, ENVELOPES[3], "fp16"), InferResult(1, 7, ENVELOPES[1]),
 ]  # fmt: skip
 PACKED = [pack(m) for m in MESSAGES]
 FRAMED = [frame_header(len(p), end=True) + p for p in PACKED] + [

@@ -22,6 +22,8 @@ from protocol.messages import (
     Error,
     Forward,
     Hello,
+    Infer,
+    InferResult,
     StateChunk,
     StateRequest,
     pack,
@@ -44,6 +46,8 @@ SAMPLES = [
     AveragingPart("run", 1, 40, "QmA", [ENV, ENV], 1.0),
     StateRequest("run", 1, 3),
     StateChunk("run", 1, 1234, 0, 2, {"step": 5, "lr": 1e-3, "name": "x", "stash": True}, {"w.0": ENV}),
+    Infer("run", 0, encode(torch.arange(6).view(1, 6), "none"), "int8"),
+    InferResult(1, 250, ENV),
 ]
 
 
@@ -111,7 +115,7 @@ def test_unpack_rejects_malformed(data: bytes) -> None:
 
 
 def test_version_mismatch_says_which_versions() -> None:
-    with pytest.raises(VersionMismatch, match=r"version 7.*speaks version\(s\) 4"):
+    with pytest.raises(VersionMismatch, match=rf"version 7.*speaks version\(s\) {PROTOCOL_VERSION}"):
         unpack(_raw(7, 4, []))
     with pytest.raises(VersionMismatch):
         unpack(_raw(7, "garbage", "fields"))  # the version is checked first

@@ -11,7 +11,18 @@ from protocol.codecs.quant import INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
 from protocol.codecs.registry import encode, roundtrip
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode
-from protocol.messages import AveragingPart, Backward, Error, Forward, Hello, StateChunk, pack, unpack
+from protocol.messages import (
+    AveragingPart,
+    Backward,
+    Error,
+    Forward,
+    Hello,
+    Infer,
+    InferResult,
+    StateChunk,
+    pack,
+    unpack,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +60,8 @@ messages = st.one_of(
     st.builds(AveragingPart, names, stages, ids, names, st.lists(envelopes, max_size=3),
               st.floats(0, 1e6, exclude_min=True)),
     st.integers(1, 5).flatmap(_state_chunk),
+    st.builds(Infer, names, stages, envelopes, st.text(max_size=32)),
+    st.builds(InferResult, stages, ids, envelopes),
 )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path
     assert res["victims_alive"]
     assert res["forged_record"]["evidence"]["forged_records_seen_by_honest_reader"] == 0
     assert res["malformed"]["evidence"]["accepted_or_internal"] == {}
-    assert res["malformed"]["evidence"]["cells"] == 60
+    assert res["malformed"]["evidence"]["cells"] == 2 * 6 * 8  # victims x handlers x payloads
     for name in ("forged_record", "malformed"):
         assert res[name]["outcome"] in ("refused", "stalled")  # stalls: see the module doc
         assert res[name]["rss_growth_mib"] < 100

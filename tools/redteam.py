@@ -48,7 +48,7 @@ from peer.ops.procs import PeerProcess, free_port, join_command, terminate  # no
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
-from protocol.messages import Ack, Error, Forward, Hello, Message, pack, unpack  # noqa: E402
+from protocol.messages import Ack, Error, Forward, Hello, Infer, Message, pack, unpack  # noqa: E402
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 
@@ -209,11 +209,14 @@ async def malformed(att: Attacker, victims: dict[str, str], until: float) -> dic
     hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="x", capabilities=[])
     nan = _forward(run, 1, [att.signer.peer_id], torch.full((b, t, d), float("nan")))
     shape = _forward(run, 2, [att.signer.peer_id], torch.randn(b, t, d + 1))
+    infer_nan = Infer(run.run_id, 1, encode(torch.full((1, t, d), float("nan")), "none"), "none")
+    infer_floats = Infer(run.run_id, 0, encode(torch.randn(1, t, d), "none"), "none")  # stage 0 takes token ids
     payloads = {"garbage": b"\x00garbage" * 8, "bad_magic": b"XX" + bytes(10),
                 "huge_announce": frame_header(2**40, end=True), "wrong_kind": frame_header(len(pack(hello)), end=True)
-                + pack(hello), "nan": _frame(nan), "wrong_shape": _frame(shape)}
+                + pack(hello), "nan": _frame(nan), "wrong_shape": _frame(shape), "infer_nan": _frame(infer_nan),
+                "infer_floats": _frame(infer_floats)}
     for victim, pid in victims.items():
-        for handler in ("forward", "backward", "reach", "state", "avg_part"):
+        for handler in ("forward", "backward", "reach", "state", "avg_part", "infer"):
             for name, data in payloads.items():
                 cells[f"{victim}.{handler}.{name}"] = await att.raw(att.p2p, pid, handler, data, timeout=10)
     await asyncio.sleep(max(0.0, until - time.monotonic()))

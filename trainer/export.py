@@ -16,7 +16,8 @@ PyTorch a user needs::
     model = GPT(ModelConfig(**config["model"]))
     model.load_state_dict(load_file("model/model.safetensors"))
 
-``sample`` draws tokens from a GPT autoregressively (temperature, top-k), cropping the context to its block size.
+``sample`` draws tokens from a GPT autoregressively (temperature, top-k), cropping the context to its block size;
+``next_token`` is its draw of one token from logits, shared with generation through a live swarm.
 """
 
 from __future__ import annotations
@@ -102,13 +103,21 @@ def sample(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: f
     idx = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.block_size:])[:, -1, :]  # [1, vocab]
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        nxt = next_token(logits, temperature=temperature, top_k=top_k, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
     return idx[0].tolist()
+
+
+def next_token(logits: torch.Tensor, *, temperature: float, top_k: int,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token [1, 1] drawn from the last position's ``logits`` [1, vocab]: the most likely one when
+    ``temperature`` is 0, else a draw at that temperature among the ``top_k`` most likely (0: all). Sampling from an
+    exported model and through a live swarm (``asyncmesh-peer generate``) share it, so equal logits and an equal seed
+    give an equal sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)

@@ -166,7 +166,8 @@ class StageModule(nn.Module):
                 names[local] = local
         _init_named(self, names, run.seed if seed is None else seed, cfg.n_layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """``last_only`` (last stage, generation): the logits of the last position only, [B, 1, vocab]."""
         if self.is_first:
             _, T = x.shape  # x: tokens [B, T]
             pos = torch.arange(T, device=x.device)  # [T]
@@ -174,7 +175,7 @@ class StageModule(nn.Module):
         for block in self.blocks:
             x = block(x)  # [B, T, C]
         if self.is_last:
-            x = self.lm_head(self.ln_f(x))  # [B, T, vocab]
+            x = self.lm_head(self.ln_f(x[:, -1:] if last_only else x))  # [B, T or 1, vocab]
         return x
 
     @staticmethod

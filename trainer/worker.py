@@ -292,11 +292,16 @@ class StageWorker:
             self.optimizer_step()
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | float:
-        """No-grad forward at the latest weights: the output, or the mean loss on the last stage given targets."""
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None = None, *,
+                 last_only: bool = False) -> torch.Tensor | float:
+        """No-grad forward at the latest weights: the output, or the mean loss on the last stage given targets;
+        ``last_only`` (generation): on the last stage only the last position's logits, [B, vocab]. Touches no
+        optimiser, stash or pending state."""
         x = self._check_input(x)
         self.model.eval()
         try:
+            if last_only and self.is_last:
+                return self.model(x, last_only=True)[:, -1]
             out = self.model(x)
         finally:
             self.model.train()

@@ -1,4 +1,10 @@
-"""`asyncmesh-peer generate`: sample text from a model written by ``asyncmesh-peer export``.
+"""`asyncmesh-peer generate`: sample text from an exported model, or through a live swarm's pipeline.
+
+With ``--model`` it samples a model written by ``asyncmesh-peer export``. With ``--initial-peers`` it joins the
+swarm's DHT as a client (it serves and stores nothing, like ``monitor``), reads the run's peer records and, for every
+new token, sends the context through stage 0, 1, ..., K-1 with the forward-only ``infer`` RPC and samples from the
+last stage's logits (``peer.pipeline.remote``); no model is downloaded and nothing is trained. Sampling is the same
+function either way (``trainer.export.next_token``), so equal logits and an equal ``--seed`` give an equal sample.
 
 The embedded runs read text as bytes (vocabulary 256), so the prompt is encoded as UTF-8 bytes and the sample decoded
 the same way (invalid sequences shown as U+FFFD). Models trained on pre-tokenized ``.bin`` shards have no tokenizer
@@ -8,45 +14,146 @@ here and are refused with a message.
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
+import time
+from typing import Any
 
 from peer.errors import UserError, user_input
 
-HELP = "Sample text from an exported model (see `asyncmesh-peer export`)."
+HELP = "Sample text from an exported model, or through a live swarm's pipeline (forward only)."
 EPILOG = """examples:
   asyncmesh-peer generate --model model --prompt 'def main('
   asyncmesh-peer generate --model model --prompt 'import ' --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 1
-exit codes: 0 printed; 2 bad input (no model folder, a model without a byte tokenizer, bad sampling settings)"""
+  through a running swarm, without exporting (every stage computes each token's forward):
+    asyncmesh-peer generate --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --run myrun.toml \\
+        --prompt 'def main(' --max-new-tokens 50
+exit codes: 0 printed; 2 bad input (no model folder, a model or run without a byte tokenizer, bad sampling settings,
+  an unreachable --initial-peers, a swarm of another run, a closed run); 3 the swarm could not serve (a stage has no
+  training peer, or none answered within --timeout; what was generated so far is printed): try again later"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="DIR", help="folder written by `asyncmesh-peer export --out`")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR", help="folder written by `asyncmesh-peer export --out`")
+    source.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                        help="generate through the live swarm these peers belong to (an open run)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens (bytes) to sample")
     p.add_argument("--temperature", type=float, default=1.0, help="0 picks the most likely token (default 1)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: random)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", default="cpu", help="--model: cpu (default) or cuda")
+    live = p.add_argument_group("through a live swarm (--initial-peers)")
+    live.add_argument("--run", default=None, metavar="FILE", help="the run file the peers train (default: embedded)")
+    live.add_argument("--codec", default=None,
+                      help="how the stages send activations and logits back: the run's activation codec (default), "
+                           "fp16 or none (fp32)")
+    live.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds to find every stage's peers, and for each token through every stage (default 30)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from trainer.export import CONFIG, WEIGHTS, load_model, sample
-
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
+    gen = torch.Generator(device=args.device if args.model else "cpu")
+    gen.manual_seed(args.seed if args.seed is not None else torch.seed())
+    prompt = list(args.prompt.encode("utf-8"))
+    if args.initial_peers:
+        return _live(args, prompt, gen)
+
+    from trainer.export import CONFIG, WEIGHTS, load_model, sample
+
     folder = args.model
     with user_input(f"--model {folder} (expected {WEIGHTS} and {CONFIG} from `asyncmesh-peer export`)"):
         model, config = load_model(folder, device=args.device)
     if config.get("tokenizer") != "bytes":
         raise UserError(f"--model {folder}: its tokens are not bytes ({config.get('tokenizer')}); generate only "
                         "encodes text for byte-level models")
-    gen = torch.Generator(device=args.device)
-    gen.manual_seed(args.seed if args.seed is not None else torch.seed())
-    prompt = list(args.prompt.encode("utf-8"))
     out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
     sys.stdout.write(bytes(out).decode("utf-8", errors="replace") + "\n")
     return 0
+
+
+def _live(args: argparse.Namespace, prompt: list[int], gen: Any) -> int:
+    """Generate through the swarm at ``--initial-peers``, printing each byte as it comes."""
+    import uvloop
+
+    from peer.cli.checks import check_multiaddrs
+    from trainer.config import RunConfig
+
+    with user_input(f"--run {args.run}" if args.run else ""):
+        run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
+    if run_cfg.model.vocab_size != 256 or run_cfg.data.bin_vocab_size != 0:
+        raise UserError(f"run {run_cfg.name!r} reads pre-tokenized data; generate only encodes text for byte-level "
+                        "runs (vocabulary 256)")
+    if run_cfg.access.mode == "closed":
+        raise UserError(f"run {run_cfg.name!r} is closed: its peers serve only admitted peers; export the model from "
+                        "their checkpoints (asyncmesh-peer export --checkpoint-dir) and generate with --model")
+    check_multiaddrs("--initial-peers", args.initial_peers, need_peer_id=True)
+    from peer.pipeline.infer import infer_codecs
+
+    if args.codec is not None and args.codec not in infer_codecs(run_cfg):
+        raise UserError(f"--codec {args.codec}: the peers reply in one of {', '.join(infer_codecs(run_cfg))}")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
+    return uvloop.run(_generate(args, run_cfg, prompt, gen))
+
+
+async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], gen: Any) -> int:
+    import asyncio
+
+    from hivemind import DHT
+
+    from peer.ids import short_id
+    from peer.membership.records import fetch_swarm, record_validator
+    from peer.pipeline.remote import RemotePipeline, rpc_call
+    from peer.pipeline.sizes import infer_message_bytes
+    from trainer.export import next_token
+
+    try:
+        dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
+                                      record_validators=[record_validator(run_cfg.run_id)])
+    except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
+        raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
+                        "multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    written = False
+    try:
+        p2p = await dht.replicate_p2p()
+        sizes = infer_message_bytes(run_cfg)
+        pipe = RemotePipeline(run=run_cfg, call=rpc_call(p2p, max(sizes.values())), codec=args.codec,
+                              read_swarm=lambda: fetch_swarm(dht, run_cfg.run_id, timeout=min(10.0, args.timeout)),
+                              timeout_s=args.timeout, where=args.initial_peers[0])
+        await pipe.refresh()
+        if not pipe.records:  # nobody of this run: perhaps the swarm trains another run (a wrong --run)
+            await pipe.probe_run([m.rsplit("/p2p/", 1)[1] for m in args.initial_peers])
+        await pipe.wait_for_stages(args.timeout)
+        ids, t0 = list(prompt), time.monotonic()
+        sys.stdout.write(decoder.decode(bytes(prompt)))
+        written = True
+        for _ in range(args.max_new_tokens):
+            logits = await pipe.next_logits(ids)
+            token = int(next_token(logits, temperature=args.temperature, top_k=args.top_k, generator=gen))
+            ids.append(token)
+            sys.stdout.write(decoder.decode(bytes([token])))
+            sys.stdout.flush()
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        n = len(ids) - len(prompt)
+        if n:
+            took = time.monotonic() - t0
+            used = ", ".join(f"stage {s} step {h.version} ({short_id(h.peer_id)})" for s, h in enumerate(pipe.hops))
+            print(f"asyncmesh-peer generate: {n} tokens in {took:.1f} s ({1000 * took / n:.0f} ms per token) "
+                  f"through {run_cfg.n_stages} stages; last token: {used}", file=sys.stderr)
+        return 0
+    except UserError:
+        if written:  # what was generated so far stays on stdout
+            sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+            sys.stdout.flush()
+        raise
+    finally:
+        await asyncio.to_thread(dht.shutdown)

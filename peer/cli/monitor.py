@@ -206,7 +206,11 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, `docker stop`: leave the DHT before exiting
             loop.add_signal_handler(sig, stop.set)
-        return await _watch(dht, args, run_config, stop)
+        try:
+            return await _watch(dht, args, run_config, stop)
+        finally:  # the process's own handlers again (a caller in the same process keeps its Ctrl-C)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
     finally:
         await asyncio.to_thread(dht.shutdown)
 

@@ -1,10 +1,12 @@
 """What each RPC handler may receive: its message kind, and its largest request computed from the run's shapes.
 
 A forward carries ``batch x block x width`` activations in the run's activation codec and, for the last stage, the
-token targets; a backward carries a gradient of the same shape in the gradient codec. Both sizes are known before
-the first byte arrives, so a frame announcing more is refused before it is read (instead of reading up to the
-server's generic 256 MiB). The limit is the packed size of the largest such message, with the longest route and
-run id the schema allows, plus a fixed slack for msgpack headers.
+token targets; a backward carries a gradient of the same shape in the gradient codec; an ``infer`` request one
+sequence, ``1 x block x width`` activations in the widest codec it may use (none, fp32) or ``1 x block`` token ids.
+These sizes are known before the first byte arrives, so a frame announcing more is refused before it is read (instead
+of reading up to the server's generic 256 MiB). The limit is the packed size of the largest such message, with the
+longest route and run id the schema allows, plus a fixed slack for msgpack headers. ``infer_message_bytes`` also
+bounds the replies a generating client reads.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 from peer.averaging.loop import AVG_RPC
 from peer.averaging.sync import SYNC_RPC
 from peer.membership.reachability import REACH_RPC
+from peer.pipeline.infer import INFER_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
-from protocol.messages import AveragingPart, Backward, Forward, Hello, StateRequest, pack
+from protocol.messages import AveragingPart, Backward, Forward, Hello, Infer, InferResult, StateRequest, pack
 from protocol.rpc import RpcServer
 from trainer.config import RunConfig
 
@@ -28,7 +31,7 @@ REACH_BYTES = 16 * 1024
 
 
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
-    """Largest request of ``forward``, ``backward`` and ``reach`` (bytes, framing excluded) for this run."""
+    """Largest request of ``forward``, ``backward``, ``reach`` and ``infer`` (bytes, framing excluded) for this run."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x = torch.zeros(b, t, d)
     targets = encode(torch.zeros(b, t, dtype=torch.int64), "none")
@@ -38,12 +41,26 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
                         gradient=encode(x, run.compression.gradients))
     hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="Q" * 64, capabilities=["x" * 64] * 32)
     return {"forward": len(pack(forward)) + SLACK_BYTES, "backward": len(pack(backward)) + SLACK_BYTES,
-            "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES)}
+            "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
+            INFER_RPC: infer_message_bytes(run)["request"]}
+
+
+def infer_message_bytes(run: RunConfig) -> dict[str, int]:
+    """Largest ``infer`` request and reply (bytes, framing excluded): one sequence of ``block_size`` positions, its
+    activations in fp32 (codec none, the widest allowed), or on the last stage one position's logits."""
+    t, d, v = run.model.block_size, run.model.n_embd, run.model.vocab_size
+    acts = encode(torch.zeros(1, t, d), "none")
+    tokens = encode(torch.zeros(1, t, dtype=torch.int64), "none")
+    request = max(len(pack(Infer(run_id=run.run_id, stage=1023, inputs=env, codec="x" * 32)))
+                  for env in (acts, tokens))
+    reply = max(len(pack(InferResult(stage=1023, version=2**63 - 1, outputs=env)))
+                for env in (acts, encode(torch.zeros(1, v), "none")))
+    return {"request": request + SLACK_BYTES, "reply": reply + SLACK_BYTES}
 
 
 #: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
 HANDLER_KINDS = {"forward": (Forward,), "backward": (Backward,), REACH_RPC: (Hello,), STATE_RPC: (StateRequest,),
-                 AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,)}
+                 AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,), INFER_RPC: (Infer,)}
 
 
 def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:
