@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Churn benchmark: a swarm of ``join --stage auto`` peers on loopback, a clean control run against a churn run.
 
-Both runs train the same run file (tests/runs/tiny.toml by default) until a stage-0 peer reaches ``--steps`` local
-steps, with the same peer settings; the validation loss is then read from the stage-0 peers' ``/status`` (they
-evaluate every 5 s) and every peer is stopped with SIGTERM.
+Both runs train the same run file (tests/runs/tiny.toml by default) with the same peer settings; the churn run until
+a stage-0 peer reaches ``--steps`` local steps and every event is over, then the clean control run until a stage-0
+peer reaches the step the churn run stopped at, so that both losses are taken at the same length. The validation loss
+is read from the stage-0 peers' ``/status`` (they evaluate every 5 s) and every peer is stopped with SIGTERM.
 The churn run, at points of training progress drawn from ``--seed``, does what a month of unattended volunteers does:
 
 * ``kill_bootstrap``: kill -9 of the first peer (whose address everybody joined through), restarted at once with
@@ -182,7 +183,10 @@ class Swarm:
         self.orphans += len(left)
 
 
-def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root: Path) -> dict[str, Any]:
+def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root: Path,
+             steps: int | None = None) -> dict[str, Any]:
+    """One run until a stage-0 peer reaches ``steps`` (default ``--steps``) and every event is over."""
+    steps = args.steps if steps is None else steps
     rng = random.Random(args.seed)
     next_at: float | None = None  # when the next event is due (set once the whole swarm trains)
     sw = Swarm(root / label, args)
@@ -212,7 +216,7 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
                 break
             everyone = all(snaps.get(n, {}).get("state") == "training" for n, p in sw.peers.items() if p.alive())
             pending = [e for e in events if e not in done]
-            if best >= args.steps and not pending and not sw.joiners:
+            if best >= steps and not pending and not sw.joiners:
                 vals = [s["val_loss"] for s in snaps.values() if s.get("stage") == 0 and s.get("val_loss") is not None]
                 if vals or time.monotonic() > deadline - 30:
                     break  # (after a restart, wait for the stage-0 peers' first evaluation)
@@ -322,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_churn.") as tmp:
         root = args.workdir or Path(tmp)
         runs = {}
-        if args.only != "churn":
-            runs["clean"] = run_once("clean", args, (), root)
-        if args.only != "clean":
+        if args.only != "clean":  # first: it runs past --steps until every event is over and the peers train again
             runs["churn"] = run_once("churn", args, args.events, root)
+        if args.only != "churn":  # then the control, to the step the churn run reached: losses at equal length
+            reached = runs["churn"]["steps_reached"] if "churn" in runs else args.steps
+            runs["clean"] = run_once("clean", args, (), root, steps=max(args.steps, reached))
     churn = runs.get("churn") or runs["clean"]
     out = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
