@@ -178,6 +178,8 @@ async def test_a_rushing_alie_peer_sends_mean_minus_std_of_what_it_read_before_s
             stack = torch.stack([w.values[j] for w in workers])  # the attacker's own values and the 3 honest parts
             want = stack.mean(0) - stack.std(0, unbiased=False)
             assert _rel(values[j], want) < 0.05, j  # int8 noise of the parts it read
+    assert peers[3][1].count("byzantine_parts") == len(sent)
+    assert peers[3][1].count("byzantine_parts_read") >= 2 * len(sent)  # what it saw of the 3 honest parts
     honest = workers[:3]
     assert all(w.finished for w in honest)
     for _, metrics in peers[:3]:

@@ -18,6 +18,10 @@ peer holds only its own values and what reaches it in the round, so each attack 
   received it sends its own values (an honest part). Honest rounds with a rushing peer last until it answers.
 * The attacker defends nothing: it accepts every well-formed part (so an honest caller is answered at once instead
   of being refused by a check against the attacked values), and its attacked part is also its own contribution.
+
+It counts what it did in its PeerMetrics (``/status`` counters): ``byzantine_parts`` (attacked parts built) and, for
+'alie', ``byzantine_parts_read`` (the others' parts it read before sending), so a measurement can tell an 'alie' that
+saw the honest parts from one that sent its own values.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from peer.averaging.exchange import PartExchange, Slot
 from trainer.attacks import ATTACKS, byzantine_part
+
+if TYPE_CHECKING:
+    from peer.ops.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
 ALIE_WAIT = 0.75
@@ -43,12 +51,14 @@ class Attacker:
     Args:
         kind: one of trainer.attacks.ATTACKS. z: 'alie' shift in standard deviations. noise_ratio: 'noise' rms
             relative to the own values' rms. seed: of the noise generator (None: a fresh random seed).
+        metrics: where the counters go (None: not counted).
     """
 
-    def __init__(self, kind: str, *, z: float = 1.0, noise_ratio: float = 3.0, seed: int | None = None) -> None:
+    def __init__(self, kind: str, *, z: float = 1.0, noise_ratio: float = 3.0, seed: int | None = None,
+                 metrics: PeerMetrics | None = None) -> None:
         if kind not in ATTACKS:
             raise ValueError(f"byzantine_attack must be one of {ATTACKS}, got {kind!r}")
-        self.kind, self.z, self.noise_ratio = kind, z, noise_ratio
+        self.kind, self.z, self.noise_ratio, self.metrics = kind, z, noise_ratio, metrics
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -56,11 +66,11 @@ class Attacker:
             self.generator.manual_seed(seed)
 
     @classmethod
-    def arm(cls, kind: str, exchange: PartExchange) -> Attacker | None:
+    def arm(cls, kind: str, exchange: PartExchange, metrics: PeerMetrics | None = None) -> Attacker | None:
         """The attacker for ``kind`` with ``exchange`` set up for it (its check, kept offers); None for ''."""
         if not kind:
             return None
-        attacker = cls(kind)
+        attacker = cls(kind, metrics=metrics)
         exchange.check = attacker.check
         exchange.keep_offers = attacker.rushing
         logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", kind)
@@ -79,6 +89,7 @@ class Attacker:
     async def part(self, exchange: PartExchange, slot: Slot, own: list[torch.Tensor], partners: Iterable[str],
                    window_start: float) -> list[torch.Tensor]:
         """The values to publish in ``slot`` instead of ``own`` (for 'alie', after waiting for the others' parts)."""
+        self._count("byzantine_parts")
         if not self.rushing:
             return [byzantine_part(self.kind, v, noise_ratio=self.noise_ratio, generator=self.generator) for v in own]
         wait = window_start + ALIE_WAIT * (slot.deadline - window_start) - exchange.clock()
@@ -86,8 +97,14 @@ class Attacker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_offered(slot, set(partners)), wait)
         like = [v.detach().reshape(-1).float() for v in own]
-        received = await asyncio.get_running_loop().run_in_executor(None, exchange.peek, slot, like)
+        offers = dict(slot.offers or {})  # handlers add to it on the event loop while the executor decodes
+        received = await asyncio.get_running_loop().run_in_executor(None, exchange.decode_offers, offers, like)
+        self._count("byzantine_parts_read", len(received))
         return self.alie(like, list(received.values()))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.inc(name, n)
 
     def alie(self, own: list[torch.Tensor], received: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Per tensor: mean - z x std over our values and the ``received`` parts (each a list like ``own``)."""

@@ -19,8 +19,8 @@ Own values are quantised with the run's averaging codec and then *decoded again 
 very same numbers: two peers that hold the same set of contributions compute bit-identical means.
 
 Measurements only: with ``keep_offers`` a slot keeps the raw parts that arrive before our own part is set, and
-``peek`` decodes them; the red-team attack 'alie' (peer/averaging/byzantine.py) builds its part from them. An honest
-peer never sets it.
+``decode_offers`` decodes them; the red-team attack 'alie' (peer/averaging/byzantine.py) builds its part from them.
+An honest peer never sets it.
 """
 
 from __future__ import annotations
@@ -176,11 +176,12 @@ class PartExchange:
                zip(envelopes, flat, strict=True)]
         return envelopes, own
 
-    def peek(self, slot: Slot, like: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """The offers kept in ``slot`` (``keep_offers``) that decode to the shapes of ``like``, by sender; the rest
-        are skipped. Nothing is accepted or counted: the slot's own checks run when our part is set."""
+    def decode_offers(self, offers: dict[str, AveragingPart],
+                      like: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """Of ``offers`` (a copy of a slot's, taken on the event loop), those that decode to the shapes of ``like``, by
+        sender; the rest are skipped. Nothing is accepted or counted: the slot's checks run when our part is set."""
         out = {}
-        for peer, msg in (slot.offers or {}).items():
+        for peer, msg in offers.items():
             try:
                 out[peer] = self._decode(msg, peer, like)
             except Refused:

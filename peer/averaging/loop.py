@@ -189,7 +189,7 @@ class AveragingLoop:
             me=self.me, codec=run.compression.averaging, metrics=metrics, clock=clock, admit=self._admit,
             check=relative_distance_check(self.config.max_rel_distance, self.config.max_rms_distance),
             member=self._is_member)
-        self.attacker = Attacker.arm(attack, self.exchange)  # None for an honest peer
+        self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
         self._view_task: asyncio.Task | None = None
