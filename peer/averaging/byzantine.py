@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
-ALIE_WAIT = 0.75
+ALIE_WAIT = 0.6
 """Fraction of the round's exchange window a rushing 'alie' peer waits for the others' parts before it sends."""
 
 
@@ -93,13 +93,17 @@ class Attacker:
         if not self.rushing:
             return [byzantine_part(self.kind, v, noise_ratio=self.noise_ratio, generator=self.generator) for v in own]
         wait = window_start + ALIE_WAIT * (slot.deadline - window_start) - exchange.clock()
+        logger.debug("alie round %d: begun %.2f s into the window", slot.key, exchange.clock() - window_start)
         if wait > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_offered(slot, set(partners)), wait)
         like = [v.detach().reshape(-1).float() for v in own]
-        offers = dict(slot.offers or {})  # handlers add to it on the event loop while the executor decodes
-        received = await asyncio.get_running_loop().run_in_executor(None, exchange.decode_offers, offers, like)
+        # decoded here, not in an executor: a thread hop costs tenths of a second on busy cores, late in the window
+        received = exchange.decode_offers(dict(slot.offers or {}), like)
         self._count("byzantine_parts_read", len(received))
+        logger.debug("alie round %d: read %d parts (partners %d) %.2f s into the window, %.2f s before its end",
+                     slot.key, len(received), len(set(partners)), exchange.clock() - window_start,
+                     slot.deadline - exchange.clock())
         return self.alie(like, list(received.values()))
 
     def _count(self, name: str, n: int = 1) -> None:

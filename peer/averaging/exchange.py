@@ -178,8 +178,9 @@ class PartExchange:
 
     def decode_offers(self, offers: dict[str, AveragingPart],
                       like: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """Of ``offers`` (a copy of a slot's, taken on the event loop), those that decode to the shapes of ``like``, by
-        sender; the rest are skipped. Nothing is accepted or counted: the slot's checks run when our part is set."""
+        """Of ``offers`` (a copy of a slot's: handlers add to it on the event loop), those that decode to the shapes
+        of ``like``, by sender; the rest are skipped. Nothing is accepted or counted: the slot's checks run when our
+        part is set."""
         out = {}
         for peer, msg in offers.items():
             try:
