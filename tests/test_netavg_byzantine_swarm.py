@@ -51,16 +51,20 @@ def _rec(label: str, n: int, b: int, attack: str | None, loss: float | None, **k
 
 
 def test_ratios_are_to_the_mean_of_the_same_n_s_controls_with_their_spread():
-    rows = summarise([_rec("c1", 4, 0, None, 2.0), _rec("c2", 4, 0, None, 2.2), _rec("z", 4, 1, "zeros", 2.31),
+    alie = [{"byzantine_parts": 10, "byzantine_parts_read": 25, "averaging_rounds_ok": 9,
+             "averaging_rounds_failed": 1}]
+    rows = summarise([_rec("c1", 4, 0, None, 2.0), _rec("c2", 4, 0, None, 2.2),
+                      _rec("z", 4, 1, "zeros", 2.31), _rec("a", 4, 1, "alie", 2.1, attackers=alie),
                       _rec("e", 4, 1, "alie", None, error="peer2 gave no training state"),
                       _rec("c1", 8, 0, None, 1.9), _rec("z8", 8, 2, "zeros", 1.9)])
     assert rows[0]["control_spread"] == pytest.approx(0.2 / 2.1)
     assert rows[2]["ratio"] == pytest.approx(1.1) and rows[2]["ratio_range"] == pytest.approx([1.05, 1.155])
-    assert "ratio" not in rows[3] and rows[4]["control_spread"] is None  # one control: no spread
-    assert rows[5]["ratio"] == pytest.approx(1.0)
+    assert "ratio" not in rows[4] and rows[5]["control_spread"] is None  # one control: no spread
+    assert rows[6]["ratio"] == pytest.approx(1.0)
     table = format_table(rows)
     assert "| 4:1 | zeros | 2.310 | 1.100 (1.050-1.155) | 100 | 30 / 1 | 0.0100 | outlier 7 |" in table
     assert "spread 0.095" in table and "failed: 'peer2 gave no training state'" in table
+    assert "| outlier 7 | 9 / 1 (read 2.5 parts per part) |" in table
 
 
 def test_main_writes_every_record_and_the_table(tmp_path, monkeypatch, capsys):

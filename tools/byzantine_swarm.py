@@ -230,16 +230,18 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table (rounds per honest peer; rejections summed over the honest peers)."""
+    """The rows as a markdown table (rounds per honest peer; rejections summed over the honest peers; the attackers'
+    own rounds summed over them, and for 'alie' the others' parts read per attacked part)."""
     lines = ["| N:B | attack | honest val loss | ratio (vs each control) | honest steps in window | rounds ok / "
-             "failed per honest peer | averaged per step | rejected by the honest peers | load avg (1 min) |",
-             "|---|---|---:|---|---:|---|---:|---|---|"]
+             "failed per honest peer | averaged per step | rejected by the honest peers | attackers' rounds ok / "
+             "failed | load avg (1 min) |",
+             "|---|---|---:|---|---:|---|---:|---|---|---|"]
     for r in rows:
         load = r.get("loadavg_1min") or {}
         what = "control" if r["attack"] is None else r["attack"]
         if r.get("error") or r.get("honest_val_loss") is None:
             lines.append(f"| {r['n']}:{r['byzantine']} | {what} | failed: {(r.get('error') or 'no val loss')[:60]!r}"
-                         " | | | | | | |")
+                         " | | | | | | | |")
             continue
         if r["attack"] is None:
             spread = r.get("control_spread")
@@ -254,9 +256,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['n']}:{r['byzantine']} | {what} | {r['honest_val_loss']:.3f} | {ratio} | "
                      f"{r['honest_window_steps_mean']:.0f} | {r['honest_rounds_ok'] / honest:.0f} / "
                      f"{r['honest_rounds_failed'] / honest:.0f} | {r.get('honest_avg_fraction_per_step') or 0:.4f} | "
-                     f"{rej or 'none'} | "
+                     f"{rej or 'none'} | {_attackers(r.get('attackers') or [])} | "
                      f"{load.get('min', 0):.1f}-{load.get('max', 0):.1f} |")
     return "\n".join(lines)
+
+
+def _attackers(attackers: list[dict[str, int]]) -> str:
+    if not attackers:
+        return ""
+    parts, read = sum(a["byzantine_parts"] for a in attackers), sum(a["byzantine_parts_read"] for a in attackers)
+    text = (f"{sum(a['averaging_rounds_ok'] for a in attackers)} / "
+            f"{sum(a['averaging_rounds_failed'] for a in attackers)}")
+    return text + (f" (read {read / parts:.1f} parts per part)" if read and parts else "")
 
 
 def machine() -> dict[str, Any]:
