@@ -20,7 +20,7 @@ controls' spread ((max - min) / mean): a ratio inside that spread is not an effe
 pass or fail; a swarm that fails is recorded with its error and the tool goes on. The JSON is rewritten after every
 swarm, so an interrupted measurement keeps what it measured.
 
-    python tools/byzantine_swarm.py --grid 4:1,8:2,4:2 --attacks zeros,scale,signflip,noise,alie \\
+    python tools/byzantine_swarm.py --grid 4:1,4:2,8:2,8:3 --attacks zeros,scale,signflip,noise,alie \\
         --aggregator trimmed --train-s 60 --json byzantine_swarm.json
 """
 
@@ -278,7 +278,7 @@ def machine() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--grid", default="4:1,8:2,4:2", help="N:B pairs (peers : Byzantine peers), comma-separated")
+    ap.add_argument("--grid", default="4:1,4:2,8:2,8:3", help="N:B pairs (peers : Byzantine peers), comma-separated")
     ap.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
     ap.add_argument("--aggregator", default="trimmed", choices=AGGREGATORS)
     ap.add_argument("--train-s", type=float, default=60.0, help="seconds all N peers train together per swarm")
