@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peer.membership.relay import check_modes as check_relay_modes
+from trainer.attacks import ATTACKS
 
 MODES = ("async", "sync")
 MAX_RECORD_TTL_S = 60.0
@@ -119,8 +120,9 @@ class PeerConfig:
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
     byzantine_attack: str = ""
-    """Red-team knob, never for a real peer: send averaging parts replaced by this trainer.attacks attack ('zeros',
-    'scale', 'signflip', 'noise'); '' (the default) is an honest peer. Set only with --set, for measurements."""
+    """Red-team knob, never for a real peer: send averaging parts replaced by this attack ('zeros', 'scale',
+    'signflip', 'noise', 'alie'; peer/averaging/byzantine.py says how each is made); '' (the default) is an honest
+    peer. Set only with --set, for measurements (tools/byzantine_swarm.py)."""
     credential_path: Path | None = None
     """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
@@ -167,8 +169,8 @@ class PeerConfig:
             raise ValueError(f"rebalance_quality must be in (0, 1], got {self.rebalance_quality}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be a TCP port (0-65535), got {self.metrics_port}")
-        if self.byzantine_attack not in ("", "zeros", "scale", "signflip", "noise"):
-            raise ValueError(f"byzantine_attack must be '', zeros, scale, signflip or noise, "
+        if self.byzantine_attack not in ("", *ATTACKS):
+            raise ValueError(f"byzantine_attack must be '' or one of {', '.join(ATTACKS)}, "
                              f"got {self.byzantine_attack!r}")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")

@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from peer.ops.procs import PeerProcess, free_port, join_command, terminate
+from peer.ops.procs import FAST_SETTINGS, PeerProcess, free_port, join_command, terminate
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RUN = REPO / "tests" / "runs" / "tiny.toml"
 
-# timers short enough for a test swarm of a few seconds (each is a PeerConfig field, see peer/config.py)
-FAST = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_timeout_s=5", "microbatch_timeout_s=15",
-        "eval_every_s=3", "join_jitter_s=0.3", "drain_timeout_s=5", "state_load_timeout_s=30",
-        "reachability_timeout_s=3", "rebalance_every_s=0", "checkpoint_every_s=0", "ban_base_s=1")
+FAST = FAST_SETTINGS  # timers short enough for a test swarm of a few seconds (PeerConfig fields, see peer/config.py)
 
 Peer = PeerProcess
 

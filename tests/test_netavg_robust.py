@@ -140,13 +140,50 @@ def test_robust_combine_bounds_one_in_four_and_two_in_eight(attack: str, aggrega
 async def test_the_red_team_knob_makes_a_real_loop_send_attacked_parts_that_the_honest_peers_drop():
     net, names = MemTransport(), ["p0", "p1", "p2", "x"]
     workers = [FakeWorker(i) for i in range(4)]
-    peers = [_make_peer(net, n, w, names) for n, w in zip(names, workers, strict=True)]
-    peers[3][0].attack = "zeros"  # PeerConfig.byzantine_attack reaches AveragingLoop(attack=...) in peer/stage.py
+    # PeerConfig.byzantine_attack reaches AveragingLoop(attack=...) in peer/stage.py
+    peers = [_make_peer(net, n, w, names, attack="zeros" if n == "x" else "")
+             for n, w in zip(names, workers, strict=True)]
     await _run_rounds([lp for lp, _ in peers], 2.6)
     honest = workers[:3]
     assert all(w.finished for w in honest)
     for _, metrics in peers[:3]:
         assert metrics.snapshot()["counters"].get("rejected:avg_outlier", 0) >= 1
+    for w in honest:
+        for mean in w.finished.values():
+            for j in range(len(SHAPES)):
+                assert _rel(mean[j], _honest_mean(honest, j)) < 0.1
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_rushing_alie_peer_sends_mean_minus_std_of_what_it_read_before_sending():
+    """'alie' on a real loop holds its part back, reads the honest parts sent to it first, and sends their mean
+    minus one standard deviation (its own values included); the honest peers accept it and stay near their mean."""
+    net, names = MemTransport(), ["p0", "p1", "p2", "x"]
+    workers = [FakeWorker(i) for i in range(4)]
+    peers = [_make_peer(net, n, w, names, attack="alie" if n == "x" else "")
+             for n, w in zip(names, workers, strict=True)]
+    sent: list[list[torch.Tensor]] = []
+    publish = peers[3][0].exchange.publish
+
+    async def spy(slot, values):
+        sent.append(values)
+        await publish(slot, values)
+
+    peers[3][0].exchange.publish = spy
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    assert sent
+    for values in sent:
+        for j in range(len(SHAPES)):
+            stack = torch.stack([w.values[j] for w in workers])  # the attacker's own values and the 3 honest parts
+            want = stack.mean(0) - stack.std(0, unbiased=False)
+            assert _rel(values[j], want) < 0.05, j  # int8 noise of the parts it read
+    assert peers[3][1].count("byzantine_parts") == len(sent)
+    assert peers[3][1].count("byzantine_parts_read") >= 2 * len(sent)  # what it saw of the 3 honest parts
+    honest = workers[:3]
+    assert all(w.finished for w in honest)
+    for _, metrics in peers[:3]:
+        assert metrics.snapshot()["counters"].get("rejected:avg_too_far", 0) == 0
     for w in honest:
         for mean in w.finished.values():
             for j in range(len(SHAPES)):

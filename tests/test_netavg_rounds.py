@@ -124,7 +124,8 @@ class FakeWorker:
         self.aborted.append(r)
 
 
-def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str], config=FAST, run=RUN):
+def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str], config=FAST, run=RUN,
+               attack: str = ""):
     metrics = PeerMetrics(name, 0)
 
     async def worker_call(fn):
@@ -136,7 +137,7 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
 
     loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
-                         me=name, local_step=lambda: worker.local_step)
+                         me=name, local_step=lambda: worker.local_step, attack=attack)
     return loop, metrics
 
 

@@ -17,6 +17,10 @@ per authenticated peer id, as chosen by the receiver.
 
 Own values are quantised with the run's averaging codec and then *decoded again locally*, so every peer averages the
 very same numbers: two peers that hold the same set of contributions compute bit-identical means.
+
+Measurements only: with ``keep_offers`` a slot keeps the raw parts that arrive before our own part is set, and
+``decode_offers`` decodes them; the red-team attack 'alie' (peer/averaging/byzantine.py) builds its part from them.
+An honest peer never sets it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Slot:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     senders: set[str] = field(default_factory=set)
     closed: bool = False
+    offers: dict[str, AveragingPart] | None = None  # parts received before ours was set (kept by keep_offers only)
 
 
 #: check(received, own) -> None if acceptable, else a short reason (becomes the counter rejected:avg_<reason>)
@@ -129,6 +134,7 @@ class PartExchange:
         self.codec, self.check, self.admit, self.metrics, self.clock = codec, check, admit, metrics, clock
         self.member = member
         self.slots: dict[int, Slot] = {}
+        self.keep_offers = False  # red-team knob 'alie' (peer.averaging.byzantine): keep what arrives before our part
 
     async def register(self) -> None:
         await self.transport.add_handler(self.name, self._handle)
@@ -137,7 +143,7 @@ class PartExchange:
         """The slot for ``key``, created if new (its own part still unset)."""
         slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[key] = Slot(key=key, deadline=deadline)
+            slot = self.slots[key] = Slot(key=key, deadline=deadline, offers={} if self.keep_offers else None)
         return slot
 
     async def publish(self, slot: Slot, values: list[torch.Tensor]) -> None:
@@ -170,11 +176,32 @@ class PartExchange:
                zip(envelopes, flat, strict=True)]
         return envelopes, own
 
+    def decode_offers(self, offers: dict[str, AveragingPart],
+                      like: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """Of ``offers`` (a copy of a slot's: handlers add to it on the event loop), those that decode to the shapes
+        of ``like``, by sender; the rest are skipped. Nothing is accepted or counted: the slot's checks run when our
+        part is set."""
+        out = {}
+        for peer, msg in offers.items():
+            try:
+                out[peer] = self._decode(msg, peer, like)
+            except Refused:
+                continue
+        return out
+
     # ---- receiving ---------------------------------------------------------------------------------------------
     def _validate(self, msg: AveragingPart, peer: str, slot: Slot) -> list[torch.Tensor]:
         """Decode and check a part against our own values; raises Refused(BAD_REQUEST, reason)."""
         own = slot.own_values
         assert own is not None
+        values = self._decode(msg, peer, own)
+        reason = self.check(values, own)
+        if reason is not None:
+            raise Refused(ErrorCode.BAD_REQUEST, reason)
+        return values
+
+    def _decode(self, msg: AveragingPart, peer: str, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A part's tensors, exactly of ``own``'s shapes and dtype and finite; raises Refused(BAD_REQUEST, reason)."""
         if msg.sender != peer:
             raise Refused(ErrorCode.BAD_REQUEST, "sender_mismatch")
         if len(msg.tensors) != len(own):
@@ -190,9 +217,6 @@ class PartExchange:
             if not bool(torch.isfinite(t).all()):
                 raise Refused(ErrorCode.BAD_REQUEST, "nonfinite")
             values.append(t)
-        reason = self.check(values, own)
-        if reason is not None:
-            raise Refused(ErrorCode.BAD_REQUEST, reason)
         return values
 
     def _identity_error(self, msg: Message, key: int | None = None) -> Refused | None:
@@ -232,6 +256,9 @@ class PartExchange:
             if timeout <= 0:
                 raise Refused(ErrorCode.NOT_READY, "closed")
             slot.senders.add(peer)  # the slot's owner waits for this peer's part too, even if it did not know it
+            if slot.offers is not None and not slot.ready.done():
+                slot.offers.setdefault(peer, msg)
+                slot.arrived.set()
             await asyncio.wait_for(asyncio.shield(slot.ready), timeout)
             await self._accept(msg, peer, slot)
         except Refused as e:

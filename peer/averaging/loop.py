@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.averaging.aggregate import robust_combine
+from peer.averaging.byzantine import Attacker
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
@@ -89,7 +90,6 @@ from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
-from trainer.attacks import byzantine_part
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 
@@ -108,8 +108,6 @@ CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is 
 
 AVG_RPC = "avg_part"
 TAKEN_MEMORY = 256  # rounds remembered as taken, so that a late part cannot open one a second time
-
-
 
 
 def round_start(tick: int, period_s: float) -> float:
@@ -168,8 +166,8 @@ class AveragingLoop:
         metrics: PeerMetrics; rounds, tau, group size and rejected parts are recorded there.
         config: NetAveragingConfig. transport, clock, fetch_peers, me, local_step: test seams (default:
             protocol.rpc over p2p, time.time, the DHT's records of this stage, p2p's peer id, metrics.local_step).
-        attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this trainer.attacks attack
-            before they are published (and so also enter our own aggregate); '' for an honest peer.
+        attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this attack as
+            peer.averaging.byzantine realises it, before they are published; '' (the default) for an honest peer.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
@@ -183,9 +181,6 @@ class AveragingLoop:
         self.local_step = local_step or (lambda: metrics.local_step)
         self._owed = 0.0  # local steps of averaging owed at local step _owed_at (see owed())
         self._owed_at: int | None = None  # None: no round taken yet, one is owed at once
-        self.attack = attack
-        if attack:
-            logger.warning("red-team knob byzantine_attack=%r: this peer sends attacked averaging parts", attack)
         self.dht, self.clock = dht, clock
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
@@ -194,6 +189,7 @@ class AveragingLoop:
             me=self.me, codec=run.compression.averaging, metrics=metrics, clock=clock, admit=self._admit,
             check=relative_distance_check(self.config.max_rel_distance, self.config.max_rms_distance),
             member=self._is_member)
+        self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
         self._view_task: asyncio.Task | None = None
@@ -368,10 +364,11 @@ class AveragingLoop:
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
-            if self.attack:
-                values = [byzantine_part(self.attack, v) for v in values]
-            await self.exchange.publish(slot, values)
             peers = self.partners(r)
+            if self.attacker is not None:
+                values = await self.attacker.part(self.exchange, slot, values, peers,
+                                                  round_start(self._tick(r), self.period_s))
+            await self.exchange.publish(slot, values)
             start = max(self.clock(), round_start(self._tick(r), self.period_s))
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)

@@ -34,6 +34,12 @@ from peer.ops.status_server import fetch_status
 logger = logging.getLogger(__name__)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+FAST_SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_timeout_s=5",
+                 "microbatch_timeout_s=15", "eval_every_s=3", "join_jitter_s=0.3", "drain_timeout_s=5",
+                 "state_load_timeout_s=30", "reachability_timeout_s=3", "rebalance_every_s=0", "checkpoint_every_s=0",
+                 "ban_base_s=1")
+"""Peer settings (``--set``) for a loopback swarm that must act within seconds: the multi-process tests and the
+lab tools (short timers, no rebalancing, no periodic checkpoints, an evaluation every 3 s)."""
 StatusFetch = Callable[["PeerProcess"], "dict[str, Any] | None"]
 
 
