@@ -620,7 +620,9 @@ async def test_a_failed_exchange_ends_in_one_mean_well_before_the_deadline(fault
     assert asyncio.get_running_loop().time() - t0 < 3.0  # not the 10 s deadline
     for mean, n in results:
         assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
-    assert getattr(net, fault) == {k: 0 for k in faults}  # the fault did happen
+    # the fault did happen: p0's first call failed (p1 calls p0 only if p0's retry has not reached it within the
+    # grace, which on a loaded machine it may well have, so p1's own reset may stay unused)
+    assert getattr(net, fault)[("p0", "p1")] == 0
 
 
 @pytest.mark.timeout(30)
