@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -33,6 +34,7 @@ from protocol.errors import (
     error_code_for,
 )
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
+from protocol.gate import FloodGate
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
@@ -91,12 +93,12 @@ class _WrongKind(Exception):
     """Internal: a well-formed message of a kind this handler does not take; answered with BAD_REQUEST."""
 
 
+@dataclasses.dataclass
 class _Policy:
     """Per-handler limits set with ``RpcServer.restrict``: accepted message kinds and the largest request."""
 
-    def __init__(self) -> None:
-        self.kinds: tuple[type[Message], ...] | None = None
-        self.max_message_bytes: int | None = None
+    kinds: tuple[type[Message], ...] | None = None
+    max_message_bytes: int | None = None
 
 
 class RpcServer:
@@ -132,6 +134,9 @@ class RpcServer:
         per_s, all_per_s = self.limits.stranger_refusals_per_s, self.limits.strangers_refusals_per_s
         self._refusals = PeerBudgets(per_s, max(1, int(2 * per_s)))
         self._all_refusals = PeerBudgets(all_per_s, max(1, int(all_per_s)))
+        # a stranger that used up its refusals is banned: its streams are held unread until the ban ends (a flooder
+        # that waits for our answer stops cycling streams through p2pd and our loop), a bounded number of them
+        self.flood = FloodGate.from_limits(self.limits)
         self._streams: Counter[str] = Counter()
         self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
@@ -150,6 +155,7 @@ class RpcServer:
         """Treat ``peer_id`` as a known peer from now on (it did useful work for us): the full per-peer budgets."""
         self._known.pop(peer_id, None)
         self._known[peer_id] = None
+        self.flood.unban(peer_id)
         while len(self._known) > MAX_KNOWN_PEERS:
             self._known.popitem(last=False)
 
@@ -185,13 +191,44 @@ class RpcServer:
                 await self.p2p.remove_binary_stream_handler(PROTOCOL_PREFIX + name)
         self._names.clear()
 
+    def _refusal(self, e: Exception) -> tuple[str, Message]:
+        """The ``rejected`` reason and the reply for a request refused with ``e``."""
+        if isinstance(e, _Saturated):
+            return "busy", Busy(retry_after_s=self.limits.busy_retry_s)
+        if isinstance(e, ProtocolError):
+            code = error_code_for(e)
+            return code.name.lower(), Error(code, str(e)[:4000])
+        if isinstance(e, TimeoutError):
+            return "timeout", Error(ErrorCode.TIMEOUT, str(e)[:4000])
+        if isinstance(e, _NotAdmitted):
+            return "unauthorized", Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
+        return "wrong_kind", Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
+
+    async def _hold_banned(self, peer: str, writer: asyncio.StreamWriter) -> None:
+        """A stream of a stranger that used up its refusals: banned (if it is not yet), the stream held unread and
+        unanswered while the ban lasts (at most ``banned_hold_s``; closed at once when no hold slot is free)."""
+        if not self.flood.banned_for(peer):
+            logger.debug("banning %s for %.0f s: it used up its refusals", peer, self.flood.ban(peer))
+        self.rejected["banned"] += 1
+        hold = self.flood.hold(peer)
+        try:
+            if hold:
+                await asyncio.sleep(hold)
+        finally:
+            if hold:
+                self.flood.release(peer)
+            writer.close()
+
     async def _serve(
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
         known = self.is_known(peer)
-        if not known and (self._refusals.empty(peer) or self._all_refusals.empty("")):
-            self.rejected["flood"] += 1  # a stranger that keeps being refused: no read, no reply until it slows down
+        if not known and (self.flood.banned_for(peer) or self._refusals.empty(peer)):
+            await self._hold_banned(peer, writer)  # no read, no reply: held until its ban ends, then closed
+            return
+        if not known and self._all_refusals.empty(""):
+            self.rejected["flood"] += 1  # strangers together keep being refused: no read, no reply until they slow
             writer.close()
             return
         policy = self._policies.get(name) or _Policy()
@@ -262,31 +299,10 @@ class RpcServer:
         except asyncio.CancelledError:
             writer.close()
             raise
-        except _Saturated as e:
-            self.rejected["busy"] += 1
-            logger.debug("busy, refusing %s from %s: %s", name, peer, e)
-            refused = True
-            reply = Busy(retry_after_s=limits.busy_retry_s)
-        except ProtocolError as e:
-            code = error_code_for(e)
-            self.rejected[code.name.lower()] += 1
-            logger.debug("refused %s from %s: %s", name, peer, e)
-            reply = Error(code, str(e)[:4000])
-            refused = True
-        except TimeoutError as e:
-            self.rejected["timeout"] += 1
-            logger.debug("timeout on %s from %s: %s", name, peer, e)
-            refused = True
-            reply = Error(ErrorCode.TIMEOUT, str(e))
-        except _NotAdmitted as e:
-            self.rejected["unauthorized"] += 1
-            logger.debug("refused %s: %s", name, e)
-            refused = True
-            reply = Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
-        except _WrongKind as e:
-            self.rejected["wrong_kind"] += 1
-            logger.debug("refused %s from %s: %s", name, peer, e)
-            reply = Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
+        except (_Saturated, ProtocolError, TimeoutError, _NotAdmitted, _WrongKind) as e:
+            reason, reply = self._refusal(e)
+            self.rejected[reason] += 1
+            logger.debug("refused %s from %s (%s): %s", name, peer, reason, e)
             refused = True
         except Exception as e:
             self.rejected["internal"] += 1

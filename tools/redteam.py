@@ -50,6 +50,7 @@ from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
 from protocol.messages import Ack, Error, Forward, Hello, Message, pack, unpack  # noqa: E402
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
+from tools.confine import CpuQuota  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 
 logger = logging.getLogger("redteam")
@@ -186,8 +187,10 @@ async def budget_flood(att: Attacker, victims: dict[str, str], until: float) -> 
             r = await att.raw(p2p, victims["b"], "forward", frame_header(4 * MiB, end=True),
                               timeout=max(0.5, until - time.monotonic()))
             replies[r] = replies.get(r, 0) + 1
+    t0 = time.monotonic()
     await asyncio.gather(*(one(p) for p in await att.identities(FLOOD["ids"]) for _ in range(FLOOD["streams"])))
-    return {"refused": set(replies) <= {"TIMEOUT", "BUSY", "Busy", "TOO_LARGE", "TimeoutError"}, "replies": replies}
+    return {"refused": set(replies) <= {"TIMEOUT", "BUSY", "Busy", "TOO_LARGE", "TimeoutError"}, "replies": replies,
+            "streams_per_s": round(sum(replies.values()) / max(1e-9, time.monotonic() - t0))}
 
 
 async def stream_flood(att: Attacker, victims: dict[str, str], until: float, n: int = 1000) -> dict[str, Any]:
@@ -306,7 +309,20 @@ async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, wat
     run = RunConfig.from_toml(TINY)
     initial = a.wait_maddrs()[:1]
     victims = {"a": a.wait_maddrs()[0].rsplit("/p2p/", 1)[1], "b": b.wait_maddrs()[0].rsplit("/p2p/", 1)[1]}
-    att = Attacker(root, initial, run)
+    quota = CpuQuota(args.attacker_cpu).enter() if args.attacker_cpu else None  # before the attacker starts anything
+    try:
+        results = await _phases(args, Attacker(root, initial, run), a, b, watch, victims)
+    finally:
+        if quota is not None:
+            throttled = quota.throttled_s()
+            quota.close()
+    if quota is not None:
+        results["attacker_confined"] = {"cores": args.attacker_cpu, "throttled_s": round(throttled, 1)}
+    return results
+
+
+async def _phases(args: argparse.Namespace, att: Attacker, a: PeerProcess, b: PeerProcess, watch: Watch,
+                  victims: dict[str, str]) -> dict[str, Any]:
     att.status_a, att.status_b = a.status, b.status
     await att.start()
     results: dict[str, Any] = {}
@@ -316,11 +332,13 @@ async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, wat
             await att.identities(args.flood_ids)  # started before any phase: starting p2pd is not the attack
         for i, name in enumerate(args.attacks):
             if i == 0 or args.control_each:
+                logger.info("control phase (%.0f s) starts", args.phase_s)
                 t0 = time.monotonic()
                 await asyncio.sleep(args.phase_s)
                 control_stall, control_loss = watch.window(t0, time.monotonic())
                 results.setdefault("control", []).append({"max_stall_s": round(control_stall, 2),
                                                           "val_loss": control_loss})
+            logger.info("attack %s (%.0f s) starts", name, args.phase_s)
             t0, rss0 = time.monotonic(), watch.rss_mib()
             evidence = await ATTACKS[name](att, victims, t0 + args.phase_s)
             t1 = time.monotonic()
@@ -344,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--control-each", action="store_true", help="a control phase before every attack phase")
     p.add_argument("--flood-ids", type=int, default=16, help="identities of budget_flood (x 16 streams each)")
+    p.add_argument("--attacker-cpu", type=float, default=None, metavar="CORES",
+                   help="confine the attacker (its event loop, DHT and libp2p daemons) to this many cores with a "
+                        "cgroup v1 CPU quota: models a remote attacker whose daemons do not run on the victims' "
+                        "cores (root; default: unconfined, the attacker shares the victims' cores)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
     args = p.parse_args(argv)
