@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import (
     ErrorCode,
@@ -35,6 +34,7 @@ from protocol.errors import (
 )
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
 from protocol.gate import FloodGate
+from protocol.inbound import InboundListener
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
@@ -77,6 +77,10 @@ async def _unpack(data: bytes) -> Message:
 
 class _Saturated(Exception):
     """Internal: this server has no room for the request right now; answered with Busy."""
+
+
+class _TooManyStreams(_Saturated):
+    """Internal: the sender had its share of streams open when this one arrived (the refusal was charged then)."""
 
 
 #: peers remembered as known (vouched for); the least recently vouched are forgotten first
@@ -137,7 +141,10 @@ class RpcServer:
         # a stranger that used up its refusals is banned: its streams are held unread until the ban ends (a flooder
         # that waits for our answer stops cycling streams through p2pd and our loop), a bounded number of them
         self.flood = FloodGate.from_limits(self.limits)
-        self._streams: Counter[str] = Counter()
+        # our own end of p2pd's streams: the sender is judged (self._early) before anything of its stream is read
+        self._inbound = InboundListener(p2p, early=self._early, released=self.flood.release)
+        self._streams: Counter[str] = Counter()  # streams past the gate and not yet done, per peer
+        self._over: Counter[str] = Counter()  # of those, how many arrived over the peer's share (answered Busy)
         self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -178,18 +185,44 @@ class RpcServer:
     async def add_handler(self, name: str, fn: Handler) -> None:
         """Serve `fn` under `name`; `fn(msg, peer_id)` returns the reply (an Error or Busy message is fine too)."""
 
-        async def serve(stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(name, fn, stream_info.peer_id.to_base58(), reader, writer)
+        async def serve(proto: str, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, fn, peer, reader, writer)
 
-        await self.p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve)
+        await self._inbound.add(PROTOCOL_PREFIX + name, serve)
         self._names.append(name)
 
     async def shutdown(self) -> None:
-        """Stop serving every handler this server added (streams in progress finish on their own)."""
-        for name in self._names:
-            with contextlib.suppress(Exception):
-                await self.p2p.remove_binary_stream_handler(PROTOCOL_PREFIX + name)
+        """Stop serving every handler this server added (streams in progress finish on their own; held streams of
+        banned strangers are closed)."""
+        await self._inbound.close()
         self._names.clear()
+
+    def _early(self, peer: str) -> float | None:
+        """The gate, before anything of a stream is read: None serves it; 0.0 closes it unread; > 0 holds it unread
+        that many seconds (a stranger that used up its refusals is banned, and held while the ban lasts)."""
+        if self.is_known(peer):
+            return self._count_stream(peer, known=True)
+        if self.flood.banned_for(peer) or self._refusals.empty(peer):
+            if not self.flood.banned_for(peer):
+                logger.debug("banning %s for %.0f s: it used up its refusals", peer, self.flood.ban(peer))
+            self.rejected["banned"] += 1
+            return self.flood.hold(peer)  # 0.0 when no hold slot is free: closed at once
+        if self._all_refusals.empty(""):
+            self.rejected["flood"] += 1  # strangers together keep being refused: no read, no reply until they slow
+            return 0.0
+        return self._count_stream(peer, known=False)
+
+    def _count_stream(self, peer: str, *, known: bool) -> None:
+        """Count a stream as it passes the gate: one over the peer's share will be answered Busy, and a stranger is
+        charged that refusal now, so a burst of streams is judged as it arrives, not once its tasks ran."""
+        lim = self.limits
+        if self._streams[peer] >= (lim.max_streams_per_peer if known else min(lim.stranger_streams,
+                                                                                lim.max_streams_per_peer)):
+            self._over[peer] += 1
+            if not known:
+                self._refusals.spend(peer)
+                self._all_refusals.spend("")
+        self._streams[peer] += 1
 
     def _refusal(self, e: Exception) -> tuple[str, Message]:
         """The ``rejected`` reason and the reply for a request refused with ``e``."""
@@ -204,33 +237,11 @@ class RpcServer:
             return "unauthorized", Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
         return "wrong_kind", Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
 
-    async def _hold_banned(self, peer: str, writer: asyncio.StreamWriter) -> None:
-        """A stream of a stranger that used up its refusals: banned (if it is not yet), the stream held unread and
-        unanswered while the ban lasts (at most ``banned_hold_s``; closed at once when no hold slot is free)."""
-        if not self.flood.banned_for(peer):
-            logger.debug("banning %s for %.0f s: it used up its refusals", peer, self.flood.ban(peer))
-        self.rejected["banned"] += 1
-        hold = self.flood.hold(peer)
-        try:
-            if hold:
-                await asyncio.sleep(hold)
-        finally:
-            if hold:
-                self.flood.release(peer)
-            writer.close()
-
     async def _serve(
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
-        known = self.is_known(peer)
-        if not known and (self.flood.banned_for(peer) or self._refusals.empty(peer)):
-            await self._hold_banned(peer, writer)  # no read, no reply: held until its ban ends, then closed
-            return
-        if not known and self._all_refusals.empty(""):
-            self.rejected["flood"] += 1  # strangers together keep being refused: no read, no reply until they slow
-            writer.close()
-            return
+        known = self.is_known(peer)  # (a stranger's stream got here past the gate, self._early)
         policy = self._policies.get(name) or _Policy()
         max_message = policy.max_message_bytes or limits.max_message_bytes
         buffered = stranger_buffered = 0
@@ -255,13 +266,12 @@ class RpcServer:
         refused = False
 
         try:
-            if self.gate is not None and not await self.gate(peer):
-                raise _NotAdmitted(f"peer {peer} is not admitted to this run")
-            cap = limits.max_streams_per_peer if known else min(limits.stranger_streams, limits.max_streams_per_peer)
-            if self._streams[peer] >= cap:
-                raise _Saturated(f"peer {peer} already has {self._streams[peer]} open streams")
-            self._streams[peer] += 1
             try:
+                if self.gate is not None and not await self.gate(peer):
+                    raise _NotAdmitted(f"peer {peer} is not admitted to this run")
+                if self._over[peer]:  # this peer had its share of streams open when one of these arrived
+                    self._over[peer] -= 1
+                    raise _TooManyStreams(f"peer {peer} already has {self._streams[peer] - 1} open streams")
                 try:
                     async with asyncio.timeout(limits.read_timeout_s):
                         data = await read_message(
@@ -295,6 +305,7 @@ class RpcServer:
                 self._streams[peer] -= 1
                 if not self._streams[peer]:
                     del self._streams[peer]
+                    self._over.pop(peer, None)
                 self._ledger.release(peer, buffered, stranger_bytes=stranger_buffered)
         except asyncio.CancelledError:
             writer.close()
@@ -303,7 +314,7 @@ class RpcServer:
             reason, reply = self._refusal(e)
             self.rejected[reason] += 1
             logger.debug("refused %s from %s (%s): %s", name, peer, reason, e)
-            refused = True
+            refused = not isinstance(e, _TooManyStreams)  # that one was charged at the gate
         except Exception as e:
             self.rejected["internal"] += 1
             now = time.monotonic()

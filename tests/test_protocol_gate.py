@@ -1,5 +1,6 @@
 """The flood gate: a stranger that used up its refusals is banned, its streams held unread and unanswered while the
-ban lasts (so a flooder that waits for our answer stops cycling streams), and everyone else is served.
+ban lasts (so a flooder that waits for our answer stops cycling streams), and everyone else is served. The gate runs
+in our own end of p2pd's streams (protocol/inbound.py), before any reader, writer or task exists for the stream.
 
 Before the gate such streams were closed at once, unread: the attacker reopened them immediately, and ~1,500 streams
 per second went through the victim's libp2p daemon and event loop (docs/security.md). The rules are tested on the
@@ -128,7 +129,7 @@ def test_a_banned_strangers_streams_are_held_unread_and_others_are_served():
                 writer.write(frame_header(len(pack(wrong)), end=True) + pack(wrong))
                 assert await _reply_or_eof(reader, 5.0) == "Error"
                 writer.close()
-            before_in = rpc.bytes_in
+            before_in, tasks = rpc.bytes_in, len(asyncio.all_tasks())
             t_ban = time.monotonic()
             held = []
             for _ in range(5):  # a valid request now: not read, not answered, not closed
@@ -139,6 +140,7 @@ def test_a_banned_strangers_streams_are_held_unread_and_others_are_served():
             assert outcomes == ["nothing"] * 5, outcomes
             assert rpc.flood.bans == 1 and rpc.flood.held == 5 and rpc.rejected["banned"] == 5
             assert rpc.bytes_in == before_in and not seen  # nothing of them was read or handled
+            assert len(asyncio.all_tasks()) <= tasks + 1  # held by the listener: no task (reader, writer) per stream
             for peer in (known, stranger):  # everyone else is served at once
                 t0 = time.monotonic()
                 assert isinstance(await call(peer, server.peer_id, "echo", HELLO, timeout=5, limits=limits), Ack)
