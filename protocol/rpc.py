@@ -121,7 +121,9 @@ class RpcServer:
     Strangers: a peer is a stranger until ``vouch(peer_id)`` is called for it (the owner does so once the peer did
     useful work, e.g. answered a call of ours). Strangers get ``stranger_streams`` streams and
     ``stranger_inflight_bytes`` of buffer each, all together at most ``strangers_inflight_bytes``. Every request must
-    arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut.
+    arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut. A stranger that used up its
+    refusals is banned (``flood``, protocol/gate.py): its streams are held unread by our end of p2pd's streams
+    (protocol/inbound.py) until the ban ends.
     """
 
     def __init__(self, p2p: P2P, limits: RpcLimits | None = None, *, count: Counting | None = None) -> None:
@@ -207,8 +209,9 @@ class RpcServer:
                 logger.debug("banning %s for %.0f s: it used up its refusals", peer, self.flood.ban(peer))
             self.rejected["banned"] += 1
             return self.flood.hold(peer)  # 0.0 when no hold slot is free: closed at once
-        if self._all_refusals.empty(""):
-            self.rejected["flood"] += 1  # strangers together keep being refused: no read, no reply until they slow
+        if self._all_refusals.empty(""):  # strangers together keep being refused: no read, no reply until they slow;
+            self.rejected["flood"] += 1  # and that counts as a refusal of this one, or a flooder among many identities
+            self._refusals.spend(peer)  # would never use up its own and never be banned
             return 0.0
         return self._count_stream(peer, known=False)
 

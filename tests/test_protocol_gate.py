@@ -183,3 +183,38 @@ def test_vouching_for_a_banned_peer_lifts_its_ban():
             await asyncio.gather(client.shutdown(), server.shutdown(), return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_streams_closed_while_all_strangers_are_over_budget_count_against_each_one():
+    """A flood from many identities spends the budget all strangers share before any one of them has used up its
+    own; its streams are then closed unread. Each such close is one of that stranger's refusals, so every flooding
+    identity is banned (and held) in its turn instead of cycling streams for as long as the flood lasts."""
+    limits = RpcLimits(stranger_refusals_per_s=2.0, strangers_refusals_per_s=1.0, linger_s=0.1)
+
+    async def main() -> None:
+        server, first, second = await _peers(3)
+        try:
+            rpc = RpcServer(server, limits)
+
+            async def echo(msg, peer):
+                return Ack()
+
+            await rpc.add_handler("echo", echo)
+            rpc.restrict("echo", kinds=(Hello,))
+            wrong = Backward(run_id="r", mb_id=1, route=["a"], gradient=None, loss=None, is_eval=False)
+            _, reader, writer = await first.call_binary_stream_handler(server.peer_id, PROTOCOL_PREFIX + "echo")
+            writer.write(frame_header(len(pack(wrong)), end=True) + pack(wrong))
+            assert await _reply_or_eof(reader, 5.0) == "Error"  # the one refusal all strangers may cause at once
+            writer.close()
+            outcomes = []
+            for _ in range(6):  # the second stranger's valid requests: closed unread, then held
+                _, reader, writer = await second.call_binary_stream_handler(server.peer_id, PROTOCOL_PREFIX + "echo")
+                writer.write(frame_header(len(pack(HELLO)), end=True) + pack(HELLO))
+                outcomes.append(await _reply_or_eof(reader, 0.5))
+                writer.close()
+            assert outcomes[:3] == ["eof"] * 3 and outcomes[-1] == "nothing", (outcomes, rpc.rejected)
+            assert rpc.flood.banned_for(second.peer_id.to_base58()) > 0 and rpc.rejected["flood"] >= 3
+        finally:
+            await asyncio.gather(server.shutdown(), first.shutdown(), second.shutdown(), return_exceptions=True)
+
+    asyncio.run(main())
