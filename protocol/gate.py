@@ -13,20 +13,24 @@ descriptors); beyond that they are closed at once, which costs what it cost befo
 is banned again soon after its last ban (up to ``max_ban_s``); known peers are never banned (the server does not
 ask).
 
-The gate is pure bookkeeping with an injectable clock, so its rules are unit-tested without sockets
-(tests/test_protocol_gate.py); ``protocol/rpc.py`` consults it before it reads anything of a stranger's stream.
+``StrangerGate`` is what an RpcServer asks about every stream before anything of it is read (protocol/inbound.py
+calls it): the refusal budgets, the bans and the streams each peer has open. Both are bookkeeping without sockets
+(``FloodGate`` with an injectable clock), unit-tested in tests/test_protocol_gate.py.
 """
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from protocol.limits import RpcLimits
+from protocol.limits import PeerBudgets, RpcLimits
 
-__all__ = ["FloodGate"]
+__all__ = ["FloodGate", "StrangerGate"]
+
+logger = logging.getLogger(__name__)
 
 
 class FloodGate:
@@ -103,3 +107,67 @@ class FloodGate:
         self._held[peer] -= 1
         if self._held[peer] <= 0:
             del self._held[peer]
+
+
+class StrangerGate:
+    """What the sender of a stream may cost us, decided before anything of the stream is read.
+
+    ``early(peer)`` is the verdict: None serves the stream, 0.0 closes it unread, > 0 holds it unread that many
+    seconds (a stranger that used up its refusals is banned, and held while the ban lasts). A served stream counts
+    as open until ``done(peer)``; one that arrived while the peer had its share open (``stranger_streams``, or
+    ``max_streams_per_peer`` for a known peer) is to be answered Busy: ``over(peer)`` says so once per such stream,
+    and a stranger was charged that refusal as it arrived, so a burst is judged as it arrives, not once its tasks
+    ran. ``refused(peer)`` charges a stranger a refusal found later (too large, malformed, too slow...).
+    """
+
+    def __init__(self, limits: RpcLimits, *, is_known: Callable[[str], bool], rejected: Counter[str]) -> None:
+        self.limits, self.is_known, self.rejected = limits, is_known, rejected
+        per_s, all_per_s = limits.stranger_refusals_per_s, limits.strangers_refusals_per_s
+        self.refusals = PeerBudgets(per_s, max(1, int(2 * per_s)))  # per stranger
+        self.all_refusals = PeerBudgets(all_per_s, max(1, int(all_per_s)))  # all strangers together, under ""
+        self.flood = FloodGate.from_limits(limits)
+        self.streams: Counter[str] = Counter()  # streams past the gate and not yet done, per peer
+        self._over: Counter[str] = Counter()  # of those, how many arrived over the peer's share
+
+    def early(self, peer: str) -> float | None:
+        if self.is_known(peer):
+            return self._count(peer, known=True)
+        flood = self.flood
+        if flood.banned_for(peer) or self.refusals.empty(peer):
+            if not flood.banned_for(peer):
+                logger.debug("banning %s for %.0f s: it used up its refusals", peer, flood.ban(peer))
+            self.rejected["banned"] += 1
+            return flood.hold(peer)  # 0.0 when no hold slot is free: closed at once
+        if self.all_refusals.empty(""):  # strangers together keep being refused: no read, no reply until they slow;
+            self.rejected["flood"] += 1  # and that counts as a refusal of this one, or a flooder among many identities
+            self.refusals.spend(peer)  # would never use up its own and never be banned
+            return 0.0
+        return self._count(peer, known=False)
+
+    def _count(self, peer: str, *, known: bool) -> None:
+        lim = self.limits
+        if self.streams[peer] >= (lim.max_streams_per_peer if known else min(lim.stranger_streams,
+                                                                               lim.max_streams_per_peer)):
+            self._over[peer] += 1
+            if not known:
+                self.refused(peer)
+        self.streams[peer] += 1
+
+    def over(self, peer: str) -> bool:
+        """Whether this stream of ``peer`` is to be answered Busy (it had its share of streams open)."""
+        if not self._over[peer]:
+            return False
+        self._over[peer] -= 1
+        return True
+
+    def refused(self, peer: str) -> None:
+        """Charge stranger ``peer`` one refusal, and all strangers together one."""
+        self.refusals.spend(peer)
+        self.all_refusals.spend("")
+
+    def done(self, peer: str) -> None:
+        """One of ``peer``'s streams that passed the gate is done with."""
+        self.streams[peer] -= 1
+        if self.streams[peer] <= 0:
+            del self.streams[peer]
+            self._over.pop(peer, None)

@@ -33,7 +33,7 @@ from protocol.errors import (
     error_code_for,
 )
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
-from protocol.gate import FloodGate
+from protocol.gate import StrangerGate
 from protocol.inbound import InboundListener
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
@@ -135,18 +135,6 @@ class RpcServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self._budgets = PeerBudgets(self.limits.per_peer_bytes_per_s, self.limits.burst_bytes)
-        # refused streams of strangers, per peer and all together: once a stranger's run out, its streams are closed
-        # before they cost a read or a reply (a flood of hopeless requests), while its successful requests cost nothing
-        per_s, all_per_s = self.limits.stranger_refusals_per_s, self.limits.strangers_refusals_per_s
-        self._refusals = PeerBudgets(per_s, max(1, int(2 * per_s)))
-        self._all_refusals = PeerBudgets(all_per_s, max(1, int(all_per_s)))
-        # a stranger that used up its refusals is banned: its streams are held unread until the ban ends (a flooder
-        # that waits for our answer stops cycling streams through p2pd and our loop), a bounded number of them
-        self.flood = FloodGate.from_limits(self.limits)
-        # our own end of p2pd's streams: the sender is judged (self._early) before anything of its stream is read
-        self._inbound = InboundListener(p2p, early=self._early, released=self.flood.release)
-        self._streams: Counter[str] = Counter()  # streams past the gate and not yet done, per peer
-        self._over: Counter[str] = Counter()  # of those, how many arrived over the peer's share (answered Busy)
         self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -155,6 +143,12 @@ class RpcServer:
         self.cut_slow = 0  # requests cut for arriving too slowly (also counted under rejected['timeout'])
         #: optional admission check of the authenticated sender (closed runs); False refuses with UNAUTHORIZED
         self.gate: Callable[[str], Awaitable[bool]] | None = None
+        # what a stream's sender may cost, judged before anything of the stream is read: refusal budgets of strangers
+        # (once spent, the streams are not read or answered), bans of those that used theirs up, streams per peer
+        self.strangers = StrangerGate(self.limits, is_known=self.is_known, rejected=self.rejected)
+        self.flood = self.strangers.flood
+        # our own end of p2pd's streams: it asks the gate about each stream before a reader or a task exists for it
+        self._inbound = InboundListener(p2p, early=self.strangers.early, released=self.flood.release)
 
     @property
     def _inflight(self) -> int:
@@ -198,34 +192,6 @@ class RpcServer:
         banned strangers are closed)."""
         await self._inbound.close()
         self._names.clear()
-
-    def _early(self, peer: str) -> float | None:
-        """The gate, before anything of a stream is read: None serves it; 0.0 closes it unread; > 0 holds it unread
-        that many seconds (a stranger that used up its refusals is banned, and held while the ban lasts)."""
-        if self.is_known(peer):
-            return self._count_stream(peer, known=True)
-        if self.flood.banned_for(peer) or self._refusals.empty(peer):
-            if not self.flood.banned_for(peer):
-                logger.debug("banning %s for %.0f s: it used up its refusals", peer, self.flood.ban(peer))
-            self.rejected["banned"] += 1
-            return self.flood.hold(peer)  # 0.0 when no hold slot is free: closed at once
-        if self._all_refusals.empty(""):  # strangers together keep being refused: no read, no reply until they slow;
-            self.rejected["flood"] += 1  # and that counts as a refusal of this one, or a flooder among many identities
-            self._refusals.spend(peer)  # would never use up its own and never be banned
-            return 0.0
-        return self._count_stream(peer, known=False)
-
-    def _count_stream(self, peer: str, *, known: bool) -> None:
-        """Count a stream as it passes the gate: one over the peer's share will be answered Busy, and a stranger is
-        charged that refusal now, so a burst of streams is judged as it arrives, not once its tasks ran."""
-        lim = self.limits
-        if self._streams[peer] >= (lim.max_streams_per_peer if known else min(lim.stranger_streams,
-                                                                                lim.max_streams_per_peer)):
-            self._over[peer] += 1
-            if not known:
-                self._refusals.spend(peer)
-                self._all_refusals.spend("")
-        self._streams[peer] += 1
 
     def _refusal(self, e: Exception) -> tuple[str, Message]:
         """The ``rejected`` reason and the reply for a request refused with ``e``."""
@@ -272,9 +238,8 @@ class RpcServer:
             try:
                 if self.gate is not None and not await self.gate(peer):
                     raise _NotAdmitted(f"peer {peer} is not admitted to this run")
-                if self._over[peer]:  # this peer had its share of streams open when one of these arrived
-                    self._over[peer] -= 1
-                    raise _TooManyStreams(f"peer {peer} already has {self._streams[peer] - 1} open streams")
+                if self.strangers.over(peer):  # it had its share of streams open when one of these arrived
+                    raise _TooManyStreams(f"peer {peer} already had its share of streams open")
                 try:
                     async with asyncio.timeout(limits.read_timeout_s):
                         data = await read_message(
@@ -305,10 +270,7 @@ class RpcServer:
                     raise TypeError(f"handler {name} returned {type(reply).__name__}, not a protocol Message")
                 self.served[name] += 1
             finally:
-                self._streams[peer] -= 1
-                if not self._streams[peer]:
-                    del self._streams[peer]
-                    self._over.pop(peer, None)
+                self.strangers.done(peer)
                 self._ledger.release(peer, buffered, stranger_bytes=stranger_buffered)
         except asyncio.CancelledError:
             writer.close()
@@ -330,8 +292,7 @@ class RpcServer:
                 logger.debug("handler %s failed on a request from %s: %r", name, peer, e)
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
         if refused and not known:  # what a stranger may cost us in refusals before its streams go unread
-            self._refusals.spend(peer)
-            self._all_refusals.spend("")
+            self.strangers.refused(peer)
         try:
             payload = await _pack(reply)
             async with asyncio.timeout(limits.write_timeout_s):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections import Counter
 
 import pytest
 from hivemind.p2p import P2P
 
 from protocol.framing import frame_header, read_message
-from protocol.gate import FloodGate
+from protocol.gate import FloodGate, StrangerGate
 from protocol.limits import RpcLimits
 from protocol.messages import Ack, Backward, Hello, pack, unpack
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call
@@ -82,6 +83,24 @@ def test_the_gate_is_bounded_by_the_file_descriptors_this_process_may_open():
     gate = FloodGate.from_limits(RpcLimits(max_held_streams=10**6))
     assert gate.max_held <= resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8
     assert gate.max_held_per_peer == RpcLimits().max_streams_per_peer
+
+
+def test_a_burst_of_a_strangers_streams_is_judged_as_it_arrives_and_known_peers_are_never_banned():
+    """Streams are counted as they pass the gate: a stranger's streams over its share (4) are charged as refusals
+    there, so a burst of 100 at once gets 4 served, 40 answered Busy (its burst of refusals), then a ban: 16 held,
+    the rest closed. (Charged only once their tasks ran, 200 streams at once got 196 Busy replies and no ban.)"""
+    rejected: Counter[str] = Counter()
+    gate = StrangerGate(RpcLimits(stranger_streams=4, stranger_refusals_per_s=20.0), is_known=lambda p: p == "known",
+                        rejected=rejected)
+    verdicts = [gate.early("s") for _ in range(100)]
+    assert verdicts[:44] == [None] * 44 and sum(gate.over("s") for _ in range(100)) == 40
+    assert all(v > 0 for v in verdicts[44:60]) and verdicts[60:] == [0.0] * 40
+    assert gate.flood.bans == 1 and gate.flood.held == 16 and rejected["banned"] == 56
+    assert [gate.early("known") for _ in range(100)] == [None] * 100  # a known peer: Busy beyond 16, never banned
+    assert sum(gate.over("known") for _ in range(100)) == 84 and gate.flood.bans == 1
+    for _ in range(44):
+        gate.done("s")
+    assert "s" not in gate.streams
 
 
 async def _peers(n: int) -> list[P2P]:
