@@ -2,16 +2,16 @@
 
 Why: a stranger that has used up its budget of refusals (``RpcLimits.stranger_refusals_per_s``) is sending nothing
 we will serve. Closing its streams at once is what it wants: an attacker that reopens each stream when it is cut
-(tools/redteam.py's ``budget_flood``) then cycles ~1,500 streams per second through our libp2p daemon (~0.2 ms of
-its CPU per stream) and our event loop (~0.1 ms per stream), on cores the honest pipeline needs. hivemind's p2pd
-1.1.12 has no connection gater and no per-peer stream limit, and its only per-peer lever, disconnecting, does not
-help (the stranger's daemon redials at once: the flood ran at 1,670 streams/s with a disconnect per second against
-1,470 without). So the cheapest answer left is to stop answering: a banned stranger's streams are neither read nor
-answered nor closed, but held until its ban ends (at most ``hold_s``), so a stranger that waits for our answer
-waits. A bounded number of streams is held (per stranger and in all, so holding cannot exhaust our file
-descriptors); beyond that they are closed at once, which costs what it cost before. Bans double for a stranger that
-is banned again soon after its last ban (up to ``max_ban_s``); known peers are never banned (the server does not
-ask).
+(tools/redteam.py's ``budget_flood``) then cycles 1,000-2,000 streams per second through our libp2p daemon (~0.2 ms
+of its CPU per stream) and our event loop (0.03-0.07 ms per stream), on cores the honest pipeline needs. hivemind's
+p2pd 1.1.12 has no connection gater and no per-peer stream limit, and its only per-peer lever, disconnecting, does
+not help (the stranger's daemon redials at once: a flood ran at 1,670 streams/s with a disconnect per second and
+identity, against 1,470 without). So the cheapest answer left is to stop answering: a banned stranger's streams are
+neither read nor answered nor closed, but held until its ban ends (at most ``hold_s``), so a stranger that waits
+for our answer waits (24 streams/s instead of 2,200-2,400 in the same benchmark). A bounded number of streams is
+held (per stranger and in all, so holding cannot exhaust our file descriptors); beyond that they are closed at once,
+which costs what it cost before. Bans double for a stranger that is banned again soon after its last ban (up to
+``max_ban_s``); known peers are never banned.
 
 ``StrangerGate`` is what an RpcServer asks about every stream before anything of it is read (protocol/inbound.py
 calls it): the refusal budgets, the bans and the streams each peer has open. Both are bookkeeping without sockets
