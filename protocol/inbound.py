@@ -89,7 +89,11 @@ class _Inbound(asyncio.Protocol):
             return
         if header is not None:
             peer, proto, end = header
-            self.listener._dispatch(self.transport, _b58(peer), proto, bytes(self.buf[end:]))
+            try:
+                self.listener._dispatch(self.transport, _b58(peer), proto, bytes(self.buf[end:]))
+            except Exception:  # a bug of ours must not take the listener down: this stream is lost, not the others
+                logger.warning("could not dispatch a stream of %s from %s", proto, _b58(peer), exc_info=True)
+                self.transport.abort()
 
     def eof_received(self) -> bool:
         assert self.transport is not None

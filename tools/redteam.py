@@ -18,10 +18,8 @@ process: a hivemind DHT node that installs no validator and raw libp2p clients t
     python tools/redteam.py --json redteam.json                       # every attack
     python tools/redteam.py --attacks forged_record,malformed --phase-s 8 --json out.json
 
-The attacker shares the victims' cores, so its own processes (16 libp2p daemons in the floods) take CPU a remote
-attacker would not take. ``--attacker-cpu CORES`` confines it to a cgroup CPU quota (tools/confine.py) to model a
-remote attacker; the floods report the stream rate the attacker reached, so confined and unconfined runs can be
-compared.
+The attacker shares the victims' cores; ``--attacker-cpu CORES`` confines it to a CPU quota (tools/confine.py) to
+model a remote attacker, and the floods report the stream rate it reached, so both kinds of run can be compared.
 """
 
 from __future__ import annotations
