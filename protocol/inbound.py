@@ -74,12 +74,15 @@ class _Inbound(asyncio.Protocol):
         self.listener = listener
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.dispatched = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        if self.dispatched:  # held or closed at the gate: nothing of the stream is read
+            return
         self.buf += data
         try:
             header = _header(self.buf)
@@ -89,8 +92,9 @@ class _Inbound(asyncio.Protocol):
             return
         if header is not None:
             peer, proto, end = header
+            self.dispatched, rest, self.buf = True, bytes(self.buf[end:]), bytearray()  # a held stream keeps nothing
             try:
-                self.listener._dispatch(self.transport, _b58(peer), proto, bytes(self.buf[end:]))
+                self.listener._dispatch(self.transport, _b58(peer), proto, rest)
             except Exception:  # a bug of ours must not take the listener down: this stream is lost, not the others
                 logger.warning("could not dispatch a stream of %s from %s", proto, _b58(peer), exc_info=True)
                 self.transport.abort()

@@ -210,7 +210,7 @@ class RpcServer:
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
-        known = self.is_known(peer)  # (a stranger's stream got here past the gate, self._early)
+        known = self.is_known(peer)  # (the stream passed the gate: self.strangers.early)
         policy = self._policies.get(name) or _Policy()
         max_message = policy.max_message_bytes or limits.max_message_bytes
         buffered = stranger_buffered = 0
