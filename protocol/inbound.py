@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import secrets
+import weakref
 from collections.abc import Awaitable, Callable
 
 import base58
@@ -41,6 +42,11 @@ Serve = Callable[[str, str, asyncio.StreamReader, asyncio.StreamWriter], Awaitab
 #: largest stream header p2pd sends (peer id, address, protocol name: ~200 bytes); more is not p2pd
 MAX_HEADER_BYTES = 4096
 BACKLOG = 4096
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,6 +132,7 @@ class InboundListener:
         self._serves: dict[str, Serve] = {}
         self._tasks: set[asyncio.Task] = set()
         self._held: dict[asyncio.Transport, tuple[str, asyncio.TimerHandle]] = {}
+        weakref.finalize(self, _unlink, self.path)  # the socket file goes at exit even without close()
 
     @property
     def held(self) -> int:
@@ -152,8 +159,7 @@ class InboundListener:
         if self._server is not None:
             self._server.close()
             self._server = None
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        _unlink(self.path)
 
     async def _control(self, request: p2pd_pb2.Request) -> None:
         reader, writer = await DaemonConnector(self.p2p.daemon_listen_maddr).open_connection()
