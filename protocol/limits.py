@@ -64,20 +64,32 @@ class RpcLimits:
     stranger_refusals_per_s: float = 20.0
     #: refused streams per second all strangers together may cause (burst: as many), likewise
     strangers_refusals_per_s: float = 200.0
+    #: a stranger that used up its refusals is banned this long (doubling while it keeps coming back, up to
+    #: stranger_max_ban_s); a banned stranger's streams are held unread and unanswered (protocol/gate.py)
+    stranger_ban_s: float = 10.0
+    stranger_max_ban_s: float = 300.0
+    #: longest a banned stranger's stream is held before it is closed (0: closed at once)
+    banned_hold_s: float = 60.0
+    #: streams of banned strangers held at once (beyond it they are closed at once; also at most 1/8 of the file
+    #: descriptors this process may open)
+    max_held_streams: int = 512
 
     def __post_init__(self) -> None:
         for name in ("max_frame_bytes", "send_frame_bytes", "max_message_bytes", "max_streams_per_peer",
                      "max_inflight_bytes", "stranger_inflight_bytes", "strangers_inflight_bytes",
-                     "stranger_streams"):  # fmt: skip
+                     "stranger_streams", "max_held_streams"):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"RpcLimits.{name} must be a positive int, got {value!r}")
         for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s",
-                     "min_bytes_per_s", "rate_grace_s", "stranger_refusals_per_s", "strangers_refusals_per_s"):
+                     "min_bytes_per_s", "rate_grace_s", "stranger_refusals_per_s", "strangers_refusals_per_s",
+                     "stranger_ban_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.busy_retry_s < 0 or self.linger_s < 0:
-            raise ValueError("RpcLimits.busy_retry_s and linger_s must be >= 0")
+        if self.busy_retry_s < 0 or self.linger_s < 0 or self.banned_hold_s < 0:
+            raise ValueError("RpcLimits.busy_retry_s, linger_s and banned_hold_s must be >= 0")
+        if self.stranger_max_ban_s < self.stranger_ban_s:
+            raise ValueError("RpcLimits.stranger_max_ban_s must be >= stranger_ban_s")
         if self.send_frame_bytes > self.max_frame_bytes:
             raise ValueError("RpcLimits.send_frame_bytes must not exceed max_frame_bytes (peers would refuse frames)")
         if self.max_frame_bytes > self.max_message_bytes:

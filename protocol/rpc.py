@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -22,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocol.errors import (
     ErrorCode,
@@ -33,6 +33,8 @@ from protocol.errors import (
     error_code_for,
 )
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
+from protocol.gate import StrangerGate
+from protocol.inbound import InboundListener
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
@@ -77,6 +79,10 @@ class _Saturated(Exception):
     """Internal: this server has no room for the request right now; answered with Busy."""
 
 
+class _TooManyStreams(_Saturated):
+    """Internal: the sender had its share of streams open when this one arrived (the refusal was charged then)."""
+
+
 #: peers remembered as known (vouched for); the least recently vouched are forgotten first
 MAX_KNOWN_PEERS = 4096
 #: seconds between two log lines about failing handlers (a stranger must not be able to grow our logs)
@@ -91,12 +97,12 @@ class _WrongKind(Exception):
     """Internal: a well-formed message of a kind this handler does not take; answered with BAD_REQUEST."""
 
 
+@dataclasses.dataclass
 class _Policy:
     """Per-handler limits set with ``RpcServer.restrict``: accepted message kinds and the largest request."""
 
-    def __init__(self) -> None:
-        self.kinds: tuple[type[Message], ...] | None = None
-        self.max_message_bytes: int | None = None
+    kinds: tuple[type[Message], ...] | None = None
+    max_message_bytes: int | None = None
 
 
 class RpcServer:
@@ -115,7 +121,9 @@ class RpcServer:
     Strangers: a peer is a stranger until ``vouch(peer_id)`` is called for it (the owner does so once the peer did
     useful work, e.g. answered a call of ours). Strangers get ``stranger_streams`` streams and
     ``stranger_inflight_bytes`` of buffer each, all together at most ``strangers_inflight_bytes``. Every request must
-    arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut.
+    arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut. A stranger that used up its
+    refusals is banned (``flood``, protocol/gate.py): its streams are held unread by our end of p2pd's streams
+    (protocol/inbound.py) until the ban ends.
     """
 
     def __init__(self, p2p: P2P, limits: RpcLimits | None = None, *, count: Counting | None = None) -> None:
@@ -127,12 +135,6 @@ class RpcServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self._budgets = PeerBudgets(self.limits.per_peer_bytes_per_s, self.limits.burst_bytes)
-        # refused streams of strangers, per peer and all together: once a stranger's run out, its streams are closed
-        # before they cost a read or a reply (a flood of hopeless requests), while its successful requests cost nothing
-        per_s, all_per_s = self.limits.stranger_refusals_per_s, self.limits.strangers_refusals_per_s
-        self._refusals = PeerBudgets(per_s, max(1, int(2 * per_s)))
-        self._all_refusals = PeerBudgets(all_per_s, max(1, int(all_per_s)))
-        self._streams: Counter[str] = Counter()
         self._ledger = InflightLedger(self.limits)
         self._names: list[str] = []
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -141,6 +143,12 @@ class RpcServer:
         self.cut_slow = 0  # requests cut for arriving too slowly (also counted under rejected['timeout'])
         #: optional admission check of the authenticated sender (closed runs); False refuses with UNAUTHORIZED
         self.gate: Callable[[str], Awaitable[bool]] | None = None
+        # what a stream's sender may cost, judged before anything of the stream is read: refusal budgets of strangers
+        # (once spent, the streams are not read or answered), bans of those that used theirs up, streams per peer
+        self.strangers = StrangerGate(self.limits, is_known=self.is_known, rejected=self.rejected)
+        self.flood = self.strangers.flood
+        # our own end of p2pd's streams: it asks the gate about each stream before a reader or a task exists for it
+        self._inbound = InboundListener(p2p, early=self.strangers.early, released=self.flood.release)
 
     @property
     def _inflight(self) -> int:
@@ -150,6 +158,7 @@ class RpcServer:
         """Treat ``peer_id`` as a known peer from now on (it did useful work for us): the full per-peer budgets."""
         self._known.pop(peer_id, None)
         self._known[peer_id] = None
+        self.flood.unban(peer_id)
         while len(self._known) > MAX_KNOWN_PEERS:
             self._known.popitem(last=False)
 
@@ -172,28 +181,36 @@ class RpcServer:
     async def add_handler(self, name: str, fn: Handler) -> None:
         """Serve `fn` under `name`; `fn(msg, peer_id)` returns the reply (an Error or Busy message is fine too)."""
 
-        async def serve(stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(name, fn, stream_info.peer_id.to_base58(), reader, writer)
+        async def serve(proto: str, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, fn, peer, reader, writer)
 
-        await self.p2p.add_binary_stream_handler(PROTOCOL_PREFIX + name, serve)
+        await self._inbound.add(PROTOCOL_PREFIX + name, serve)
         self._names.append(name)
 
     async def shutdown(self) -> None:
-        """Stop serving every handler this server added (streams in progress finish on their own)."""
-        for name in self._names:
-            with contextlib.suppress(Exception):
-                await self.p2p.remove_binary_stream_handler(PROTOCOL_PREFIX + name)
+        """Stop serving every handler this server added (streams in progress finish on their own; held streams of
+        banned strangers are closed)."""
+        await self._inbound.close()
         self._names.clear()
+
+    def _refusal(self, e: Exception) -> tuple[str, Message]:
+        """The ``rejected`` reason and the reply for a request refused with ``e``."""
+        if isinstance(e, _Saturated):
+            return "busy", Busy(retry_after_s=self.limits.busy_retry_s)
+        if isinstance(e, ProtocolError):
+            code = error_code_for(e)
+            return code.name.lower(), Error(code, str(e)[:4000])
+        if isinstance(e, TimeoutError):
+            return "timeout", Error(ErrorCode.TIMEOUT, str(e)[:4000])
+        if isinstance(e, _NotAdmitted):
+            return "unauthorized", Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
+        return "wrong_kind", Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
 
     async def _serve(
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
-        known = self.is_known(peer)
-        if not known and (self._refusals.empty(peer) or self._all_refusals.empty("")):
-            self.rejected["flood"] += 1  # a stranger that keeps being refused: no read, no reply until it slows down
-            writer.close()
-            return
+        known = self.is_known(peer)  # (the stream passed the gate: self.strangers.early)
         policy = self._policies.get(name) or _Policy()
         max_message = policy.max_message_bytes or limits.max_message_bytes
         buffered = stranger_buffered = 0
@@ -218,13 +235,11 @@ class RpcServer:
         refused = False
 
         try:
-            if self.gate is not None and not await self.gate(peer):
-                raise _NotAdmitted(f"peer {peer} is not admitted to this run")
-            cap = limits.max_streams_per_peer if known else min(limits.stranger_streams, limits.max_streams_per_peer)
-            if self._streams[peer] >= cap:
-                raise _Saturated(f"peer {peer} already has {self._streams[peer]} open streams")
-            self._streams[peer] += 1
             try:
+                if self.gate is not None and not await self.gate(peer):
+                    raise _NotAdmitted(f"peer {peer} is not admitted to this run")
+                if self.strangers.over(peer):  # it had its share of streams open when one of these arrived
+                    raise _TooManyStreams(f"peer {peer} already had its share of streams open")
                 try:
                     async with asyncio.timeout(limits.read_timeout_s):
                         data = await read_message(
@@ -255,39 +270,16 @@ class RpcServer:
                     raise TypeError(f"handler {name} returned {type(reply).__name__}, not a protocol Message")
                 self.served[name] += 1
             finally:
-                self._streams[peer] -= 1
-                if not self._streams[peer]:
-                    del self._streams[peer]
+                self.strangers.done(peer)
                 self._ledger.release(peer, buffered, stranger_bytes=stranger_buffered)
         except asyncio.CancelledError:
             writer.close()
             raise
-        except _Saturated as e:
-            self.rejected["busy"] += 1
-            logger.debug("busy, refusing %s from %s: %s", name, peer, e)
-            refused = True
-            reply = Busy(retry_after_s=limits.busy_retry_s)
-        except ProtocolError as e:
-            code = error_code_for(e)
-            self.rejected[code.name.lower()] += 1
-            logger.debug("refused %s from %s: %s", name, peer, e)
-            reply = Error(code, str(e)[:4000])
-            refused = True
-        except TimeoutError as e:
-            self.rejected["timeout"] += 1
-            logger.debug("timeout on %s from %s: %s", name, peer, e)
-            refused = True
-            reply = Error(ErrorCode.TIMEOUT, str(e))
-        except _NotAdmitted as e:
-            self.rejected["unauthorized"] += 1
-            logger.debug("refused %s: %s", name, e)
-            refused = True
-            reply = Error(ErrorCode.UNAUTHORIZED, str(e)[:4000])
-        except _WrongKind as e:
-            self.rejected["wrong_kind"] += 1
-            logger.debug("refused %s from %s: %s", name, peer, e)
-            reply = Error(ErrorCode.BAD_REQUEST, str(e)[:4000])
-            refused = True
+        except (_Saturated, ProtocolError, TimeoutError, _NotAdmitted, _WrongKind) as e:
+            reason, reply = self._refusal(e)
+            self.rejected[reason] += 1
+            logger.debug("refused %s from %s (%s): %s", name, peer, reason, e)
+            refused = not isinstance(e, _TooManyStreams)  # that one was charged at the gate
         except Exception as e:
             self.rejected["internal"] += 1
             now = time.monotonic()
@@ -300,8 +292,7 @@ class RpcServer:
                 logger.debug("handler %s failed on a request from %s: %r", name, peer, e)
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
         if refused and not known:  # what a stranger may cost us in refusals before its streams go unread
-            self._refusals.spend(peer)
-            self._all_refusals.spend("")
+            self.strangers.refused(peer)
         try:
             payload = await _pack(reply)
             async with asyncio.timeout(limits.write_timeout_s):

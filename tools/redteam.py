@@ -17,6 +17,9 @@ process: a hivemind DHT node that installs no validator and raw libp2p clients t
 
     python tools/redteam.py --json redteam.json                       # every attack
     python tools/redteam.py --attacks forged_record,malformed --phase-s 8 --json out.json
+
+The attacker shares the victims' cores; ``--attacker-cpu CORES`` confines it to a CPU quota (tools/confine.py) to
+model a remote attacker, and the floods report the stream rate it reached, so both kinds of run can be compared.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
 from protocol.messages import Ack, Error, Forward, Hello, Infer, Message, pack, unpack  # noqa: E402
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
+from tools.confine import CpuQuota  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 
 logger = logging.getLogger("redteam")
@@ -176,18 +180,45 @@ async def forged_record(att: Attacker, victims: dict[str, str], until: float) ->
             "stores_the_attackers_own_node_reported": stored}
 
 
-async def budget_flood(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
-    """``ids`` identities x ``streams`` streams each announcing a 4 MiB frame and sending nothing (reopened when
-    cut)."""
+async def _flood(att: Attacker, victims: dict[str, str], until: float, abandon_s: float | None) -> dict[str, Any]:
+    """``ids`` identities x ``streams`` streams each announcing a 4 MiB frame and sending nothing, reopened when cut
+    (``abandon_s`` None) or abandoned ``abandon_s`` after the header whatever the victim does."""
     replies: dict[str, int] = {}
+    header, victim = frame_header(4 * MiB, end=True), PeerID.from_base58(victims["b"])
+
+    async def hit_and_run(p2p: P2P) -> str:
+        try:
+            async with asyncio.timeout(max(0.5, until - time.monotonic())):
+                _, _, writer = await p2p.call_binary_stream_handler(victim, PROTOCOL_PREFIX + "forward")
+                writer.write(header)
+                await asyncio.sleep(abandon_s or 0.0)
+                writer.close()
+                return "abandoned"
+        except Exception as e:
+            return type(e).__name__
 
     async def one(p2p: P2P) -> None:
         while time.monotonic() < until:
-            r = await att.raw(p2p, victims["b"], "forward", frame_header(4 * MiB, end=True),
-                              timeout=max(0.5, until - time.monotonic()))
+            r = await (att.raw(p2p, victims["b"], "forward", header, timeout=max(0.5, until - time.monotonic()))
+                       if abandon_s is None else hit_and_run(p2p))
             replies[r] = replies.get(r, 0) + 1
+    t0 = time.monotonic()
     await asyncio.gather(*(one(p) for p in await att.identities(FLOOD["ids"]) for _ in range(FLOOD["streams"])))
-    return {"refused": set(replies) <= {"TIMEOUT", "BUSY", "Busy", "TOO_LARGE", "TimeoutError"}, "replies": replies}
+    # refused: answered with a refusal, closed or reset unanswered, held until we gave up, or abandoned by us
+    ok = {"TIMEOUT", "BUSY", "Busy", "TOO_LARGE", "TimeoutError", "StreamEnded", "ConnectionResetError", "abandoned"}
+    return {"refused": set(replies) <= ok, "replies": replies,
+            "streams_per_s": round(sum(replies.values()) / max(1e-9, time.monotonic() - t0))}
+
+
+async def budget_flood(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """16 identities x 16 streams, each announcing a 4 MiB frame and sending nothing, reopened when cut."""
+    return await _flood(att, victims, until, None)
+
+
+async def churn_flood(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """As budget_flood, but each stream is abandoned 50 ms after its header, answered or not: an attacker that does
+    not wait for the victim (held streams do not slow it down)."""
+    return await _flood(att, victims, until, 0.05)
 
 
 async def stream_flood(att: Attacker, victims: dict[str, str], until: float, n: int = 1000) -> dict[str, Any]:
@@ -291,7 +322,8 @@ async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> di
 
 
 ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[str, Any]]]] = {
-    "forged_record": forged_record, "budget_flood": budget_flood, "stream_flood": stream_flood,
+    "forged_record": forged_record, "budget_flood": budget_flood, "churn_flood": churn_flood,
+    "stream_flood": stream_flood,
     "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole}
 FLOOD = {"ids": 16, "streams": 16}
 
@@ -309,21 +341,36 @@ async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, wat
     run = RunConfig.from_toml(TINY)
     initial = a.wait_maddrs()[:1]
     victims = {"a": a.wait_maddrs()[0].rsplit("/p2p/", 1)[1], "b": b.wait_maddrs()[0].rsplit("/p2p/", 1)[1]}
-    att = Attacker(root, initial, run)
+    quota = CpuQuota(args.attacker_cpu).enter() if args.attacker_cpu else None  # before the attacker starts anything
+    try:
+        results = await _phases(args, Attacker(root, initial, run), a, b, watch, victims)
+    finally:
+        if quota is not None:
+            throttled = quota.throttled_s()
+            quota.close()
+    if quota is not None:
+        results["attacker_confined"] = {"cores": args.attacker_cpu, "throttled_s": round(throttled, 1)}
+    return results
+
+
+async def _phases(args: argparse.Namespace, att: Attacker, a: PeerProcess, b: PeerProcess, watch: Watch,
+                  victims: dict[str, str]) -> dict[str, Any]:
     att.status_a, att.status_b = a.status, b.status
     await att.start()
     results: dict[str, Any] = {}
     try:
         control_loss = control_stall = None
-        if "budget_flood" in args.attacks:
+        if {"budget_flood", "churn_flood"} & set(args.attacks):
             await att.identities(args.flood_ids)  # started before any phase: starting p2pd is not the attack
         for i, name in enumerate(args.attacks):
             if i == 0 or args.control_each:
+                logger.info("control phase (%.0f s) starts", args.phase_s)
                 t0 = time.monotonic()
                 await asyncio.sleep(args.phase_s)
                 control_stall, control_loss = watch.window(t0, time.monotonic())
                 results.setdefault("control", []).append({"max_stall_s": round(control_stall, 2),
                                                           "val_loss": control_loss})
+            logger.info("attack %s (%.0f s) starts", name, args.phase_s)
             t0, rss0 = time.monotonic(), watch.rss_mib()
             evidence = await ATTACKS[name](att, victims, t0 + args.phase_s)
             t1 = time.monotonic()
@@ -346,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--control-each", action="store_true", help="a control phase before every attack phase")
-    p.add_argument("--flood-ids", type=int, default=16, help="identities of budget_flood (x 16 streams each)")
+    p.add_argument("--flood-ids", type=int, default=16, help="identities of the floods (x 16 streams each)")
+    p.add_argument("--attacker-cpu", type=float, default=None, metavar="CORES",
+                   help="confine the attacker (its event loop, DHT and libp2p daemons) to this many cores with a "
+                        "cgroup v1 CPU quota: models a remote attacker whose daemons do not run on the victims' "
+                        "cores (root; default: unconfined, the attacker shares the victims' cores)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
     args = p.parse_args(argv)
