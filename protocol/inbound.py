@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import glob
 import logging
 import os
 import secrets
@@ -42,11 +43,29 @@ Serve = Callable[[str, str, asyncio.StreamReader, asyncio.StreamWriter], Awaitab
 #: largest stream header p2pd sends (peer id, address, protocol name: ~200 bytes); more is not p2pd
 MAX_HEADER_BYTES = 4096
 BACKLOG = 4096
+SOCKET_DIR = "/tmp"  # short on purpose: a unix socket path must fit in 108 bytes
+SOCKET_PREFIX = "asyncmesh-rpc-"
 
 
 def _unlink(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def sweep_stale_sockets(folder: str = SOCKET_DIR) -> list[str]:
+    """Remove the socket files of listeners whose process is gone (a peer killed with SIGKILL cannot remove its own);
+    returns the paths removed. The owner's pid is part of the file name."""
+    removed = []
+    for path in glob.glob(os.path.join(folder, f"{SOCKET_PREFIX}*.sock")):
+        try:
+            pid = int(os.path.basename(path)[len(SOCKET_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _unlink(path)
+            removed.append(path)
+        except (ValueError, PermissionError, OSError):  # not ours to judge: another user's, or not our name
+            continue
+    return removed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,7 +145,8 @@ class InboundListener:
 
     def __init__(self, p2p: P2P, *, early: Early | None = None, released: Callable[[str], None] | None = None) -> None:
         self.p2p, self.early, self.released = p2p, early, released
-        self.path = f"/tmp/asyncmesh-rpc-{os.getpid()}-{secrets.token_urlsafe(8)}.sock"
+        sweep_stale_sockets()
+        self.path = os.path.join(SOCKET_DIR, f"{SOCKET_PREFIX}{os.getpid()}-{secrets.token_urlsafe(8)}.sock")
         self.maddr = Multiaddr(f"/unix{self.path}")
         self._server: asyncio.AbstractServer | None = None
         self._serves: dict[str, Serve] = {}

@@ -36,3 +36,20 @@ def test_the_stream_header_is_parsed_from_any_split_and_junk_is_refused():
         _header(b"\xff" * 10)  # not a length
     with pytest.raises(Exception):  # noqa: B017 - not a StreamInfo (protobuf's DecodeError)
         _header(_varint(3) + b"\xff\xff\xff")
+
+
+def test_socket_files_of_dead_listeners_are_swept_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from protocol.inbound import SOCKET_PREFIX, sweep_stale_sockets
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{SOCKET_PREFIX}{int(dead.stdout)}-abc.sock"
+    mine = tmp_path / f"{SOCKET_PREFIX}{os.getpid()}-def.sock"
+    other = tmp_path / f"{SOCKET_PREFIX}notapid.sock"
+    for f in (gone, mine, other):
+        f.write_text("")
+    assert sweep_stale_sockets(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and mine.exists() and other.exists()
