@@ -221,7 +221,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],
         "avg_delay_hist": [s.get("avg_delay_hist") or {} for s in summaries],
         "loadavg_max": max(loads, default=None), "loadavg_mean": sum(loads) / len(loads) if loads else None,
-        "summaries": summaries, "workdir": str(workdir),
+        "summaries": summaries, "workdir": workdir.name,  # the case's folder under --workdir (logs, summaries)
     }
 
 
