@@ -38,7 +38,13 @@ from peer.membership.relay import needs_relay_restart, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
-from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, stage_costs
+from peer.membership.stage_choice import (
+    capacities,
+    choose_stage,
+    estimate_throughput,
+    leaves_for_an_empty_stage,
+    stage_costs,
+)
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
 from peer.ops.status_server import StatusServer, StatusServerError
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 3.0
+RESTART_SETTLE_ANNOUNCES = 3  # announce periods a restarting peer waits before leaving its stage for an empty one
 T = TypeVar("T")
 
 __all__ = ["Daemon", "DaemonError"]
@@ -243,6 +250,12 @@ class Daemon:
         first = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
         await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
         chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
+        settle = time.monotonic() + RESTART_SETTLE_ANNOUNCES * self.cfg.announce_every_s
+        while leaves_for_an_empty_stage(self.swarm, self.run.n_stages, chosen, last) and time.monotonic() < settle:
+            logger.info("stage %d looks empty: reading the swarm again before leaving stage %s (its peers may be "
+                        "restarting too)", chosen, last)
+            await asyncio.sleep(self.cfg.announce_every_s)
+            chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
         caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))

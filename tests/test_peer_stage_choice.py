@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from peer.membership.records import PeerRecord
-from peer.membership.stage_choice import capacities, choose_stage, estimate_throughput, should_move, stage_costs
+from peer.membership.stage_choice import (
+    capacities,
+    choose_stage,
+    estimate_throughput,
+    leaves_for_an_empty_stage,
+    should_move,
+    stage_costs,
+)
 
 
 def rec(pid: str, stage: int, thr: float = 1.0, state: str = "training") -> PeerRecord:
@@ -97,3 +105,16 @@ def test_no_flapping_after_a_move():
 def test_invalid_quality_is_rejected():
     with pytest.raises(ValueError, match="quality"):
         should_move(swarm(rec("a", 0)), [1.0], "a", quality=0.0)
+
+
+def test_a_restarting_peer_waits_before_leaving_its_stage_for_one_nobody_announces_yet():
+    """Whole-swarm restart: only a stage-0 peer is back, so stage 1 looks empty and the capacity rule sends a
+    stage-0 peer there, onto an old stage-1 checkpoint of its own while stage 1's own peers are seconds from
+    announcing (a churn run: a replica resumed stage 1 at step 3,392 next to peers at 5,201). The daemon reads the
+    swarm again for a few announce periods while this holds."""
+    back = {"a": dataclasses.replace(rec("a", 0), version=5123)}
+    assert choose_stage(back, [1.0, 1.0], held={0: 5039, 1: 3392}, last=0) == 1
+    assert leaves_for_an_empty_stage(back, 2, chosen=1, last=0)
+    assert not leaves_for_an_empty_stage(back, 2, chosen=0, last=0)  # staying
+    assert not leaves_for_an_empty_stage(back, 2, chosen=1, last=None)  # no checkpoint: a joiner fills it at once
+    assert not leaves_for_an_empty_stage({**back, "b": rec("b", 1, state="loading_state")}, 2, chosen=1, last=0)

@@ -184,6 +184,30 @@ def test_a_donor_replacing_its_snapshot_mid_transfer_is_dropped_for_the_next():
     asyncio.run(main())
 
 
+def test_a_fast_stage_gets_a_new_snapshot_once_it_is_max_lag_steps_ahead_of_the_shared_one():
+    """A fast stage makes thousands of steps in 60 s: a joiner must not receive a state that far behind what the
+    donor announced (in a churn run a restarted peer got step 4,069 from a donor announcing 4,518)."""
+    async def main():
+        now = [1000.0]
+        config = StateSyncConfig(chunk_bytes=128 * 1024, snapshot_max_age_s=60, snapshot_max_lag_steps=200)
+        server = _server(_trained_worker(1, 1), clock=lambda: now[0], config=config)
+        server.ready = True
+
+        async def ask():
+            return (await server._handle(StateRequest(run_id=RUN.run_id, stage=0, chunk=0, version=0), "j")).version
+
+        server.metrics.local_step = 1
+        v1 = await ask()
+        taken = server._snapshots[0][0].local_step
+        server.metrics.local_step = taken + 200
+        now[0] += 1
+        assert await ask() == v1  # 200 steps behind: still shared
+        server.metrics.local_step = taken + 201
+        assert await ask() == v1 + 1  # 201: a new one, though it is only a second old
+
+    asyncio.run(main())
+
+
 def test_server_shares_a_fresh_snapshot_keeps_the_replaced_one_for_its_transfers_and_releases_idle_ones():
     async def main():
         now = [1000.0]

@@ -93,6 +93,17 @@ def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held:
     return (rng or random).choice(kept or candidates)
 
 
+def leaves_for_an_empty_stage(records: Mapping[str, PeerRecord], n_stages: int, chosen: int,
+                              last: int | None) -> bool:
+    """True when a restarting peer would leave the stage it served last for ``chosen`` only because nobody announces
+    ``chosen`` yet: in a whole-swarm restart that stage's own peers may be a few seconds from announcing, and a peer
+    taking it from an old checkpoint of it would train there far behind them (its own stage's state lives on with
+    its other peers, or as this peer's copy). The caller reads the swarm again for a few announce periods first."""
+    if last is None or chosen == last or not 0 <= last < n_stages:
+        return False
+    return best_versions(records, n_stages)[chosen] < 0
+
+
 def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: str, *, quality: float = 0.75,
                 ) -> int | None:
     """The stage this peer should move to, or None to stay.

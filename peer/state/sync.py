@@ -3,9 +3,10 @@
 **Serving** (``StateServer``): on a request for chunk 0 the server takes one snapshot of ``worker.state_dict()`` on the
 compute thread (the worker returns copies, so training goes on meanwhile), flattens it into a JSON skeleton plus a
 list of tensors, and plans fixed-size pieces (``chunk_bytes``) of those tensors. Chunks are encoded on request, in an
-executor, with the exact codec ('none'). A transfer starting within ``snapshot_max_age_s`` of the current snapshot
-shares it; a later one gets a new snapshot, however busy the server is (so what a joiner or a neighbour backup receives
-is never more than that age behind the server's training). The replaced snapshot stays for the transfers still reading
+executor, with the exact codec ('none'). A transfer starting within ``snapshot_max_age_s`` of the current snapshot,
+and while the stage has made at most ``snapshot_max_lag_steps`` local steps since it, shares it; a later one gets a
+new snapshot, however busy the server is (so what a joiner or a neighbour backup receives is never more than that age
+or that many steps behind the server's training). The replaced snapshot stays for the transfers still reading
 it, named by the ``version`` of their chunk requests, until no transfer touched it for ``snapshot_idle_s``: memory is
 bounded by two copies of the state plus ``max_concurrent`` chunks. A transfer never mixes two snapshots.
 
@@ -88,6 +89,9 @@ class StateSyncConfig:
     """Client: refuse a state larger than this (also bounded by 4x the reference's size plus 64 MiB)."""
     snapshot_max_age_s: float = 60.0
     """Server: a snapshot younger than this is reused for new transfers; an older one is replaced for them."""
+    snapshot_max_lag_steps: int = 200
+    """Server: ... and only while the stage has made at most this many local steps since it was taken (a fast stage
+    makes thousands of steps in 60 s: a joiner would start that far behind what the donor announced)."""
     snapshot_idle_s: float = 60.0
     """Server: a snapshot no transfer touched for this long is dropped (memory)."""
     max_concurrent: int = 2
@@ -104,6 +108,8 @@ class StateSyncConfig:
                      "worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"state_sync.{name} must be positive, got {getattr(self, name)}")
+        if self.snapshot_max_lag_steps < 0:
+            raise ValueError(f"state_sync.snapshot_max_lag_steps must be >= 0, got {self.snapshot_max_lag_steps}")
         if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1 or self.window < 1:
             raise ValueError("chunk_retries must be >= 0; max_donors, max_concurrent and window >= 1")
 
@@ -191,7 +197,7 @@ class StateServer:
             if version:
                 snap = next((s for s in kept if s.version == version), None)
             else:
-                snap = kept[0] if kept and now - kept[0].taken_at <= self.config.snapshot_max_age_s else None
+                snap = kept[0] if kept and self._fresh(kept[0], now) else None
                 if snap is None:
                     snap = await self._take(stage)
                     if snap is not None:
@@ -203,6 +209,14 @@ class StateServer:
             if snap is not None:
                 snap.touched_at = self.clock()
             return snap
+
+    def _fresh(self, snap: _Snapshot, now: float) -> bool:
+        """Whether a new transfer may still start on ``snap``: young enough, and (our own stage) not too many steps
+        behind the worker (the neighbour copy changes only when it is replaced)."""
+        if now - snap.taken_at > self.config.snapshot_max_age_s:
+            return False
+        lag = self.metrics.local_step - snap.local_step
+        return snap.stage != self.stage or lag <= self.config.snapshot_max_lag_steps
 
     async def _take(self, stage: int | None = None) -> _Snapshot | None:
         if stage is None or stage == self.stage:
