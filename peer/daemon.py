@@ -1,14 +1,16 @@
 """The peer daemon: the life of one peer, from identity to exit, on one event loop with one compute thread.
 
 start → identity key → join the DHT → serve RPCs → reachability self-check → choose a stage (``--stage`` or auto,
-with jitter and re-check) → state from donors, else the local checkpoint, else the run's seeded init → announce
-(expiring record, re-announced on a timer) → serve, drive micro-batches on stage 0, average in the background,
-checkpoint periodically, rebalance when the stage is over-served → on SIGTERM/SIGINT or ``max_steps``: stop taking
-work, drain within ``drain_timeout_s``, final checkpoint, withdraw the record, write the summary, exit 0.
+with jitter and re-check) → the most trained state among donors and local checkpoints, else the run's seeded init →
+announce (expiring record, re-announced on a timer) → serve, drive micro-batches on stage 0, average in the
+background, checkpoint periodically, rebalance when the stage is over-served → on SIGTERM/SIGINT or ``max_steps``:
+stop taking work, drain within ``drain_timeout_s``, final checkpoint, withdraw the record, write the summary, exit 0.
 
-All model work runs on one ``peer.compute.ComputeThread``: the worker is never touched from two threads and the event
-loop never blocks on tensor math; averaging and state jobs go before queued micro-batches. Failures of remote peers are
-logged at DEBUG and counted; nothing a remote peer sends can raise out of the serve loop.
+What faces the network (DHT, RPC server, reachability, records) is ``peer.presence.Presence``; the stage served now
+is a ``peer.stage.StageService``. All model work runs on one ``peer.compute.ComputeThread``: the worker is never
+touched from two threads and the event loop never blocks on tensor math; averaging and state jobs go before queued
+micro-batches. Failures of remote peers are logged at DEBUG and counted; nothing a remote peer sends can raise out of
+the serve loop.
 """
 
 from __future__ import annotations
@@ -28,16 +30,12 @@ import torch
 from peer.compute import ComputeThread
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
-from peer.membership.admission import organiser_key
-from peer.membership.dht import JoinInterrupted, start_dht, stop_dht
+from peer.membership.dht import JoinInterrupted
 from peer.membership.gate import AdmissionGate
 from peer.membership.moves import Mover, MoveTiming
-from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
-from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
-from peer.membership.relay import needs_relay_restart, wait_relayed
+from peer.membership.records import PeerRecord
+from peer.membership.relay import needs_relay_restart
 from peer.membership.routing import Router
-from peer.membership.run_guard import RunGuard
-from peer.membership.signing import Signer
 from peer.membership.stage_choice import (
     capacities,
     choose_stage,
@@ -46,16 +44,14 @@ from peer.membership.stage_choice import (
     stage_costs,
 )
 from peer.ops.metrics import PeerMetrics
-from peer.ops.progress import SwarmProgress, from_records
 from peer.ops.status_server import StatusServer, StatusServerError
 from peer.ops.summary import peer_summary, write_summary
 from peer.pipeline.ledger import SampleLedger
-from peer.pipeline.sizes import restrict_handlers
+from peer.presence import Presence
 from peer.stage import StageHandlers, StageService, not_ready_error
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, newest_checkpoint_stage, save_checkpoint
 from peer.state.spare import SpareStore, spare_fields
-from protocol.messages import Busy, Error, Message
-from protocol.rpc import RpcLimits, RpcServer, call
+from protocol.messages import Error, Message
 from trainer.config import RunConfig, stage_layer_ranges
 from trainer.worker import resolve_device
 
@@ -101,25 +97,16 @@ class Daemon:
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
         self.executor = ComputeThread("compute")
         self.stop = asyncio.Event()
-        self.swarm: dict[str, PeerRecord] = {}
         self.service: StageService | None = None
         self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
-        self.dht: DHT | None = None
-        self.signer: Signer | None = None
-        self.p2p: P2P | None = None
-        self.rpc: RpcServer | None = None
-        self.limits = RpcLimits()
+        self.net = Presence(run, cfg, self.metrics, gate=self.gate, stop=self.stop, router=self.router,
+                            forward=self._rpc_forward, backward=self._rpc_backward)
+        self.send, self.refresh_swarm = self.net.send, self.net.refresh_swarm
         self.handlers: StageHandlers | None = None
-        self.my_id = ""
-        self.maddrs: list[str] = []
-        self.reachable = True
-        self.through_relay = cfg.relay == "on"  # p2pd listens through a relay (peer.membership.relay)
         self.started = time.monotonic()
         self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
-        self.run_guard = RunGuard(run.run_id, run.name)
-        self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
         self.tasks: list[asyncio.Task] = []
         self.spares = SpareStore(run, cfg.checkpoint_dir)  # the copy of a neighbour stage kept (peer.state.spare)
         self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
@@ -147,14 +134,22 @@ class Daemon:
     async def compute(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
         return await self.executor.run(fn, *args, urgent=urgent)
 
-    # ----- RPC plumbing ---------------------------------------------------------------------------------------------
-    async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:
-        assert self.p2p is not None
-        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
-                           limits=self.limits, count=self.metrics.inc)
-        if self.rpc is not None and not isinstance(reply, Busy):
-            self.rpc.vouch(peer_id)  # it answered work of ours: the full budgets of a known peer from now on
-        return reply
+    # ----- the network side (peer.presence): what a stage reads of it ------------------------------------------------
+    @property
+    def my_id(self) -> str:
+        return self.net.my_id
+
+    @property
+    def dht(self) -> DHT | None:
+        return self.net.dht
+
+    @property
+    def p2p(self) -> P2P | None:
+        return self.net.p2p
+
+    @property
+    def swarm(self) -> dict[str, PeerRecord]:
+        return self.net.swarm
 
     async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
         pipe = self.pipe
@@ -169,72 +164,13 @@ class Daemon:
         return not_ready_error()
 
     # ----- start-up --------------------------------------------------------------------------------------------------
-    async def _start_dht(self, *, rejoin: bool = False) -> None:
-        self.dht = dht = await start_dht(self.cfg, self.stop, validators=[record_validator(self.run.run_id,
-                                                                                           organiser_key(self.run))],
-                                         through_relay=self.through_relay, rejoin=rejoin)
-        self.p2p = await dht.replicate_p2p()
-        self.my_id = dht.peer_id.to_base58()
-        self.signer = Signer.from_identity_file(self.cfg.identity_path)  # signs our DHT records (same key as p2pd)
-        self.gate.load_own(self.my_id)  # closed runs: our credential must admit this peer id, else a clear error
-        self.metrics.peer_id = self.my_id
-        visible = (await wait_relayed(dht, self.cfg.reachability_timeout_s) if self.through_relay
-                   else await asyncio.get_running_loop().run_in_executor(None, dht.get_visible_maddrs))
-        self.maddrs = [str(m) for m in visible][:8]
-        self.metrics.maddrs = list(self.cfg.announce_maddrs) or list(self.maddrs)
-        if self.cfg.maddrs_file is not None:
-            tmp = self.cfg.maddrs_file.with_suffix(".tmp")
-            tmp.write_text("".join(f"{m}\n" for m in self.maddrs))
-            tmp.replace(self.cfg.maddrs_file)
-
-    async def _start_rpc(self) -> None:
-        assert self.p2p is not None
-        self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
-        restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
-        self.rpc.gate = self.gate.rpc_gate(lambda: self.swarm, self.refresh_swarm)
-        await self.rpc.add_handler("forward", self._rpc_forward)
-        await self.rpc.add_handler("backward", self._rpc_backward)
-        p2p = self.p2p
-        helper = ReachabilityHelper(  # dials back only the requester's own observed address (local swarms: any)
-            run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s,
-            observed=lambda pid: observed_hosts(p2p, pid),
-            local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
-        await self.rpc.add_handler(REACH_RPC, helper.handle)
-
-    async def _check_reachability(self) -> None:
-        helpers = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m]
-        helpers = [h for h in helpers if h != self.my_id]
-        try:
-            ok, message = await self._reach(helpers)
-        except Exception as e:  # the check is advice; it must never stop the peer
-            ok, message = None, f"reachability could not be checked: {e!r}"
-        if (wrong := self.run_guard.error()) is not None:  # ...but a swarm of another run must
-            raise wrong
-        if ok is False:
-            self.reachable = False
-            self.metrics.warn(message)
-            logger.warning("%s", message)
+    async def _start_network(self, *, rejoin: bool = False) -> None:
+        if rejoin:
+            await self.net.rejoin_through_relay()
         else:
-            logger.info("reachability: %s", message)
-
-    async def _reach(self, helpers: list[str]) -> tuple[bool | None, str]:
-        call = self.run_guard.wrap(lambda pid, name, msg, timeout: self.send(pid, name, msg, timeout=timeout))
-        return await check_reachable(
-            call=call, helpers=helpers,
-            run_id=self.run.run_id, stage=self.cfg.stage or 0, my_id=self.my_id,
-            maddrs=list(self.cfg.announce_maddrs) or self.maddrs, timeout_s=self.cfg.reachability_timeout_s)
-
-    async def refresh_swarm(self) -> dict[str, PeerRecord]:
-        records = await fetch_swarm(self.dht, self.run.run_id, timeout=self.cfg.dht_timeout_s)
-        if records or not self.swarm:
-            self.swarm = records
-        per_stage: dict[int, int] = {s: 0 for s in range(self.run.n_stages)}
-        for r in self.swarm.values():
-            per_stage[r.stage] = per_stage.get(r.stage, 0) + 1
-        self.metrics.set_swarm(per_stage)
-        self.metrics.swarm_progress = self.progress.update(from_records(self.swarm.values()))
-        self.router.forget(self.swarm)
-        return self.swarm
+            await self.net.start()
+        assert self.net.rpc is not None
+        self.handlers = StageHandlers(self.net.rpc, self._not_ready)
 
     async def _choose_stage(self) -> int:
         if self.cfg.stage is not None:
@@ -271,14 +207,13 @@ class Daemon:
         return PeerRecord(peer_id=self.my_id, stage=self.stage or 0, throughput=float(thr),
                           queue=self.pipe.queued() if self.pipe else 0,
                           version=int(self.worker.local_step) if self.worker is not None else 0, state=state,
-                          maddrs=self.maddrs, reachable=self.reachable,
+                          maddrs=self.net.maddrs, reachable=self.net.reachable,
                           tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss,
                           tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss,
                           **spare_fields(self.spares.info))
 
     async def announce(self, state: str | None = None) -> None:
-        await announce(self.dht, self.run.run_id, self.record(state or self.metrics.state), self.cfg.record_ttl_s,
-                       signer=self.signer, credential=self.gate.credential)
+        await self.net.announce(self.record(state or self.metrics.state))
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -388,11 +323,8 @@ class Daemon:
                 except StatusServerError as e:
                     status = None
                     raise DaemonError(str(e)) from None
-            await self._start_dht()
-            await self._start_rpc()
-            assert self.rpc is not None
-            self.handlers = StageHandlers(self.rpc, self._not_ready)
-            self._print_join_hint()
+            await self._start_network()
+            self.net.print_join_hint()
             if self.cfg.checkpoint_dir is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.ledger.load, self.cfg.checkpoint_dir)
                 await asyncio.get_running_loop().run_in_executor(None, self.spares.scan)
@@ -413,27 +345,10 @@ class Daemon:
         return 0
 
     async def _take_a_stage(self) -> None:
-        await self._check_reachability()
-        if needs_relay_restart(self.cfg.relay, self.reachable, self.through_relay):
-            await self._rejoin_through_relay()
+        await self.net.check_reachability()
+        if needs_relay_restart(self.cfg.relay, self.net.reachable, self.net.through_relay):
+            await self._start_network(rejoin=True)
         await self._enter_stage(await self._choose_stage())
-
-    async def _rejoin_through_relay(self) -> None:
-        """--relay auto found us unreachable: start the DHT again listening through a relay, before any stage or
-        record exists (the peer id stays; its handlers are registered on the new p2pd)."""
-        logger.warning("other peers cannot connect to this peer: joining again through a relay (--relay auto)")
-        assert self.rpc is not None and self.dht is not None
-        await self.rpc.shutdown()
-        await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
-        self.dht = self.p2p = self.rpc = None
-        self.through_relay = True
-        await self._start_dht(rejoin=True)
-        await self._start_rpc()
-        assert self.rpc is not None
-        self.handlers = StageHandlers(self.rpc, self._not_ready)
-        relayed = [m for m in self.maddrs if "/p2p-circuit" in m]
-        self.metrics.warn(f"reachable only through a relay: {relayed[0]}" if relayed else
-                          "listening through a relay, but no relay slot was reserved yet")
 
     async def _unless_stopped(self, work: Awaitable[None]) -> None:
         """Run a start-up phase, abandoned at once if the peer is asked to stop (SIGTERM, Ctrl-C) meanwhile."""
@@ -458,16 +373,6 @@ class Daemon:
                     self.cfg.drain_timeout_s)
         self.exit_reason = sig.name
         self.stop.set()
-
-    def _print_join_hint(self) -> None:
-        addrs = [m for m in self.maddrs if "/p2p/" in m] or self.maddrs
-        if not self.cfg.initial_peers:
-            run_flag = "" if self.run.run_id == RunConfig.default().run_id else "--run <the same run file> "
-            logger.info("started a new swarm for run %s (%s). Others join it with:\n  asyncmesh-peer join "
-                        "--stage auto %s--initial-peers %s", self.run.name, self.run.run_id, run_flag,
-                        " ".join(addrs[:2]))
-        else:
-            logger.info("joined the swarm of run %s (%s) as %s", self.run.name, self.run.run_id, self.my_id)
 
     async def _serve(self) -> None:
         """Wait until stopped: by a signal, by max_steps, or because stage 0's driver finished."""
@@ -503,18 +408,13 @@ class Daemon:
             await self._settle_samples()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
-                    await withdraw(self.dht, self.run.run_id, self.record("stopped"), self.cfg.record_ttl_s,
-                                   signer=self.signer, credential=self.gate.credential)
+                    await self.net.withdraw(self.record("stopped"))
         finally:
             self.metrics.state = "stopped"
-            if self.rpc is not None:  # stop taking streams before the P2P daemon goes away under them
-                with contextlib.suppress(Exception):
-                    await self.rpc.shutdown()
             self.write_summary()
             if status is not None:
                 await status.stop()
-            if self.dht is not None:
-                await asyncio.get_running_loop().run_in_executor(None, stop_dht, self.dht)
+            await self.net.close()
             self.executor.shutdown(wait=True, cancel_futures=True)
 
     async def _settle_samples(self) -> None:

@@ -3,6 +3,8 @@ is being loaded from a donor that does not answer. The peer exits within 5 s eit
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 
@@ -51,3 +53,44 @@ def test_sigterm_while_loading_state_from_a_silent_donor_stops_at_once(swarm):  
         assert not (c.dir / "ckpt" / "stage-1.pt").exists()  # an unloaded worker is never checkpointed
     finally:
         b.signal(signal.SIGCONT)
+
+
+@pytest.mark.timeout(60)
+def test_a_tool_killed_with_sigterm_unwinds_and_reaps_its_children(tmp_path):
+    """The benchmark tools start peers and reap them in ``finally``; Python's default SIGTERM would skip that and
+    leave the peers running (orphans of a killed benchmark). ``unwind_on_sigterm`` makes SIGTERM unwind."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tool.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "from peer.ops.procs import terminate, unwind_on_sigterm\n"
+        "unwind_on_sigterm()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
+        "try:\n"
+        "    time.sleep(120)\n"
+        "finally:\n"
+        "    terminate([child], 5.0)\n"
+        f"    open({str(tmp_path / 'reaped')!r}, 'w').write('yes')\n")
+    tool = subprocess.Popen([sys.executable, str(script)])
+    try:
+        pid_file = tmp_path / "child.pid"
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        tool.send_signal(signal.SIGTERM)
+        tool.wait(20)
+        assert (tmp_path / "reaped").read_text() == "yes"
+        assert not Path(f"/proc/{child}").exists() or "zombie" in Path(f"/proc/{child}/status").read_text().lower()
+    finally:
+        if tool.poll() is None:
+            tool.kill()
+            tool.wait()
+        if (tmp_path / "child.pid").exists():  # reaped by the tool unless the test failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int((tmp_path / "child.pid").read_text()), signal.SIGKILL)

@@ -51,7 +51,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.ops.procs import PeerProcess, descendants, free_port, join_command, terminate  # noqa: E402
+from peer.ops.procs import PeerProcess, descendants, free_port, join_command, terminate, unwind_on_sigterm  # noqa: E402
 
 logger = logging.getLogger("bench_churn")
 REPO = Path(__file__).resolve().parent.parent
@@ -322,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through Swarm.close: reap every peer
+    unwind_on_sigterm()  # unwind through Swarm.close: reap every peer
     with tempfile.TemporaryDirectory(prefix="bench_churn.") as tmp:
         root = args.workdir or Path(tmp)
         runs = {}

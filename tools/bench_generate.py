@@ -45,7 +45,15 @@ from hivemind import DHT  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 
 from peer.membership.records import fetch_swarm, record_validator  # noqa: E402
-from peer.ops.procs import PeerProcess, cpu_seconds, descendants, free_port, join_command, terminate  # noqa: E402
+from peer.ops.procs import (  # noqa: E402
+    PeerProcess,
+    cpu_seconds,
+    descendants,
+    free_port,
+    join_command,
+    terminate,
+    unwind_on_sigterm,
+)
 from peer.pipeline.infer import INFER_RPC  # noqa: E402
 from peer.pipeline.remote import RemotePipeline, rpc_call  # noqa: E402
 from peer.pipeline.sizes import infer_message_bytes  # noqa: E402
@@ -214,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
     args = p.parse_args(argv)
+    unwind_on_sigterm()  # SIGTERM unwinds through the finally that reaps both peers
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-generate-"))
     peers: list[PeerProcess] = []
     load = [Path("/proc/loadavg").read_text().split()[:3]]

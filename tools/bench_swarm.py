@@ -48,7 +48,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools.wan` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command  # noqa: E402
+from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command, unwind_on_sigterm  # noqa: E402
 from tools.bench_report import (  # noqa: F401 - re-exported: the figures belong to this tool
     active_rate,
     bytes_per_token,
@@ -58,7 +58,7 @@ from tools.bench_report import (  # noqa: F401 - re-exported: the figures belong
     stalled_seconds,
     window_tokens_per_s,
 )
-from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, check_available, install_signal_handlers
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, check_available
 
 logger = logging.getLogger("bench_swarm")
 
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    install_signal_handlers()
+    unwind_on_sigterm()
     from trainer.config import RunConfig
 
     run = RunConfig.from_toml(args.run)

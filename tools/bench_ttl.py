@@ -44,9 +44,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.bench_swarm import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
 from tools.bench_swarm import plan as swarm_plan  # noqa: E402
-from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig, install_signal_handlers  # noqa: E402
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig  # noqa: E402
 
 logger = logging.getLogger("bench_ttl")
 
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                                         args.device)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    install_signal_handlers()
+    unwind_on_sigterm()
     from trainer.config import RunConfig
     from trainer.data import corpus_identity, load_corpus
 

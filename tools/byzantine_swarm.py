@@ -52,6 +52,7 @@ from peer.ops.procs import (  # noqa: E402
     join_command,
     p2p_maddrs,
     terminate,
+    unwind_on_sigterm,
 )
 from trainer.attacks import ATTACKS  # noqa: E402
 from trainer.robust import AGGREGATORS  # noqa: E402
@@ -302,6 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    unwind_on_sigterm()  # SIGTERM unwinds through run_swarm's finally: every peer is reaped
     swarms = plan(args.grid, args.attacks, args.controls)
     out: dict[str, Any] = {"tool": "tools/byzantine_swarm.py", "argv": sys.argv[1:] if argv is None else argv,
                            "aggregator": args.aggregator, "train_s": args.train_s, "machine": machine(),

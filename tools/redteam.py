@@ -47,7 +47,7 @@ from hivemind.utils import get_dht_time  # noqa: E402
 
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, swarm_key  # noqa: E402
 from peer.membership.signing import Signer, seal  # noqa: E402
-from peer.ops.procs import PeerProcess, free_port, join_command, terminate  # noqa: E402
+from peer.ops.procs import PeerProcess, free_port, join_command, terminate, unwind_on_sigterm  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
@@ -407,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown attacks {sorted(unknown)}; known: {', '.join(ATTACKS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    unwind_on_sigterm()  # SIGTERM unwinds through the finally blocks that reap the swarm
     root = Path(args.workdir or tempfile.mkdtemp(prefix="redteam-"))
     peers: list[PeerProcess] = []
     try:

@@ -9,7 +9,7 @@ rate cap with a bounded queue and optional loss, counting every packet it forwar
 
 ``Wan`` is a context manager that owns everything it starts: the namespaces (named ``<prefix><pid>-<i>``, so a run
 never touches namespaces it did not create), the emulator process and every command started with ``popen``. Leaving the
-``with`` block -- normally, on an exception or on Ctrl-C/SIGTERM (``install_signal_handlers``) -- terminates the
+``with`` block -- normally, on an exception or on Ctrl-C/SIGTERM (``unwind_on_sigterm``) -- terminates the
 commands (SIGTERM, then SIGKILL after ``stop_timeout_s``), kills anything still inside the namespaces, stops the
 emulator with SIGTERM (its last line, the packet counters, is kept: ``counters()``), reaps all of them and deletes the
 namespaces. ``LocalNet`` has the same interface on loopback.
@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 if __package__ in (None, ""):  # run as a script: make the packages importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.ops.procs import terminate  # noqa: E402 - one place reaps child processes
+from peer.ops.procs import terminate, unwind_on_sigterm  # noqa: E402 - one place reaps child processes
 
 logger = logging.getLogger(__name__)
 
@@ -429,13 +429,6 @@ def parse_emulator_line(line: str) -> tuple[str | None, dict[str, Any] | None]:
     return None, None
 
 
-def install_signal_handlers() -> None:
-    """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt), so ``with Wan(...)`` blocks clean up on both."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, handler)
-
-
 def clean_leftovers(prefix: str = "amb-") -> list[str]:
     """Delete namespaces named ``<prefix><pid>-<i>`` whose creating process no longer runs; returns their names."""
     res = _ip("netns", "list")
@@ -475,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         removed = clean_leftovers(args.prefix)
         print(f"deleted {len(removed)} leftover namespaces: {' '.join(removed) or '-'}")
         return 0
-    install_signal_handlers()
+    unwind_on_sigterm()
     try:
         with Wan(WanConfig(n=max(2, args.n), delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, loss=args.loss,
                            emulator=args.emulator)) as wan:

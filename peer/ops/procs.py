@@ -43,6 +43,21 @@ lab tools (short timers, no rebalancing, no periodic checkpoints, an evaluation 
 StatusFetch = Callable[["PeerProcess"], "dict[str, Any] | None"]
 
 
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt) in this process, so that the ``finally`` blocks and
+    ``with`` blocks of a tool that started peers reap them on both (Python's default SIGTERM ends the process at
+    once and leaves its children running). A no-op outside the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class PeerProcessError(RuntimeError):
     """A child peer exited or did not reach a state in time; the message ends with its log tail."""
 
