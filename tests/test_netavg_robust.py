@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_netavg_rounds import RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
 
-from peer.averaging.aggregate import robust_combine
+from peer.averaging.aggregate import PairRadius, robust_combine
 from peer.averaging.loop import next_round
 from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
@@ -123,16 +123,54 @@ def test_robust_combine_bounds_one_in_four_and_two_in_eight(attack: str, aggrega
     for n_honest, n_bad in ((3, 1), (6, 2)):
         parts, workers = _contributions(n_honest, attack, n_bad)
         others = {k: v for k, v in parts.items() if k != "h0"}
-        values, dropped = robust_combine("h0", parts["h0"], others, cfg, outlier_factor=4.0, outlier_rms=0.01)
+        values, dropped, _ = robust_combine("h0", parts["h0"], others, cfg, outlier_factor=4.0, outlier_rms=0.01)
         assert not any(d.startswith("h") for d in dropped)
         if attack in ("zeros", "scale", "signflip"):
             assert sorted(dropped) == [f"z{k}" for k in range(n_bad)]
         for j in range(len(SHAPES)):
             assert _rel(values[j], _honest_mean(workers, j)) < 0.15, (attack, n_honest, n_bad, j)
-        plain, _ = robust_combine("h0", parts["h0"], others, AveragingConfig(aggregator="mean"),
-                                  outlier_factor=1e9, outlier_rms=1e9)
+        plain, _, _ = robust_combine("h0", parts["h0"], others, AveragingConfig(aggregator="mean"),
+                                     outlier_factor=1e9, outlier_rms=1e9)
         if attack in ("scale", "signflip", "zeros"):
             assert _rel(plain[0], _honest_mean(workers, 0)) > 0.2  # what the unprotected mean would have done
+
+
+@pytest.mark.parametrize("attack", ["zeros", "scale", "signflip", "noise"])
+def test_a_lone_partner_moves_us_no_farther_than_recent_honest_partners(attack: str):
+    """A round where only one partner's part arrived cannot tell a liar apart; its pull is bounded by the distances
+    of the partners kept in recent rounds of three or more. Without the bound a zero part halves our values."""
+    cfg = AveragingConfig(aggregator="trimmed")
+    radius = PairRadius(factor=2.0, floor_rms=0.01)
+    parts, workers = _contributions(3, attack, 1)
+    own = parts["h0"]
+    for _ in range(5):  # rounds of four: honest partners' distances are remembered, the attacker's part dropped
+        _, dropped, clipped = robust_combine("h0", own, {k: v for k, v in parts.items() if k != "h0"}, cfg,
+                                             outlier_factor=4.0, outlier_rms=0.01, pair_radius=radius)
+        assert not clipped and (dropped == ["z0"] or attack == "noise")
+    honest_pull = max(float((parts["h1"][j] - own[j]).norm()) for j in range(len(SHAPES)))
+    # a round where only the attacker answered
+    values, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01,
+                                        pair_radius=radius)
+    assert clipped
+    for j in range(len(SHAPES)):
+        limit = radius.radius(j, own[j].numel())
+        assert limit is not None and float((values[j] - own[j]).norm()) <= limit / 2 + 1e-5
+        assert float((values[j] - own[j]).norm()) <= 1.5 * honest_pull
+    unbounded, _, _ = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
+    assert float((unbounded[0] - own[0]).norm()) > 2 * float((values[0] - own[0]).norm())
+    # an honest lone partner, inside the radius, is averaged as it is
+    honest_pair, _, clipped = robust_combine("h0", own, {"h1": parts["h1"]}, cfg, outlier_factor=4.0,
+                                             outlier_rms=0.01, pair_radius=radius)
+    assert not clipped
+    for j in range(len(SHAPES)):
+        assert torch.allclose(honest_pair[j], (own[j] + parts["h1"][j]) / 2)
+    # the plain mean claims no robustness and is left alone; a stage of two has no history and averages in pairs
+    _, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, AveragingConfig(aggregator="mean"),
+                                   outlier_factor=4.0, outlier_rms=0.01, pair_radius=radius)
+    assert not clipped
+    _, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01,
+                                   pair_radius=PairRadius())
+    assert not clipped
 
 
 @pytest.mark.timeout(30)

@@ -190,8 +190,8 @@ def test_same_stage_peers_and_the_mean_are_order_independent():
     assert same_stage_peers(records, 0, "me") == ["a", "b"]
     x = [[torch.randn(100) for _ in range(2)] for _ in range(3)]
     cfg = AveragingConfig(aggregator="mean")
-    m1, _ = robust_combine("p1", x[0], {"p2": x[1], "p3": x[2]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
-    m2, _ = robust_combine("p3", x[2], {"p2": x[1], "p1": x[0]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
+    m1, _, _ = robust_combine("p1", x[0], {"p2": x[1], "p3": x[2]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
+    m2, _, _ = robust_combine("p3", x[2], {"p2": x[1], "p1": x[0]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
     for a, b, j in zip(m1, m2, range(2), strict=True):
         assert torch.equal(a, b)  # bit-identical whoever computes it
         torch.testing.assert_close(a, (x[0][j] + x[1][j] + x[2][j]) / 3)

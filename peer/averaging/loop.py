@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.averaging.aggregate import robust_combine
+from peer.averaging.aggregate import PairRadius, robust_combine
 from peer.averaging.byzantine import Attacker
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
@@ -192,6 +192,7 @@ class AveragingLoop:
         self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
+        self.pair_radius = PairRadius(self.config.pair_clip_factor, self.config.outlier_rms)  # bounds a lone partner
         self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
@@ -413,13 +414,16 @@ class AveragingLoop:
 
     async def _combine(self, slot: Slot) -> tuple[list[torch.Tensor], int]:
         """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
-        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+        mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
-                                         outlier_rms=self.config.outlier_rms))
+                                         outlier_rms=self.config.outlier_rms, pair_radius=self.pair_radius))
         for peer in dropped:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
+        if clipped:
+            self.metrics.inc("avg_pair_clipped")
+            logger.debug("round %d: the one partner part pulled farther than recent partners: clipped", slot.key)
         return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:

@@ -149,7 +149,7 @@ class SyncAverager:
         for peer in slot.contributions.keys() - members.keys():
             self.metrics.inc("rejected:avg_not_member")
             logger.debug("step %d: part of %s ignored: not an announced replica of this stage", step, short_id(peer))
-        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+        mean, dropped, _ = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, members, self._mean,
                                          outlier_factor=self.config.outlier_factor,
                                          outlier_rms=self.config.outlier_rms))
