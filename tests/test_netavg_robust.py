@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_netavg_rounds import RUN, SHAPES, FakeWorker, MemTransport, _make_peer, _run_rounds, aio
 
-from peer.averaging.aggregate import PairRadius, robust_combine
+from peer.averaging.aggregate import robust_combine
 from peer.averaging.loop import next_round
 from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
@@ -136,41 +136,57 @@ def test_robust_combine_bounds_one_in_four_and_two_in_eight(attack: str, aggrega
 
 
 @pytest.mark.parametrize("attack", ["zeros", "scale", "signflip", "noise"])
-def test_a_lone_partner_moves_us_no_farther_than_recent_honest_partners(attack: str):
-    """A round where only one partner's part arrived cannot tell a liar apart; its pull is bounded by the distances
-    of the partners kept in recent rounds of three or more. Without the bound a zero part halves our values."""
+def test_a_lone_partner_is_clipped_to_a_twentieth_of_our_norm(attack: str):
+    """A round where only one of the partners asked sent its part cannot tell a liar apart: its pull is bounded.
+    Without the bound a zero part halves our values."""
     cfg = AveragingConfig(aggregator="trimmed")
-    radius = PairRadius(factor=2.0, floor_rms=0.01)
-    parts, workers = _contributions(3, attack, 1)
+    parts, _ = _contributions(3, attack, 1)
     own = parts["h0"]
-    for _ in range(5):  # rounds of four: honest partners' distances are remembered, the attacker's part dropped
-        _, dropped, clipped = robust_combine("h0", own, {k: v for k, v in parts.items() if k != "h0"}, cfg,
-                                             outlier_factor=4.0, outlier_rms=0.01, pair_radius=radius)
-        assert not clipped and (dropped == ["z0"] or attack == "noise")
-    honest_pull = max(float((parts["h1"][j] - own[j]).norm()) for j in range(len(SHAPES)))
-    # a round where only the attacker answered
     values, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01,
-                                        pair_radius=radius)
+                                        lone_bound=0.05, asked=3)
     assert clipped
     for j in range(len(SHAPES)):
-        limit = radius.radius(j, own[j].numel())
-        assert limit is not None and float((values[j] - own[j]).norm()) <= limit / 2 + 1e-5
-        assert float((values[j] - own[j]).norm()) <= 1.5 * honest_pull
+        assert float((values[j] - own[j]).norm()) <= 0.025 * float(own[j].norm()) + 1e-5
     unbounded, _, _ = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01)
-    assert float((unbounded[0] - own[0]).norm()) > 2 * float((values[0] - own[0]).norm())
-    # an honest lone partner, inside the radius, is averaged as it is
-    honest_pair, _, clipped = robust_combine("h0", own, {"h1": parts["h1"]}, cfg, outlier_factor=4.0,
-                                             outlier_rms=0.01, pair_radius=radius)
-    assert not clipped
-    for j in range(len(SHAPES)):
-        assert torch.allclose(honest_pair[j], (own[j] + parts["h1"][j]) / 2)
-    # the plain mean claims no robustness and is left alone; a stage of two has no history and averages in pairs
-    _, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, AveragingConfig(aggregator="mean"),
-                                   outlier_factor=4.0, outlier_rms=0.01, pair_radius=radius)
-    assert not clipped
+    assert float((unbounded[0] - own[0]).norm()) > 0.05 * float(own[0].norm())
+    # a pair by design (a stage of two, a WAGMA pair: one partner asked) is averaged as it is
     _, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, cfg, outlier_factor=4.0, outlier_rms=0.01,
-                                   pair_radius=PairRadius())
+                                   lone_bound=0.05, asked=1)
     assert not clipped
+    # the plain mean claims no robustness and is left alone
+    _, _, clipped = robust_combine("h0", own, {"z0": parts["z0"]}, AveragingConfig(aggregator="mean"),
+                                   outlier_factor=4.0, outlier_rms=0.01, lone_bound=0.05, asked=3)
+    assert not clipped
+    # an honest partner closer than the bound is averaged as it is
+    near = [o + 0.01 * o.norm() / o.numel() ** 0.5 * torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+            for o in own]
+    pair, _, clipped = robust_combine("h0", own, {"h1": near}, cfg, outlier_factor=4.0, outlier_rms=0.01,
+                                      lone_bound=0.05, asked=3)
+    assert not clipped and all(torch.allclose(pair[j], (own[j] + near[j]) / 2) for j in range(len(SHAPES)))
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_lone_partner_is_refused_while_the_stage_recently_reached_three():
+    net, names = MemTransport(), ["p0", "p1", "x"]
+    workers = [FakeWorker(i, drift=0.02) for i in range(3)]
+    peers = [_make_peer(net, n, w, names, attack="zeros" if n == "x" else "")
+             for n, w in zip(names, workers, strict=True)]
+    for loop, _ in peers:
+        await loop.start()
+    try:
+        await asyncio.sleep(2.6)  # rounds of three: the zero part is dropped
+        assert all(w.finished for w in workers[:2])
+        net.down.add("p1")  # now p0 hears only from the attacker
+        await asyncio.sleep(1.0)  # a round already under way may still finish with p1's part
+        before = dict(workers[0].finished)
+        await asyncio.sleep(2.6)
+    finally:
+        for loop, _ in peers:
+            await loop.stop()
+    counters = peers[0][1].snapshot()["counters"]
+    assert counters.get("avg_lone_refused", 0) >= 1, counters
+    assert set(workers[0].finished) == set(before), "no round with the lone attacker may be applied"
 
 
 @pytest.mark.timeout(30)

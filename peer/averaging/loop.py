@@ -28,8 +28,13 @@ answered, it combines its own part and every *validated* part that arrived (``pe
 the robust centre dropped, then the run's aggregator, one equal weight per peer id), and hands the result to
 ``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
 since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``. A
-round with no valid partner part is aborted (``averaging_abort``): weights untouched. A peer that is asked for a round
-it has not begun yet begins it on demand, so a joiner that the others already see takes part at once.
+round with no valid partner part is aborted (``averaging_abort``): weights untouched. With a robust aggregator, so is
+a round where only one of two or more partners asked sent a valid part while the stage applied a round of three or
+more contributions in the last ``lone_recent_s`` (``avg_lone_refused``): between two parts nothing tells the liar, so
+a partner that alone answers must not pull our values where it likes; without such a recent round (a third peer is
+announced but silent) the lone part's pull is clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
+asked for a round it has not begun yet begins it on demand, so a joiner that the others already see takes part at
+once.
 
 **Who takes part.** Only announced peers of the stage: a part from a peer id that is not in our view of the DHT
 (same stage, state 'training') is refused (UNAUTHORIZED, ``rejected:avg_not_member``) after at most one re-read of the
@@ -76,7 +81,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.averaging.aggregate import PairRadius, robust_combine
+from peer.averaging.aggregate import robust_combine
 from peer.averaging.byzantine import Attacker
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
@@ -192,7 +197,7 @@ class AveragingLoop:
         self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
-        self.pair_radius = PairRadius(self.config.pair_clip_factor, self.config.outlier_rms)  # bounds a lone partner
+        self._group_at = -math.inf  # clock() of the last round applied with three or more contributions
         self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
@@ -374,14 +379,15 @@ class AveragingLoop:
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
-            if not slot.contributions:
-                logger.debug("round %d: no partner part arrived (asked %d peers); aborted", r, len(peers))
+            if not slot.contributions or self._lone_refused(len(slot.contributions), len(peers)):
+                logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
+                             len(peers))
                 await self._abort(r)
                 begun = False
                 self.metrics.observe_round(ok=False)
                 self._pay(-1)
                 return
-            mean, group = await self._combine(slot)
+            mean, group = await self._combine(slot, asked=len(peers))
             finish = self._finisher(r, mean, group)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
@@ -408,22 +414,35 @@ class AveragingLoop:
             if begun:
                 await self._abort(r)
 
+    def _lone_refused(self, arrived: int, asked: int) -> bool:
+        """A round with one partner's part of two or more asked, in a stage that recently reached three
+        contributions: not applied (the module docstring, "A round"), counted as ``avg_lone_refused``."""
+        if self.run.averaging.aggregator == "mean" or arrived != 1 or asked < 2 \
+                or self.clock() - self._group_at > self.config.lone_recent_s:
+            return False
+        self.metrics.inc("avg_lone_refused")
+        return True
+
     def _round_fraction(self) -> float:
         """Fraction of every tensor a round averages ('wagma' averages whole tensors)."""
         return 1.0 if self.run.averaging.rule == "wagma" else self.run.averaging.round_fraction
 
-    async def _combine(self, slot: Slot) -> tuple[list[torch.Tensor], int]:
+    async def _combine(self, slot: Slot, *, asked: int) -> tuple[list[torch.Tensor], int]:
         """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
-                                         outlier_rms=self.config.outlier_rms, pair_radius=self.pair_radius))
+                                         outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound,
+                                         asked=asked))
         for peer in dropped:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
         if clipped:
             self.metrics.inc("avg_pair_clipped")
-            logger.debug("round %d: the one partner part pulled farther than recent partners: clipped", slot.key)
+            logger.debug("round %d: the one partner part pulled farther than %.0f %% of our values: clipped", slot.key,
+                         100 * self.config.lone_bound)
+        if len(slot.contributions) >= 2:
+            self._group_at = self.clock()
         return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:
