@@ -12,12 +12,11 @@ group of colluding parts down. Here all parts of the round are looked at togethe
    parts are refused. With two, the centre is their midpoint and nothing can be told apart.
 2. **A lone partner is bounded.** With a robust aggregator, when two or more partners were asked and exactly one
    partner's part arrived, the two cannot be told apart, and the mean would let a lying partner move our values as
-   far as the distance check allows (a zero part moves them halfway to zero). ``AveragingLoop`` does not apply
-   such a round at all while its stage has recently reached three contributions; otherwise (a third peer is
-   announced but silent) the lone part's difference from ours is clipped to ``lone_bound`` x our norm per tensor
-   (5 %: honest replicas are pulled together by every round and stay closer than that), counted as
-   ``avg_pair_clipped``. A pair by design (a stage of two replicas, a WAGMA pair) is averaged as it is: one liar
-   among two is past any breakdown point.
+   far as the distance check allows (a zero part moves them halfway to zero). ``AveragingLoop`` does not apply a
+   round below its quorum while its stage reaches the quorum; otherwise (announced peers that never answer) the
+   lone part's difference from ours is clipped to ``lone_bound`` x our norm per tensor (5 %: honest replicas are
+   pulled together by every round and stay closer than that), counted as ``avg_pair_clipped``. A pair by design (a
+   stage of two replicas, a WAGMA pair) is averaged as it is: one liar among two is past any breakdown point.
 3. **Aggregate.** The remaining contributions, one per peer id (a sender-chosen weight is never read), stacked in
    sorted id order, go through ``run.averaging.aggregator`` (trainer/robust.py: 'mean', 'trimmed',
    'centered_clip'). Peers holding the same set of contributions compute the same bits (unless CenteredClip starts

@@ -29,10 +29,12 @@ the robust centre dropped, then the run's aggregator, one equal weight per peer 
 ``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
 since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``. A
 round with no valid partner part is aborted (``averaging_abort``): weights untouched. With a robust aggregator, so is
-a round where only one of two or more partners asked sent a valid part while the stage applied a round of three or
-more contributions in the last ``lone_recent_s`` (``avg_lone_refused``): between two parts nothing tells the liar, so
-a partner that alone answers must not pull our values where it likes; without such a recent round (a third peer is
-announced but silent) the lone part's pull is clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
+a round below its **quorum** while the stage reached the quorum in the last ``quorum_recent_s``
+(``avg_below_quorum``): the aggregate tolerates b liars among the m = asked + 1 replicas (``trimmed_count``: 1 of
+3-4, 2 of 5-8), which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a
+larger share of a round that the honest parts did not all reach (between two parts nothing tells the liar at all).
+Without such a recent round (announced peers that never answer) the round is applied, and a lone partner's pull is
+clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
 asked for a round it has not begun yet begins it on demand, so a joiner that the others already see takes part at
 once.
 
@@ -97,6 +99,7 @@ from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
+from trainer.robust import trimmed_count
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -197,7 +200,7 @@ class AveragingLoop:
         self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
-        self._group_at = -math.inf  # clock() of the last round applied with three or more contributions
+        self._quorum_at = -math.inf  # clock() of the last round that reached its quorum
         self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
@@ -379,7 +382,7 @@ class AveragingLoop:
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
-            if not slot.contributions or self._lone_refused(len(slot.contributions), len(peers)):
+            if not slot.contributions or self._below_quorum(len(slot.contributions), len(peers)):
                 logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
                              len(peers))
                 await self._abort(r)
@@ -414,13 +417,24 @@ class AveragingLoop:
             if begun:
                 await self._abort(r)
 
-    def _lone_refused(self, arrived: int, asked: int) -> bool:
-        """A round with one partner's part of two or more asked, in a stage that recently reached three
-        contributions: not applied (the module docstring, "A round"), counted as ``avg_lone_refused``."""
-        if self.run.averaging.aggregator == "mean" or arrived != 1 or asked < 2 \
-                or self.clock() - self._group_at > self.config.lone_recent_s:
+    def quorum(self, asked: int) -> int:
+        """Contributions (ours included) a round needs when ``asked`` partners were asked: 2b + 1, b = the liars the
+        robust aggregate tolerates among the asked and us (``trimmed_count``: 1 of 3-4, 2 of 5-8, 0 of 2), so that
+        liars who always answer cannot be more than b of a round that others did not all reach."""
+        if self.run.averaging.aggregator == "mean":
+            return 2
+        return 2 * trimmed_count(asked + 1, self.run.averaging.trim) + 1
+
+    def _below_quorum(self, arrived: int, asked: int) -> bool:
+        """Too few parts for the quorum while the stage reached it in the last ``quorum_recent_s``: not applied
+        (the module docstring, "A round"), counted as ``avg_below_quorum``. Without such a recent round (announced
+        peers that never answer) it is applied, a lone partner bounded (``lone_bound``)."""
+        if arrived + 1 >= self.quorum(asked):
+            self._quorum_at = self.clock()
             return False
-        self.metrics.inc("avg_lone_refused")
+        if self.clock() - self._quorum_at > self.config.quorum_recent_s:
+            return False
+        self.metrics.inc("avg_below_quorum")
         return True
 
     def _round_fraction(self) -> float:
@@ -441,8 +455,6 @@ class AveragingLoop:
             self.metrics.inc("avg_pair_clipped")
             logger.debug("round %d: the one partner part pulled farther than %.0f %% of our values: clipped", slot.key,
                          100 * self.config.lone_bound)
-        if len(slot.contributions) >= 2:
-            self._group_at = self.clock()
         return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:
