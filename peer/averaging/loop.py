@@ -447,14 +447,19 @@ class AveragingLoop:
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
                                          outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound,
-                                         asked=asked))
+                                         asked=asked, quorum=self.quorum(asked)))
         for peer in dropped:
+            if peer == self.me:
+                self.metrics.inc("avg_self_outlier")
+                logger.info("round %d: our own slice was far from the robust centre of %d parts: it takes the "
+                            "others' aggregate", slot.key, len(slot.contributions) + 1)
+                continue
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
         if clipped:
             self.metrics.inc("avg_pair_clipped")
-            logger.debug("round %d: the one partner part pulled farther than %.0f %% of our values: clipped", slot.key,
-                         100 * self.config.lone_bound)
+            logger.debug("round %d: the one partner part pulled farther than %s of our values' norm: clipped",
+                         slot.key, self.config.lone_bound)
         return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:
