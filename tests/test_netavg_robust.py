@@ -168,7 +168,7 @@ def test_a_lone_partner_is_clipped_to_a_twentieth_of_our_norm(attack: str):
 
 @pytest.mark.timeout(30)
 @aio
-async def test_a_lone_partner_is_refused_while_the_stage_recently_reached_three():
+async def test_a_lone_partner_is_refused_while_another_replica_answered_recently():
     net, names = MemTransport(), ["p0", "p1", "x"]
     workers = [FakeWorker(i, drift=0.02) for i in range(3)]
     peers = [_make_peer(net, n, w, names, attack="zeros" if n == "x" else "")
@@ -274,3 +274,18 @@ def test_a_replica_whose_own_slice_is_the_outlier_of_a_quorum_round_takes_the_ot
     _, dropped, _ = robust_combine("h0", parts["h0"], {k: v for k, v in parts.items() if k != "h0"}, cfg,
                                    outlier_factor=4.0, outlier_rms=0.01, quorum=5)
     assert dropped == ["z0"]
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_an_announced_replica_that_never_answers_does_not_stop_the_others_averaging():
+    """Only partners heard from recently set the quorum: a silent sybil in the view leaves the honest pair a
+    quorum of two (their mean), where counting it would ask for three and refuse every round."""
+    net, names = MemTransport(), ["p0", "p1", "silent"]
+    workers = [FakeWorker(i, drift=0.02) for i in range(2)]
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names[:2], workers, strict=True)]
+    net.down.add("silent")
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    assert workers[0].finished and workers[1].finished
+    for _, metrics in peers:
+        assert metrics.snapshot()["counters"].get("avg_below_quorum", 0) == 0

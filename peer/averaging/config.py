@@ -34,11 +34,11 @@ class NetAveragingConfig:
     outlier_rms: float = 0.01
     """Absolute allowance per coordinate (rms) of the outlier check; lets parts that differ by codec noise through."""
     quorum_recent_s: float = 60.0
-    """Robust aggregators: a round with fewer contributions than its quorum (2b + 1, b the liars tolerated) is not
-    applied if a round reached its quorum within this many seconds."""
+    """Robust aggregators: a round needs 2b + 1 contributions, b the liars tolerated among the partners that sent a
+    valid part within this many seconds (0: only those of the round itself count)."""
     lone_bound: float | None = 0.05
-    """...otherwise it is, and a lone partner's difference from ours is clipped to this times our norm, per tensor
-    (None: not clipped; for tests of the exchange itself)."""
+    """A round of two that passes (robust aggregators, two or more asked): the lone partner's difference from ours is
+    clipped to this times our norm, per tensor (None: not clipped; for tests of the exchange itself)."""
     member_refresh_s: float = 2.0
     """A part from a peer not in our DHT view re-reads the view at most this often before it is refused."""
     sync_timeout_s: float = 60.0

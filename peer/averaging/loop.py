@@ -29,12 +29,12 @@ the robust centre dropped, then the run's aggregator, one equal weight per peer 
 ``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
 since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``. A
 round with no valid partner part is aborted (``averaging_abort``): weights untouched. With a robust aggregator, so is
-a round below its **quorum** while the stage reached the quorum in the last ``quorum_recent_s``
-(``avg_below_quorum``): the aggregate tolerates b liars among the m = asked + 1 replicas (``trimmed_count``: 1 of
-3-4, 2 of 5-8), which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a
-larger share of a round that the honest parts did not all reach (between two parts nothing tells the liar at all).
-Without such a recent round (announced peers that never answer) the round is applied, and a lone partner's pull is
-clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
+a round below its **quorum** (``avg_below_quorum``): the aggregate tolerates b liars among the m live replicas (us
+and the partners that sent a valid part in the last ``quorum_recent_s``; ``trimmed_count``: 1 of 3-4, 2 of 5-8),
+which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a larger share of
+a round that the honest parts did not all reach (between two parts nothing tells the liar at all). Announced peers
+that never answer do not count, so they cannot stop a stage's averaging; a round of two that passes (few live
+partners) has the lone partner's pull clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
 asked for a round it has not begun yet begins it on demand, so a joiner that the others already see takes part at
 once.
 
@@ -200,7 +200,7 @@ class AveragingLoop:
         self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
-        self._quorum_at = -math.inf  # clock() of the last round that reached its quorum
+        self._heard: dict[str, float] = {}  # partner -> clock() of its last valid part (live partners set the quorum)
         self._view_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._drivers: dict[int, asyncio.Task] = {}
@@ -382,7 +382,8 @@ class AveragingLoop:
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
-            if not slot.contributions or self._below_quorum(len(slot.contributions), len(peers)):
+            need = self._round_quorum(slot, peers)
+            if not slot.contributions or self._below_quorum(len(slot.contributions), need):
                 logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
                              len(peers))
                 await self._abort(r)
@@ -390,7 +391,7 @@ class AveragingLoop:
                 self.metrics.observe_round(ok=False)
                 self._pay(-1)
                 return
-            mean, group = await self._combine(slot, asked=len(peers))
+            mean, group = await self._combine(slot, asked=len(peers), quorum=need)
             finish = self._finisher(r, mean, group)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
@@ -417,22 +418,26 @@ class AveragingLoop:
             if begun:
                 await self._abort(r)
 
-    def quorum(self, asked: int) -> int:
-        """Contributions (ours included) a round needs when ``asked`` partners were asked: 2b + 1, b = the liars the
-        robust aggregate tolerates among the asked and us (``trimmed_count``: 1 of 3-4, 2 of 5-8, 0 of 2), so that
-        liars who always answer cannot be more than b of a round that others did not all reach."""
+    def quorum(self, live: int) -> int:
+        """Contributions (ours included) a round needs when ``live`` of the partners asked sent a valid part in the
+        last ``quorum_recent_s``: 2b + 1, b = the liars the robust aggregate tolerates among them and us
+        (``trimmed_count``: 1 of 3-4, 2 of 5-8, 0 of 2), so that liars who always answer cannot be more than b of a
+        round that the others did not all reach in time. Peers that are announced but never answer do not count."""
         if self.run.averaging.aggregator == "mean":
             return 2
-        return 2 * trimmed_count(asked + 1, self.run.averaging.trim) + 1
+        return 2 * trimmed_count(live + 1, self.run.averaging.trim) + 1
 
-    def _below_quorum(self, arrived: int, asked: int) -> bool:
-        """Too few parts for the quorum while the stage reached it in the last ``quorum_recent_s``: not applied
-        (the module docstring, "A round"), counted as ``avg_below_quorum``. Without such a recent round (announced
-        peers that never answer) it is applied, a lone partner bounded (``lone_bound``)."""
-        if arrived + 1 >= self.quorum(asked):
-            self._quorum_at = self.clock()
-            return False
-        if self.clock() - self._quorum_at > self.config.quorum_recent_s:
+    def _round_quorum(self, slot: Slot, peers: list[str]) -> int:
+        now = self.clock()
+        for p in slot.contributions:
+            self._heard[p] = now
+        live = [p for p in peers if now - self._heard.get(p, -math.inf) <= self.config.quorum_recent_s]
+        return self.quorum(len(live))
+
+    def _below_quorum(self, arrived: int, need: int) -> bool:
+        """Fewer parts than the round's quorum: not applied (the module docstring, "A round"), counted as
+        ``avg_below_quorum``."""
+        if arrived + 1 >= need:
             return False
         self.metrics.inc("avg_below_quorum")
         return True
@@ -441,13 +446,13 @@ class AveragingLoop:
         """Fraction of every tensor a round averages ('wagma' averages whole tensors)."""
         return 1.0 if self.run.averaging.rule == "wagma" else self.run.averaging.round_fraction
 
-    async def _combine(self, slot: Slot, *, asked: int) -> tuple[list[torch.Tensor], int]:
+    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int]:
         """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
                                          outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound,
-                                         asked=asked, quorum=self.quorum(asked)))
+                                         asked=asked, quorum=quorum))
         for peer in dropped:
             if peer == self.me:
                 self.metrics.inc("avg_self_outlier")
