@@ -431,7 +431,8 @@ class AveragingLoop:
         now = self.clock()
         for p in slot.contributions:
             self._heard[p] = now
-        live = [p for p in peers if now - self._heard.get(p, -math.inf) <= self.config.quorum_recent_s]
+        self._heard = {p: t for p, t in self._heard.items() if now - t <= self.config.quorum_recent_s}  # bounded
+        live = [p for p in peers if p in self._heard]
         return self.quorum(len(live))
 
     def _below_quorum(self, arrived: int, need: int) -> bool:

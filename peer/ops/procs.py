@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,8 +48,6 @@ def unwind_on_sigterm() -> None:
     """Make SIGTERM behave like Ctrl-C (KeyboardInterrupt) in this process, so that the ``finally`` blocks and
     ``with`` blocks of a tool that started peers reap them on both (Python's default SIGTERM ends the process at
     once and leaves its children running). A no-op outside the main thread."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return
 
