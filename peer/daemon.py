@@ -390,7 +390,7 @@ class Daemon:
                     logger.error("the stage-0 driver failed: %r", driver_task.exception())
                 self.exit_reason = "max_steps"
                 driver = self.driver
-                self.final_val_loss = await driver.evaluate() if self.cfg.eval_batches and driver else None
+                self.final_val_loss = await driver.final_evaluate() if self.cfg.eval_batches and driver else None
                 self.stop.set()
 
     async def _shutdown(self, status: StatusServer | None) -> None:

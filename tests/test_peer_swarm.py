@@ -49,6 +49,7 @@ def test_two_by_two_swarm_trains_averages_evaluates_and_restarts_from_checkpoint
         assert s["steps"] >= STEPS
         assert s["final_loss"] < uniform - 1.0, s  # loss falls clearly (5.5 -> 3.4-4.3 on this run)
         assert s["final_val_loss"] is not None and s["final_val_loss"] < uniform - 1.0, s
+        assert s["final_val_loss_from"] == "final evaluation", s  # not an early periodic one standing in
         assert s["tokens_per_s"] > 0
     rounds_ok = sum(s["averaging_rounds_ok"] for s in sums.values())
     assert rounds_ok >= 2, sums  # each stage's replicas averaged at least once

@@ -36,6 +36,9 @@ def peer_summary(metrics: PeerMetrics, *, head: dict[str, Any], elapsed_s: float
         "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else None,
         "final_loss": sum(losses[-5:]) / len(losses[-5:]) if losses else metrics.train_loss,
         "final_val_loss": val,
+        # where final_val_loss comes from: a periodic evaluation stands in when the final one failed
+        "final_val_loss_from": ("final evaluation" if final_val_loss is not None else
+                                "latest periodic evaluation" if val is not None else None),
         "val_losses": list(driver.val_losses) if driver is not None else [],
         "samples_lost": ledger.lost, "samples_owed": len(ledger), "samples_handed_back": ledger.handed_back,
         **{k: int(counters.get(k, 0)) for k in COUNTED},

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DROP_BACKOFF_BASE_S = 0.1  # first pause after a dropped micro-batch; doubles per consecutive drop
 DROP_BACKOFF_MAX_S = 2.0  # longest pause between attempts while the next stage stays unreachable
+FINAL_EVAL_TRIES = 3  # attempts at the validation loss reported when training ends
 
 
 class Stage0Driver:
@@ -223,6 +224,19 @@ class Stage0Driver:
         self.val_losses.append(value)
         self.metrics.observe_val(value)
         return value
+
+    async def final_evaluate(self, tries: int = FINAL_EVAL_TRIES, pause_s: float = 1.0) -> float | None:
+        """The validation loss when training ends: a few tries, since the driver no longer waits for routes and a
+        next-stage peer may be banned for a moment; None when none came back."""
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(pause_s)
+            value = await self.evaluate()
+            if value is not None:
+                return value
+        logger.warning("the final evaluation failed %d times (no route to the last stage, or its losses were "
+                       "refused); the summary reports the latest periodic evaluation instead", tries)
+        return None
 
     async def eval_loop(self, every_s: float) -> None:
         while not self.stop.is_set():

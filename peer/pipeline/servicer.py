@@ -236,6 +236,10 @@ class PipelineStage:
             except ProtocolError as e:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if grad is not None and not self.guard.norm_ok("gradients", grad):
+            # the micro-batch cannot finish here: dropped now (stage 0 re-sends its sample at once) rather than held
+            # until microbatch_timeout_s. Held, its gradient stayed owed, so the router also banned the (honest)
+            # next stage as a black hole while the learnt bound caught up with early training's growing gradients.
+            self.spawn(self.drop(msg.mb_id, notify=not self.is_first))
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "a refused micro-batch carries no gradient")
