@@ -166,6 +166,36 @@ def test_a_lone_partner_is_clipped_to_a_twentieth_of_our_norm(attack: str):
     assert not clipped and all(torch.allclose(pair[j], (own[j] + near[j]) / 2) for j in range(len(SHAPES)))
 
 
+@pytest.mark.parametrize("aggregator", ["trimmed", "centered_clip"])
+def test_a_round_that_only_the_liars_reached_moves_us_a_fortieth_of_our_norm_at_most(aggregator: str):
+    """An 8-replica stage (7 partners asked) with 2 replicas sending zeros: a round of 3 (us and both liars, the
+    honest ones late) is past the breakdown point; its pull is bounded. A round of 5, the stage's quorum, is not."""
+    cfg = AveragingConfig(aggregator=aggregator)
+    parts, workers = _contributions(6, "zeros", 2)
+    own = parts["h0"]
+    liars = {k: parts[k] for k in ("z0", "z1")}
+    free, _, _ = robust_combine("h0", own, liars, cfg, outlier_factor=4.0, outlier_rms=0.01)
+    assert float((free[0] - own[0]).norm()) > 0.5 * float(own[0].norm())  # unbounded: our slice goes to zero
+    values, _, clipped = robust_combine("h0", own, liars, cfg, outlier_factor=4.0, outlier_rms=0.01,
+                                        lone_bound=0.05, asked=7)
+    assert clipped
+    for j in range(len(SHAPES)):
+        limit = 0.05 * float(own[j].norm()) + 1e-3 * own[j].numel() ** 0.5
+        assert float((values[j] - own[j]).norm()) <= limit / 2 + 1e-5
+    # the stage's quorum (5 of 8): the aggregate as it is, the liars dropped as outliers
+    full = {k: parts[k] for k in ("h1", "h2", "z0", "z1")}
+    values, dropped, clipped = robust_combine("h0", own, full, cfg, outlier_factor=4.0, outlier_rms=0.01,
+                                              lone_bound=0.05, asked=7)
+    assert not clipped and dropped == ["z0", "z1"]
+    # an honest round of 3 among 8 is averaged as it is: honest replicas are closer than the bound
+    near = {f"h{i}": [o + 0.01 * o.norm() / o.numel() ** 0.5 * torch.randn(o.shape, generator=torch.Generator()
+                                                                           .manual_seed(i)) for o in own]
+            for i in (1, 2)}
+    _, _, clipped = robust_combine("h0", own, near, cfg, outlier_factor=4.0, outlier_rms=0.01, lone_bound=0.05,
+                                   asked=7)
+    assert not clipped
+
+
 @pytest.mark.timeout(30)
 @aio
 async def test_a_lone_partner_is_refused_while_another_replica_answered_recently():

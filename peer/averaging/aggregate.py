@@ -13,13 +13,17 @@ group of colluding parts down. Here all parts of the round are looked at togethe
    instead of being mixed with it. Otherwise our own part is kept. With three or more contributions and fewer than
    half of them lying, the median and the median distance are set by honest parts, so zeros, scaled and sign-flipped
    parts are refused. With two, the centre is their midpoint and nothing can be told apart.
-2. **A lone partner is bounded.** With a robust aggregator, when two or more partners were asked and exactly one
-   partner's part arrived, the two cannot be told apart, and the mean would let a lying partner move our values as
-   far as the distance check allows (a zero part moves them halfway to zero). ``AveragingLoop`` does not apply a
-   round below its quorum while its stage reaches the quorum; otherwise (announced peers that never answer) the
-   lone part's difference from ours is clipped to ``lone_bound`` x our norm per tensor (5 %: honest replicas are
-   pulled together by every round and stay closer than that), counted as ``avg_pair_clipped``. A pair by design (a
-   stage of two replicas, a WAGMA pair) is averaged as it is: one liar among two is past any breakdown point.
+2. **A minority round is bounded.** With a robust aggregator, a round whose contributions (ours included) are fewer
+   than the stage's full quorum, 2b + 1 with b = ``trimmed_count`` of the partners asked plus us (3 of 3-4, 5 of
+   5-8), has the aggregate's pull on our values clipped per tensor to half ``lone_bound`` x our norm (a lone
+   partner's difference from ours to ``lone_bound``). Liars that always answer make a larger share of a round the
+   honest replicas did not all reach: in a real 8-replica stage with 2 sending zeros, rounds of 3 (us and both
+   liars) zeroed half of an honest replica's weights at a time and its loss went back to the init's. ``AveragingLoop``
+   refuses rounds below the quorum of the partners it *heard from* recently; this bound covers the rounds that pass
+   that quorum but not the stage's, and the announced peers that never answer (which may not stop the others'
+   averaging). Honest replicas are pulled together by every round and stay closer than the bound (5 %: a pull of
+   2.5 %), counted as ``avg_pull_clipped`` when it binds. A pair by design (a stage of two replicas, a WAGMA pair)
+   is averaged as it is: one liar among two is past any breakdown point.
 3. **Aggregate.** The remaining contributions, one per peer id (a sender-chosen weight is never read), stacked in
    sorted id order, go through ``run.averaging.aggregator`` (trainer/robust.py: 'mean', 'trimmed',
    'centered_clip'). Peers holding the same set of contributions compute the same bits (unless CenteredClip starts
@@ -33,37 +37,44 @@ import math
 import torch
 
 from trainer.config import AveragingConfig
-from trainer.robust import aggregate, outliers
+from trainer.robust import aggregate, outliers, trimmed_count
 
 LONE_FLOOR_RMS = 1e-3
 """Per-coordinate rms added to a lone partner's bound, so that zero-initialised tensors (biases) still average; about
 the int8 rounding of weights of rms 0.1 to 0.3."""
 
 
-def _bound_lone_partner(own: list[torch.Tensor], part: list[torch.Tensor], rel: float
-                        ) -> tuple[list[torch.Tensor], bool]:
-    """``part`` with each tensor's difference from ``own`` clipped to ``rel`` x our norm (plus ``LONE_FLOOR_RMS``
-    per coordinate); whether any was clipped."""
+def _bound_pull(own: list[torch.Tensor], values: list[torch.Tensor], rel: float
+                ) -> tuple[list[torch.Tensor], bool]:
+    """``values`` with each tensor's difference from ``own`` clipped to ``rel`` x our norm (plus half
+    ``LONE_FLOOR_RMS`` per coordinate); whether any was clipped."""
     out, clipped = [], False
-    for o, p in zip(own, part, strict=True):
-        limit = rel * float(o.norm()) + LONE_FLOOR_RMS * math.sqrt(max(1, o.numel()))
-        d = p - o
+    for o, v in zip(own, values, strict=True):
+        limit = rel * float(o.norm()) + LONE_FLOOR_RMS / 2 * math.sqrt(max(1, o.numel()))
+        d = v - o
         n = float(d.norm())
         if n > limit:
-            p, clipped = o + d * (limit / n), True
-        out.append(p)
+            v, clipped = o + d * (limit / n), True
+        out.append(v)
     return out, clipped
+
+
+def full_quorum(asked: int, trim: float) -> int:
+    """Contributions (ours included) of a round that all ``asked`` partners reached: 2b + 1, b the liars the
+    trimmed aggregate tolerates among them and us; 0 for a pair by design (one partner asked)."""
+    return 2 * trimmed_count(asked + 1, trim) + 1 if asked >= 2 else 0
 
 
 def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]],
                    cfg: AveragingConfig, *, outlier_factor: float, outlier_rms: float,
                    lone_bound: float | None = None, asked: int = 0, quorum: int | None = None,
                    ) -> tuple[list[torch.Tensor], list[str], bool]:
-    """(the aggregate of our values and ``parts``, the peer ids dropped as outliers, whether a lone partner's part
-    was clipped); see the module docstring. With a robust aggregator and ``lone_bound``, the part of a lone partner
-    is clipped to ``lone_bound`` x our norm when ``asked`` (the partners asked) was two or more: a pair by design (a
-    stage of two replicas, a WAGMA pair) is averaged as it is. With ``quorum`` (a round that reached it), our own
-    part is judged like the others: if it is the outlier, the others' aggregate is returned (``me`` in dropped)."""
+    """(the aggregate of our values and ``parts``, the peer ids dropped as outliers, whether the aggregate's pull was
+    clipped); see the module docstring. With a robust aggregator and ``lone_bound``, a round with fewer
+    contributions than ``full_quorum(asked)`` (``asked``: the partners asked) moves our values by at most half
+    ``lone_bound`` x our norm per tensor: a pair by design (one partner asked) is averaged as it is. With ``quorum``
+    (a round that reached it), our own part is judged like the others: if it is the outlier, the others' aggregate
+    is returned (``me`` in dropped)."""
     everyone = dict(parts)
     everyone[me] = own_values
     order = sorted(everyone)
@@ -75,14 +86,12 @@ def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, lis
     if me in dropped and (quorum is None or len(order) < max(3, quorum) or len(dropped) > (len(order) - 1) // 2):
         dropped.discard(me)  # we can be judged only by a round that reached its quorum, and by a majority
     kept = [p for p in order if p not in dropped]
-    clipped = False
-    partners = [p for p in kept if p != me]
-    if lone_bound is not None and cfg.aggregator != "mean" and len(order) == 2 and len(partners) == 1 \
-            and asked >= 2:
-        everyone[partners[0]], clipped = _bound_lone_partner(own_values, everyone[partners[0]], lone_bound)
     own = kept.index(me) if me in kept else None
     values = [aggregate(torch.stack([everyone[p][j] for p in kept]), cfg.aggregator, trim=cfg.trim,
                         clip_scale=cfg.clip_scale, clip_iters=cfg.clip_iters,
                         clip_start=cfg.clip_start if own is not None else "median", own=own)
               for j in range(len(own_values))]
+    clipped = False
+    if lone_bound is not None and cfg.aggregator != "mean" and len(order) < full_quorum(asked, cfg.trim):
+        values, clipped = _bound_pull(own_values, values, lone_bound / 2)
     return values, sorted(dropped), clipped

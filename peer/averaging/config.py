@@ -37,8 +37,9 @@ class NetAveragingConfig:
     """Robust aggregators: a round needs 2b + 1 contributions, b the liars tolerated among the partners that sent a
     valid part within this many seconds (0: only those of the round itself count)."""
     lone_bound: float | None = 0.05
-    """A round of two that passes (robust aggregators, two or more asked): the lone partner's difference from ours is
-    clipped to this times our norm, per tensor (None: not clipped; for tests of the exchange itself)."""
+    """Robust aggregators: a round with fewer contributions than the stage's full quorum (2b + 1 of the partners asked
+    and us) moves our values by at most half this times their norm, per tensor; a lone partner's difference from ours
+    is thereby clipped to this (None: not bounded; for tests of the exchange itself)."""
     member_refresh_s: float = 2.0
     """A part from a peer not in our DHT view re-reads the view at most this often before it is refused."""
     sync_timeout_s: float = 60.0

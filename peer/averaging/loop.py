@@ -33,8 +33,9 @@ a round below its **quorum** (``avg_below_quorum``): the aggregate tolerates b l
 and the partners that sent a valid part in the last ``quorum_recent_s``; ``trimmed_count``: 1 of 3-4, 2 of 5-8),
 which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a larger share of
 a round that the honest parts did not all reach (between two parts nothing tells the liar at all). Announced peers
-that never answer do not count, so they cannot stop a stage's averaging; a round of two that passes (few live
-partners) has the lone partner's pull clipped to ``lone_bound`` (5 %) of our values' norm. A peer that is
+that never answer do not count, so they cannot stop a stage's averaging; a round that passes with fewer contributions
+than the stage's full quorum (of the partners asked) moves our values by at most half ``lone_bound`` (5 %) of their
+norm (``peer.averaging.aggregate``: liars that always answer may be most of such a round). A peer that is
 asked for a round it has not begun yet begins it on demand, so a joiner that the others already see takes part at
 once.
 
@@ -463,9 +464,9 @@ class AveragingLoop:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
         if clipped:
-            self.metrics.inc("avg_pair_clipped")
-            logger.debug("round %d: the one partner part pulled farther than %s of our values' norm: clipped",
-                         slot.key, self.config.lone_bound)
+            self.metrics.inc("avg_pull_clipped")
+            logger.debug("round %d: %d of the stage's contributions pulled farther than half %s of our values' "
+                         "norm: clipped", slot.key, len(slot.contributions) + 1, self.config.lone_bound)
         return mean, len(slot.contributions) + 1 - len(dropped)
 
     def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:

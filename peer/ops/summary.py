@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COUNTED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok",
-           "averaging_rounds_failed", "avg_pair_clipped", "avg_below_quorum", "avg_self_outlier", "samples_refused",
+           "averaging_rounds_failed", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "samples_refused",
            "microbatches_refused")
 """Counters copied into the summary as they are."""
 
