@@ -8,7 +8,8 @@ process: a hivemind DHT node that installs no validator and raw libp2p clients t
 ``protocol.rpc`` or write frames by hand. Per attack it reports:
 
 * ``outcome``: ``stalled`` (stage 0 made no progress for more than 5 s), else ``degraded`` (the honest validation
-  loss rose by more than 5 %), else ``refused`` (the victims refused what the attack needed: evidence in
+  loss rose by more than 5 %, or the attack's evidence shows harm those figures miss: a joiner that loaded a liar's
+  state), else ``refused`` (the victims refused what the attack needed: evidence in
   ``evidence``), else ``harmless``;
 * ``max_stall_s``: the longest gap between two optimiser steps of the stage-0 peer during the phase;
 * ``honest_val_loss_ratio``: the stage-0 peer's latest validation loss at the end of the attack phase divided by
@@ -47,7 +48,9 @@ from hivemind.utils import get_dht_time  # noqa: E402
 
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, swarm_key  # noqa: E402
 from peer.membership.signing import Signer, seal  # noqa: E402
+from peer.ops.metrics import PeerMetrics  # noqa: E402
 from peer.ops.procs import PeerProcess, free_port, join_command, terminate, unwind_on_sigterm  # noqa: E402
+from peer.state.sync import StateServer  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
@@ -55,6 +58,7 @@ from protocol.messages import Ack, Error, Forward, Hello, Infer, Message, pack, 
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
 from tools.confine import CpuQuota  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
+from trainer.worker import StageWorker  # noqa: E402
 
 logger = logging.getLogger("redteam")
 REPO = Path(__file__).resolve().parent.parent
@@ -321,17 +325,84 @@ async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> di
     return {"refused": banned > 0, "forwards_swallowed": taken, "black_holes_banned_by_stage0": banned}
 
 
+async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger announces itself as a stage-1 replica far ahead of everyone (state version 10^6) and serves a
+    stage-1 state whose weights are zeros. A second honest stage-1 replica (c) joins first, then a joiner (d): it
+    asks the most advanced donor first, the liar, and must not load what it serves (its witnesses, b and c, outvote
+    it). Both extra peers leave at the end of the phase."""
+    liar = StageWorker(att.run, 1)
+    with torch.no_grad():
+        for weight in liar.model.parameters():
+            weight.zero_()
+
+    async def worker_call(fn: Callable[[StageWorker], Any]) -> Any:
+        return fn(liar)
+
+    server = RpcServer(att.p2p, RpcLimits())
+    state_server = StateServer(p2p=att.p2p, rpc_server=server, run=att.run, stage=1, worker_call=worker_call,
+                               metrics=PeerMetrics("liar", 1))
+    await state_server.start()
+    state_server.ready = True
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**6, state="training",
+                     maddrs=[])
+    extra: list[PeerProcess] = []
+
+    async def keep_announcing() -> None:
+        while True:
+            await announce(att.dht, att.run.run_id, rec, 4.0, signer=att.signer)
+            await asyncio.sleep(1.0)
+
+    announcing: asyncio.Task | None = None
+    try:
+        c = _spawn_honest(att, "c", 1)
+        extra.append(c)
+        await asyncio.to_thread(c.wait_status, lambda st: st.get("state") == "training", 90, "c training")
+        announcing = asyncio.ensure_future(keep_announcing())
+        await asyncio.sleep(2.0)  # the liar's record reaches the DHT before the joiner reads it
+        visible = att.signer.peer_id in await fetch_swarm(att.reader, att.run.run_id, timeout=5.0)
+        d = _spawn_honest(att, "d", 1)
+        extra.append(d)
+        status = await asyncio.to_thread(d.wait_status, lambda st: st.get("state") == "training", 90, "d training")
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        counters = status.get("counters", {})
+        late = await asyncio.to_thread(d.status) or {}
+        losses = {"b": (await asyncio.to_thread(att.status_b) or {}).get("train_loss"), "d": late.get("train_loss")}
+        log = d.log()
+        loaded = next((line for line in log.splitlines() if "loaded stage 1 state from" in line), "")
+        served = state_server.metrics.snapshot()["counters"].get("state_chunks_served", 0)
+    finally:
+        if announcing is not None:
+            announcing.cancel()
+        terminate([p.proc for p in extra], 10.0)
+        await server.shutdown()
+    from_liar = att.signer.peer_id[:16] in loaded
+    return {"refused": counters.get("state_sync_outvoted", 0) >= 1 and bool(loaded) and not from_liar,
+            "degraded": from_liar, "train_loss_at_end": losses,
+            "joiner_outvoted": counters.get("state_sync_outvoted", 0), "joiner_loaded_from_liar": from_liar,
+            "liar_chunks_served": served, "liar_visible_in_dht": visible}
+
+
+def _spawn_honest(att: Attacker, name: str, stage: int) -> PeerProcess:
+    """An honest peer of the tiny run joining the victims' swarm (an extra replica for an attack phase)."""
+    port = free_port()
+    return PeerProcess.spawn(name, join_command(att.root / name, port=port, run=TINY, stage=stage, settings=SETTINGS,
+                                                initial=att.initial), att.root / name, port, cwd=REPO)
+
+
 ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[str, Any]]]] = {
     "forged_record": forged_record, "budget_flood": budget_flood, "churn_flood": churn_flood,
     "stream_flood": stream_flood,
-    "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole}
+    "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole,
+    "lying_donor": lying_donor}
 FLOOD = {"ids": 16, "streams": 16}
 
 
-def outcome(stall: float, ratio: float | None, refused: bool) -> str:
+def outcome(stall: float, ratio: float | None, refused: bool, degraded: bool = False) -> str:
+    """``degraded``: the attack's own evidence of harm that the stage-0 figures do not show (a joiner that loaded a
+    liar's state)."""
     if stall > STALL_LIMIT_S:
         return "stalled"
-    if ratio is not None and ratio > LOSS_LIMIT:
+    if degraded or (ratio is not None and ratio > LOSS_LIMIT):
         return "degraded"
     return "refused" if refused else "harmless"
 
@@ -376,7 +447,8 @@ async def _phases(args: argparse.Namespace, att: Attacker, a: PeerProcess, b: Pe
             t1 = time.monotonic()
             stall, loss = watch.window(t0, t1)
             ratio = loss / control_loss if loss and control_loss else None
-            results[name] = {"outcome": outcome(stall, ratio, evidence.pop("refused")), "max_stall_s": round(stall, 2),
+            verdict = outcome(stall, ratio, evidence.pop("refused"), evidence.pop("degraded", False))
+            results[name] = {"outcome": verdict, "max_stall_s": round(stall, 2),
                              "honest_val_loss_ratio": round(ratio, 3) if ratio else None,
                              "rss_growth_mib": round(max(0.0, watch.rss_mib() - rss0), 1),
                              "phase_s": round(t1 - t0, 1), "control_max_stall_s": round(control_stall, 2),

@@ -31,7 +31,7 @@ STATES = ("joining", "loading_state", "training", "draining", "stopped")
 KNOWN_COUNTERS = ("tokens", "samples", "microbatches_dropped", "microbatches_requeued", "retries",
                   "averaging_rounds_ok", "averaging_rounds_failed", "bytes_in", "bytes_out", "nonfinite_loss",
                   "stage_moves", "late_backward", "compute_errors", "eval_failed", "busy_replies", "busy_received",
-                  "state_sync_ok", "state_sync_donor_failed",
+                  "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted", "state_sync_disputed",
                   "state_chunks_served", "avg_exchange_failed",
                   "avg_exchange_refused", "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum",
                   "avg_self_outlier", "sync_late_forwards", "sync_average_incomplete", "microbatches_refused",

@@ -2,9 +2,10 @@
 
 The sources are the stage's donors (their announced state versions), this peer's checkpoint of the stage and the
 run's seeded init (``peer.state.progress`` ranks them). Donors are asked only when one announces at least the
-progress of the best local file; the state a donor delivers is compared again by its real ``local_step`` (an
-announcement may be a little stale) before it replaces anything, so a restarted peer never trades its trained
-checkpoint for a less-trained donor's state.
+progress of the best local file; a delivered state is loaded only if the stage's other replicas do not outvote its
+weights (``peer.state.witness``: an announcement is the donor's word, a liar announces the most progress), and it
+is compared again by its real ``local_step`` (an announcement may be a little stale) before it replaces anything,
+so a restarted peer never trades its trained checkpoint for a less-trained donor's state.
 
 When no donor of the stage delivers a state (every peer of it died, and their records may not have expired yet), the
 neighbour copies of the stage are sources too
@@ -26,6 +27,7 @@ from peer.state.checkpoint import checkpoint_steps, load_checkpoint
 from peer.state.progress import StateSource, most_advanced, rank
 from peer.state.spare import SpareStore
 from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
+from peer.state.witness import witness_vetter
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -92,9 +94,12 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     worth_asking = [d.label for d in rank(donors) if d.step >= best_file.step]
     if worth_asking:
         try:
+            config = StateSyncConfig()
+            vet = witness_vetter(run=run, stage=stage, config=config, metrics=metrics,
+                                 witnesses=choose_donors(records, stage, my_id))
             delivered = await asyncio.wait_for(load_state_from_peers(
                 p2p=p2p, run=run, stage=stage, metrics=metrics, dht=dht, reference=reference, donors=worth_asking,
-                config=StateSyncConfig()), timeout=timeout_s)
+                config=config, vet=vet), timeout=timeout_s)
         except TimeoutError:
             logger.warning("loading stage %d's state from donors took over %.0f s; using the best local source",
                            stage, timeout_s)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,19 @@ class StateSyncConfig:
     """Client: chunk requests in flight at once (hides the round trip; memory is window x chunk_bytes)."""
     worker_timeout_s: float = 120.0
     """Server: timeout of taking a snapshot on the compute thread."""
+    witnesses: int = 2
+    """Client: other replicas of the stage asked about a delivered state's weights before it is loaded
+    (``peer.state.witness``; 0: none)."""
+    probe_chunks: int = 2
+    """Client: chunks of weights each witness sends besides its chunk 0."""
+    witness_timeout_s: float = 20.0
+    """Client: how long one witness may take to answer (a silent witness is skipped)."""
+    disagree_factor: float = 3.0
+    """Client: a delivered state is outvoted when every witness (two or more) is farther from it than this times the
+    witnesses' distance from one another ..."""
+    disagree_floor: float = 0.25
+    """Client: ... plus this (relative distance: zeros are at 1 from anything, a sign flip at 2; the most advanced
+    honest donor may be 0.1 from two replicas that loaded its state a while ago and are close to each other)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1024 or self.max_state_bytes < self.chunk_bytes:
@@ -112,6 +125,14 @@ class StateSyncConfig:
             raise ValueError(f"state_sync.snapshot_max_lag_steps must be >= 0, got {self.snapshot_max_lag_steps}")
         if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1 or self.window < 1:
             raise ValueError("chunk_retries must be >= 0; max_donors, max_concurrent and window >= 1")
+        if self.witnesses < 0 or self.probe_chunks < 0 or not self.witness_timeout_s > 0 \
+                or self.disagree_factor < 1 or self.disagree_floor < 0:
+            raise ValueError("witnesses and probe_chunks must be >= 0, witness_timeout_s positive, disagree_factor "
+                             ">= 1 and disagree_floor >= 0")
+
+
+Vet = Callable[[Transport, str, dict, int], Awaitable[bool]]
+"""``vet(transport, donor, state, limit)``: whether a delivered state may be loaded."""
 
 
 class StateSyncError(Exception):
@@ -274,11 +295,13 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
                                 dht: DHT | None = None,
                                 reference: dict | None = None, donors: list[str] | None = None,
                                 config: StateSyncConfig | None = None,
-                                transport: Transport | None = None) -> dict | None:
+                                transport: Transport | None = None, vet: Vet | None = None) -> dict | None:
     """Fetch ``stage``'s state from same-stage peers; None when no donor delivered a valid one (see module doc).
 
     donors: peer ids to try in order; default: read from the DHT with ``choose_donors``. reference: a state dict of
     the same stage (e.g. a freshly built worker's) that the result must match in parameter names, shapes and dtypes.
+    vet: ``await vet(transport, donor, state, limit)`` is False when a delivered state must not be loaded (the
+    witnesses of ``peer.state.witness`` outvoted it); the next donor is tried.
     """
     config = config or StateSyncConfig()
     me = p2p.peer_id.to_base58() if p2p is not None else ""
@@ -298,6 +321,8 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
             metrics.inc("state_sync_donor_failed")
             logger.warning("state from %s failed: %s; trying the next donor", donor[:16], e)
             continue
+        if vet is not None and not await vet(transport, donor, state, limit):
+            continue
         metrics.inc("state_sync_ok")
         logger.info("loaded stage %d state from %s", stage, donor[:16])
         return state
@@ -306,8 +331,10 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
     return None
 
 
-async def _request(transport: Transport, donor: str, run: RunConfig, stage: int, chunk: int,
-                   config: StateSyncConfig, version: int = 0) -> StateChunk:
+async def request_chunk(transport: Transport, donor: str, run: RunConfig, stage: int, chunk: int,
+                        config: StateSyncConfig, version: int = 0) -> StateChunk:
+    """Chunk ``chunk`` of ``donor``'s snapshot ``version`` (0: its current one), with the config's timeout and
+    retries; StateSyncError when it cannot be had."""
     request = StateRequest(run_id=run.run_id, stage=stage, chunk=chunk, version=version)
     for attempt in range(config.chunk_retries + 1):
         try:
@@ -342,7 +369,7 @@ async def _request(transport: Transport, donor: str, run: RunConfig, stage: int,
 
 async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
                     limit: int) -> dict:
-    first = await _request(transport, donor, run, stage, 0, config)
+    first = await request_chunk(transport, donor, run, stage, 0, config)
     if first.version == 0:
         raise StateSyncError("chunk 0 carries no snapshot version")
     piece_bytes, env = first.meta.get("piece_bytes"), first.tensors.get(SKELETON_KEY)
@@ -357,7 +384,7 @@ async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int
         raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
     builder = await loop.run_in_executor(None, assemble, skeleton, piece_bytes, limit)
     # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
-    pending = {c: asyncio.ensure_future(_request(transport, donor, run, stage, c, config, first.version))
+    pending = {c: asyncio.ensure_future(request_chunk(transport, donor, run, stage, c, config, first.version))
                for c in range(1, min(first.n_chunks, 1 + config.window))}
     try:
         for chunk in range(first.n_chunks):
@@ -365,7 +392,7 @@ async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int
             following = chunk + config.window
             if chunk > 0 and following < first.n_chunks:  # chunks 1..window were requested up front
                 pending[following] = asyncio.ensure_future(
-                    _request(transport, donor, run, stage, following, config, first.version))
+                    request_chunk(transport, donor, run, stage, following, config, first.version))
             if reply.version != first.version or reply.n_chunks != first.n_chunks:
                 raise StateSyncError("the donor replaced its snapshot mid-transfer")
             await loop.run_in_executor(None, _add_pieces, builder, reply, donor)
