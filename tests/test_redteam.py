@@ -40,5 +40,15 @@ def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path
 def test_full_campaign(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--phase-s", "20", "--control-each", timeout=1150)
     assert res["victims_alive"]
-    for name in ("forged_record", "budget_flood", "stream_flood", "malformed"):
+    for name in ("forged_record", "budget_flood", "stream_flood", "malformed", "lying_donor"):
         assert res[name]["outcome"] == "refused", (name, res[name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lying_donor_is_outvoted_by_the_joiners_witnesses(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "lying_donor", "--phase-s", "20", timeout=380)
+    ev = res["lying_donor"]["evidence"]
+    assert ev["liar_visible_in_dht"] and ev["liar_chunks_served"] >= 1  # the joiner did ask the liar first
+    assert ev["joiner_outvoted"] == 1 and not ev["joiner_loaded_from_liar"], ev
+    assert res["lying_donor"]["outcome"] == "refused"

@@ -186,6 +186,8 @@ def _figures(peers: list[PeerProcess], at_start: list[dict[str, Any]]) -> dict[s
                          "steps": s.get("steps"), "val_losses": (s.get("val_losses") or [])[-5:],
                          "rounds_ok": s.get("averaging_rounds_ok"), "rounds_failed": s.get("averaging_rounds_failed"),
                          "avg_fraction_per_step": s.get("avg_fraction_per_step"),
+                         "round_rules": {k: s.get(k) for k in ("avg_below_quorum", "avg_pull_clipped",
+                                                               "avg_self_outlier")},
                          "rejected_avg": s.get("rejected_avg", {}), "error": s.get("error")})
     honest = [q for q in per_peer if not q["byzantine"]]
     for q in honest:
