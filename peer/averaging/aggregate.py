@@ -59,10 +59,15 @@ def _bound_pull(own: list[torch.Tensor], values: list[torch.Tensor], rel: float
     return out, clipped
 
 
+def quorum_of(partners: int, trim: float) -> int:
+    """Contributions (ours included) a round needs so that liars among ``partners`` and us stay within what the
+    trimmed aggregate tolerates: 2b + 1, b = ``trimmed_count(partners + 1, trim)`` (3 of 3-4, 5 of 5-8)."""
+    return 2 * trimmed_count(partners + 1, trim) + 1
+
+
 def full_quorum(asked: int, trim: float) -> int:
-    """Contributions (ours included) of a round that all ``asked`` partners reached: 2b + 1, b the liars the
-    trimmed aggregate tolerates among them and us; 0 for a pair by design (one partner asked)."""
-    return 2 * trimmed_count(asked + 1, trim) + 1 if asked >= 2 else 0
+    """The quorum of a round that all ``asked`` partners reached; 0 for a pair by design (one partner asked)."""
+    return quorum_of(asked, trim) if asked >= 2 else 0
 
 
 def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]],

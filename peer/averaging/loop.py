@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.averaging.aggregate import robust_combine
+from peer.averaging.aggregate import quorum_of, robust_combine
 from peer.averaging.byzantine import Attacker
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
@@ -100,7 +100,6 @@ from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
-from trainer.robust import trimmed_count
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -426,7 +425,7 @@ class AveragingLoop:
         round that the others did not all reach in time. Peers that are announced but never answer do not count."""
         if self.run.averaging.aggregator == "mean":
             return 2
-        return 2 * trimmed_count(live + 1, self.run.averaging.trim) + 1
+        return quorum_of(live, self.run.averaging.trim)
 
     def _round_quorum(self, slot: Slot, peers: list[str]) -> int:
         now = self.clock()

@@ -237,8 +237,8 @@ class PipelineStage:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if grad is not None and not self.guard.norm_ok("gradients", grad):
             # the micro-batch cannot finish here: dropped now (stage 0 re-sends its sample at once) rather than held
-            # until microbatch_timeout_s. Held, its gradient stayed owed, so the router also banned the (honest)
-            # next stage as a black hole while the learnt bound caught up with early training's growing gradients.
+            # until microbatch_timeout_s, which stalled stage 0 while the learnt bound caught up with early
+            # training's growing gradients (and left the gradient owed to the router's black-hole count).
             self.spawn(self.drop(msg.mb_id, notify=not self.is_first))
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):

@@ -367,22 +367,40 @@ async def request_chunk(transport: Transport, donor: str, run: RunConfig, stage:
     raise AssertionError("unreachable")
 
 
-async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
-                    limit: int) -> dict:
+async def open_snapshot(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
+                        limit: int) -> tuple[StateChunk, Any]:
+    """``donor``'s chunk 0 and the builder (``assemble``) of the skeleton it carries, validated; StateSyncError or
+    StateFormatError when it is not a usable start of a snapshot."""
     first = await request_chunk(transport, donor, run, stage, 0, config)
     if first.version == 0:
         raise StateSyncError("chunk 0 carries no snapshot version")
     piece_bytes, env = first.meta.get("piece_bytes"), first.tensors.get(SKELETON_KEY)
     if type(piece_bytes) is not int or env is None:
         raise StateSyncError("chunk 0 lacks the skeleton or the piece size")
-    loop = asyncio.get_running_loop()
     try:
         raw = decode(env, TensorSpec(shape=(-1,), dtype=torch.uint8), peer=donor, field="skeleton",
                      max_elements=MAX_SKELETON_CHARS)
         skeleton = raw.numpy().tobytes().decode()
     except (ProtocolError, UnicodeDecodeError) as e:
         raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
-    builder = await loop.run_in_executor(None, assemble, skeleton, piece_bytes, limit)
+    builder = await asyncio.get_running_loop().run_in_executor(None, assemble, skeleton, piece_bytes, limit)
+    return first, builder
+
+
+def decode_piece(builder: Any, key: str, env: Any, donor: str) -> tuple[int, int, torch.Tensor]:
+    """(tensor index, offset, piece) of one piece of a chunk, checked against ``builder``'s skeleton."""
+    idx, offset = builder.parse_key(key)
+    dtype, length = builder.expect(idx, offset)
+    try:
+        return idx, offset, decode(env, TensorSpec(shape=(length,), dtype=dtype), peer=donor)
+    except ProtocolError as e:
+        raise StateSyncError(f"piece {key}: {e}") from e
+
+
+async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
+                    limit: int) -> dict:
+    first, builder = await open_snapshot(transport, donor, run, stage, config, limit)
+    loop = asyncio.get_running_loop()
     # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
     pending = {c: asyncio.ensure_future(request_chunk(transport, donor, run, stage, c, config, first.version))
                for c in range(1, min(first.n_chunks, 1 + config.window))}
@@ -407,12 +425,7 @@ def _add_pieces(builder: Any, reply: StateChunk, donor: str) -> None:
     for key, env in reply.tensors.items():
         if key == SKELETON_KEY and reply.chunk == 0:
             continue
-        idx, offset = builder.parse_key(key)
-        dtype, length = builder.expect(idx, offset)
-        try:
-            piece = decode(env, TensorSpec(shape=(length,), dtype=dtype), peer=donor)
-        except ProtocolError as e:
-            raise StateSyncError(f"piece {key}: {e}") from e
+        idx, offset, piece = decode_piece(builder, key, env, donor)
         builder.put(idx, offset, piece)
         if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
             raise StateSyncError(f"piece {key} holds NaN or Inf")

@@ -30,11 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.state.codec import MAX_SKELETON_CHARS, StateFormatError, assemble, flatten_state, plan_pieces
-from peer.state.sync import SKELETON_KEY, StateSyncConfig, StateSyncError, Vet, request_chunk
-from protocol.codecs.registry import decode
-from protocol.errors import ProtocolError
-from protocol.validation import TensorSpec
+from peer.state.codec import StateFormatError, flatten_state, plan_pieces
+from peer.state.sync import (
+    SKELETON_KEY,
+    StateSyncConfig,
+    StateSyncError,
+    Vet,
+    decode_piece,
+    open_snapshot,
+    request_chunk,
+)
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
@@ -78,33 +83,22 @@ def _distance(a: Pieces, b: Pieces) -> float | None:
     return relative_distance(torch.cat([a[k] for k in keys]), torch.cat([b[k] for k in keys]))
 
 
-def _our_pieces(state: dict[str, Any], config: StateSyncConfig) -> tuple[Pieces, list[torch.Tensor], int, list[int]]:
-    """The delivered state's model weights cut as a witness cuts them: (pieces, flattened tensors, how many of them
-    are model weights (the worker's state dict lists ``model`` before any other tensor), the chunks after chunk 0
-    that hold weights)."""
-    _, tensors = flatten_state(state)
-    n_model = len(state["model"])
+def _weight_chunks(tensors: list[torch.Tensor], n_model: int, config: StateSyncConfig) -> list[int]:
+    """The chunks after chunk 0 that hold model weights, as a witness with our chunk size cuts the state."""
     plan = plan_pieces(tensors, config.chunk_bytes)
-    pieces = {(i, o): tensors[i].reshape(-1)[o:o + n].float() for chunk in plan.chunks for i, o, n in chunk
-              if i < n_model and tensors[i].is_floating_point()}
-    weighted = [c for c in range(1, plan.n_chunks) if any(i < n_model for i, _, _ in plan.chunks[c])]
-    return pieces, tensors, n_model, weighted
+    return [c for c in range(1, plan.n_chunks) if any(i < n_model for i, _, _ in plan.chunks[c])]
+
+
+def _same_pieces(tensors: list[torch.Tensor], pieces: Pieces) -> Pieces:
+    """The delivered state's coordinates at the pieces a witness sent."""
+    return {(i, o): tensors[i].reshape(-1)[o:o + p.numel()].float() for (i, o), p in pieces.items()}
 
 
 async def _probe(transport: Transport, witness: str, run: RunConfig, stage: int, config: StateSyncConfig,
                  ours: list[torch.Tensor], n_model: int, chunks: list[int], limit: int) -> Pieces:
     """Pieces of ``witness``'s model weights from its chunk 0 and ``chunks``. Raises StateSyncError or
     StateFormatError when it cannot serve them."""
-    first = await request_chunk(transport, witness, run, stage, 0, config)
-    env, piece_bytes = first.tensors.get(SKELETON_KEY), first.meta.get("piece_bytes")
-    if env is None or type(piece_bytes) is not int:
-        raise StateSyncError("chunk 0 lacks the skeleton or the piece size")
-    try:
-        skeleton = decode(env, TensorSpec(shape=(-1,), dtype=torch.uint8), peer=witness, field="skeleton",
-                          max_elements=MAX_SKELETON_CHARS).numpy().tobytes().decode()
-    except (ProtocolError, UnicodeDecodeError) as e:
-        raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
-    builder = await asyncio.get_running_loop().run_in_executor(None, assemble, skeleton, piece_bytes, limit)
+    first, builder = await open_snapshot(transport, witness, run, stage, config, limit)
     if len(builder.shapes) < n_model or any(builder.shapes[i] != tuple(ours[i].shape)
                                             or builder.dtypes[i] != ours[i].dtype for i in range(n_model)):
         raise StateSyncError("its model weights have other shapes")
@@ -120,15 +114,8 @@ async def _probe(transport: Transport, witness: str, run: RunConfig, stage: int,
         for key, env in reply.tensors.items():
             if key == SKELETON_KEY:
                 continue
-            idx, offset = builder.parse_key(key)
-            if idx >= n_model:
-                continue
-            dtype, length = builder.expect(idx, offset)
-            try:
-                piece = decode(env, TensorSpec(shape=(length,), dtype=dtype), peer=witness)
-            except ProtocolError as e:
-                raise StateSyncError(f"piece {key}: {e}") from e
-            if piece.is_floating_point():
+            idx, offset, piece = decode_piece(builder, key, env, witness)
+            if idx < n_model and piece.is_floating_point():
                 pieces[(idx, offset)] = piece.float()
     return pieces
 
@@ -139,7 +126,9 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], donor: s
     """Ask ``config.witnesses`` of ``witnesses`` (drawn at random, never ``donor``) about ``state``, delivered by
     ``donor``, all at once; see the module docstring for the verdict."""
     rng = rng or random.Random()
-    ours, tensors, n_model, weighted = _our_pieces(state, config)
+    _, tensors = flatten_state(state)
+    n_model = len(state["model"])  # the worker's state dict lists ``model`` before any other tensor
+    weighted = _weight_chunks(tensors, n_model, config)
     pool = [w for w in dict.fromkeys(witnesses) if w != donor]
     asked = rng.sample(pool, min(config.witnesses, len(pool)))
     chunks = sorted(rng.sample(weighted, min(config.probe_chunks, len(weighted))))
@@ -154,7 +143,7 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], donor: s
 
     replies = await asyncio.gather(*(ask(w) for w in asked))
     answered = {w: p for w, p in zip(asked, replies, strict=True) if p}
-    distances = {w: d for w, p in answered.items() if (d := _distance(ours, p)) is not None}
+    distances = {w: d for w, p in answered.items() if (d := _distance(_same_pieces(tensors, p), p)) is not None}
     names = sorted(distances)
     spreads = [s for i, a in enumerate(names) for b in names[i + 1:]
                if (s := _distance(answered[a], answered[b])) is not None]
