@@ -4,8 +4,8 @@ records the peers would announce), so the test costs no peer process; skipped wi
 
 from __future__ import annotations
 
-import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -45,7 +45,10 @@ class FakeDHT:
 
 @pytest.fixture
 def fake_swarm(monkeypatch):
-    """Each DHT read returns the next snapshot (steps 10, 20, 30, ...); after ``stop_after`` reads, Ctrl-C."""
+    """Each DHT read returns the next snapshot (steps 10, 20, 30, ...); the ``stop_after``-th read presses Ctrl-C once.
+
+    One SIGINT, sent to the main thread: a signal sent on every later read could be handled only after the monitor
+    had put the process's own handler back (on a busy machine), and interrupt the test run itself."""
     import hivemind
 
     import peer.membership.records as records
@@ -54,8 +57,8 @@ def fake_swarm(monkeypatch):
 
     async def fetch_swarm(dht, run_id, *, timeout, include_stopped=False):
         reads["n"] += 1
-        if reads["stop_after"] is not None and reads["n"] >= reads["stop_after"]:
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does to a watching monitor
+        if reads["n"] == reads["stop_after"]:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # what Ctrl-C does to a watching monitor
         return _snapshot(10 * reads["n"])
 
     FakeDHT.instances.clear()
