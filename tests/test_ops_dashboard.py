@@ -59,7 +59,7 @@ def test_single_peer_panel_shows_every_field_and_values_move() -> None:
     m.observe_round(ok=True, group_size=2, tau=5.0)
     m.inc("microbatches_dropped")
     m.inc("retries", 2)
-    m.inc("rejected:bad_shape", 4)
+    m.inc("rejected:bad_tensor", 4)
     m.set_swarm({0: 1, 1: 1, 2: 2})
     m.warn("averaging found no partner")
     dash = Dashboard(m)
@@ -67,7 +67,7 @@ def test_single_peer_panel_shows_every_field_and_values_move() -> None:
     for expected in ("stage 2/3", "training", "step 40", "1.0k tok/s", "train 4.610", "val 4.750",
                      "pipeline 2.0 steps", "averaging τ 5.0 steps", "in flight 3", "queued 1", "dropped 1",
                      "retries 2", "in 16.4 kB/s", "out 4.1 kB/s", "20 B/token", "rounds 1 ok / 0 failed",
-                     "group 2", "stage 2: 2 (me)", "bad_shape 4", "averaging found no partner"):
+                     "group 2", "stage 2: 2 (me)", "bad_tensor 4", "averaging found no partner"):
         assert expected in first, expected
     for _ in range(40):  # twice as fast now
         clock.t += 0.125

@@ -56,7 +56,7 @@ def test_tokens_total_attribute_and_alias_share_one_counter() -> None:
 def test_rejected_reasons_losses_rounds_warnings_and_json() -> None:
     clock = FakeClock()
     m = PeerMetrics("12D3", 1, clock=clock)
-    m.inc("rejected:bad_shape", 2)
+    m.inc("rejected:bad_tensor", 2)
     m.inc("rejected:wrong_run")
     m.observe_loss(5.0)
     m.observe_loss(float("nan"))
@@ -70,7 +70,7 @@ def test_rejected_reasons_losses_rounds_warnings_and_json() -> None:
     clock.t += 3
     m.warn("slow link")
     snap = json.loads(json.dumps(m.snapshot()))
-    assert snap["rejected"] == {"bad_shape": 2, "wrong_run": 1}
+    assert snap["rejected"] == {"bad_tensor": 2, "wrong_run": 1}
     assert snap["train_loss"] == 4.0 and snap["train_loss_history"] == [5.0, 4.0]
     assert snap["train_loss_avg"] == pytest.approx(4.5)
     assert snap["val_loss"] == 4.5

@@ -47,8 +47,8 @@ def busy_metrics(clock: FakeClock) -> PeerMetrics:
         m.observe_loss(4.0 - i * 0.01)
     m.observe_val(3.9)
     m.observe_round(ok=True, group_size=3, tau=2.0)
-    m.inc("rejected:bad_shape", 2)
-    m.inc("rejected:wrong \"run\"")
+    m.inc("rejected:bad_tensor", 2)
+    m.inc("rejected:wrong_run")
     m.set_swarm({0: 1, 1: 2})
     m.inflight, m.queued, m.pipeline_delay = 2, 1, 1.0
     return m
@@ -118,8 +118,8 @@ def test_status_json_metrics_and_dashboard_show_the_same_figures(served, capsys)
     assert prom["asyncmesh_bytes_per_token"] == pytest.approx(snap["bytes_per_token"])
     assert prom["asyncmesh_averaging_rounds_ok_total"] == 1 and prom["asyncmesh_averaging_group_size"] == 3
     assert prom['asyncmesh_state{state="training"}'] == 1 and prom['asyncmesh_state{state="draining"}'] == 0
-    assert prom['asyncmesh_rejected_total{reason="bad_shape"}'] == 2
-    assert prom['asyncmesh_rejected_total{reason="wrong \\"run\\""}'] == 1
+    assert prom['asyncmesh_rejected_total{reason="bad_tensor"}'] == 2
+    assert prom['asyncmesh_rejected_total{reason="wrong_run"}'] == 1
     assert prom['asyncmesh_swarm_peers{stage="1"}'] == 2
     assert prom["asyncmesh_healthy"] == 1
     console = Console(record=True, width=80, color_system=None)

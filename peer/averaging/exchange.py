@@ -48,11 +48,17 @@ logger = logging.getLogger(__name__)
 
 
 class Refused(Exception):
-    """A part that is refused with an error code (raised by ``admit`` hooks)."""
+    """A part that is refused with an error code (raised by ``admit`` hooks).
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
+    ``reason`` is a short registered name (counted as ``rejected:avg_<reason>``, see peer/ops/names.py); ``detail``
+    the sentence the sender reads. A counter name never carries the detail: it may hold a round number the sender
+    chose, and every distinct name would be a counter kept for the peer's life.
+    """
+
+    def __init__(self, code: ErrorCode, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
         self.code = code
+        self.reason = reason
 
 
 @dataclass
@@ -166,7 +172,7 @@ class PartExchange:
         slot = self.slots.pop(key, None)
         if slot is not None:
             slot.closed = True
-            self.fail(slot, "slot closed")
+            self.fail(slot, "slot_closed")
         return slot
 
     def _quantize(self, values: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
@@ -240,7 +246,7 @@ class PartExchange:
             slot.arrived.set()
 
     def _reject(self, err: Refused, peer: str, key: Any) -> None:
-        self.metrics.inc(f"rejected:avg_{err}")
+        self.metrics.inc(f"rejected:avg_{err.reason}")
         logger.debug("refused %s part from %s for key %s: %s", self.name, peer, key, err)
 
     async def _handle(self, msg: Message, peer: str) -> Message:

@@ -337,16 +337,17 @@ class AveragingLoop:
 
     def _admit(self, round_no: int, peer: str) -> Slot:
         if self._stopped:
-            raise Refused(ErrorCode.NOT_READY, "this peer has stopped averaging")
+            raise Refused(ErrorCode.NOT_READY, "stopped", "this peer has stopped averaging")
         if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
-            raise Refused(ErrorCode.NOT_READY, f"not in our WAGMA group of round {round_no}")
+            raise Refused(ErrorCode.NOT_READY, "not_in_group", f"not in our WAGMA group of round {round_no}")
         tick = self._tick(round_no)
         reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
         if reason is not None:
             current = math.floor(self.clock() / self.period_s)
             if reason == "stale_round" and tick == current:
-                raise Refused(ErrorCode.NOT_READY, f"round {round_no} closed: its exchange window has ended")
-            raise Refused(ErrorCode.BAD_REQUEST if reason == "future_round" else ErrorCode.NOT_READY,
+                raise Refused(ErrorCode.NOT_READY, "stale_round",
+                              f"round {round_no} closed: its exchange window has ended")
+            raise Refused(ErrorCode.BAD_REQUEST if reason == "future_round" else ErrorCode.NOT_READY, reason,
                           f"{reason} (round {round_no} of tick {tick}; ours is tick {current}: check that the peers' "
                           "clocks are synced)")
         return self._ensure_round(round_no)
@@ -355,7 +356,7 @@ class AveragingLoop:
         slot = self.exchange.slots.get(round_no)
         if slot is None:
             if round_no in self._taken:  # a late part of a round this peer already finished or gave up
-                raise Refused(ErrorCode.NOT_READY, f"round {round_no} is over here")
+                raise Refused(ErrorCode.NOT_READY, "round_over", f"round {round_no} is over here")
             self._taken[round_no] = None
             while len(self._taken) > TAKEN_MEMORY:
                 del self._taken[next(iter(self._taken))]

@@ -84,7 +84,8 @@ class SyncAverager:
         if step <= self.last_step:
             done = self._finished.get(step)
             if done is None or done.own_part is None:
-                raise Refused(ErrorCode.NOT_READY, f"step {step} is over here (our last step is {self.last_step})")
+                raise Refused(ErrorCode.NOT_READY, "step_over",
+                              f"step {step} is over here (our last step is {self.last_step})")
             # A late caller of a barrier we finished (typically: its part reached us, our reply to it was lost with
             # its stream): answer with the part we averaged with, so it ends with the same mean instead of waiting
             # for us until its deadline. What it sends now is not used any more.
@@ -97,7 +98,7 @@ class SyncAverager:
             self.exchange.close(key)  # opened by a peer, never reached by us: expired
             self._opened_by.pop(key, None)
         if len(self.exchange.slots) >= MAX_PENDING:
-            raise Refused(ErrorCode.NOT_READY, f"too many open steps; ours is {self.last_step + 1}")
+            raise Refused(ErrorCode.NOT_READY, "too_many_steps", f"too many open steps; ours is {self.last_step + 1}")
         self._opened_by[step] = peer
         slot = self.exchange.open(step, self.clock() + self.config.sync_timeout_s)
         if self.on_remote_open is not None:

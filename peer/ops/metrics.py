@@ -20,26 +20,22 @@ attribute ``tokens_total`` reads and writes it), ``samples``, ``microbatches_dro
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from peer.ops import names
+
+logger = logging.getLogger(__name__)
+
 STATES = ("joining", "loading_state", "training", "draining", "stopped")
-# Counters /metrics exposes from 0, so that a rate or an alert on any of them sees a series before the first event.
-KNOWN_COUNTERS = ("tokens", "samples", "microbatches_dropped", "microbatches_requeued", "retries",
-                  "averaging_rounds_ok", "averaging_rounds_failed", "bytes_in", "bytes_out", "nonfinite_loss",
-                  "stage_moves", "late_backward", "compute_errors", "eval_failed", "busy_replies", "busy_received",
-                  "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted", "state_sync_disputed",
-                  "state_chunks_served", "avg_exchange_failed",
-                  "avg_exchange_refused", "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum",
-                  "avg_self_outlier", "sync_late_forwards", "sync_average_incomplete", "microbatches_refused",
-                  "samples_refused", "share_bans", "infer_served", "infer_busy", "infer_compute_ms")
-KNOWN_REJECTIONS = ("not_ready", "wrong_run", "wrong_stage", "bad_request", "bad_tensor", "duplicate",
-                    "mode_mismatch", "bad_loss", "unauthorized", "loss_above_ceiling", "share_exceeded",
-                    "share_banned", "infer_bad_request", "infer_rate_limited")
-REJECTED_PREFIX = "rejected:"
+# Counters /metrics exposes from 0 (the registry of every name a peer counts under is peer/ops/names.py).
+KNOWN_COUNTERS = names.COUNTERS
+KNOWN_REJECTIONS = names.REJECTIONS
+REJECTED_PREFIX = names.REJECTED_PREFIX
 _COUNTER_ALIASES = {"tokens_total": "tokens"}
 SNAPSHOT_SCHEMA = 1
 
@@ -130,6 +126,7 @@ class PeerMetrics:
         self._local_step = 0
         self._last_progress = self._started
         self._counters: Counter[str] = Counter()
+        self._unregistered_seen: set[str] = set()
         self._rates: dict[str, _RateWindow] = {}
         self._train_hist: deque[float] = deque(maxlen=history)
         self._val_hist: deque[float] = deque(maxlen=history)
@@ -185,6 +182,12 @@ class PeerMetrics:
         if n < 0:
             raise ValueError(f"counter {name!r} can only grow; got an increment of {n}")
         name = _COUNTER_ALIASES.get(name, name)
+        if not names.is_registered(name):
+            folded = names.registered(name)  # raises in the tests
+            if name not in self._unregistered_seen and len(self._unregistered_seen) < 64:
+                self._unregistered_seen.add(name)
+                logger.warning("counter name %r is not registered (peer/ops/names.py); counted as %r", name, folded)
+            name = folded
         self._counters[name] += n
         now = self._clock()
         window = self._rates.get(name)

@@ -1,0 +1,80 @@
+"""The one registry of the names a peer counts under: counters, refusals and guard events.
+
+A counter is a plain name (``tokens``); a refusal of network input is counted as ``rejected:<reason>``; an event of the
+pipeline guard as ``relearnt:<bound>`` or ``flagged:<what>``. ``/metrics`` exports every name here from 0, so a rate
+or an alert sees a series before the first event. A name must never be built from free text or from what a peer sent
+(an error message, a round number): every distinct name is a counter kept for the peer's life and a Prometheus series.
+``PeerMetrics.inc`` therefore folds an unregistered name into ``unregistered`` (or ``rejected:other``) and logs
+it once; the tests make it an error (``STRICT``), and tests/test_ops_names.py checks every literal name in the code.
+"""
+
+from __future__ import annotations
+
+COUNTERS = (
+    # training progress
+    "tokens", "samples", "evaluations", "eval_failed", "nonfinite_loss", "compute_errors",
+    # the pipeline
+    "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
+    "late_backward", "busy_replies", "busy_received", "black_holes_banned", "share_bans",
+    "sync_late_forwards", "sync_average_incomplete",
+    # averaging
+    "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
+    "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier",
+    # traffic
+    "bytes_in", "bytes_out",
+    # stage moves, state and backups
+    "stage_moves", "stage_move_backoffs", "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted",
+    "state_sync_disputed", "state_chunks_served", "backups_taken", "backups_skipped_busy", "backups_served",
+    "backups_failed", "backup_restores", "backup_bytes_in", "backup_bytes_out",
+    # generation through the swarm
+    "infer_served", "infer_busy", "infer_compute_ms",
+    # what a red-team peer sent (tools/byzantine_swarm.py)
+    "byzantine_parts", "byzantine_parts_read",
+    # a name the code counted without registering it (a bug; see the module docstring)
+    "unregistered",
+)
+
+_AVG_REASONS = ("not_a_part", "wrong_run", "wrong_stage", "wrong_round", "sender_mismatch", "tensor_count", "shape",
+                "dtype", "payload", "nonfinite", "closed", "not_member", "not_in_group", "stopped", "stale_round",
+                "future_round", "round_over", "step_over", "too_many_steps", "slot_closed", "too_far", "too_large",
+                "outlier")
+_STATE_REASONS = ("not_a_request", "wrong_run", "wrong_stage", "no_version", "bad_chunk")
+_INFER_REASONS = ("bad_request", "rate_limited", "wrong_run", "wrong_stage", "not_ready")
+
+REJECTIONS = (
+    # forward / backward requests
+    "not_ready", "wrong_run", "wrong_stage", "bad_request", "bad_tensor", "duplicate", "mode_mismatch", "bad_loss",
+    "unauthorized",
+    # the pipeline guard
+    "unannounced_sender", "replayed_microbatch", "activations_norm", "gradients_norm", "loss_above_ceiling",
+    "share_exceeded", "share_banned",
+    # neighbour backups
+    "backup_shape",
+    *(f"avg_{r}" for r in _AVG_REASONS),
+    *(f"state_{r}" for r in _STATE_REASONS),
+    *(f"infer_{r}" for r in _INFER_REASONS),
+    # a reason the code used without registering it
+    "other",
+)
+
+EVENTS = ("relearnt:activations_norm", "relearnt:gradients_norm", "flagged:loss_outlier")
+
+REJECTED_PREFIX = "rejected:"
+_REGISTERED = frozenset((*COUNTERS, *(REJECTED_PREFIX + r for r in REJECTIONS), *EVENTS))
+
+STRICT = False
+"""Raise on an unregistered name instead of folding it (set by the tests)."""
+
+
+def is_registered(name: str) -> bool:
+    """Whether ``name`` (a counter, ``rejected:<reason>`` or an event) is in the registry."""
+    return name in _REGISTERED
+
+
+def registered(name: str) -> str:
+    """``name`` itself when it is registered; else ``unregistered`` or ``rejected:other`` (ValueError when STRICT)."""
+    if name in _REGISTERED:
+        return name
+    if STRICT:
+        raise ValueError(f"counter name {name!r} is not registered in peer/ops/names.py: add it there")
+    return REJECTED_PREFIX + "other" if name.startswith(REJECTED_PREFIX) else "unregistered"
