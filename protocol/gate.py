@@ -131,7 +131,8 @@ class StrangerGate:
 
     def early(self, peer: str) -> float | None:
         if self.is_known(peer):
-            return self._count(peer, known=True)
+            self._count(peer, known=True)
+            return None
         flood = self.flood
         if flood.banned_for(peer) or self.refusals.empty(peer):
             if not flood.banned_for(peer):
@@ -142,7 +143,8 @@ class StrangerGate:
             self.rejected["flood"] += 1  # and that counts as a refusal of this one, or a flooder among many identities
             self.refusals.spend(peer)  # would never use up its own and never be banned
             return 0.0
-        return self._count(peer, known=False)
+        self._count(peer, known=False)
+        return None
 
     def _count(self, peer: str, *, known: bool) -> None:
         lim = self.limits

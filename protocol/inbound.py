@@ -150,7 +150,7 @@ class InboundListener:
         self.maddr = Multiaddr(f"/unix{self.path}")
         self._server: asyncio.AbstractServer | None = None
         self._serves: dict[str, Serve] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._held: dict[asyncio.Transport, tuple[str, asyncio.TimerHandle]] = {}
         weakref.finalize(self, _unlink, self.path)  # the socket file goes at exit even without close()
 
@@ -210,11 +210,11 @@ class InboundListener:
         if rest:
             reader.feed_data(rest)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
-        task = loop.create_task(serve(proto, peer, reader, writer))
+        task: asyncio.Task[None] = asyncio.ensure_future(serve(proto, peer, reader, writer))
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.debug("stream handler failed", exc_info=task.exception())

@@ -14,7 +14,8 @@ which versions each side speaks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
 
 import msgpack
 
@@ -65,12 +66,18 @@ class Message:
             object.__setattr__(self, f.name, value)
 
 
-def _message(kind: int, **schema: s.Check) -> Any:
-    def wrap(cls: type) -> type:
-        cls = dataclasses.dataclass(frozen=True, kw_only=False)(cls)
-        cls.KIND, cls.SCHEMA = kind, schema
-        assert [f.name for f in dataclasses.fields(cls)] == list(schema), cls
-        return cls
+_M = TypeVar("_M", bound=type)
+
+
+@dataclass_transform(frozen_default=True)
+def _message(kind: int, **schema: s.Check) -> Callable[[_M], _M]:
+    """A frozen dataclass message with wire id ``kind`` and one field checker per field, in field order."""
+
+    def wrap(cls: _M) -> _M:
+        out: Any = dataclasses.dataclass(frozen=True, kw_only=False)(cls)
+        out.KIND, out.SCHEMA = kind, schema
+        assert [f.name for f in dataclasses.fields(out)] == list(schema), out
+        return cast(_M, out)
 
     return wrap
 
@@ -245,14 +252,14 @@ def pack(msg: Message) -> bytes:
     if not isinstance(msg, Message):
         raise TypeError(f"pack expects a protocol message, got {type(msg).__name__}")
     fields = [s.to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
-    return msgpack.packb([PROTOCOL_VERSION, msg.KIND, fields], use_bin_type=True)
+    return bytes(msgpack.packb([PROTOCOL_VERSION, msg.KIND, fields], use_bin_type=True))
 
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise MalformedMessage(f"msgpack extension type {code} is not part of the protocol")
 
 
-def unpack(data: bytes) -> Message:
+def unpack(data: bytes | bytearray) -> Message:
     """Parse and check a message; raises MalformedMessage or VersionMismatch, never anything else."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedMessage(f"expected bytes, got {type(data).__name__}")

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from hivemind.p2p import P2P, PeerID
 
@@ -69,7 +69,7 @@ async def _pack(msg: Message) -> bytes:
     return await asyncio.get_running_loop().run_in_executor(None, pack, msg)
 
 
-async def _unpack(data: bytes) -> Message:
+async def _unpack(data: bytes | bytearray) -> Message:
     if len(data) < OFFLOOP_BYTES:
         return unpack(data)
     return await asyncio.get_running_loop().run_in_executor(None, unpack, data)
@@ -258,12 +258,12 @@ class RpcServer:
                 if policy.kinds is not None and not isinstance(msg, policy.kinds):
                     raise _WrongKind(f"{name} takes {'/'.join(k.__name__ for k in policy.kinds)}, "
                                      f"not {type(msg).__name__}")
-                deadline = asyncio.timeout(limits.handler_timeout_s)
+                handler_deadline = asyncio.timeout(limits.handler_timeout_s)
                 try:
-                    async with deadline:
+                    async with handler_deadline:
                         reply = await fn(msg, peer)
                 except TimeoutError:
-                    if not deadline.expired():
+                    if not handler_deadline.expired():
                         raise  # the handler's own timeout: an internal failure, reported as TIMEOUT all the same
                     raise TimeoutError(f"handler {name} took longer than {limits.handler_timeout_s} s") from None
                 if not isinstance(reply, Message):
@@ -321,7 +321,7 @@ class RpcServer:
             writer.close()
 
 
-def _consume(task: asyncio.Task) -> None:
+def _consume(task: asyncio.Task[Any]) -> None:
     """Retrieve a finished send task's exception: after the reply arrived, a failed send is expected, not news."""
     if not task.cancelled():
         task.exception()

@@ -72,7 +72,7 @@ def optional(inner: Check) -> Check:
 
 
 def sequence(item: Check, max_items: int) -> Check:
-    def check(v: Any, where: str) -> list:
+    def check(v: Any, where: str) -> list[Any]:
         if type(v) not in (list, tuple) or len(v) > max_items:
             raise _fail(where, f"a list of at most {max_items} items", v)
         return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
@@ -83,7 +83,7 @@ def sequence(item: Check, max_items: int) -> Check:
 def mapping(value: Check, max_items: int, key: Check | None = None) -> Check:
     key = key or text(MAX_NAME)
 
-    def check(v: Any, where: str) -> dict:
+    def check(v: Any, where: str) -> dict[Any, Any]:
         if type(v) is not dict or len(v) > max_items:
             raise _fail(where, f"a map of at most {max_items} entries", v)
         return {key(k, f"{where} key"): value(x, f"{where}[{k!r}]") for k, x in v.items()}
@@ -96,10 +96,10 @@ def scalar(v: Any, where: str) -> int | float | str | bool:
     if type(v) is bool:
         return v
     if type(v) is int:
-        return integer(-(2**63), 2**63 - 1)(v, where)
+        return int(integer(-(2**63), 2**63 - 1)(v, where))
     if type(v) is float:
-        return real(-math.inf, math.inf)(v, where)
-    return text(MAX_TEXT)(v, where)
+        return float(real(-math.inf, math.inf)(v, where))
+    return str(text(MAX_TEXT)(v, where))
 
 
 _dim = integer(0, 2**40 - 1)

@@ -8,6 +8,7 @@ means everything is sent eventually, and the sum of what was sent converges to t
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -29,7 +30,8 @@ class ErrorFeedback:
             protocol.codecs.registry.encode/decode (injected to keep this module free of an import cycle).
     """
 
-    def __init__(self, codec: str, encoder: Callable | None = None, decoder: Callable | None = None) -> None:
+    def __init__(self, codec: str, encoder: Callable[..., Any] | None = None,
+                 decoder: Callable[..., Any] | None = None) -> None:
         from protocol.codecs import registry as codecs  # imported here: codecs imports this module
 
         codecs.parse_codec(codec)  # ValueError early for unknown names

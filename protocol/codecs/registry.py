@@ -70,7 +70,7 @@ class Codec:
 
 def _raw(*tensors: torch.Tensor) -> bytes:
     """The tensors' bytes, concatenated with a single copy."""
-    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors)
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().data for t in tensors)
 
 
 def _exact_length(bytes_per_value: Callable[[int, torch.dtype], int]) -> Callable[[int, int, torch.dtype], str | None]:
@@ -114,7 +114,7 @@ def _fp16_encode(t: torch.Tensor) -> bytes:
     return _raw(t.to(torch.float32).clamp_(-fmax, fmax).to(torch.float16))
 
 
-def _quant(fn: Callable) -> Callable[[torch.Tensor], bytes]:
+def _quant(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[torch.Tensor], bytes]:
     def encode_quantized(t: torch.Tensor) -> bytes:
         return _raw(*fn(t))
 
@@ -130,7 +130,7 @@ def _q8_encode(t: torch.Tensor) -> bytes:
     t32 = t.to(torch.float32).contiguous()
     if t32.numel() == 0:  # hivemind's quantile estimate fails on empty arrays
         return _Q8_CODEBOOK.to_bytes(8, "little") + bytes(4 * _Q8_CODEBOOK)
-    return Quantile8BitQuantization().compress(t32, CompressionInfo.from_tensor(t32)).buffer
+    return bytes(Quantile8BitQuantization().compress(t32, CompressionInfo.from_tensor(t32)).buffer)
 
 
 def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
