@@ -21,7 +21,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4")
+from protocol.codecs.names import RUN_CODECS
+
+# The model architectures a run may name, each with the module that builds it (trainer/model.py dispatches on it;
+# every module provides the same builders). One table: the config validates against it, the model builds from it.
+ARCHITECTURES = {"gpt": "trainer.model", "llama": "trainer.llama"}
 AVERAGING_RULES = ("ema", "delta", "avg", "wagma", "none")
 AGGREGATORS = ("mean", "trimmed", "centered_clip")  # implemented in trainer/robust.py (kept torch-free here)
 CLIP_STARTS = ("median", "own")
@@ -30,8 +34,11 @@ OPTIMIZERS = ("nadam", "adamw")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A nanoGPT-style decoder."""
+    """A decoder: nanoGPT's GPT (``arch = "gpt"``) or a Llama-style one (``arch = "llama"``, trainer/llama.py)."""
 
+    arch: str = "gpt"
+    """'gpt' (learned positions, LayerNorm, GELU MLP, biases) or 'llama' (rotary positions, RMSNorm, SwiGLU,
+    grouped-query attention, no biases; the math of transformers' LlamaForCausalLM)."""
     n_layer: int = 4
     """Transformer blocks in the whole model (summed over all stages)."""
     n_embd: int = 128
@@ -44,8 +51,21 @@ class ModelConfig:
     """Token vocabulary; 256 for the byte-level default."""
     dropout: float = 0.0
     """Dropout probability; 0 as in the papers' runs."""
+    # --- llama only (the run id leaves them out while they hold their defaults, so GPT run ids are unchanged) ---
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention); n_head must be a multiple of it. 0: n_head (multi-head)."""
+    intermediate_size: int = 0
+    """Width of the SwiGLU MLP. 0: 8/3 n_embd rounded up to a multiple of 64 (Llama's rule)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    rms_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head; both must live on one stage (n_stages = 1)."""
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"model.arch must be one of {tuple(ARCHITECTURES)}, got {self.arch!r}")
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
@@ -53,6 +73,48 @@ class ModelConfig:
             raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.n_kv_head < 0 or self.intermediate_size < 0:
+            raise ValueError("model.n_kv_head and model.intermediate_size must be >= 0 (0: the default)")
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ValueError("model.rope_theta and model.rms_eps must be positive")
+        if self.arch == "llama":
+            if self.n_head % self.kv_heads:
+                raise ValueError(f"model.n_head ({self.n_head}) must be a multiple of model.n_kv_head "
+                                 f"({self.n_kv_head}): each key/value head serves a whole group of query heads")
+            if (self.n_embd // self.n_head) % 2:
+                raise ValueError(f"rotary positions need an even head size; n_embd / n_head is "
+                                 f"{self.n_embd // self.n_head}")
+            if self.dropout:
+                raise ValueError("model.dropout must be 0 for arch 'llama' (transformers' Llama has none)")
+        else:
+            llama_only = [f.name for f in dataclasses.fields(self) if f.name in LLAMA_ONLY
+                          and getattr(self, f.name) != f.default]
+            if llama_only:
+                raise ValueError(f"model.{llama_only[0]} is a setting of arch 'llama'; this run's arch is "
+                                 f"{self.arch!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the MLP: 4 n_embd (gpt); intermediate_size or 8/3 n_embd rounded up to 64 (llama)."""
+        if self.arch == "gpt":
+            return 4 * self.n_embd
+        return self.intermediate_size or 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+    def id_dict(self) -> dict[str, Any]:
+        """The section as the run id sees it: llama-only fields left out while at their defaults."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if (f.name in LLAMA_ONLY or f.name == "arch") and d[f.name] == f.default:
+                del d[f.name]
+        return d
+
+
+LLAMA_ONLY = ("n_kv_head", "intermediate_size", "rope_theta", "rms_eps", "tie_embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,8 +269,8 @@ class CompressionConfig:
                 raise ValueError(f"compression.{name} cannot be TopK: activations, gradients and averaging rounds "
                                  "send values, not deltas, and a TopK of values zeroes what it drops (see "
                                  "docs/design.md, Compression); use int8 or int4")
-            if getattr(self, name) not in CODEC_NAMES:
-                raise ValueError(f"compression.{name} must be one of {CODEC_NAMES}, got {getattr(self, name)!r}")
+            if getattr(self, name) not in RUN_CODECS:
+                raise ValueError(f"compression.{name} must be one of {RUN_CODECS}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +347,9 @@ class RunConfig:
             raise ValueError(f"n_stages must be >= 1, got {self.n_stages}")
         object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
         stage_layer_ranges(self)  # validates the split
+        if self.model.tie_embeddings and self.n_stages != 1:
+            raise ValueError("model.tie_embeddings shares the embedding with the head, so both must be on one stage: "
+                             f"it needs n_stages = 1 (this run has {self.n_stages}); untie them for a pipeline")
         if self.data.bin_vocab_size and self.data.bin_vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"data.bin_vocab_size ({self.data.bin_vocab_size}) must equal "
@@ -295,6 +360,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layers_per_stage"] = list(self.layers_per_stage)
+        d["model"] = self.model.id_dict()
         if self.access == AccessConfig():
             del d["access"]  # open runs keep the run ids they had before access control existed
         return d

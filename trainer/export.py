@@ -1,22 +1,22 @@
-"""One model from a pipeline's stages: assemble the stages' weights into the full GPT, save it, load it, sample it.
+"""One model from a pipeline's stages: assemble the stages' weights into the full model, save it, load it, sample it.
 
-A swarm holds the model in pieces, one per pipeline stage (``trainer.model.StageModule``), each with its own layer
-numbering. ``gpt_state`` renames every stage's parameters to those of the whole ``GPT`` (stage ``s``'s block ``i`` is
-block ``layer_start(s) + i``) and checks that together they are exactly the GPT's parameters, no more, no less, with
-the right shapes. ``save_model`` writes them as safetensors (no pickle: safe to load from strangers) next to a
-``config.json`` with the model's shape and where the weights came from; ``load_model`` is the few lines of plain
-PyTorch a user needs::
+A swarm holds the model in pieces, one per pipeline stage (``trainer.model.build_stage``), each with its own layer
+numbering. ``gpt_state`` renames every stage's parameters to those of the whole model (stage ``s``'s block ``i`` is
+block ``layer_start(s) + i``) and checks that together they are exactly the model's parameters, no more, no less,
+with the right shapes (for either architecture; trainer/hf.py turns the same state into a transformers folder).
+``save_model`` writes them as safetensors (no pickle: safe to load from strangers) next to a ``config.json`` with
+the model's shape and where the weights came from; ``load_model`` is the few lines of plain PyTorch a user needs::
 
     import json
     from safetensors.torch import load_file
     from trainer.config import ModelConfig
-    from trainer.model import GPT
+    from trainer.model import build_model
 
     config = json.load(open("model/config.json"))
-    model = GPT(ModelConfig(**config["model"]))
+    model = build_model(ModelConfig(**config["model"]))
     model.load_state_dict(load_file("model/model.safetensors"))
 
-``sample`` draws tokens from a GPT autoregressively (temperature, top-k), cropping the context to its block size;
+``sample`` draws tokens from a model autoregressively (temperature, top-k), cropping the context to its block size;
 ``next_token`` is its draw of one token from logits, shared with generation through a live swarm.
 """
 
@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
-from trainer.model import GPT
+from trainer.model import build_model, global_name
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 EXPORT_FORMAT = 1
+TIED = "lm_head.weight"  # with model.tie_embeddings, the head is the token embedding and is saved once
+ARCH_TITLES = {"gpt": "asyncmesh GPT (trainer.model.GPT)", "llama": "asyncmesh Llama (trainer.llama.Model)"}
 
 
 def gpt_state(run: RunConfig, stages: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -44,17 +47,18 @@ def gpt_state(run: RunConfig, stages: dict[int, dict[str, torch.Tensor]]) -> dic
     ranges = stage_layer_ranges(run)
     out: dict[str, torch.Tensor] = {}
     for stage, state in sorted(stages.items()):
-        start = ranges[stage][0]
         for name, tensor in state.items():
-            if name.startswith("blocks."):
-                _, idx, rest = name.split(".", 2)
-                name = f"blocks.{start + int(idx)}.{rest}"
+            name = global_name(run.model.arch, ranges[stage][0], name)
             if name in out:
                 raise ValueError(f"parameter {name} appears in two stages")
             out[name] = tensor.detach().to("cpu").contiguous()
-    expected = {k: v.shape for k, v in GPT(run.model).state_dict().items()}
+    with torch.device("meta"):  # shapes only: nothing allocated, however large the model
+        expected = {k: v.shape for k, v in build_model(run.model).state_dict().items()}
+    if run.model.tie_embeddings:  # one tensor under two names: keep the embedding's (safetensors refuses shared ones)
+        out.pop(TIED, None)
+        expected.pop(TIED, None)
     if set(out) != set(expected):
-        raise ValueError(f"the stages do not make this run's GPT: missing {sorted(set(expected) - set(out))[:5]}, "
+        raise ValueError(f"the stages do not make this run's model: missing {sorted(set(expected) - set(out))[:5]}, "
                          f"unexpected {sorted(set(out) - set(expected))[:5]}")
     wrong = [k for k in out if out[k].shape != expected[k]]
     if wrong:
@@ -72,7 +76,7 @@ def save_model(directory: str | Path, run: RunConfig, state: dict[str, torch.Ten
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": str(EXPORT_FORMAT), "run_id": run.run_id, "run_name": run.name}
     save_file(state, str(d / WEIGHTS), metadata=meta)
-    config = {"format": EXPORT_FORMAT, "architecture": "asyncmesh GPT (trainer.model.GPT)", "run_id": run.run_id,
+    config = {"format": EXPORT_FORMAT, "architecture": ARCH_TITLES[run.model.arch], "run_id": run.run_id,
               "run_name": run.name, "model": dataclasses.asdict(run.model), "tokenizer": "bytes" if
               run.model.vocab_size == 256 and run.data.bin_vocab_size == 0 else "token ids (see the run's data)",
               "sources": sources or {}}
@@ -80,29 +84,40 @@ def save_model(directory: str | Path, run: RunConfig, state: dict[str, torch.Ten
     return d
 
 
-def load_model(directory: str | Path, device: str = "cpu") -> tuple[GPT, dict[str, Any]]:
-    """(GPT in eval mode, its config.json) from a folder written by ``save_model``."""
+def load_model(directory: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(the model in eval mode, its config.json) from a folder written by ``save_model``."""
     from safetensors.torch import load_file
 
     d = Path(directory)
     config = json.loads((d / CONFIG).read_text())
-    model = GPT(ModelConfig(**config["model"]))
-    model.load_state_dict(load_file(str(d / WEIGHTS), device=device))
+    cfg = ModelConfig(**config["model"])
+    model = build_model(cfg)
+    state = load_file(str(d / WEIGHTS), device=device)
+    if cfg.tie_embeddings:
+        state[TIED] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state)
     return model.to(device).eval(), config
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
-           generator: torch.Generator | None = None) -> list[int]:
-    """``prompt`` continued by ``max_new_tokens`` sampled tokens (greedy when ``temperature`` is 0)."""
+def sample(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max_new_tokens: int, *,
+           temperature: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None,
+           block_size: int | None = None, device: str | torch.device | None = None) -> list[int]:
+    """``prompt`` continued by ``max_new_tokens`` sampled tokens (greedy when ``temperature`` is 0).
+
+    ``model`` maps tokens [1, T] to logits [1, T, vocab]: one of ours (its ``cfg`` gives the context length and
+    its parameters the device), or any callable with ``block_size`` and ``device`` given (a transformers model)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if temperature < 0 or top_k < 0 or max_new_tokens < 0:
         raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
-    device = next(model.parameters()).device
+    if block_size is None or device is None:
+        assert isinstance(model, torch.nn.Module)
+        block_size = model.cfg.block_size if block_size is None else block_size
+        device = next(model.parameters()).device if device is None else device
     idx = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.block_size:])[:, -1, :]  # [1, vocab]
+        logits = model(idx[:, -block_size:])[:, -1, :]  # [1, vocab]
         nxt = next_token(logits, temperature=temperature, top_k=top_k, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
     return idx[0].tolist()

@@ -1,4 +1,8 @@
-"""The model: a nanoGPT-style decoder, and the pipeline stages that are slices of it.
+"""The model: a nanoGPT-style decoder, and the pipeline stages that are slices of it; the architecture dispatch.
+
+``build_stage`` and ``build_model`` build the run's ``model.arch`` from the module that ``ARCHITECTURES``
+(trainer/config.py) names for it: this one for ``"gpt"``, trainer/llama.py for ``"llama"``. Each such module provides
+``Stage`` (one pipeline stage), ``Model`` (the whole model) and ``LAYERS`` (the blocks' name prefix).
 
 ``GPT`` is the whole model (token + position embeddings, ``n_layer`` pre-LN blocks, final LayerNorm, untied head).
 ``StageModule`` holds one stage's slice as computed by the pure function ``trainer.config.stage_layer_ranges``:
@@ -14,14 +18,16 @@ LayerNorm weight 1.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import math
+from types import ModuleType
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
+from trainer.config import ARCHITECTURES, ModelConfig, RunConfig, stage_layer_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +82,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # [B, T, C]
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
     """A 63-bit generator seed for one parameter, from the run seed and its name in the full model."""
     digest = hashlib.sha256(f"asyncmesh-init/{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -86,8 +92,10 @@ def _param_seed(seed: int, name: str) -> int:
 def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: int) -> None:
     """Initialise each parameter of ``module`` from its own generator; ``names`` maps local to full-model names."""
     for local, p in module.named_parameters():
+        if p.is_meta:  # built on the meta device for shapes and counts only: nothing to fill
+            continue
         full = names[local]
-        gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, full))
+        gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, full))
         leaf = full.rsplit(".", 1)[-1]
         if ".ln_" in f".{full}":  # LayerNorm: weight 1, bias 0
             p.fill_(1.0 if leaf == "weight" else 0.0)
@@ -184,11 +192,43 @@ class StageModule(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build_stage(run: RunConfig, stage: int, seed: int | None = None) -> StageModule:
-    """The stage's module with the run's seeded init (``seed`` overrides ``run.seed``)."""
-    return StageModule(run, stage, seed)
+LAYERS = "blocks"
+"""Prefix of the transformer blocks' names; stage-local indices after it become global ones in the full model."""
+Stage, Model = StageModule, GPT  # this module's builders under the names every architecture module provides
 
 
-def build_gpt(run: RunConfig, seed: int | None = None) -> GPT:
-    """The full model with the run's seeded init (``seed`` overrides ``run.seed``)."""
-    return GPT(run.model, run.seed if seed is None else seed)
+def arch_module(arch: str) -> ModuleType:
+    """The module that builds ``arch`` (``Stage``, ``Model``, ``LAYERS``), from the one table in trainer/config.py."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown model.arch {arch!r}; known: {sorted(ARCHITECTURES)}")
+    return importlib.import_module(ARCHITECTURES[arch])
+
+
+def build_stage(run: RunConfig, stage: int, seed: int | None = None) -> nn.Module:
+    """The stage's module of the run's architecture with the run's seeded init (``seed`` overrides ``run.seed``)."""
+    return arch_module(run.model.arch).Stage(run, stage, seed)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    """The whole model of ``cfg.arch``: forward(tokens [B, T]) -> logits [B, T, vocab], the full model's names."""
+    return arch_module(cfg.arch).Model(cfg, seed)
+
+
+def build_gpt(run: RunConfig, seed: int | None = None) -> nn.Module:
+    """The full model of the run (any architecture) with the run's seeded init (``seed`` overrides ``run.seed``)."""
+    return build_model(run.model, run.seed if seed is None else seed)
+
+
+def stage_parameter_counts(run: RunConfig) -> list[int]:
+    """Parameters of every stage, counted on the meta device (no memory, no init: instant even for a 1B model)."""
+    with torch.device("meta"):
+        return [sum(p.numel() for p in build_stage(run, s).parameters()) for s in range(run.n_stages)]
+
+
+def global_name(arch: str, layer_start: int, local: str) -> str:
+    """A stage's parameter name in the whole model: its block index shifted by the stage's first block."""
+    prefix = arch_module(arch).LAYERS + "."
+    if not local.startswith(prefix):
+        return local
+    idx, rest = local[len(prefix):].split(".", 1)
+    return f"{prefix}{layer_start + int(idx)}.{rest}"

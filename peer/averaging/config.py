@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import CODEC_NAMES
+from protocol.codecs.names import RUN_CODECS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,5 +64,5 @@ class NetAveragingConfig:
             raise ValueError("quorum_recent_s must be >= 0 and lone_bound positive")
         if self.outlier_factor < 1 or self.outlier_rms < 0 or self.member_refresh_s < 0:
             raise ValueError("outlier_factor must be >= 1; outlier_rms and member_refresh_s >= 0")
-        if self.sync_codec not in CODEC_NAMES:
-            raise ValueError(f"sync_codec must be one of {CODEC_NAMES}, got {self.sync_codec!r}")
+        if self.sync_codec not in RUN_CODECS:
+            raise ValueError(f"sync_codec must be one of {RUN_CODECS}, got {self.sync_codec!r}")

@@ -1,5 +1,7 @@
 """Tensor codecs: a registry keyed by the codec id that every `TensorEnvelope` carries.
 
+Names and ids come from the one table, protocol.codecs.names; this module attaches each row's kernels.
+
 | name  | id | payload                                              | for                                   |
 |-------|----|------------------------------------------------------|---------------------------------------|
 | none  | 0  | raw little-endian bytes of the tensor's own dtype    | token ids, exact transfers            |
@@ -30,6 +32,7 @@ from concurrent.futures import Executor
 import torch
 
 from protocol.codecs import quant, topk
+from protocol.codecs.names import CODEC_NAMES, CODEC_TABLE
 from protocol.envelope import FLOAT_DTYPES, PayloadError, TensorEnvelope, dtype_name
 from protocol.errors import ValidationError
 from protocol.validation import DEFAULT_MAX_ELEMENTS, TensorSpec, check_header, check_values
@@ -142,20 +145,21 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     return codebook[_frombuffer(data, torch.uint8, n, 8 + 4 * _Q8_CODEBOOK).long()]
 
 
-_REGISTRY = (
-    Codec("none", 0, False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
-    Codec("fp16", 1, True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
-          lambda data, n, d: _frombuffer(data, torch.float16, n)),
-    Codec("bf16", 2, True, lambda t: _raw(t.to(torch.bfloat16)), _exact_length(lambda n, d: 2 * n),
-          lambda data, n, d: _frombuffer(data, torch.bfloat16, n)),
-    Codec("int8", 3, True, _quant(quant.quantize_int8), _exact_length(lambda n, d: quant.int8_payload_bytes(n)),
-          _int8_decode),
-    Codec("int4", 4, True, _quant(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)),
-          _int4_decode),
-    Codec("topk", 5, True, functools.partial(topk.topk_encode, fraction=0.01),
-          lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n)),
-    Codec("int8q", 6, True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode),
-)  # fmt: skip
+_KERNELS = {  # name -> (floats only, encode, payload length check, decode); ids and names from names.CODEC_TABLE
+    "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
+    "fp16": (True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
+             lambda data, n, d: _frombuffer(data, torch.float16, n)),
+    "bf16": (True, lambda t: _raw(t.to(torch.bfloat16)), _exact_length(lambda n, d: 2 * n),
+             lambda data, n, d: _frombuffer(data, torch.bfloat16, n)),
+    "int8": (True, _quant(quant.quantize_int8), _exact_length(lambda n, d: quant.int8_payload_bytes(n)), _int8_decode),
+    "int4": (True, _quant(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)), _int4_decode),
+    "topk": (True, functools.partial(topk.topk_encode, fraction=0.01),
+             lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n)),
+    "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode),
+}  # fmt: skip
+if set(_KERNELS) != set(CODEC_NAMES):
+    raise ImportError(f"codec table and kernels differ: {sorted(set(_KERNELS) ^ set(CODEC_NAMES))}")
+_REGISTRY = tuple(Codec(row.name, row.id, *_KERNELS[row.name]) for row in CODEC_TABLE)
 CODECS: dict[str, Codec] = {c.name: c for c in _REGISTRY}
 CODEC_IDS: dict[int, Codec] = {c.id: c for c in _REGISTRY}
 _TOPK_NAME = re.compile(r"^topk(?::|\()([0-9.eE+-]+)\)?$")

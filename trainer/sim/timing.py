@@ -89,9 +89,9 @@ def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2,
 
 
 def stage_param_counts(run: RunConfig) -> list[int]:
-    from trainer.model import build_stage
+    from trainer.model import stage_parameter_counts
 
-    return [sum(p.numel() for p in build_stage(run, s).parameters()) for s in range(run.n_stages)]
+    return stage_parameter_counts(run)
 
 
 def _on_gpu(sim: Any) -> bool:
