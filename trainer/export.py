@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +86,33 @@ def save_model(directory: str | Path, run: RunConfig, state: dict[str, torch.Ten
               "sources": sources or {}}
     (d / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return d
+
+
+@contextmanager
+def atomic_folder(out: str | Path) -> Iterator[Path]:
+    """A fresh hidden sibling of ``out`` to write the export into: on success it becomes ``out`` (replacing an earlier
+    export there), on any error it is deleted, so ``out`` is never left half-written. A non-empty ``out`` that is not
+    an export (no config.json) is refused rather than replaced."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG).exists())):
+        raise ValueError(f"{out} exists and is not an earlier export; choose a new folder (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        if out.exists():
+            out.rename(old)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if old.exists():
+                old.rename(out)  # the earlier export stays where it was
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already on success
 
 
 def load_model(directory: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:

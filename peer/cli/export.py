@@ -1,12 +1,15 @@
-"""`asyncmesh-peer export`: assemble the stages' latest states into one model (safetensors + config.json).
+"""`asyncmesh-peer export`: assemble the stages' latest states into one model (safetensors, or a Hugging Face folder).
 
 Each peer checkpoints only the stage it serves (``<checkpoint-dir>/stage-N.pt``). ``export`` looks in every folder
 given, takes for each stage the checkpoint with the highest step (replicas of a stage average towards one model; the
-most advanced one is the freshest), renames the stages' layers to those of the whole GPT (``trainer.export``) and
-writes ``model.safetensors`` and ``config.json`` to ``--out``. With ``--initial-peers`` instead, it joins the running
-swarm's DHT as a client (it serves and stores nothing), and fetches every stage's state from its most advanced
-training peer through the same chunked, validated state transfer a joiner uses. Load the result with a few lines of
-plain PyTorch (see docs/export.md) or sample it with ``asyncmesh-peer generate``.
+most advanced one is the freshest), renames the stages' layers to those of the whole model (``trainer.export``) and
+writes ``model.safetensors`` and ``config.json`` to ``--out``; with ``--format hf`` a folder that transformers'
+``AutoModelForCausalLM`` and ``AutoTokenizer`` load (``trainer.hf``), which ``--push-to-hub`` uploads. The folder is
+written beside ``--out`` and renamed into place at the end, so an error never leaves it half-written. With
+``--initial-peers`` instead, it joins the running swarm's DHT as a client (it serves and stores nothing), and fetches
+every stage's state from its most advanced training peer through the same chunked, validated state transfer a joiner
+uses. Load the result with a few lines of plain PyTorch or with transformers (docs/export.md), or sample it with
+``asyncmesh-peer generate``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from peer.errors import UserError, user_input
 
 LIVE_DONORS = 3  # peers of a stage tried in turn by a live export
 
-HELP = "Assemble the stages' latest states (checkpoints, or a live swarm) into one safetensors model."
+HELP = "Assemble the stages' latest states (checkpoints, or a live swarm) into one model (safetensors or HF)."
 EPILOG = """examples:
   the checkpoints of a local swarm (each peer's folder), into model/:
     asyncmesh-peer export --run tests/runs/tiny.toml --checkpoint-dir swarm/peer*/ckpt --out model
@@ -27,8 +30,12 @@ EPILOG = """examples:
     asyncmesh-peer export --run myrun.toml --checkpoint-dir ~/.asyncmesh/ckpt stage1-ckpt --out model
   live, from a running swarm (every stage's most advanced training peer):
     asyncmesh-peer export --run myrun.toml --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --out model
+  as a Hugging Face folder (transformers loads it), uploaded to the Hub:
+    asyncmesh-peer export --run myrun.toml --checkpoint-dir swarm/peer*/ckpt --format hf --out model-hf \
+        --push-to-hub me/my-model
 then: asyncmesh-peer generate --model model --prompt 'def main('
-exit codes: 0 written; 2 bad input (a folder, a missing stage, another run's checkpoints, no peer of a stage)"""
+exit codes: 0 written; 2 bad input (a folder, a missing stage, another run's checkpoints, no peer of a stage,
+  transformers missing for --format hf)"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +49,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "a closed run whose peers serve state to strangers)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to join the DHT and fetch every stage (default 120)")
-    p.add_argument("--out", required=True, metavar="DIR", help="where to write model.safetensors and config.json")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the folder to write (new, or an earlier export, which is replaced)")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: model.safetensors + config.json for trainer.export.load_model (default); hf: a "
+                        "Hugging Face folder (LlamaForCausalLM or GPT2LMHeadModel, and a tokenizer) for transformers")
+    p.add_argument("--tokenizer", metavar="FILE", default=None,
+                   help="--format hf: the tokenizer.json the run's data were tokenized with (copied into the folder; "
+                        "byte-level runs need none)")
+    p.add_argument("--push-to-hub", metavar="REPO", default=None,
+                   help="--format hf: upload the folder to this Hugging Face Hub repo (user/name; created if missing; "
+                        "the token from `hf auth login` or HF_TOKEN)")
+    p.add_argument("--private", action="store_true", help="--push-to-hub: create the repo private")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     with user_input(f"--run {args.run}" if args.run else ""):
         run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
+    _check_format(args, run_cfg)
     if args.initial_peers:
         return _write(args, run_cfg, _fetch_live(args, run_cfg))
     best: dict[int, tuple[int, str, dict]] = {}
@@ -85,20 +104,60 @@ def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, st
            source: str = "peer") -> int:
     """Assemble the stages' weights ``{stage: (step, where from, model state)}`` and write the model."""
     from peer.state.checkpoint import CheckpointError
-    from trainer.export import gpt_state, save_model
+    from trainer.export import atomic_folder, gpt_state, save_model
 
     try:
         state = gpt_state(run_cfg, {s: m for s, (_, _, m) in best.items()})
     except (ValueError, CheckpointError) as e:
         raise UserError(str(e)) from None
     sources = {f"stage {s}": {source: where, "step": step} for s, (step, where, _) in sorted(best.items())}
-    with user_input(f"--out {args.out}"):
-        out = save_model(args.out, run_cfg, state, sources)
+    out = Path(args.out)
+    with user_input(f"--out {args.out}"), atomic_folder(out) as tmp:
+        if args.format == "hf":
+            from trainer.hf import MissingExtra, save_hf
+
+            try:
+                save_hf(tmp, run_cfg, state, tokenizer_json=args.tokenizer, sources=sources)
+            except MissingExtra as e:
+                raise UserError(str(e)) from None
+        else:
+            save_model(tmp, run_cfg, state, sources)
     n = sum(t.numel() for t in state.values())
     steps = ", ".join(f"stage {s} step {step}" for s, (step, _, _) in sorted(best.items()))
-    print(f"wrote {out / 'model.safetensors'} ({n:,} parameters of run {run_cfg.name} ({run_cfg.run_id}); {steps}) "
-          f"and {out / 'config.json'}")
+    what = "a Hugging Face folder" if args.format == "hf" else "model.safetensors and config.json"
+    print(f"wrote {what} to {out} ({n:,} parameters of run {run_cfg.name} ({run_cfg.run_id}); {steps})")
+    if args.push_to_hub:
+        from trainer.hf import push_to_hub
+
+        try:
+            url = push_to_hub(out, args.push_to_hub, private=args.private)
+        except Exception as e:  # no token, no network, a repo of someone else: the folder stays, say so
+            raise UserError(f"--push-to-hub {args.push_to_hub}: the upload failed ({type(e).__name__}: {e}); the "
+                            f"folder {out} is complete: log in (`hf auth login` or HF_TOKEN) and try again, or "
+                            "upload it by hand") from None
+        print(f"pushed {out} to https://huggingface.co/{args.push_to_hub} ({url})")
     return 0
+
+
+def _check_format(args: argparse.Namespace, run_cfg: Any) -> None:
+    """Refuse flag combinations and a missing [hf] extra before any state is read or fetched."""
+    if args.format != "hf":
+        if args.tokenizer or args.push_to_hub or args.private:
+            raise UserError("--tokenizer, --push-to-hub and --private go with --format hf")
+        return
+    import importlib.util
+
+    from trainer.hf import HF_EXTRA, is_byte_level
+
+    missing = [m for m in ("transformers", "tokenizers") + (("huggingface_hub",) if args.push_to_hub else ())
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"--format hf needs {', '.join(missing)}, which is not installed: {HF_EXTRA}")
+    if args.tokenizer is None and not is_byte_level(run_cfg):
+        raise UserError(f"run {run_cfg.name!r} is not byte-level (vocabulary {run_cfg.model.vocab_size}): pass the "
+                        "tokenizer.json its data were tokenized with (--tokenizer FILE)")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_file():
+        raise UserError(f"--tokenizer {args.tokenizer} is not a file")
 
 
 def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, str, dict]]:

@@ -1,6 +1,8 @@
 """`asyncmesh-peer generate`: sample text from an exported model, or through a live swarm's pipeline.
 
-With ``--model`` it samples a model written by ``asyncmesh-peer export``. With ``--initial-peers`` it joins the
+With ``--model`` it samples a model written by ``asyncmesh-peer export``: a safetensors export with this package's
+own model code, or a Hugging Face folder (``--format hf``, or any causal LM folder) through transformers, encoding the
+prompt and decoding the sample with the folder's own tokenizer. With ``--initial-peers`` it joins the
 swarm's DHT as a client (it serves and stores nothing, like ``monitor``), reads the run's peer records and, for every
 new token, sends the context through stage 0, 1, ..., K-1 with the forward-only ``infer`` RPC and samples from the
 last stage's logits (``peer.pipeline.remote``); no model is downloaded and nothing is trained. Sampling is the same
@@ -35,7 +37,8 @@ exit codes: 0 printed; 2 bad input (no model folder, a model or run without a by
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="DIR", help="folder written by `asyncmesh-peer export --out`")
+    source.add_argument("--model", metavar="DIR",
+                        help="folder written by `asyncmesh-peer export --out` (either --format)")
     source.add_argument("--initial-peers", nargs="+", metavar="MADDR",
                         help="generate through the live swarm these peers belong to (an open run)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
@@ -67,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
         return _live(args, prompt, gen)
 
     from trainer.export import CONFIG, WEIGHTS, load_model, sample
+    from trainer.hf import is_hf_folder
 
     folder = args.model
+    if is_hf_folder(folder):
+        return _generate_hf(args, gen)
     with user_input(f"--model {folder} (expected {WEIGHTS} and {CONFIG} from `asyncmesh-peer export`)"):
         model, config = load_model(folder, device=args.device)
     if config.get("tokenizer") != "bytes":
@@ -76,6 +82,25 @@ def run(args: argparse.Namespace) -> int:
                         "encodes text for byte-level models")
     out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
     sys.stdout.write(bytes(out).decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
+def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
+    """Sample a Hugging Face folder through transformers, with its own tokenizer."""
+    from trainer.export import sample
+    from trainer.hf import MissingExtra, load_hf
+
+    try:
+        with user_input(f"--model {args.model}"):
+            model, tok, block_size = load_hf(args.model, device=args.device)
+    except MissingExtra as e:
+        raise UserError(str(e)) from None
+    prompt = tok(args.prompt, add_special_tokens=False)["input_ids"]
+    if not prompt:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no token with the tokenizer of {args.model}")
+    out = sample(lambda idx: model(idx).logits, prompt, args.max_new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, generator=gen, block_size=block_size, device=args.device)
+    sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
 

@@ -1,0 +1,154 @@
+"""The Hugging Face export: transformers loads the folder (LlamaForCausalLM for llama runs, GPT2LMHeadModel for gpt
+runs) with the swarm model's logits, AutoTokenizer encodes text to the swarm's byte ids, a run's own tokenizer.json
+is copied, the upload goes through huggingface_hub, generate reads the folder, and an error leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.cli import main
+from peer.state.checkpoint import save_checkpoint
+from trainer.config import RunConfig
+from trainer.worker import StageWorker
+
+transformers = pytest.importorskip("transformers")
+TEXT = "def f(x):\n    return x + 'é'\n"
+
+
+def _run(arch: str, **model) -> RunConfig:
+    shape = {"arch": arch, "n_layer": 3, "n_embd": 32, "n_head": 4, "block_size": 32, "vocab_size": 256, **model}
+    return RunConfig.default().replace(n_stages=2, layers_per_stage=(2, 1), model=shape,
+                                       optim={"warmup_steps": 0, "lr": 1e-2})
+
+
+def _trained_checkpoints(run: RunConfig, folder: Path, steps: int = 3) -> list[StageWorker]:
+    """A few optimiser steps (so the weights are not the init), each stage checkpointed in its own folder."""
+    workers = [StageWorker(run, s) for s in range(run.n_stages)]
+    g = torch.Generator().manual_seed(1)
+    for mb in range(steps):
+        x, y = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+        h = workers[0].forward(mb, x)
+        _, grad = workers[1].forward_loss(mb, h, y)
+        workers[0].backward(mb, grad)
+    with torch.no_grad():  # weights far from the init, so that every nonlinearity's exact form shows in the logits
+        for p in (p for w in workers for p in w.parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    for s, w in enumerate(workers):
+        save_checkpoint(folder / f"peer{s}", run, s, w.state_dict())
+    return workers
+
+
+def _swarm_logits(workers: list[StageWorker], ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        h = ids
+        for w in workers:
+            h = w.model.eval()(h)
+    return h
+
+
+@pytest.mark.parametrize("arch,model,cls", [("llama", {"n_kv_head": 2}, "LlamaForCausalLM"),
+                                            ("gpt", {}, "GPT2LMHeadModel")])
+def test_transformers_loads_the_export_with_the_swarm_s_logits_and_tokens(tmp_path, capsys, arch, model, cls):
+    run = _run(arch, **model)
+    (tmp_path / "run.toml").write_text(run.to_toml())
+    workers = _trained_checkpoints(run, tmp_path)
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(tmp_path / "run.toml"), "--checkpoint-dir", str(tmp_path / "peer0"),
+                 str(tmp_path / "peer1"), "--format", "hf", "--out", str(out)]) == 0
+    assert "Hugging Face folder" in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert type(hf).__name__ == cls
+    ids = tok(TEXT)["input_ids"]
+    assert ids == list(TEXT.encode()) and tok.decode(ids) == TEXT  # the swarm's byte ids, both ways
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = hf.eval()(x).logits
+    torch.testing.assert_close(theirs, _swarm_logits(workers, x), rtol=0, atol=1e-4)
+    assert theirs.std() > 1  # logits far from uniform: the comparison means something
+    meta = json.loads((out / "asyncmesh.json").read_text())
+    assert meta["run_id"] == run.run_id and meta["sources"]["stage 1"]["step"] == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+    assert main(["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("def")
+    greedy = hf.generate(torch.tensor([list(b"def")]), max_new_tokens=5, do_sample=False)
+    assert printed.rstrip("\n") == tok.decode(greedy[0])
+
+
+def test_a_run_s_tokenizer_json_is_copied_and_an_upload_goes_through_the_hub(tmp_path, monkeypatch, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    run = _run("llama", vocab_size=300).replace(data={"source": "tokens", "bin_vocab_size": 300})
+    (tmp_path / "run.toml").write_text(run.to_toml())
+    _trained_checkpoints(run, tmp_path, steps=1)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(299)} | {"[UNK]": 299}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
+        def create_repo(self, **kw):
+            calls.append(("create_repo", kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+            assert (Path(kw["folder_path"]) / "model.safetensors").exists()
+            return "https://huggingface.co/me/m/commit/abc"
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    args = ["export", "--run", str(tmp_path / "run.toml"), "--checkpoint-dir", str(tmp_path / "peer0"),
+            str(tmp_path / "peer1"), "--format", "hf", "--out", str(tmp_path / "hf")]
+    assert main(args) == 2  # a token-id run needs its tokenizer
+    assert "--tokenizer" in capsys.readouterr().err
+    assert main([*args, "--tokenizer", str(tmp_path / "tokenizer.json"), "--push-to-hub", "me/m", "--private"]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("w5 w7")["input_ids"] == [5, 7]
+    assert [c[0] for c in calls] == ["token", "create_repo", "upload_folder"]
+    assert calls[1][1]["repo_id"] == "me/m" and calls[1][1]["private"] is True
+    assert Path(calls[2][1]["folder_path"]) == tmp_path / "hf"
+    assert "pushed" in capsys.readouterr().out
+
+
+def test_an_error_leaves_no_folder_and_a_missing_extra_says_what_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import trainer.hf
+
+    run = _run("llama")
+    (tmp_path / "run.toml").write_text(run.to_toml())
+    _trained_checkpoints(run, tmp_path, steps=1)
+    args = ["export", "--run", str(tmp_path / "run.toml"), "--checkpoint-dir", str(tmp_path / "peer0"),
+            str(tmp_path / "peer1"), "--format", "hf", "--out", str(tmp_path / "hf")]
+
+    def half_then_fail(directory, *a, **kw):
+        (Path(directory) / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer.hf, "save_hf", half_then_fail)
+    assert main(args) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer0", "peer1", "run.toml"]  # nothing half-written
+    monkeypatch.undo()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert main(args) == 2
+    assert "pip install 'asyncmesh[hf]'" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    monkeypatch.undo()
+    assert main([*args[:-1], str(tmp_path / "mine")]) == 2  # a folder that is not an export is not replaced
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
