@@ -100,7 +100,9 @@ def atomic_folder(out: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)  # readable like any folder a user makes (mkdtemp's are private), files too
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
         old = out.with_name(f".{out.name}.{os.getpid()}.old")
         if out.exists():
             out.rename(old)
