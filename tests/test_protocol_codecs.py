@@ -234,3 +234,21 @@ def test_non_contiguous_and_grad_inputs(codec: str) -> None:
     out = roundtrip(x, codec)
     assert out.shape == x.shape and out.is_contiguous() and not out.requires_grad
     assert torch.equal(roundtrip(x.detach().contiguous(), codec), out)
+
+
+def test_codec_names_come_from_one_table():
+    """protocol/codecs/names.py is the only list: the registry, the run file and the CLI all read it."""
+    from peer.averaging.config import NetAveragingConfig
+    from peer.cli.simulate import CODECS as SIMULATE_CODECS
+    from protocol.codecs.names import CODEC_ID, RUN_CODECS
+    from protocol.codecs.registry import CODECS
+    from trainer.config import CompressionConfig
+
+    assert {c.name: c.id for c in CODECS.values()} == CODEC_ID
+    assert set(RUN_CODECS) < set(CODEC_ID) and "topk" not in RUN_CODECS
+    assert SIMULATE_CODECS == RUN_CODECS
+    for name in RUN_CODECS:
+        CompressionConfig(activations=name, gradients=name, averaging=name)
+        NetAveragingConfig(sync_codec=name)
+    with pytest.raises(ValueError, match="must be one of"):
+        CompressionConfig(averaging="int8q")

@@ -34,13 +34,12 @@ from typing import Any
 
 import torch
 
-from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
+from trainer.config import ARCHITECTURES, ModelConfig, RunConfig, stage_layer_ranges
 from trainer.model import build_model, global_name
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 EXPORT_FORMAT = 1
 TIED = "lm_head.weight"  # with model.tie_embeddings, the head is the token embedding and is saved once
-ARCH_TITLES = {"gpt": "asyncmesh GPT (trainer.model.GPT)", "llama": "asyncmesh Llama (trainer.llama.Model)"}
 
 
 def gpt_state(run: RunConfig, stages: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -80,9 +79,11 @@ def save_model(directory: str | Path, run: RunConfig, state: dict[str, torch.Ten
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": str(EXPORT_FORMAT), "run_id": run.run_id, "run_name": run.name}
     save_file(state, str(d / WEIGHTS), metadata=meta)
-    config = {"format": EXPORT_FORMAT, "architecture": ARCH_TITLES[run.model.arch], "run_id": run.run_id,
-              "run_name": run.name, "model": dataclasses.asdict(run.model), "tokenizer": "bytes" if
-              run.model.vocab_size == 256 and run.data.bin_vocab_size == 0 else "token ids (see the run's data)",
+    arch = run.model.arch
+    config = {"format": EXPORT_FORMAT, "architecture": f"asyncmesh {arch} ({ARCHITECTURES[arch]})",
+              "run_id": run.run_id, "run_name": run.name, "model": dataclasses.asdict(run.model),
+              "tokenizer": "bytes" if run.model.vocab_size == 256 and run.data.bin_vocab_size == 0
+              else "token ids (see the run's data)",
               "sources": sources or {}}
     (d / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return d

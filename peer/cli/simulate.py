@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from peer.errors import UserError, user_input
+from protocol.codecs.names import RUN_CODECS
 
 HELP = "Compare the asynchronous methods with the synchronous baseline in one process (exact delays)."
 EPILOG = """examples:
@@ -27,7 +28,7 @@ EPILOG = """examples:
 methods: fullsync, naive-async, asyncpp, asyncpp-nows, asyncmesh, async-sparta, delta, full-avg, wagma, accum
 (see trainer/sim/methods.py for exactly what each one does)."""
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+CODECS = RUN_CODECS  # the run file's codecs, from the one table (protocol/codecs/names.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
