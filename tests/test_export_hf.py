@@ -20,9 +20,10 @@ transformers = pytest.importorskip("transformers")
 TEXT = "def f(x):\n    return x + 'é'\n"
 
 
-def _run(arch: str, **model) -> RunConfig:
+def _run(arch: str, n_stages: int = 2, **model) -> RunConfig:
     shape = {"arch": arch, "n_layer": 3, "n_embd": 32, "n_head": 4, "block_size": 32, "vocab_size": 256, **model}
-    return RunConfig.default().replace(n_stages=2, layers_per_stage=(2, 1), model=shape,
+    split = (2, 1) if n_stages == 2 else ()
+    return RunConfig.default().replace(n_stages=n_stages, layers_per_stage=split, model=shape,
                                        optim={"warmup_steps": 0, "lr": 1e-2})
 
 
@@ -179,3 +180,19 @@ def test_a_llama_swarm_exported_for_transformers_has_the_swarm_s_validation_loss
         loss = sum(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item() for x, y in val) / len(val)
     # stage 1 may still step on the last in-flight micro-batches after stage 0's final evaluation, hence not exact
     assert reported < 5.0 and loss == pytest.approx(reported, abs=0.05)
+
+
+def test_a_tied_head_exports_as_transformers_tied_llama(tmp_path):
+    from trainer.export import gpt_state
+    from trainer.hf import load_hf, save_hf
+    from trainer.model import build_model
+
+    run = _run("llama", n_stages=1, tie_embeddings=True)
+    ours = build_model(run.model, seed=4).eval()
+    save_hf(tmp_path / "hf", run, gpt_state(run, {0: ours.state_dict()}))
+    model, tok, block = load_hf(tmp_path / "hf")
+    assert model.config.tie_word_embeddings and block == 32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    x = torch.tensor([tok(TEXT)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ours(x), rtol=0, atol=1e-4)

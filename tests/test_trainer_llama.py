@@ -176,3 +176,23 @@ def test_simulator_trains_llama_tiny_with_each_method(method):
     assert out["final_val_loss"] < 5.0 and out["steps_skipped"] == 0  # learning: uniform over bytes is 5.55
     if method != "fullsync":
         assert out["averaging_rounds_applied"] > 0
+
+
+def test_tied_head_trains_as_one_tensor_and_exports_once(tmp_path):
+    from trainer.export import gpt_state, load_model, save_model
+
+    run = llama(1, model={"tie_embeddings": True}, averaging={"rule": "ema", "fraction": 0.5})
+    w = StageWorker(run, 0)
+    assert len(w.parameters()) == len(list(w.model.parameters()))  # the head is not a parameter of its own
+    for mb in range(3):
+        _pipeline([w], mb)
+    assert w.model.lm_head.weight is w.model.model.embed_tokens.weight
+    copy = StageWorker(run, 0)
+    copy.load_state_dict(w.state_dict())
+    assert torch.equal(copy.model.lm_head.weight, w.model.model.embed_tokens.weight)
+    assert copy.model.lm_head.weight is copy.model.model.embed_tokens.weight
+    state = gpt_state(run, {0: w.model.state_dict()})
+    assert "lm_head.weight" not in state
+    model, _ = load_model(save_model(tmp_path / "m", run, state))
+    x = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(model(x), w.model.eval()(x))
