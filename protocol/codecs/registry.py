@@ -145,7 +145,9 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     return codebook[_frombuffer(data, torch.uint8, n, 8 + 4 * _Q8_CODEBOOK).long()]
 
 
-_KERNELS = {  # name -> (floats only, encode, payload length check, decode); ids and names from names.CODEC_TABLE
+_Kernels = tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
+                 Callable[[bytes, int, torch.dtype], torch.Tensor]]
+_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode); names, ids: names.py
     "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
     "fp16": (True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
              lambda data, n, d: _frombuffer(data, torch.float16, n)),
