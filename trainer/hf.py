@@ -46,6 +46,14 @@ def _require(module: str) -> Any:
                            f"installed: {HF_EXTRA}") from e
 
 
+def quiet() -> None:
+    """No progress bars or notices from transformers and huggingface_hub (for the command line, which prints its own
+    one-line result)."""
+    transformers = _require("transformers")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def is_byte_level(run: RunConfig) -> bool:
     return run.model.vocab_size == 256 and run.data.bin_vocab_size == 0
 

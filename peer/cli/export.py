@@ -114,9 +114,10 @@ def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, st
     out = Path(args.out)
     with user_input(f"--out {args.out}"), atomic_folder(out) as tmp:
         if args.format == "hf":
-            from trainer.hf import MissingExtra, save_hf
+            from trainer.hf import MissingExtra, quiet, save_hf
 
             try:
+                quiet()
                 save_hf(tmp, run_cfg, state, tokenizer_json=args.tokenizer, sources=sources)
             except MissingExtra as e:
                 raise UserError(str(e)) from None

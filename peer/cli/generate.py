@@ -10,7 +10,7 @@ function either way (``trainer.export.next_token``), so equal logits and an equa
 
 The embedded runs read text as bytes (vocabulary 256), so the prompt is encoded as UTF-8 bytes and the sample decoded
 the same way (invalid sequences shown as U+FFFD). Models trained on pre-tokenized ``.bin`` shards have no tokenizer
-here and are refused with a message.
+in a safetensors export and are refused with a message; export them with ``--format hf --tokenizer FILE`` instead.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     with user_input(f"--model {folder} (expected {WEIGHTS} and {CONFIG} from `asyncmesh-peer export`)"):
         model, config = load_model(folder, device=args.device)
     if config.get("tokenizer") != "bytes":
-        raise UserError(f"--model {folder}: its tokens are not bytes ({config.get('tokenizer')}); generate only "
-                        "encodes text for byte-level models")
+        raise UserError(f"--model {folder}: its tokens are not bytes ({config.get('tokenizer')}); export it with "
+                        "its tokenizer (`asyncmesh-peer export --format hf --tokenizer FILE`) and generate from that")
     out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
     sys.stdout.write(bytes(out).decode("utf-8", errors="replace") + "\n")
     return 0
@@ -88,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
 def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
     """Sample a Hugging Face folder through transformers, with its own tokenizer."""
     from trainer.export import sample
-    from trainer.hf import MissingExtra, load_hf
+    from trainer.hf import MissingExtra, load_hf, quiet
 
     try:
+        quiet()
         with user_input(f"--model {args.model}"):
             model, tok, block_size = load_hf(args.model, device=args.device)
     except MissingExtra as e:
