@@ -196,3 +196,12 @@ def test_tied_head_trains_as_one_tensor_and_exports_once(tmp_path):
     model, _ = load_model(save_model(tmp_path / "m", run, state))
     x = torch.randint(0, 256, (1, 16))
     torch.testing.assert_close(model(x), w.model.eval()(x))
+
+
+def test_simulate_takes_the_architecture():
+    from peer.cli import build_parser
+    from peer.cli.simulate import build_config
+
+    sim = build_config(build_parser().parse_args(["simulate", "--out", "/tmp/x", "--arch", "llama"]))
+    assert sim.run.model.arch == "llama" and sim.run.model.kv_heads == sim.run.model.n_head
+    assert build_config(build_parser().parse_args(["simulate", "--out", "/tmp/x"])).run.model.arch == "gpt"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from peer.errors import UserError, user_input
 from protocol.codecs.names import RUN_CODECS
+from trainer.config import ARCHITECTURES
 
 HELP = "Compare the asynchronous methods with the synchronous baseline in one process (exact delays)."
 EPILOG = """examples:
@@ -24,6 +25,7 @@ EPILOG = """examples:
   asyncmesh-peer simulate --preset base --device cuda --jobs 3 --out /tmp/base   # AsyncPP base scale on a GPU
   asyncmesh-peer simulate --preset paper --methods fullsync,asyncmesh --compression int8 --out /tmp/int8
   asyncmesh-peer simulate --preset smoke --stages 4 --replicas 4 --tau 2,8 --p 0.1 --steps 128 --out /tmp/x
+  asyncmesh-peer simulate --preset smoke --arch llama --out /tmp/llama   (the Llama-style model, same shape)
 
 methods: fullsync, naive-async, asyncpp, asyncpp-nows, asyncmesh, async-sparta, delta, full-avg, wagma, accum
 (see trainer/sim/methods.py for exactly what each one does)."""
@@ -54,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-replicas", choices=("averaged", "each"), default=None,
                         help="validate the replicas' averaged weights (default, as the AsyncMesh code) or each "
                         "replica's own, mean over replicas (as the daemon's replicas report)")
+    parser.add_argument("--arch", choices=tuple(ARCHITECTURES), default=None,
+                        help="the model architecture, at the preset's shape (default: the preset's, gpt)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--compression", choices=CODECS, default=None,
                         help="codec for activations (and gradients, unless --grad-compression) between stages "
@@ -121,6 +125,8 @@ def _build_config(args: argparse.Namespace):
         compression=compression, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
         device=resolve_device(args.device), byzantine=args.byzantine, attack=args.attack, aggregator=args.aggregator,
     )
+    if args.arch is not None:
+        sim = dataclasses.replace(sim, run=sim.run.replace(model={"arch": args.arch}))
     if args.round_steps is not None:
         sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": args.round_steps}))
     if args.delays_from:
