@@ -31,7 +31,7 @@ EPILOG = """examples:
   live, from a running swarm (every stage's most advanced training peer):
     asyncmesh-peer export --run myrun.toml --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --out model
   as a Hugging Face folder (transformers loads it), uploaded to the Hub:
-    asyncmesh-peer export --run myrun.toml --checkpoint-dir swarm/peer*/ckpt --format hf --out model-hf \
+    asyncmesh-peer export --run myrun.toml --checkpoint-dir swarm/peer*/ckpt --format hf --out model-hf \\
         --push-to-hub me/my-model
 then: asyncmesh-peer generate --model model --prompt 'def main('
 exit codes: 0 written; 2 bad input (a folder, a missing stage, another run's checkpoints, no peer of a stage,
