@@ -36,3 +36,19 @@ def test_the_llama_runs_have_the_sizes_their_names_say():
     assert 20e6 <= sizes["llama-small"] <= 40e6
     assert 110e6 <= sizes["llama-125m"] <= 140e6
     assert 0.9e9 <= sizes["llama-1b"] <= 1.3e9
+
+
+@pytest.mark.parametrize("path", [p for p in RUNS if p.stem.startswith("llama")], ids=lambda p: p.stem)
+def test_transformers_builds_the_same_model_for_every_llama_run(path):
+    """The Hugging Face class of each shipped run has our parameters, name for name and shape for shape."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from trainer.hf import hf_config
+    from trainer.model import build_model
+
+    run = RunConfig.from_toml(path)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf_config(run)).state_dict()
+        ours = build_model(run.model).state_dict()
+    assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}
