@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
-from trainer.model import StageModule, param_seed
+from trainer.model import StageModule, param_seed, shift_layer
 
 LAYERS = "model.layers"
 """Prefix of the transformer blocks' names; stage-local indices after it become global ones in the full model."""
@@ -148,13 +148,7 @@ class Stage(nn.Module):
         cos, sin = rotary_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)  # [block_size, hs]: not weights, not in the state dict
         self.register_buffer("sin", sin, persistent=False)
-        names = {}
-        for local, _ in self.named_parameters():
-            if local.startswith(LAYERS + "."):
-                idx, rest = local[len(LAYERS) + 1:].split(".", 1)
-                names[local] = f"{LAYERS}.{self.layer_start + int(idx)}.{rest}"
-            else:
-                names[local] = local
+        names = {local: shift_layer(LAYERS, self.layer_start, local) for local, _ in self.named_parameters()}
         _init_named(self, names, run.seed if seed is None else seed, cfg.n_layer)
         if cfg.tie_embeddings:  # one stage holds both (RunConfig checks it): the head is the embedding
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -157,7 +157,6 @@ class StageModule(nn.Module):
         self.stage, self.n_stages = stage, run.n_stages
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
         self.layer_start, self.layer_end = stage_layer_ranges(run)[stage]
-        names: dict[str, str] = {}
         if self.is_first:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -166,12 +165,7 @@ class StageModule(nn.Module):
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        for local, _ in self.named_parameters():
-            if local.startswith("blocks."):
-                _, idx, rest = local.split(".", 2)
-                names[local] = f"blocks.{self.layer_start + int(idx)}.{rest}"
-            else:
-                names[local] = local
+        names = {local: shift_layer(LAYERS, self.layer_start, local) for local, _ in self.named_parameters()}
         _init_named(self, names, run.seed if seed is None else seed, cfg.n_layer)
 
     def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
@@ -225,10 +219,15 @@ def stage_parameter_counts(run: RunConfig) -> list[int]:
         return [sum(p.numel() for p in build_stage(run, s).parameters()) for s in range(run.n_stages)]
 
 
-def global_name(arch: str, layer_start: int, local: str) -> str:
-    """A stage's parameter name in the whole model: its block index shifted by the stage's first block."""
-    prefix = arch_module(arch).LAYERS + "."
-    if not local.startswith(prefix):
+def shift_layer(layers: str, layer_start: int, local: str) -> str:
+    """A stage's parameter name in the whole model: the block index after ``layers`` shifted by the stage's first
+    block (``blocks.0.attn...`` of a stage starting at block 4 is ``blocks.4.attn...``); other names unchanged."""
+    if not local.startswith(layers + "."):
         return local
-    idx, rest = local[len(prefix):].split(".", 1)
-    return f"{prefix}{layer_start + int(idx)}.{rest}"
+    idx, rest = local[len(layers) + 1:].split(".", 1)
+    return f"{layers}.{layer_start + int(idx)}.{rest}"
+
+
+def global_name(arch: str, layer_start: int, local: str) -> str:
+    """``shift_layer`` with the block prefix of ``arch``."""
+    return shift_layer(arch_module(arch).LAYERS, layer_start, local)
