@@ -54,8 +54,13 @@ def quiet() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def run_tokenizer(run: RunConfig) -> str | None:
+    """The tokenizer.json the run names (``data.tokenizer``, where the run config has that field), else None."""
+    return getattr(run.data, "tokenizer", "") or None
+
+
 def is_byte_level(run: RunConfig) -> bool:
-    return run.model.vocab_size == 256 and run.data.bin_vocab_size == 0
+    return run.model.vocab_size == 256 and run.data.bin_vocab_size == 0 and run_tokenizer(run) is None
 
 
 def hf_config(run: RunConfig) -> Any:

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Hugging Face folder (LlamaForCausalLM or GPT2LMHeadModel, and a tokenizer) for transformers")
     p.add_argument("--tokenizer", metavar="FILE", default=None,
                    help="--format hf: the tokenizer.json the run's data were tokenized with (copied into the folder; "
-                        "byte-level runs need none)")
+                        "default: the run's data.tokenizer; byte-level runs need none)")
     p.add_argument("--push-to-hub", metavar="REPO", default=None,
                    help="--format hf: upload the folder to this Hugging Face Hub repo (user/name; created if missing; "
                         "the token from `hf auth login` or HF_TOKEN)")
@@ -148,7 +148,10 @@ def _check_format(args: argparse.Namespace, run_cfg: Any) -> None:
         return
     import importlib.util
 
-    from trainer.hf import HF_EXTRA, is_byte_level
+    from trainer.hf import HF_EXTRA, is_byte_level, run_tokenizer
+
+    if args.tokenizer is None:
+        args.tokenizer = run_tokenizer(run_cfg)  # the run's own data.tokenizer, when it names one
 
     missing = [m for m in ("transformers", "tokenizers") + (("huggingface_hub",) if args.push_to_hub else ())
                if importlib.util.find_spec(m) is None]
