@@ -1,0 +1,219 @@
+"""Streamed documents: a hub dataset or local .txt/.jsonl/.parquet files, read through ``datasets`` in streaming mode,
+tokenized, joined with the end-of-text id and cut into fixed-length training sequences of ``block_size + 1`` tokens.
+
+**Where documents go.** Document ``i`` of the stream (its index in the source's order) goes by a hash of ``i`` alone
+(``doc_role``): a ``val_fraction`` of them is held out as the validation set, and each other one belongs to exactly one
+of ``data.shards`` training shards. The validation set is the first sequences of the held-out documents, the same for
+every peer. A stage-0 peer reads one shard (which one: ``peer.pipeline.shards``), so two peers on different shards
+never read the same document; a shard is read in order and starts again at its end (the next epoch).
+
+**The data position** (``DataPosition``) says exactly how far a shard was read: the next document index, the tokens
+read but not yet cut into a sequence, the sequences handed out and the epoch. ``ShardStream`` resumes from one, so a
+restarted peer continues its shard where its checkpoint says it stopped. A background thread reads and tokenizes
+ahead; the position returned is that of the last batch handed out, not of the read-ahead.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig
+from trainer.data import DataError
+from trainer.tokenizer import Tokenizer, import_hf
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+READ_AHEAD = 8  # batches the reading thread keeps ready
+VAL = -1
+
+
+@dataclass
+class DataPosition:
+    """How far a shard was read (see the module docstring); saved with the checkpoints (peer.pipeline.ledger)."""
+
+    shard: int
+    next_doc: int = 0
+    """Index in the source's order of the next document to read."""
+    carry: list[int] = field(default_factory=list)
+    """Tokens read and not yet cut into a sequence (fewer than block_size + 1)."""
+    sequences: int = 0
+    """Sequences handed out from this shard since its first epoch."""
+    epoch: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataPosition:
+        try:
+            pos = cls(shard=int(d["shard"]), next_doc=int(d["next_doc"]), carry=[int(t) for t in d["carry"]],
+                      sequences=int(d["sequences"]), epoch=int(d["epoch"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"a saved data position is malformed ({e!r})") from e
+        if min(pos.shard, pos.next_doc, pos.sequences, pos.epoch) < 0:
+            raise DataError(f"a saved data position has negative fields: {d}")
+        return pos
+
+
+def doc_role(index: int, cfg: DataConfig) -> int:
+    """VAL (-1) for a held-out document, else its training shard in [0, cfg.shards)."""
+    u = int.from_bytes(hashlib.sha256(f"asyncmesh-doc/{index}".encode()).digest()[:8], "little") / 2**64
+    if u < cfg.val_fraction:
+        return VAL
+    return min(cfg.shards - 1, int((u - cfg.val_fraction) / (1 - cfg.val_fraction) * cfg.shards))
+
+
+def local_files(source: str) -> tuple[str, list[str]]:
+    """(datasets builder, sorted files) of a local source: a file, a folder (recursively) or a glob, all of one kind
+    (.txt, .jsonl or .parquet)."""
+    root = Path(source).expanduser()
+    if any(c in source for c in "*?["):
+        files = sorted(glob.glob(str(root), recursive=True))
+    elif root.is_dir():
+        files = sorted(str(p) for p in root.rglob("*") if p.suffix in BUILDERS)
+    elif root.is_file():
+        files = [str(root)]
+    else:
+        raise DataError(f"data source {source} does not exist; pass a file, a folder or a glob of .txt, .jsonl or "
+                        ".parquet files, or hf:NAME for a Hugging Face dataset")
+    kinds = {Path(f).suffix for f in files}
+    if not files or not kinds <= set(BUILDERS):
+        raise DataError(f"data source {source} must hold .txt, .jsonl or .parquet files (found {sorted(kinds)})")
+    if len(kinds) > 1:
+        raise DataError(f"data source {source} mixes {sorted(kinds)} files; put each kind in its own folder")
+    return BUILDERS[kinds.pop()], files
+
+
+def open_dataset(cfg: DataConfig) -> Any:
+    """The source as a ``datasets`` streaming IterableDataset, in its fixed order."""
+    datasets = import_hf("datasets", f"data.source {cfg.source!r}")
+    if cfg.source.startswith("hf:"):
+        name = cfg.source[3:]
+        try:
+            return datasets.load_dataset(name, cfg.hf_config or None, split=cfg.split, streaming=True)
+        except Exception as e:  # the hub client raises many types (missing dataset, no network, bad config)
+            raise DataError(f"cannot stream the Hugging Face dataset {name!r} (config {cfg.hf_config or 'default'}, "
+                            f"split {cfg.split}): {e}") from e
+    builder, files = local_files(cfg.source)
+    kwargs = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document, not one per line
+    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+
+
+def documents(cfg: DataConfig, start: int = 0) -> Iterator[tuple[int, str]]:
+    """(index, text) of every document of the source from index ``start`` on."""
+    ds = open_dataset(cfg)
+    if start:
+        ds = ds.skip(start)
+    for i, row in enumerate(ds, start):
+        text = row.get(cfg.text_field) if isinstance(row, dict) else None
+        if text is None:
+            raise DataError(f"document {i} of {cfg.source} has no field {cfg.text_field!r} (fields: "
+                            f"{sorted(row) if isinstance(row, dict) else type(row).__name__}); set data.text_field")
+        yield i, str(text)
+
+
+def _rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    xy = torch.from_numpy(np.asarray(rows, dtype=np.int64))  # [B, T+1]
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+
+def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, role: int,
+              ) -> Iterator[tuple[list[int], DataPosition]]:
+    """Sequences of ``seq_len + 1`` tokens of the documents of ``role`` (a shard, or VAL), each with the position
+    right after it; endless for a shard (epochs), one pass for VAL."""
+    pos = DataPosition(**pos.to_dict())
+    while True:
+        found = False
+        for i, text in documents(cfg, pos.next_doc):
+            pos.next_doc = i + 1
+            if doc_role(i, cfg) != role:
+                continue
+            found = True
+            pos.carry.extend(tok.encode_batch([text])[0])
+            pos.carry.append(tok.eot_id)
+            while len(pos.carry) >= seq_len + 1:
+                seq, pos.carry = pos.carry[: seq_len + 1], pos.carry[seq_len + 1 :]
+                pos.sequences += 1
+                yield seq, DataPosition(**pos.to_dict())
+        if role == VAL:
+            return
+        if not found and pos.next_doc == 0:
+            raise DataError(f"shard {role} of {cfg.source} holds no document: use fewer data.shards or more data")
+        pos.next_doc, pos.epoch = 0, pos.epoch + 1
+
+
+def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: int,
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation set: the first n batches of sequences of the held-out documents, the same everywhere."""
+    need = n * batch_size
+    rows = []
+    for seq, _ in sequences(cfg, tok, seq_len, DataPosition(shard=VAL), VAL):
+        rows.append(seq)
+        if len(rows) >= need:
+            break
+    if len(rows) < need:
+        raise DataError(f"the held-out documents of {cfg.source} make {len(rows)} sequences of {seq_len + 1} tokens, "
+                        f"fewer than the {need} of the validation set: raise data.val_fraction or add data")
+    return [_rows(rows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]
+
+
+class ShardStream:
+    """Batches of one shard, read ahead by a thread; ``next()`` returns (x, y) LongTensors [B, T] like
+    ``trainer.data.BatchStream``, and ``position()`` the data position after the last batch handed out."""
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, start: DataPosition) -> None:
+        if not 0 <= start.shard < cfg.shards:
+            raise DataError(f"shard {start.shard} is not one of the run's {cfg.shards} data shards")
+        self.cfg, self.tok, self.seq_len, self.batch_size = cfg, tok, seq_len, batch_size
+        self._pos = DataPosition(**start.to_dict())
+        self.batches = 0
+        self._ready: queue.Queue[tuple[Any, DataPosition | None]] = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name=f"data-shard-{start.shard}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            rows: list[list[int]] = []
+            for seq, pos in sequences(self.cfg, self.tok, self.seq_len, self._pos, self._pos.shard):
+                rows.append(seq)
+                if len(rows) == self.batch_size:
+                    item, rows = (_rows(rows), pos), []
+                    while not self._stop.is_set():
+                        try:
+                            self._ready.put(item, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # handed to the reader, which raises it where the batch was wanted
+            self._ready.put((e, None))
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        item, pos = self._ready.get()
+        if pos is None:
+            raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
+        self._pos = pos
+        self.batches += 1
+        return item
+
+    __next__ = next
+
+    def __iter__(self) -> ShardStream:
+        return self
+
+    def position(self) -> DataPosition:
+        return DataPosition(**self._pos.to_dict())
+
+    def close(self) -> None:
+        self._stop.set()
