@@ -221,6 +221,20 @@ class BatchStream:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.rng = np.random.default_rng(seed)
         self.batches = 0
+        self.key = f"windows/{seed}"
+        """Which stream a saved position belongs to (peer.pipeline.ledger)."""
+
+    def position_dict(self) -> dict[str, object]:
+        """The stream's position: the batches drawn and the generator's state (``resume`` continues from it)."""
+        return {"batches": self.batches, "rng": self.rng.bit_generator.state}
+
+    def resume(self, position: dict[str, object]) -> None:
+        """Continue from a ``position_dict`` of a stream of the same key; a malformed one raises DataError."""
+        try:
+            self.rng.bit_generator.state = position["rng"]
+            self.batches = int(position["batches"])  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"a saved data position is malformed ({e!r})") from e
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)

@@ -166,6 +166,11 @@ def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: i
     return [_rows(rows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]
 
 
+def stream_key(cfg: DataConfig, shard: int) -> str:
+    """Names a shard's stream (the saved position of another source or shard count never applies)."""
+    return f"{cfg.source}#{shard}/{cfg.shards}"
+
+
 class ShardStream:
     """Batches of one shard, read ahead by a thread; ``next()`` returns (x, y) LongTensors [B, T] like
     ``trainer.data.BatchStream``, and ``position()`` the data position after the last batch handed out."""
@@ -176,6 +181,8 @@ class ShardStream:
         self.cfg, self.tok, self.seq_len, self.batch_size = cfg, tok, seq_len, batch_size
         self._pos = DataPosition(**start.to_dict())
         self.batches = 0
+        self.shard = start.shard
+        self.key = stream_key(cfg, start.shard)
         self._ready: queue.Queue[tuple[Any, DataPosition | None]] = queue.Queue(READ_AHEAD)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name=f"data-shard-{start.shard}", daemon=True)
@@ -214,6 +221,9 @@ class ShardStream:
 
     def position(self) -> DataPosition:
         return DataPosition(**self._pos.to_dict())
+
+    def position_dict(self) -> dict[str, Any]:
+        return self._pos.to_dict()
 
     def close(self) -> None:
         self._stop.set()
