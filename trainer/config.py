@@ -216,7 +216,9 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "stdlib"
-    """'stdlib' (the running interpreter's own .py sources) or a path: text files/folders, or uint16 .bin shards."""
+    """'stdlib' (the running interpreter's own .py sources), a path (text files/folders read as bytes, uint16 .bin
+    shards), or a streamed source (trainer/stream.py): 'hf:NAME' (a Hugging Face dataset), .jsonl/.parquet files, a
+    glob, or any text with data.tokenizer set."""
     batch_size: int = 8
     """Sequences per micro-batch."""
     val_fraction: float = 0.05

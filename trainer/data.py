@@ -1,4 +1,5 @@
-"""Tokens: the embedded default corpus, user corpora, per-replica batch streams and a fixed validation set.
+"""Tokens as one array: the embedded default corpus, user corpora, per-replica batch streams, a fixed validation set.
+(Hugging Face datasets, .jsonl/.parquet files and tokenized text are streamed documents instead: trainer/stream.py.)
 
 Default (``data.source = "stdlib"``): the ``.py`` sources of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``, present on every install; ``site-packages`` is skipped), byte-level (vocab 256).
