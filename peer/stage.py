@@ -41,7 +41,7 @@ from peer.state.sync import StateServer, StateSyncConfig
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
 from protocol.rpc import Handler, HandlerTable, RpcLimits
-from trainer.data import BatchStream, DataError, load_corpus, shard_seed, val_batches
+from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
 from trainer.tokenizer import MissingExtra
 from trainer.worker import StageWorker, resolve_device
 
@@ -188,7 +188,7 @@ class StageService:
                 stream, val = await open_shard(self.host, data_cfg)
             else:
                 stream, val = await asyncio.get_running_loop().run_in_executor(None, self._open_corpus, data_cfg)
-        except (DataError, MissingExtra) as e:
+        except (ValueError, MissingExtra) as e:  # DataError, or a tokenizer file the library refuses
             raise DaemonError(f"data.source {data_cfg.source!r}: {e}") from e
         host.ledger.attach(stream)
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
