@@ -86,7 +86,7 @@ def test_a_killed_stage_0_peer_resumes_its_data_position(swarm, tmp_path):  # no
     assert a2.wait_exit(240) == 0
     b.signal(signal.SIGTERM)
     b.wait_exit(30)
-    assert f"reads data shard {shard} of 2 from document {pos['next_doc']}" in a2.log()
+    assert f"reads data shard {shard} of 2 from document {pos['doc']} token {pos['offset']}" in a2.log()
     second = (tmp_path / "second.log").read_text().split()
     end_positions, owed_at_end = _saved(a2.dir / "ckpt" / SAMPLES_FILE)
     drawn = end_positions[key]["sequences"] // B

@@ -96,6 +96,24 @@ def test_a_stream_resumed_from_its_position_continues_exactly(jsonl):
         DataPosition.from_dict({"shard": 1})
 
 
+def test_a_position_inside_a_long_document_is_a_few_integers(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i} " + "xyz" * (300 + 50 * i)}) + "\n" for i in range(12)))
+    cfg = DataConfig(source=str(path), shards=1, val_fraction=0.01)
+    whole = ShardStream(cfg, ByteTokenizer(), 63, 2, DataPosition(shard=0))
+    want = [whole.next() for _ in range(30)]
+    whole.close()
+    first = ShardStream(cfg, ByteTokenizer(), 63, 2, DataPosition(shard=0))
+    for _ in range(7):
+        first.next()
+    saved = first.position_dict()
+    first.close()
+    assert saved["offset"] > 0 and set(saved) == {"shard", "doc", "offset", "sequences", "epoch"}
+    again = ShardStream(cfg, ByteTokenizer(), 63, 2, DataPosition.from_dict(saved))
+    assert all(torch.equal(again.next()[0], x) for x, _ in want[7:])
+    again.close()
+
+
 def test_a_hub_dataset_is_streamed_with_its_name_config_and_split(jsonl, monkeypatch):
     import datasets
 

@@ -7,8 +7,8 @@ of ``data.shards`` training shards. The validation set is the first sequences of
 every peer. A stage-0 peer reads one shard (which one: ``peer.pipeline.shards``), so two peers on different shards
 never read the same document; a shard is read in order and starts again at its end (the next epoch).
 
-**The data position** (``DataPosition``) says exactly how far a shard was read: the next document index, the tokens
-read but not yet cut into a sequence, the sequences handed out and the epoch. ``ShardStream`` resumes from one, so a
+**The data position** (``DataPosition``) says exactly how far a shard was read: the document and token where the next
+sequence starts, the sequences handed out and the epoch (a few integers: a document is tokenized again on resume). ``ShardStream`` resumes from one, so a
 restarted peer continues its shard where its checkpoint says it stopped. A background thread reads and tokenizes
 ahead; the position returned is that of the last batch handed out, not of the read-ahead.
 """
@@ -19,6 +19,7 @@ import glob
 import hashlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,10 +42,10 @@ class DataPosition:
     """How far a shard was read (see the module docstring); saved with the checkpoints (peer.pipeline.ledger)."""
 
     shard: int
-    next_doc: int = 0
-    """Index in the source's order of the next document to read."""
-    carry: list[int] = field(default_factory=list)
-    """Tokens read and not yet cut into a sequence (fewer than block_size + 1)."""
+    doc: int = 0
+    """Index in the source's order of the document holding the first token of the next sequence."""
+    offset: int = 0
+    """That token's index in the document's tokens (its end-of-text id counted last)."""
     sequences: int = 0
     """Sequences handed out from this shard since its first epoch."""
     epoch: int = 0
@@ -55,11 +56,11 @@ class DataPosition:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataPosition:
         try:
-            pos = cls(shard=int(d["shard"]), next_doc=int(d["next_doc"]), carry=[int(t) for t in d["carry"]],
+            pos = cls(shard=int(d["shard"]), doc=int(d["doc"]), offset=int(d["offset"]),
                       sequences=int(d["sequences"]), epoch=int(d["epoch"]))
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"a saved data position is malformed ({e!r})") from e
-        if min(pos.shard, pos.next_doc, pos.sequences, pos.epoch) < 0:
+        if min(pos.shard, pos.doc, pos.offset, pos.sequences, pos.epoch) < 0:
             raise DataError(f"a saved data position has negative fields: {d}")
         return pos
 
@@ -128,27 +129,41 @@ def _rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, role: int,
               ) -> Iterator[tuple[list[int], DataPosition]]:
-    """Sequences of ``seq_len + 1`` tokens of the documents of ``role`` (a shard, or VAL), each with the position
-    right after it; endless for a shard (epochs), one pass for VAL."""
-    pos = DataPosition(**pos.to_dict())
+    """Sequences of ``seq_len + 1`` tokens of the documents of ``role`` (a shard, or VAL) joined with the end-of-text
+    id, each with the position right after it; endless for a shard (epochs), one pass for VAL. The tokens left at the
+    end of a pass (fewer than one sequence) are dropped."""
+    pos, n = DataPosition(**pos.to_dict()), seq_len + 1
     while True:
-        found = False
-        for i, text in documents(cfg, pos.next_doc):
-            pos.next_doc = i + 1
+        found, pass_start = False, (pos.doc, pos.offset)
+        segments: deque[tuple[int, int, list[int]]] = deque()  # (doc, offset of its first token, tokens) not cut yet
+        held = 0
+        for i, text in documents(cfg, pos.doc):
             if doc_role(i, cfg) != role:
                 continue
             found = True
-            pos.carry.extend(tok.encode_batch([text])[0])
-            pos.carry.append(tok.eot_id)
-            while len(pos.carry) >= seq_len + 1:
-                seq, pos.carry = pos.carry[: seq_len + 1], pos.carry[seq_len + 1 :]
+            skip = pos.offset if i == pos.doc else 0
+            tokens = (tok.encode_batch([text])[0] + [tok.eot_id])[skip:]
+            if not tokens:
+                continue
+            segments.append((i, skip, tokens))
+            held += len(tokens)
+            while held >= n:
+                seq: list[int] = []
+                while len(seq) < n:
+                    doc, off, toks = segments.popleft()
+                    take = toks[: n - len(seq)]
+                    seq += take
+                    if len(take) < len(toks):
+                        segments.appendleft((doc, off + len(take), toks[len(take):]))
+                held -= n
+                pos.doc, pos.offset = (segments[0][0], segments[0][1]) if segments else (i + 1, 0)
                 pos.sequences += 1
                 yield seq, DataPosition(**pos.to_dict())
         if role == VAL:
             return
-        if not found and pos.next_doc == 0:
+        if not found and pass_start == (0, 0):
             raise DataError(f"shard {role} of {cfg.source} holds no document: use fewer data.shards or more data")
-        pos.next_doc, pos.epoch = 0, pos.epoch + 1
+        pos.doc, pos.offset, pos.epoch = 0, 0, pos.epoch + 1
 
 
 def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: int,

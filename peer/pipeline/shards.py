@@ -106,8 +106,8 @@ def shard_stream(host: StageHost, data_cfg: DataConfig, tok: Tokenizer, shard: i
     """The stream of ``shard`` from the position this peer's ledger holds for it (else its beginning)."""
     saved = host.ledger.position(stream_key(data_cfg, shard))
     start = DataPosition.from_dict(saved) if saved is not None else DataPosition(shard=shard)
-    logger.info("stage 0 reads data shard %d of %d from document %d (%d sequences of it read before)", shard,
-                data_cfg.shards, start.next_doc, start.sequences)
+    logger.info("stage 0 reads data shard %d of %d from document %d token %d (%d sequences of it read before)",
+                shard, data_cfg.shards, start.doc, start.offset, start.sequences)
     return ShardStream(data_cfg, tok, host.run.model.block_size, host.run.data.batch_size, start)
 
 
