@@ -8,9 +8,10 @@ every peer. A stage-0 peer reads one shard (which one: ``peer.pipeline.shards``)
 never read the same document; a shard is read in order and starts again at its end (the next epoch).
 
 **The data position** (``DataPosition``) says exactly how far a shard was read: the document and token where the next
-sequence starts, the sequences handed out and the epoch (a few integers: a document is tokenized again on resume). ``ShardStream`` resumes from one, so a
-restarted peer continues its shard where its checkpoint says it stopped. A background thread reads and tokenizes
-ahead; the position returned is that of the last batch handed out, not of the read-ahead.
+sequence starts, the sequences handed out and the epoch (a few integers: a document is tokenized again on resume).
+``ShardStream`` resumes from one, so a restarted peer continues its shard where its checkpoint says it stopped. A
+background thread reads and tokenizes ahead; the position returned is that of the last batch handed out, not of the
+read-ahead.
 """
 
 from __future__ import annotations
