@@ -174,6 +174,9 @@ def stdlib_root() -> Path:
 
 def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
     """Load the run's corpus; raises DataError (a ValueError) with advice when it cannot be used."""
+    if cfg.streamed:
+        raise DataError(f"data.source {cfg.source!r} is streamed as documents (trainer/stream.py), which only "
+                        "stage-0 peers read; the simulator reads token arrays: use 'stdlib', text or .bin shards")
     if cfg.source == "stdlib":
         root, suffixes = stdlib_root(), (".py",)
     else:
