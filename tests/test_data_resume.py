@@ -61,7 +61,7 @@ def _saved(path: Path) -> tuple[dict, list[str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_killed_stage_0_peer_resumes_its_data_position(swarm, tmp_path):  # noqa: F811
-    run_path = _run_file(tmp_path, _dataset(tmp_path / "docs.jsonl"))
+    run_path = _run_file(tmp_path, _dataset(tmp_path / "docs.jsonl", 6000))  # ~600 batches a shard: one epoch
     run = RunConfig.from_toml(run_path)
     fast = ("checkpoint_every_s=2",)
     a = swarm.start("a", stage="0", run=run_path, extra=(*fast, f"samples_log={tmp_path / 'first.log'}"))
@@ -90,6 +90,7 @@ def test_a_killed_stage_0_peer_resumes_its_data_position(swarm, tmp_path):  # no
     second = (tmp_path / "second.log").read_text().split()
     end_positions, owed_at_end = _saved(a2.dir / "ckpt" / SAMPLES_FILE)
     drawn = end_positions[key]["sequences"] // B
+    assert end_positions[key]["epoch"] == 0  # within one epoch a batch's digest names it (epochs repeat batches)
 
     index = _shard_batches(run, shard, drawn)
     assert set(first) | set(second) | set(owed_at_end) <= set(index)  # nothing but this shard's batches

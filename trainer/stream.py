@@ -200,6 +200,7 @@ class ShardStream:
         self.shard = start.shard
         self.key = stream_key(cfg, start.shard)
         self._ready: queue.Queue[tuple[Any, DataPosition | None]] = queue.Queue(READ_AHEAD)
+        self._peeked: tuple[Any, DataPosition | None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name=f"data-shard-{start.shard}", daemon=True)
         self._thread.start()
@@ -222,8 +223,20 @@ class ShardStream:
         except BaseException as e:  # handed to the reader, which raises it where the batch was wanted
             self._ready.put((e, None))
 
+    def ready(self) -> bool:
+        """Whether ``next()`` returns at once (a batch was read ahead)."""
+        return self._peeked is not None or not self._ready.empty()
+
+    def wait_ready(self) -> None:
+        """Block until a batch is read ahead (run it in an executor: the event loop must not wait on the source)."""
+        if self._peeked is None:
+            self._peeked = self._ready.get()
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        item, pos = self._ready.get()
+        if self._peeked is not None:
+            (item, pos), self._peeked = self._peeked, None
+        else:
+            item, pos = self._ready.get()
         if pos is None:
             raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
         self._pos = pos

@@ -153,6 +153,13 @@ class Stage0Driver:
             self.metrics.observe_loss(loss)
         return True
 
+    async def _source_ready(self) -> None:
+        """Wait, off the event loop, until the stream can hand out a batch at once (a streamed dataset reads ahead
+        in a thread; the loop must keep serving RPCs while the source is slow)."""
+        if self.requeue or len(self.ledger) or getattr(self.stream, "ready", lambda: True)():
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.wait_ready)  # type: ignore[union-attr]
+
     def _sample(self) -> Sample:
         if self.requeue:
             return self.requeue.popleft()
@@ -184,6 +191,7 @@ class Stage0Driver:
         try:
             while not self.done() and self.pipe.accepting:  # not accepting: the peer is leaving stage 0
                 await slots.acquire()
+                await self._source_ready()
                 if self.done() or not self.pipe.accepting:
                     slots.release()
                     break
@@ -217,7 +225,10 @@ class Stage0Driver:
                 while not ready() and not self.stop.is_set():
                     await asyncio.sleep(0.2)
                 self.flush = flush_no()
-                batch = [self._sample() for _ in range(microbatches)]
+                batch = []
+                for _ in range(microbatches):
+                    await self._source_ready()
+                    batch.append(self._sample())
                 while batch and not self.stop.is_set():
                     results = await asyncio.gather(*(self._train_one(s) for s in batch))
                     batch = [s for s, ok in zip(batch, results, strict=True) if not ok]
