@@ -149,3 +149,14 @@ def test_missing_packages_and_fields_say_what_to_do(jsonl, monkeypatch, tmp_path
 def test_legacy_sources_are_not_streamed():
     assert not DataConfig().streamed
     assert DataConfig(source="corpus.jsonl").streamed and DataConfig(source="hf:x/y").streamed
+
+
+def test_join_checks_a_streamed_source_before_starting(tmp_path, jsonl):
+    from peer.cli.checks import check_data
+    from peer.errors import UserError
+    from trainer.config import RunConfig
+
+    run = RunConfig.default().replace(data={"source": str(jsonl)})
+    check_data(run, None)
+    with pytest.raises(UserError, match="does not exist"):
+        check_data(run, str(tmp_path / "missing.jsonl"))
