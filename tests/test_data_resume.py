@@ -105,6 +105,31 @@ def test_a_killed_stage_0_peer_resumes_its_data_position(swarm, tmp_path):  # no
           f"{len(owed_at_kill)} owed), {len(second)} after, {len(twice)} twice, {drawn} drawn")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_stage_0_peers_read_different_shards(swarm, tmp_path):  # noqa: F811
+    run_path = _run_file(tmp_path, _dataset(tmp_path / "docs.jsonl", 6000))
+    a = swarm.start("a", stage="0", run=run_path, extra=(f"samples_log={tmp_path / 'a.log'}",))
+    first = a.wait_maddrs()[:1]
+    c = swarm.start("c", stage="1", run=run_path, initial=first)
+    a.wait_status(lambda s: s["local_step"] >= 5, 180, "5 steps")
+    b = swarm.start("b", stage="0", run=run_path, initial=first, extra=(f"samples_log={tmp_path / 'b.log'}",))
+    b_log = tmp_path / "b.log"  # (its step comes from a's state: count what its own driver trained)
+    b.wait_for(lambda: b_log.exists() and len(b_log.read_text().split()) >= 20, 180, "20 trained batches")
+    for p in (a, b, c):
+        p.signal(signal.SIGTERM)
+    for p in (a, b, c):
+        assert p.wait_exit(60) == 0
+    shards = {}
+    for p in (a, b):
+        positions, _ = _saved(p.dir / "ckpt" / SAMPLES_FILE)
+        [(key, pos)] = positions.items()
+        shards[p.name] = pos["shard"]
+    assert shards["a"] != shards["b"], shards
+    trained = {n: set((tmp_path / f"{n}.log").read_text().split()) for n in ("a", "b")}
+    assert len(trained["b"]) >= 20 and not trained["a"] & trained["b"]
+
+
 def test_the_ledger_saves_and_resumes_a_shard_position_with_what_was_in_flight(tmp_path):
     """Fast: the save/resume logic without processes. A driver drew batches; some were trained, some were in flight
     at the checkpoint; a new ledger loads it and a stream resumed from its position continues the shard exactly."""
