@@ -146,6 +146,13 @@ def test_missing_packages_and_fields_say_what_to_do(jsonl, monkeypatch, tmp_path
         open_dataset(DataConfig(source=str(jsonl)))
 
 
+def test_a_shard_without_documents_fails_when_first_read(jsonl):
+    stream = ShardStream(DataConfig(source=str(jsonl), shards=1000), ByteTokenizer(), 15, 2, DataPosition(shard=999))
+    with pytest.raises(DataError, match="holds no document"):
+        stream.wait_ready()
+    stream.close()
+
+
 def test_legacy_sources_are_not_streamed():
     assert not DataConfig().streamed
     assert DataConfig(source="corpus.jsonl").streamed and DataConfig(source="hf:x/y").streamed

@@ -35,6 +35,7 @@ from trainer.tokenizer import Tokenizer, import_hf
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 READ_AHEAD = 8  # batches the reading thread keeps ready
+CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the reading thread to notice
 VAL = -1
 
 
@@ -209,19 +210,25 @@ class ShardStream:
         try:
             rows: list[list[int]] = []
             for seq, pos in sequences(self.cfg, self.tok, self.seq_len, self._pos, self._pos.shard):
+                if self._stop.is_set():
+                    return
                 rows.append(seq)
                 if len(rows) == self.batch_size:
                     item, rows = (_rows(rows), pos), []
-                    while not self._stop.is_set():
-                        try:
-                            self._ready.put(item, timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                if self._stop.is_set():
-                    return
+                    if not self._offer(item):
+                        return
         except BaseException as e:  # handed to the reader, which raises it where the batch was wanted
-            self._ready.put((e, None))
+            self._offer((e, None))
+
+    def _offer(self, item: tuple[Any, DataPosition | None]) -> bool:
+        """Queue ``item`` unless the stream is closed meanwhile; False when closed."""
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def ready(self) -> bool:
         """Whether ``next()`` returns at once (a batch was read ahead)."""
@@ -231,6 +238,9 @@ class ShardStream:
         """Block until a batch is read ahead (run it in an executor: the event loop must not wait on the source)."""
         if self._peeked is None:
             self._peeked = self._ready.get()
+        item, pos = self._peeked
+        if pos is None:  # the reader failed: say so here too (next() raises it again)
+            raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._peeked is not None:
@@ -241,7 +251,8 @@ class ShardStream:
             raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
         self._pos = pos
         self.batches += 1
-        return item
+        x, y = item
+        return x, y
 
     __next__ = next
 
@@ -254,5 +265,9 @@ class ShardStream:
     def position_dict(self) -> dict[str, Any]:
         return self._pos.to_dict()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the reading thread and wait for it (bounded: a hub read may hang), so that no thread is left reading
+        the source through native code while the interpreter exits."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)

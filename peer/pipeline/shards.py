@@ -99,7 +99,13 @@ async def open_shard(host: StageHost, data_cfg: DataConfig,
     tok = await loop.run_in_executor(None, load_tokenizer, data_cfg)
     val = await loop.run_in_executor(None, val_set, data_cfg, tok, run.model.block_size, run.data.batch_size,
                                      host.cfg.eval_batches)
-    return shard_stream(host, data_cfg, tok, shard), val
+    stream = shard_stream(host, data_cfg, tok, shard)
+    try:
+        await loop.run_in_executor(None, stream.wait_ready)  # a source that yields nothing fails here, with a reason
+    except BaseException:
+        stream.close()
+        raise
+    return stream, val
 
 
 def shard_stream(host: StageHost, data_cfg: DataConfig, tok: Tokenizer, shard: int) -> ShardStream:
