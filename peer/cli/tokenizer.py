@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config import DataConfig, tokenizer_vocab_size
+    from trainer.config import DataConfig
     from trainer.data import DataError
+    from trainer.sources import tokenizer_vocab_size
     from trainer.stream import VAL, doc_role, documents
     from trainer.tokenizer import MissingExtra, train_bpe
 
