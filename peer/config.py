@@ -101,6 +101,9 @@ class PeerConfig:
     """Dial-back timeout of the reachability self-check."""
     summary_json: Path | None = None
     """Write a JSON summary (tokens/s, losses, counters) here on exit."""
+    samples_log: Path | None = None
+    """Stage 0: append one line per trained micro-batch here (a digest of its tokens), flushed at once, so an
+    operator can audit across restarts which samples were trained and how often (``--set samples_log=FILE``)."""
     maddrs_file: Path | None = None
     """Write this peer's multiaddrs here (one a line) once it is listening (launchers and tests read it)."""
     metrics_port: int | None = None
@@ -135,7 +138,7 @@ class PeerConfig:
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
-        for name in ("summary_json", "maddrs_file", "credential_path"):
+        for name in ("summary_json", "maddrs_file", "credential_path", "samples_log"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.stage is not None and self.stage < 0:

@@ -210,6 +210,7 @@ class Daemon:
                           maddrs=self.net.maddrs, reachable=self.net.reachable,
                           tokens_per_s=float(snap.get("tokens_per_s") or 0.0), loss=self.metrics.train_loss,
                           tokens=int(snap.get("tokens_total") or 0), val_loss=self.metrics.val_loss,
+                          data_shard=self.service.data_shard if self.service is not None else None,
                           **spare_fields(self.spares.info))
 
     async def announce(self, state: str | None = None) -> None:
@@ -237,6 +238,8 @@ class Daemon:
         held = self.spares.info
         self.metrics.backup = None if held is None else (held.stage, held.step, held.taken_at)
         await self.refresh_swarm()
+        if self.service is not None:
+            self.service.move_shard()
         await self.announce()
 
     async def _tick_expire(self) -> None:
@@ -258,9 +261,13 @@ class Daemon:
             return  # (a start-up interrupted before the state was loaded has nothing worth keeping)
         state = await self.compute(worker.state_dict)
         try:
+            driver = self.service.driver if self.service is not None else None  # owed: taken with the state
+            owed = self.ledger.snapshot(driver.untrained() if driver is not None and self.stage == 0 else [])
             path = await asyncio.get_running_loop().run_in_executor(
                 None, save_checkpoint, self.cfg.checkpoint_dir, self.run, self.stage, state)
             logger.info("checkpoint of stage %d at step %d written to %s", self.stage, state["local_step"], path)
+            # the data position and the samples owed at this checkpoint: a restart resumes both (peer.pipeline.ledger)
+            await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, self.cfg.checkpoint_dir, owed)
         except OSError as e:
             self.metrics.warn(f"checkpoint failed: {e}; check free space and permissions of --checkpoint-dir")
         except StaleCheckpointError as e:  # the file holds more training than this state: keep the file

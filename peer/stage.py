@@ -32,6 +32,7 @@ from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.infer import INFER_RPC, InferService
 from peer.pipeline.ledger import SampleLedger
 from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.shards import move_if_shared, open_shard, reading_shard
 from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
@@ -40,16 +41,18 @@ from peer.state.sync import StateServer, StateSyncConfig
 from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
 from protocol.rpc import Handler, HandlerTable, RpcLimits
-from trainer.data import BatchStream, DataError, load_corpus, shard_seed, val_batches
+from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+from trainer.tokenizer import MissingExtra
 from trainer.worker import StageWorker, resolve_device
 
 if TYPE_CHECKING:
+    import torch
     from hivemind import DHT
     from hivemind.p2p import P2P
 
     from peer.config import PeerConfig
     from peer.ops.metrics import PeerMetrics
-    from trainer.config import RunConfig
+    from trainer.config import DataConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -181,14 +184,16 @@ class StageService:
         assert self.pipe is not None
         data_cfg = run.data if cfg.data_path is None else run.replace(data={"source": cfg.data_path}).data
         try:
-            corpus = await asyncio.get_running_loop().run_in_executor(None, load_corpus, data_cfg,
-                                                                      run.model.vocab_size)
-        except DataError as e:
-            raise DaemonError(f"--data: {e}") from e
-        stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, shard_seed(run.seed, host.my_id))
-        val = val_batches(corpus, run.model.block_size, run.data.batch_size, cfg.eval_batches)
+            if data_cfg.streamed:
+                stream, val = await open_shard(self.host, data_cfg)
+            else:
+                stream, val = await asyncio.get_running_loop().run_in_executor(None, self._open_corpus, data_cfg)
+        except (ValueError, MissingExtra) as e:  # DataError, or a tokenizer file the library refuses
+            raise DaemonError(f"data.source {data_cfg.source!r}: {e}") from e
+        host.ledger.attach(stream)
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
-                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics, ledger=host.ledger)
+                                   stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics, ledger=host.ledger,
+                                   samples_log=cfg.samples_log)
         if cfg.mode == "async":
             self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
@@ -199,6 +204,28 @@ class StageService:
         self.tasks.append(self.driver_task)
         if cfg.eval_every_s > 0:
             self.tasks.append(asyncio.ensure_future(self.driver.eval_loop(cfg.eval_every_s)))
+
+    def _open_corpus(self, data_cfg: DataConfig) -> tuple[BatchStream, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A token array (stdlib, text, .bin): random windows seeded by the peer id, resumed from the ledger."""
+        run, cfg = self.host.run, self.host.cfg
+        corpus = load_corpus(data_cfg, run.model.vocab_size)
+        stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size,
+                             shard_seed(run.seed, self.host.my_id))
+        saved = self.host.ledger.position(stream.key)
+        if saved is not None:
+            stream.resume(saved)
+            logger.info("data stream %s resumed after %d batches", stream.key, stream.batches)
+        return stream, val_batches(corpus, run.model.block_size, run.data.batch_size, cfg.eval_batches)
+
+    def move_shard(self) -> None:
+        """Called after each read of the swarm: leave a data shard a peer with a smaller id also reads."""
+        if self.driver is not None and self.pipe is not None and self.pipe.accepting:
+            move_if_shared(self.host, self.driver)
+
+    @property
+    def data_shard(self) -> int | None:
+        """The data shard this stage-0 peer reads (announced in its record), or None."""
+        return reading_shard(self.driver) if self.pipe is not None else None
 
     async def _announce_measured(self) -> None:
         try:

@@ -124,7 +124,10 @@ def test_leaving_stage_0_hands_samples_back_and_the_next_driver_trains_them_firs
     assert all(torch.equal(nxt._sample()[0], x) for x, _ in drawn)
     assert nxt.stream.drawn == [] and len(again) == 0
     again.save(tmp_path)
-    assert not (tmp_path / SAMPLES_FILE).exists()  # nothing owed: no file
+    kept = torch.load(tmp_path / SAMPLES_FILE, weights_only=True)
+    assert kept["samples"] == [] and kept["positions"][driver.stream.key]["batches"] == 3  # the position stays
+    SampleLedger().save(tmp_path)
+    assert not (tmp_path / SAMPLES_FILE).exists()  # nothing owed and no position: no file
 
 
 def test_giving_up_owed_samples_is_counted():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.codecs.names import RUN_CODECS
+from trainer.sources import file_sha256, is_streamed_source, tokenizer_vocab_size
 
 # The model architectures a run may name, each with the module that builds it (trainer/model.py dispatches on it;
 # every module provides the same builders). One table: the config validates against it, the model builds from it.
@@ -278,7 +279,9 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "stdlib"
-    """'stdlib' (the running interpreter's own .py sources) or a path: text files/folders, or uint16 .bin shards."""
+    """'stdlib' (the running interpreter's own .py sources), a path (text files/folders read as bytes, uint16 .bin
+    shards), or a streamed source (trainer/stream.py): 'hf:NAME' (a Hugging Face dataset), .jsonl/.parquet files, a
+    glob, or any text with data.tokenizer set."""
     batch_size: int = 8
     """Sequences per micro-batch."""
     val_fraction: float = 0.05
@@ -287,6 +290,22 @@ class DataConfig:
     """Read at most this many bytes of text (keeps start-up fast); 0 reads everything."""
     bin_vocab_size: int = 0
     """For pre-tokenized .bin shards: their vocabulary size (must equal model.vocab_size); 0 for text."""
+    tokenizer: str = ""
+    """A Hugging Face ``tokenizers`` file (tokenizer.json; in a run file, relative to the run file's folder); empty:
+    byte level (vocab 256). Its sha256 stands for it in the run id (``tokenizer_sha256``), not its path."""
+    tokenizer_sha256: str = ""
+    """The tokenizer file's digest, filled in from the file; given in a run file, the file must match it."""
+    eot_token: str = "<|endoftext|>"
+    """The tokenizer's end-of-text token, put between joined documents (byte level: byte 0)."""
+    hf_config: str = ""
+    """``source = "hf:NAME"``: the dataset's configuration name (empty: its default)."""
+    split: str = "train"
+    """``source = "hf:NAME"``: the split streamed (held-out documents of it are the validation set)."""
+    text_field: str = "text"
+    """Streamed sources (hub, .jsonl, .parquet): the column holding each document's text."""
+    shards: int = 16
+    """Streamed sources: the training documents are dealt into this many disjoint shards; each stage-0 peer reads
+    one (see trainer/stream.py)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -295,6 +314,28 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_bytes < 0 or self.bin_vocab_size < 0:
             raise ValueError("data.max_bytes and data.bin_vocab_size must be >= 0")
+        if self.shards < 1:
+            raise ValueError(f"data.shards must be >= 1, got {self.shards}")
+        if not self.text_field or not self.split:
+            raise ValueError("data.text_field and data.split must not be empty")
+        if self.tokenizer_sha256 and not self.tokenizer:
+            raise ValueError("data.tokenizer_sha256 pins a tokenizer file: set data.tokenizer to its path too")
+        if self.tokenizer:
+            digest = file_sha256(self.tokenizer, what="data.tokenizer")
+            if self.tokenizer_sha256 and self.tokenizer_sha256 != digest:
+                raise ValueError(f"data.tokenizer {self.tokenizer} has sha256 {digest}, but the run pins "
+                                 f"{self.tokenizer_sha256}: use the run's tokenizer file (or update the pin)")
+            object.__setattr__(self, "tokenizer_sha256", digest)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the source is read as documents through ``datasets`` (trainer/stream.py) rather than as one token
+        array (trainer/data.py): a hub dataset, .jsonl/.parquet files, a glob, or any text with a tokenizer."""
+        return is_streamed_source(self.source) or bool(self.tokenizer)
+
+
+NEW_DATA_FIELDS = ("tokenizer_sha256", "eot_token", "hf_config", "split", "text_field", "shards")
+"""DataConfig fields newer than the run ids in use: left out of the canonical form while at their defaults."""
 
 
 ACCESS_MODES = ("open", "closed")
@@ -350,6 +391,12 @@ class RunConfig:
         if self.model.tie_embeddings and self.n_stages != 1:
             raise ValueError("model.tie_embeddings shares the embedding with the head, so both must be on one stage: "
                              f"it needs n_stages = 1 (this run has {self.n_stages}); untie them for a pipeline")
+        if self.data.tokenizer:
+            need = tokenizer_vocab_size(self.data.tokenizer)
+            if need > self.model.vocab_size:
+                raise ValueError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the vocabulary of "
+                                 f"data.tokenizer {self.data.tokenizer} ({need} token ids): set "
+                                 f"model.vocab_size = {need} (or more, e.g. a multiple of 64)")
         if self.data.bin_vocab_size and self.data.bin_vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"data.bin_vocab_size ({self.data.bin_vocab_size}) must equal "
@@ -363,6 +410,11 @@ class RunConfig:
         d["model"] = self.model.id_dict()
         if self.access == AccessConfig():
             del d["access"]  # open runs keep the run ids they had before access control existed
+        default_data = DataConfig()
+        for name in NEW_DATA_FIELDS:  # runs without these settings keep the run ids they had before them
+            if getattr(self.data, name) == getattr(default_data, name):
+                del d["data"][name]
+        del d["data"]["tokenizer"]  # a path differs between machines; tokenizer_sha256 stands for the file
         return d
 
     def canonical_json(self) -> str:
@@ -405,6 +457,9 @@ class RunConfig:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"run file {path} is not valid TOML: {e}") from e
+        tok = data.get("data", {}).get("tokenizer") if isinstance(data.get("data"), dict) else None
+        if isinstance(tok, str) and tok:  # relative to the run file, so a run folder can be moved or shared
+            data["data"]["tokenizer"] = str((path.parent / Path(tok).expanduser()).resolve())
         return cls.from_dict(data)
 
     @classmethod
@@ -428,6 +483,8 @@ class RunConfig:
         """Write the config as TOML (round-trips through from_toml to the same run id)."""
         lines = []
         d = self.to_dict()
+        if self.data.tokenizer:  # the file's absolute path: the TOML is read back on this machine
+            d["data"]["tokenizer"] = str(Path(self.data.tokenizer).resolve())
         for key, value in d.items():
             if not isinstance(value, dict):
                 lines.append(f"{key} = {_toml_value(value)}")

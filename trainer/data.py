@@ -1,4 +1,5 @@
-"""Tokens: the embedded default corpus, user corpora, per-replica batch streams and a fixed validation set.
+"""Tokens as one array: the embedded default corpus, user corpora, per-replica batch streams, a fixed validation set.
+(Hugging Face datasets, .jsonl/.parquet files and tokenized text are streamed documents instead: trainer/stream.py.)
 
 Default (``data.source = "stdlib"``): the ``.py`` sources of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``, present on every install; ``site-packages`` is skipped), byte-level (vocab 256).
@@ -173,6 +174,9 @@ def stdlib_root() -> Path:
 
 def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
     """Load the run's corpus; raises DataError (a ValueError) with advice when it cannot be used."""
+    if cfg.streamed:
+        raise DataError(f"data.source {cfg.source!r} is streamed as documents (trainer/stream.py), which only "
+                        "stage-0 peers read; the simulator reads token arrays: use 'stdlib', text or .bin shards")
     if cfg.source == "stdlib":
         root, suffixes = stdlib_root(), (".py",)
     else:
@@ -221,6 +225,20 @@ class BatchStream:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.rng = np.random.default_rng(seed)
         self.batches = 0
+        self.key = f"windows/{seed}"
+        """Which stream a saved position belongs to (peer.pipeline.ledger)."""
+
+    def position_dict(self) -> dict[str, object]:
+        """The stream's position: the batches drawn and the generator's state (``resume`` continues from it)."""
+        return {"batches": self.batches, "rng": self.rng.bit_generator.state}
+
+    def resume(self, position: dict[str, object]) -> None:
+        """Continue from a ``position_dict`` of a stream of the same key; a malformed one raises DataError."""
+        try:
+            self.rng.bit_generator.state = position["rng"]
+            self.batches = int(position["batches"])  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"a saved data position is malformed ({e!r})") from e
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)

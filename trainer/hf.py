@@ -55,8 +55,8 @@ def quiet() -> None:
 
 
 def run_tokenizer(run: RunConfig) -> str | None:
-    """The tokenizer.json the run names (``data.tokenizer``, where the run config has that field), else None."""
-    return getattr(run.data, "tokenizer", "") or None
+    """The tokenizer.json the run names (``data.tokenizer``, resolved against the run file), else None."""
+    return run.data.tokenizer or None
 
 
 def is_byte_level(run: RunConfig) -> bool:

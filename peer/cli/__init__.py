@@ -13,7 +13,7 @@ import sys
 
 from peer.errors import UserError
 
-SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit", "export", "generate")
+SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit", "export", "generate", "tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:

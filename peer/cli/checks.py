@@ -57,8 +57,17 @@ def check_data(run: RunConfig, data_path: str | None) -> None:
     cfg = run.data if data_path is None else run.replace(data={"source": data_path}).data
     flag = "--data" if data_path is not None else f"the run's data.source {cfg.source!r}"
     try:
-        load_corpus(cfg, run.model.vocab_size)
-    except (ValueError, OSError) as e:
+        if cfg.streamed:  # opened by the stage-0 driver; here: the files exist and the packages and tokenizer load
+            from trainer.stream import local_files
+            from trainer.tokenizer import import_hf, load_tokenizer
+
+            import_hf("datasets", f"data.source {cfg.source!r}")
+            load_tokenizer(cfg)
+            if not cfg.source.startswith("hf:"):
+                local_files(cfg.source)
+        else:
+            load_corpus(cfg, run.model.vocab_size)
+    except (ValueError, OSError, ImportError) as e:
         raise UserError(f"{flag}: {e}") from None
 
 

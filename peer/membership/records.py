@@ -76,6 +76,9 @@ class PeerRecord:
     """That copy's training step (local_step)."""
     backup_taken_at: float | None = None
     """When that copy was taken (Unix time), so a peer restoring from it can say how old it is."""
+    data_shard: int | None = None
+    """Stage 0 on a streamed dataset: the data shard it reads (``peer.pipeline.shards``); None: none (optional, left
+    out of the value when None)."""
 
     def __post_init__(self) -> None:
         present = [f is not None for f in (self.backup_stage, self.backup_step, self.backup_taken_at)]
@@ -87,6 +90,8 @@ class PeerRecord:
         if self.backup_stage is None:
             for name in BACKUP_FIELDS:
                 del value[name]
+        if self.data_shard is None:
+            del value["data_shard"]
         return value
 
     @classmethod
@@ -119,6 +124,9 @@ class PeerRecord:
         if extra:
             raise RecordError(f"unknown fields {sorted(extra)}")
         backup = _backup(value)
+        if value.get("data_shard") is not None:
+            _check(value, "data_shard", int, lambda v: 0 <= v < 1_000_000)
+            backup["data_shard"] = value["data_shard"]
         return cls(peer_id=peer_id, stage=value["stage"], throughput=float(value["throughput"]), queue=value["queue"],
                    version=value["version"], state=value["state"], maddrs=list(value["maddrs"]),
                    reachable=value["reachable"], tokens_per_s=float(value["tokens_per_s"]),

@@ -28,6 +28,8 @@ COUNTERS = (
     "backups_failed", "backup_restores", "backup_bytes_in", "backup_bytes_out",
     # generation through the swarm
     "infer_served", "infer_busy", "infer_compute_ms",
+    # data shards of streamed datasets (peer/pipeline/shards.py)
+    "data_shard_shared", "data_shard_moves",
     # what a red-team peer sent (tools/byzantine_swarm.py)
     "byzantine_parts", "byzantine_parts_read",
     # a name the code counted without registering it (a bug; see the module docstring)

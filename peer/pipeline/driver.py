@@ -17,12 +17,14 @@ micro-batches (a count drifts with every retried hop; see PipelineStage.on_flush
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,7 @@ from protocol.codecs.registry import encode
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
     from trainer.data import BatchStream
+    from trainer.stream import ShardStream
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +56,14 @@ class Stage0Driver:
         stop: set when the peer should stop feeding work.
         max_steps: stop after this many local optimiser steps (0: never).
         ledger: the peer's samples owed across stage moves (drawn from first, given back to on stop).
+        samples_log: append a digest of every trained micro-batch's tokens here (audits across restarts).
     """
 
-    def __init__(self, *, pipe: PipelineStage, stream: BatchStream, val: list[tuple[torch.Tensor, torch.Tensor]],
-                 inflight: int, stop: asyncio.Event, max_steps: int, metrics: PeerMetrics,
-                 ledger: SampleLedger | None = None) -> None:
+    def __init__(self, *, pipe: PipelineStage, stream: BatchStream | ShardStream,
+                 val: list[tuple[torch.Tensor, torch.Tensor]], inflight: int, stop: asyncio.Event, max_steps: int,
+                 metrics: PeerMetrics, ledger: SampleLedger | None = None, samples_log: Path | None = None) -> None:
         self.pipe, self.stream, self.val, self.inflight = pipe, stream, val, inflight
+        self.samples_log = samples_log
         self.stop, self.max_steps, self.metrics = stop, max_steps, metrics
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.requeue: deque[Sample] = deque()
@@ -139,11 +144,21 @@ class Stage0Driver:
         self.tokens_timed += n_tokens_counted
         self.metrics.inc("tokens", n_tokens)
         self.metrics.inc("samples", int(sample[0].shape[0]))
+        if self.samples_log is not None:
+            with open(self.samples_log, "a") as f:  # one short line, flushed on close: survives a SIGKILL
+                f.write(f"{sample_digest(sample)}\n")
         self.metrics.local_step = self.pipe.worker.local_step
         if math.isfinite(loss):
             self.losses.append(loss)
             self.metrics.observe_loss(loss)
         return True
+
+    async def _source_ready(self) -> None:
+        """Wait, off the event loop, until the stream can hand out a batch at once (a streamed dataset reads ahead
+        in a thread; the loop must keep serving RPCs while the source is slow)."""
+        if self.requeue or len(self.ledger) or getattr(self.stream, "ready", lambda: True)():
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.wait_ready)  # type: ignore[union-attr]
 
     def _sample(self) -> Sample:
         if self.requeue:
@@ -151,12 +166,22 @@ class Stage0Driver:
         owed = self.ledger.take()
         return owed if owed is not None else self.stream.next()
 
+    def untrained(self) -> list[Sample]:
+        """The samples this driver drew and has not trained: re-queued, then in flight (what a checkpoint of the
+        ledger saves as owed besides the ledger's own)."""
+        return list({id(s): s for s in (*self.requeue, *self.in_flight.values())}.values())  # one entry per sample
+
     def _give_back(self, extra: list[Sample] = ()) -> None:
-        """Return every sample drawn and not trained to the peer's ledger (the driver is stopping)."""
-        owed = {id(s): s for s in (*extra, *self.requeue, *self.in_flight.values())}  # one entry per sample
+        """Return every sample drawn and not trained to the peer's ledger, and keep the stream's position there
+        (the driver is stopping)."""
+        owed = {id(s): s for s in (*extra, *self.untrained())}
         self.ledger.give_back(list(owed.values()))
         self.requeue.clear()
         self.in_flight.clear()
+        self.ledger.detach(self.stream)
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()
 
     # ----- loops -----------------------------------------------------------------------------------------------------
     async def run_async(self) -> None:
@@ -166,6 +191,7 @@ class Stage0Driver:
         try:
             while not self.done() and self.pipe.accepting:  # not accepting: the peer is leaving stage 0
                 await slots.acquire()
+                await self._source_ready()
                 if self.done() or not self.pipe.accepting:
                     slots.release()
                     break
@@ -199,7 +225,10 @@ class Stage0Driver:
                 while not ready() and not self.stop.is_set():
                     await asyncio.sleep(0.2)
                 self.flush = flush_no()
-                batch = [self._sample() for _ in range(microbatches)]
+                batch = []
+                for _ in range(microbatches):
+                    await self._source_ready()
+                    batch.append(self._sample())
                 while batch and not self.stop.is_set():
                     results = await asyncio.gather(*(self._train_one(s) for s in batch))
                     batch = [s for s, ok in zip(batch, results, strict=True) if not ok]
@@ -251,3 +280,8 @@ class Stage0Driver:
             return 0.0
         elapsed = (self.finished or time.monotonic()) - self.first_done
         return self.tokens_timed / elapsed if elapsed > 0 else 0.0
+
+
+def sample_digest(sample: Sample) -> str:
+    """16 hex digits naming a micro-batch by its input tokens (the samples log)."""
+    return hashlib.sha256(sample[0].numpy().tobytes()).hexdigest()[:16]

@@ -1,12 +1,22 @@
 """Stage 0's sample ledger: every training sample a peer drew stays owed until it is trained, across stage moves and
-restarts, and the one way to lose one (no checkpoint folder to keep it in at exit) is counted and said out loud.
+restarts, together with the **data position** of the stream it draws from, so that a restart neither skips nor
+repeats data; the one way to lose samples (no checkpoint folder to keep them in at exit) is counted and said out loud.
 
 The daemon owns one ``SampleLedger`` for its whole life; each stage-0 driver draws from it first (``take``) and gives
 back what it could not train when it stops (``give_back``: its re-queued samples and those in flight), so leaving
-stage 0 loses nothing. At exit the daemon saves what is still owed next to its checkpoints (``save``), and a restart
-loads it (``load``); without a checkpoint folder they are counted in ``lost`` (the summary's ``samples_lost``) with a
-WARNING. A peer killed with SIGKILL cannot report: its in-flight samples since the last save are the one loss this
-ledger cannot see.
+stage 0 loses nothing. The driver's stream is attached to the ledger (``attach``); its position (``position()``: the
+stream's state after the last batch handed out) is kept per stream (``positions``) when it stops, and read live when
+the ledger is saved.
+
+The ledger is saved next to the checkpoints with every checkpoint and at exit (``save``, given the driver's samples in
+flight and re-queued at that moment), and a restart loads it (``load``): the restarted driver trains the owed samples
+first and then continues the stream from the saved position. What "trained" means across a SIGKILL: a sample is
+trained once stage 0's driver got its loss back (its gradient applied to stage 0's weights). A restart resumes stage 0
+from its last checkpoint, with the data position and the owed samples saved with it, so every sample drawn before
+the kill is trained again or was trained before that checkpoint: none is skipped. Samples trained between that
+checkpoint and the kill are trained again (the restored stage-0 weights predate them; later stages, which were not
+rolled back, apply them twice); at most ``checkpoint_every_s`` of training. Without a checkpoint folder the owed
+samples are counted in ``lost`` at exit (the summary's ``samples_lost``) with a WARNING.
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ import logging
 import os
 import tempfile
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +35,16 @@ logger = logging.getLogger(__name__)
 
 Sample = tuple[torch.Tensor, torch.Tensor]
 SAMPLES_FILE = "samples-owed.pt"
+
+
+class PositionedStream(Protocol):
+    """A stage-0 stream whose position can be saved and resumed (``trainer.data.BatchStream``,
+    ``trainer.stream.ShardStream``)."""
+
+    key: str
+    """Which stream: a position is resumed only by a stream of the same key (same data, shard or seed)."""
+
+    def position_dict(self) -> dict[str, Any]: ...
 
 
 class SampleLedger:
@@ -36,6 +58,32 @@ class SampleLedger:
         """Samples loaded from a previous run's file."""
         self.lost = 0
         """Samples that will never be trained (given up at exit with nowhere to keep them)."""
+        self.positions: dict[str, dict[str, Any]] = {}
+        """Stream key -> its data position when it last stopped (or was loaded from the previous run)."""
+        self.last_key: str | None = None
+        """The key of the stream read last (a restart prefers to continue it)."""
+        self.stream: PositionedStream | None = None
+        """The live stream of this peer's stage-0 driver, if any."""
+
+    def attach(self, stream: PositionedStream) -> None:
+        """A stage-0 driver starts drawing from ``stream``."""
+        self.stream, self.last_key = stream, stream.key
+
+    def detach(self, stream: PositionedStream) -> None:
+        """A stage-0 driver stops drawing from ``stream``: keep its position."""
+        self.positions[stream.key] = stream.position_dict()
+        if self.stream is stream:
+            self.stream = None
+
+    def position(self, key: str) -> dict[str, Any] | None:
+        """The saved position of the stream ``key``, or None (start it from its beginning)."""
+        return self.positions.get(key)
+
+    def _positions_now(self) -> dict[str, dict[str, Any]]:
+        now = dict(self.positions)
+        if self.stream is not None:
+            now[self.stream.key] = self.stream.position_dict()
+        return now
 
     def __len__(self) -> int:
         return len(self.owed)
@@ -76,39 +124,55 @@ class SampleLedger:
         lost = self.lose_all(why)
         return f"{lost} training samples lost at exit: {why}" if lost else None
 
-    def save(self, directory: Path) -> Path:
-        """Write the owed samples to ``directory`` atomically (an empty ledger removes the file)."""
+    def snapshot(self, in_flight: Sequence[Sample] = ()) -> dict[str, Any]:
+        """What ``save`` writes, taken now (on the event loop, at the same moment as the driver's ``in_flight``: the
+        untrained samples besides the ledger's own), so that position and owed samples agree."""
+        return {"samples": [list(s) for s in (*self.owed, *in_flight)], "positions": self._positions_now(),
+                "last": self.last_key}
+
+    def save(self, directory: Path, snapshot: dict[str, Any] | None = None) -> Path:
+        """Write a ``snapshot`` (default: taken now) to ``directory`` atomically; nothing to keep removes the file."""
         path = Path(directory) / SAMPLES_FILE
-        if not self.owed:
+        payload = snapshot if snapshot is not None else self.snapshot()
+        if not payload["samples"] and not payload["positions"]:
             path.unlink(missing_ok=True)
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save({"samples": [list(s) for s in self.owed]}, f)
+                torch.save(payload, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        logger.info("%d untrained samples saved to %s for the next run of this peer", len(self.owed), path)
+        logger.info("%d untrained samples and %d data positions saved to %s", len(payload["samples"]),
+                    len(payload["positions"]), path)
         return path
 
     def load(self, directory: Path) -> int:
-        """Add the samples a previous run of this peer saved in ``directory``; returns how many (0 if none)."""
+        """Add the samples and data positions a previous run of this peer saved in ``directory``; returns how many
+        samples (0 if none)."""
         path = Path(directory) / SAMPLES_FILE
         if not path.exists():
             return 0
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
             samples = [(x, y) for x, y in payload["samples"]]
+            positions = payload.get("positions") or {}
+            if not isinstance(positions, dict) or not all(isinstance(v, dict) for v in positions.values()):
+                raise ValueError("positions is not a dict of dicts")
         except Exception as e:  # a damaged file: the samples are lost, say so
-            logger.warning("cannot read the untrained samples of the previous run (%s: %s); they are lost",
-                           path, e)
+            logger.warning("cannot read the untrained samples of the previous run (%s: %s); they are lost and its "
+                           "data stream starts again from its beginning", path, e)
             return 0
         self.owed.extend(samples)
         self.restored += len(samples)
-        logger.info("%d untrained samples of the previous run loaded from %s", len(samples), path)
+        self.positions.update({str(k): v for k, v in positions.items()})
+        last = payload.get("last")
+        self.last_key = last if isinstance(last, str) else self.last_key
+        logger.info("%d untrained samples and %d data positions of the previous run loaded from %s", len(samples),
+                    len(positions), path)
         return len(samples)

@@ -1,0 +1,273 @@
+"""Streamed documents: a hub dataset or local .txt/.jsonl/.parquet files, read through ``datasets`` in streaming mode,
+tokenized, joined with the end-of-text id and cut into fixed-length training sequences of ``block_size + 1`` tokens.
+
+**Where documents go.** Document ``i`` of the stream (its index in the source's order) goes by a hash of ``i`` alone
+(``doc_role``): a ``val_fraction`` of them is held out as the validation set, and each other one belongs to exactly one
+of ``data.shards`` training shards. The validation set is the first sequences of the held-out documents, the same for
+every peer. A stage-0 peer reads one shard (which one: ``peer.pipeline.shards``), so two peers on different shards
+never read the same document; a shard is read in order and starts again at its end (the next epoch).
+
+**The data position** (``DataPosition``) says exactly how far a shard was read: the document and token where the next
+sequence starts, the sequences handed out and the epoch (a few integers: a document is tokenized again on resume).
+``ShardStream`` resumes from one, so a restarted peer continues its shard where its checkpoint says it stopped. A
+background thread reads and tokenizes ahead; the position returned is that of the last batch handed out, not of the
+read-ahead.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig
+from trainer.data import DataError
+from trainer.tokenizer import Tokenizer, import_hf
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+READ_AHEAD = 8  # batches the reading thread keeps ready
+CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the reading thread to notice
+VAL = -1
+
+
+@dataclass
+class DataPosition:
+    """How far a shard was read (see the module docstring); saved with the checkpoints (peer.pipeline.ledger)."""
+
+    shard: int
+    doc: int = 0
+    """Index in the source's order of the document holding the first token of the next sequence."""
+    offset: int = 0
+    """That token's index in the document's tokens (its end-of-text id counted last)."""
+    sequences: int = 0
+    """Sequences handed out from this shard since its first epoch."""
+    epoch: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataPosition:
+        try:
+            pos = cls(shard=int(d["shard"]), doc=int(d["doc"]), offset=int(d["offset"]),
+                      sequences=int(d["sequences"]), epoch=int(d["epoch"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"a saved data position is malformed ({e!r})") from e
+        if min(pos.shard, pos.doc, pos.offset, pos.sequences, pos.epoch) < 0:
+            raise DataError(f"a saved data position has negative fields: {d}")
+        return pos
+
+
+def doc_role(index: int, cfg: DataConfig) -> int:
+    """VAL (-1) for a held-out document, else its training shard in [0, cfg.shards)."""
+    u = int.from_bytes(hashlib.sha256(f"asyncmesh-doc/{index}".encode()).digest()[:8], "little") / 2**64
+    if u < cfg.val_fraction:
+        return VAL
+    return min(cfg.shards - 1, int((u - cfg.val_fraction) / (1 - cfg.val_fraction) * cfg.shards))
+
+
+def local_files(source: str) -> tuple[str, list[str]]:
+    """(datasets builder, sorted files) of a local source: a file, a folder (recursively) or a glob, all of one kind
+    (.txt, .jsonl or .parquet)."""
+    root = Path(source).expanduser()
+    if any(c in source for c in "*?["):
+        files = sorted(glob.glob(str(root), recursive=True))
+    elif root.is_dir():
+        files = sorted(str(p) for p in root.rglob("*") if p.suffix in BUILDERS)
+    elif root.is_file():
+        files = [str(root)]
+    else:
+        raise DataError(f"data source {source} does not exist; pass a file, a folder or a glob of .txt, .jsonl or "
+                        ".parquet files, or hf:NAME for a Hugging Face dataset")
+    kinds = {Path(f).suffix for f in files}
+    if not files or not kinds <= set(BUILDERS):
+        raise DataError(f"data source {source} must hold .txt, .jsonl or .parquet files (found {sorted(kinds)})")
+    if len(kinds) > 1:
+        raise DataError(f"data source {source} mixes {sorted(kinds)} files; put each kind in its own folder")
+    return BUILDERS[kinds.pop()], files
+
+
+def open_dataset(cfg: DataConfig) -> Any:
+    """The source as a ``datasets`` streaming IterableDataset, in its fixed order."""
+    datasets = import_hf("datasets", f"data.source {cfg.source!r}")
+    if cfg.source.startswith("hf:"):
+        name = cfg.source[3:]
+        try:
+            return datasets.load_dataset(name, cfg.hf_config or None, split=cfg.split, streaming=True)
+        except Exception as e:  # the hub client raises many types (missing dataset, no network, bad config)
+            raise DataError(f"cannot stream the Hugging Face dataset {name!r} (config {cfg.hf_config or 'default'}, "
+                            f"split {cfg.split}): {e}") from e
+    builder, files = local_files(cfg.source)
+    kwargs = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document, not one per line
+    return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+
+
+def documents(cfg: DataConfig, start: int = 0) -> Iterator[tuple[int, str]]:
+    """(index, text) of every document of the source from index ``start`` on."""
+    ds = open_dataset(cfg)
+    if start:
+        ds = ds.skip(start)
+    for i, row in enumerate(ds, start):
+        text = row.get(cfg.text_field) if isinstance(row, dict) else None
+        if text is None:
+            raise DataError(f"document {i} of {cfg.source} has no field {cfg.text_field!r} (fields: "
+                            f"{sorted(row) if isinstance(row, dict) else type(row).__name__}); set data.text_field")
+        yield i, str(text)
+
+
+def _rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    xy = torch.from_numpy(np.asarray(rows, dtype=np.int64))  # [B, T+1]
+    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+
+def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, role: int,
+              ) -> Iterator[tuple[list[int], DataPosition]]:
+    """Sequences of ``seq_len + 1`` tokens of the documents of ``role`` (a shard, or VAL) joined with the end-of-text
+    id, each with the position right after it; endless for a shard (epochs), one pass for VAL. The tokens left at the
+    end of a pass (fewer than one sequence) are dropped."""
+    pos, n = DataPosition(**pos.to_dict()), seq_len + 1
+    while True:
+        found, pass_start = False, (pos.doc, pos.offset)
+        segments: deque[tuple[int, int, list[int]]] = deque()  # (doc, offset of its first token, tokens) not cut yet
+        held = 0
+        for i, text in documents(cfg, pos.doc):
+            if doc_role(i, cfg) != role:
+                continue
+            found = True
+            skip = pos.offset if i == pos.doc else 0
+            tokens = (tok.encode_batch([text])[0] + [tok.eot_id])[skip:]
+            if not tokens:
+                continue
+            segments.append((i, skip, tokens))
+            held += len(tokens)
+            while held >= n:
+                seq: list[int] = []
+                while len(seq) < n:
+                    doc, off, toks = segments.popleft()
+                    take = toks[: n - len(seq)]
+                    seq += take
+                    if len(take) < len(toks):
+                        segments.appendleft((doc, off + len(take), toks[len(take):]))
+                held -= n
+                pos.doc, pos.offset = (segments[0][0], segments[0][1]) if segments else (i + 1, 0)
+                pos.sequences += 1
+                yield seq, DataPosition(**pos.to_dict())
+        if role == VAL:
+            return
+        if not found and pass_start == (0, 0):
+            raise DataError(f"shard {role} of {cfg.source} holds no document: use fewer data.shards or more data")
+        pos.doc, pos.offset, pos.epoch = 0, 0, pos.epoch + 1
+
+
+def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: int,
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation set: the first n batches of sequences of the held-out documents, the same everywhere."""
+    need = n * batch_size
+    rows = []
+    for seq, _ in sequences(cfg, tok, seq_len, DataPosition(shard=VAL), VAL):
+        rows.append(seq)
+        if len(rows) >= need:
+            break
+    if len(rows) < need:
+        raise DataError(f"the held-out documents of {cfg.source} make {len(rows)} sequences of {seq_len + 1} tokens, "
+                        f"fewer than the {need} of the validation set: raise data.val_fraction or add data")
+    return [_rows(rows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]
+
+
+def stream_key(cfg: DataConfig, shard: int) -> str:
+    """Names a shard's stream (the saved position of another source or shard count never applies)."""
+    return f"{cfg.source}#{shard}/{cfg.shards}"
+
+
+class ShardStream:
+    """Batches of one shard, read ahead by a thread; ``next()`` returns (x, y) LongTensors [B, T] like
+    ``trainer.data.BatchStream``, and ``position()`` the data position after the last batch handed out."""
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, start: DataPosition) -> None:
+        if not 0 <= start.shard < cfg.shards:
+            raise DataError(f"shard {start.shard} is not one of the run's {cfg.shards} data shards")
+        self.cfg, self.tok, self.seq_len, self.batch_size = cfg, tok, seq_len, batch_size
+        self._pos = DataPosition(**start.to_dict())
+        self.batches = 0
+        self.shard = start.shard
+        self.key = stream_key(cfg, start.shard)
+        self._ready: queue.Queue[tuple[Any, DataPosition | None]] = queue.Queue(READ_AHEAD)
+        self._peeked: tuple[Any, DataPosition | None] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name=f"data-shard-{start.shard}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            rows: list[list[int]] = []
+            for seq, pos in sequences(self.cfg, self.tok, self.seq_len, self._pos, self._pos.shard):
+                if self._stop.is_set():
+                    return
+                rows.append(seq)
+                if len(rows) == self.batch_size:
+                    item, rows = (_rows(rows), pos), []
+                    if not self._offer(item):
+                        return
+        except BaseException as e:  # handed to the reader, which raises it where the batch was wanted
+            self._offer((e, None))
+
+    def _offer(self, item: tuple[Any, DataPosition | None]) -> bool:
+        """Queue ``item`` unless the stream is closed meanwhile; False when closed."""
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def ready(self) -> bool:
+        """Whether ``next()`` returns at once (a batch was read ahead)."""
+        return self._peeked is not None or not self._ready.empty()
+
+    def wait_ready(self) -> None:
+        """Block until a batch is read ahead (run it in an executor: the event loop must not wait on the source)."""
+        if self._peeked is None:
+            self._peeked = self._ready.get()
+        item, pos = self._peeked
+        if pos is None:  # the reader failed: say so here too (next() raises it again)
+            raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._peeked is not None:
+            (item, pos), self._peeked = self._peeked, None
+        else:
+            item, pos = self._ready.get()
+        if pos is None:
+            raise DataError(f"reading shard {self._pos.shard} of {self.cfg.source} failed: {item}") from item
+        self._pos = pos
+        self.batches += 1
+        x, y = item
+        return x, y
+
+    __next__ = next
+
+    def __iter__(self) -> ShardStream:
+        return self
+
+    def position(self) -> DataPosition:
+        return DataPosition(**self._pos.to_dict())
+
+    def position_dict(self) -> dict[str, Any]:
+        return self._pos.to_dict()
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the reading thread and wait for it (bounded: a hub read may hang), so that no thread is left reading
+        the source through native code while the interpreter exits."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
