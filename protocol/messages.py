@@ -59,6 +59,9 @@ class Message:
 
     KIND: ClassVar[int]
     SCHEMA: ClassVar[dict[str, s.Check]]
+    #: trailing fields (all defaulting to None) that ``pack`` leaves out when None, so that peers that predate them
+    #: read the message as before
+    OPTIONAL_TAIL: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -95,13 +98,18 @@ class Hello(Message):
 
 
 @_message(2, run_id=s.text(), mb_id=_count, route=_route, activations=s.envelope, targets=s.optional(s.envelope),
-          is_eval=s.boolean, sent_at=s.real(0, 1e12), flush=s.optional(_count))  # fmt: skip
+          is_eval=s.boolean, sent_at=s.real(0, 1e12), flush=s.optional(_count),
+          tokens=s.optional(s.envelope))  # fmt: skip
 class Forward(Message):
     """Activations of micro-batch `mb_id` for the next stage; `route` lists the peer ids it went through so far.
 
     `flush` is set by stage 0 in the synchronous mode only: the number of the GPipe flush (optimiser step) the
     micro-batch belongs to, so that later stages know when a flush is over without counting micro-batches.
+    `tokens`: the micro-batch's input token ids, in runs whose activations are subspace coefficients (each stage
+    rebuilds the fixed embedding part of the residual stream from them); absent otherwise.
     """
+
+    OPTIONAL_TAIL = 1
 
     run_id: str
     mb_id: int
@@ -111,6 +119,7 @@ class Forward(Message):
     is_eval: bool
     sent_at: float
     flush: int | None = None
+    tokens: TensorEnvelope | None = None
 
 
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
@@ -252,6 +261,10 @@ def pack(msg: Message) -> bytes:
     if not isinstance(msg, Message):
         raise TypeError(f"pack expects a protocol message, got {type(msg).__name__}")
     fields = [s.to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
+    for _ in range(msg.OPTIONAL_TAIL):
+        if fields[-1] is not None:
+            break
+        fields.pop()
     return bytes(msgpack.packb([PROTOCOL_VERSION, msg.KIND, fields], use_bin_type=True))
 
 
@@ -281,7 +294,7 @@ def unpack(data: bytes | bytearray) -> Message:
     cls = MESSAGE_KINDS.get(kind) if type(kind) is int else None
     if cls is None:
         raise MalformedMessage(f"unknown message kind {kind!r}; known kinds: {sorted(MESSAGE_KINDS)}")
-    if type(fields) is not list or len(fields) != len(cls.SCHEMA):
+    if type(fields) is not list or not len(cls.SCHEMA) - cls.OPTIONAL_TAIL <= len(fields) <= len(cls.SCHEMA):
         raise MalformedMessage(f"{cls.__name__} needs {len(cls.SCHEMA)} fields: {', '.join(cls.SCHEMA)}")
     try:
         return cls(*fields)

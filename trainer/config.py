@@ -27,6 +27,7 @@ from trainer.sources import file_sha256, is_streamed_source, tokenizer_vocab_siz
 # The model architectures a run may name, each with the module that builds it (trainer/model.py dispatches on it;
 # every module provides the same builders). One table: the config validates against it, the model builds from it.
 ARCHITECTURES = {"gpt": "trainer.model", "llama": "trainer.llama"}
+SUBSPACE = "subspace"  # the model+codec pair of trainer/subspace.py: k coefficients per token cross a boundary
 AVERAGING_RULES = ("ema", "delta", "avg", "wagma", "none")
 AGGREGATORS = ("mean", "trimmed", "centered_clip")  # implemented in trainer/robust.py (kept torch-free here)
 CLIP_STARTS = ("median", "own")
@@ -263,15 +264,35 @@ class CompressionConfig:
     """Backward gradients between stages."""
     averaging: str = "int8"
     """Averaging payloads (the partition's values)."""
+    subspace_rank: int = 0
+    """With activations = gradients = "subspace": k, the dimension of the fixed subspace the residual stream is
+    confined to (k coefficients per token cross a stage boundary instead of n_embd values); 0 otherwise."""
+    subspace_codec: str = "none"
+    """With "subspace": the codec of the coefficients ("none" sends them in fp32, exact; int8/int4 quantise them)."""
 
     def __post_init__(self) -> None:
+        if (self.activations == SUBSPACE) != (self.gradients == SUBSPACE):
+            raise ValueError('compression.activations and compression.gradients must both be "subspace" or neither: '
+                             "the subspace model sends activations and their gradients as coefficients of one basis")
+        if self.subspace != (self.subspace_rank > 0):
+            raise ValueError('compression.subspace_rank must be > 0 with "subspace" compression and 0 without it, got '
+                             f"{self.subspace_rank}")
+        if self.subspace_codec not in RUN_CODECS:
+            raise ValueError(f"compression.subspace_codec must be one of {RUN_CODECS}, got {self.subspace_codec!r}")
         for name in ("activations", "gradients", "averaging"):
+            if self.subspace and name != "averaging":
+                continue
             if str(getattr(self, name)).startswith("topk"):
                 raise ValueError(f"compression.{name} cannot be TopK: activations, gradients and averaging rounds "
                                  "send values, not deltas, and a TopK of values zeroes what it drops (see "
                                  "docs/design.md, Compression); use int8 or int4")
             if getattr(self, name) not in RUN_CODECS:
                 raise ValueError(f"compression.{name} must be one of {RUN_CODECS}, got {getattr(self, name)!r}")
+
+    @property
+    def subspace(self) -> bool:
+        """Activations and gradients cross stage boundaries as subspace coefficients (trainer/subspace.py)."""
+        return self.activations == SUBSPACE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,6 +418,13 @@ class RunConfig:
                 raise ValueError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the vocabulary of "
                                  f"data.tokenizer {self.data.tokenizer} ({need} token ids): set "
                                  f"model.vocab_size = {need} (or more, e.g. a multiple of 64)")
+        if self.compression.subspace:
+            if not self.compression.subspace_rank < self.model.n_embd:
+                raise ValueError(f"compression.subspace_rank ({self.compression.subspace_rank}) must be below "
+                                 f"model.n_embd ({self.model.n_embd})")
+            if self.model.dropout:
+                raise ValueError('"subspace" compression needs model.dropout = 0: dropout scales each coordinate of '
+                                 "the residual writes and would take them out of the subspace")
         if self.data.bin_vocab_size and self.data.bin_vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"data.bin_vocab_size ({self.data.bin_vocab_size}) must equal "
@@ -415,6 +443,8 @@ class RunConfig:
             if getattr(self.data, name) == getattr(default_data, name):
                 del d["data"][name]
         del d["data"]["tokenizer"]  # a path differs between machines; tokenizer_sha256 stands for the file
+        if not self.compression.subspace and self.compression.subspace_codec == "none":
+            del d["compression"]["subspace_rank"], d["compression"]["subspace_codec"]  # run ids as before subspaces
         return d
 
     def canonical_json(self) -> str:

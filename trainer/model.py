@@ -88,6 +88,12 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """N(0, std) values of the full model's parameter ``name`` as the init draws them (fp32, CPU)."""
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
 @torch.no_grad()
 def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: int) -> None:
     """Initialise each parameter of ``module`` from its own generator; ``names`` maps local to full-model names."""
@@ -95,7 +101,6 @@ def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: in
         if p.is_meta:  # built on the meta device for shapes and counts only: nothing to fill
             continue
         full = names[local]
-        gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, full))
         leaf = full.rsplit(".", 1)[-1]
         if ".ln_" in f".{full}":  # LayerNorm: weight 1, bias 0
             p.fill_(1.0 if leaf == "weight" else 0.0)
@@ -103,7 +108,7 @@ def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: in
             p.zero_()
         else:
             std = 0.02 / math.sqrt(2 * n_layer) if full.endswith("c_proj.weight") else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            p.copy_(seeded_normal(seed, full, tuple(p.shape), std))
 
 
 class GPT(nn.Module):

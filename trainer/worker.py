@@ -22,6 +22,11 @@ its backward, so the averaged weights must not leak into that backward. ``versio
 (the delay a backward reports is counted in steps); the epoch only names the weights. Without stashing, backward
 uses the latest weights.
 
+**Subspace runs** (``compression.activations = "subspace"``, trainer/subspace.py): the worker keeps its residual
+writers and embeddings in the run's subspace: projected at construction and after every optimiser step, averaging
+finish and state load, and their gradients projected before the step. Its inputs and outputs stay full vectors; the
+peer's wire side turns them into coefficients and back with ``subspace``.
+
 **Not thread-safe.** The daemon calls one worker from one dedicated compute thread; the simulator from its loop.
 """
 
@@ -40,6 +45,7 @@ from trainer.averaging import SparseAveragingState
 from trainer.config import RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from trainer.subspace import Subspace
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +113,8 @@ class StageWorker:
         self.replica, self.auto_step = replica, auto_step
         self.model = build_stage(run, stage, seed).to(self.device)
         self.model.train()
+        self.subspace = Subspace(run, device=self.device) if run.compression.subspace else None
+        self._keep_in_subspace()
         self._names = [n for n, _ in self.model.named_parameters()]
         self._params = list(self.model.parameters())
         self.optimizer = build_optimizer(self._params, run.optim, stage, run.n_stages)
@@ -147,6 +155,10 @@ class StageWorker:
         if self.run.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0:
             self._stash.setdefault(self._epoch, [p.detach().clone() for p in self._params])
         self._epoch += 1
+
+    def _keep_in_subspace(self) -> None:
+        if self.subspace is not None:
+            self.subspace.project_(self.model)
 
     # --- input checks (programming-error guards; the daemon validated wire tensors already) ------------------------
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,6 +327,8 @@ class StageWorker:
 
         A non-finite gradient norm skips the step (counted in ``steps_skipped``) so the weights stay intact.
         """
+        if self.subspace is not None:
+            self.subspace.project_grads_(self.model)
         norm = clip_grad_norm(self._params, self.run.optim.grad_clip)
         self.last_grad_norm = norm
         if not torch.isfinite(torch.tensor(norm)):
@@ -324,6 +338,7 @@ class StageWorker:
             self._weights_will_change()
             set_lr(self.optimizer, lr_at(self.run.optim, self.local_step))
             self.optimizer.step()
+            self._keep_in_subspace()
             self.local_step += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
@@ -365,6 +380,7 @@ class StageWorker:
         avg = self._avg()
         self._weights_will_change()  # a rejected mean leaves an identical copy behind, freed with its micro-batches
         avg.finish(round_no, mean, self._params, self.local_step, group_size)
+        self._keep_in_subspace()  # robust aggregation and quantised parts are not linear: back into the subspace
 
     def averaging_abort(self, round_no: int) -> None:
         """The round failed: forget its snapshot; weights untouched."""
@@ -403,6 +419,7 @@ class StageWorker:
             self.averaging.load_state_dict(d["averaging"])
         self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
         self.steps_skipped = int(d["steps_skipped"])
+        self._keep_in_subspace()  # a donor's weights are a stranger's: the invariant is ours to keep
         if d["grads"] is not None:
             self.set_grads(d["grads"])
         else:

@@ -110,7 +110,8 @@ class Stage0Driver:
             out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
             targets = await loop.run_in_executor(None, encode, y, "none")
-            await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush)
+            await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush,
+                                    ids=x)
             return await p.done  # set by the backward, a drop, or the expiry timer
         except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
             if pipe.pending.pop(mb_id, None) is not None and not is_eval:

@@ -78,6 +78,8 @@ def infer_codecs(run: RunConfig) -> tuple[str, ...]:
     """The codecs a request may ask its reply in (and activations may arrive in): the run's activation codec, fp16,
     none."""
     own = run.compression.activations
+    if run.compression.subspace:  # generation sends whole activations: a request carries no token ids to rebuild
+        return tuple(EXTRA_CODECS)
     return (own, *(c for c in EXTRA_CODECS if c != own))
 
 

@@ -89,7 +89,7 @@ class RemotePipeline:
                  timeout_s: float = 30.0, rpc_timeout_s: float = 10.0, rng: random.Random | None = None,
                  where: str = "--initial-peers") -> None:
         self.run, self.call, self.read_swarm, self.where = run, call, read_swarm, where
-        self.codec = codec or run.compression.activations
+        self.codec = codec or infer_codecs(run)[0]
         if self.codec not in infer_codecs(run):
             raise UserError(f"--codec {self.codec}: the peers reply in one of {', '.join(infer_codecs(run))}")
         self.codec_id = parse_codec(self.codec).id

@@ -31,9 +31,10 @@ import torch
 from peer.ids import short_id
 from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
+from peer.pipeline.boundary import Boundary
 from peer.pipeline.guard import PipelineGuard
 from peer.seams import Compute, Send
-from protocol.codecs.registry import decode, encode
+from protocol.codecs.registry import decode
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Ack, Backward, Busy, Error, Forward, Message
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
-MAX_ACT_ABS = 1e6
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 
@@ -99,8 +99,9 @@ class PipelineStage:
         self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
         self.cost = cost
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
-        b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
-        self.act_spec = TensorSpec((b, t, d), torch.float32, max_abs=MAX_ACT_ABS)
+        b, t = run.data.batch_size, run.model.block_size
+        # activations and gradients in the run's codec, or as subspace coefficients (peer/pipeline/boundary.py)
+        self.boundary = Boundary(run, getattr(worker, "subspace", None))
         self.tok_spec = TensorSpec((b, t), torch.int64)
         self.pending: dict[int, Pending] = {}
         self.backward_q: asyncio.Queue = asyncio.Queue()
@@ -165,8 +166,8 @@ class PipelineStage:
     async def _decode(self, env: TensorEnvelope, spec: TensorSpec, peer: str) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: decode(env, spec, peer=peer))
 
-    async def _encode(self, t: torch.Tensor, codec: str) -> TensorEnvelope:
-        return await asyncio.get_running_loop().run_in_executor(None, encode, t, codec)
+    async def _encode_gradient(self, g: torch.Tensor) -> TensorEnvelope:
+        return await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_gradient, g)
 
     # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
     async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
@@ -193,7 +194,7 @@ class PipelineStage:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
         try:
-            x = await self._decode(msg.activations, self.act_spec, peer_id)
+            x, ids = await asyncio.get_running_loop().run_in_executor(None, self.boundary.decode_forward, msg, peer_id)
             targets = None
             if self.is_last:
                 if msg.targets is None:
@@ -212,7 +213,7 @@ class PipelineStage:
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
                                           is_eval=msg.is_eval)
-        self.forward_q.put_nowait(("fwd", msg, x, targets))
+        self.forward_q.put_nowait(("fwd", msg, x, targets, ids))
         self._wake.set()
         return Ack()
 
@@ -232,7 +233,8 @@ class PipelineStage:
         grad = None
         if msg.gradient is not None and not msg.is_eval:
             try:
-                grad = await self._decode(msg.gradient, self.act_spec, peer_id)
+                grad = await asyncio.get_running_loop().run_in_executor(
+                    None, self.boundary.decode_gradient, msg.gradient, peer_id)
             except ProtocolError as e:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if grad is not None and not self.guard.norm_ok("gradients", grad):
@@ -271,7 +273,8 @@ class PipelineStage:
                 self.metrics.inc("compute_errors")
                 await self.drop(item[1].mb_id, notify=True)
 
-    async def _process_forward(self, msg: Forward, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+    async def _process_forward(self, msg: Forward, x: torch.Tensor, targets: torch.Tensor | None,
+                               ids: torch.Tensor | None = None) -> None:
         p = self.pending.get(msg.mb_id)
         if p is None:
             return
@@ -295,7 +298,7 @@ class PipelineStage:
             self.pending.pop(msg.mb_id, None)
             self.guard.loss_verdict(p.prev_peer, float(loss))
             self._count_step(float(loss), x)
-            env = await self._encode(grad, self.run.compression.gradients)
+            env = await self._encode_gradient(grad)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
         if msg.is_eval:
@@ -305,7 +308,8 @@ class PipelineStage:
             if self.on_flush is not None:
                 await self.on_flush(msg.flush)
             y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
-        self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush))
+        self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
+                                     ids=ids))
 
     def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
         if loss is not None:
@@ -347,19 +351,20 @@ class PipelineStage:
         if p.done is not None and not p.done.done():
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
-            env = await self._encode(grad_in, self.run.compression.gradients)
+            env = await self._encode_gradient(grad_in)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False))
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
-                           is_eval: bool, flush: int | None = None) -> bool:
+                           is_eval: bool, flush: int | None = None, *, ids: torch.Tensor | None = None) -> bool:
         """Send activations to a peer of the next stage, retrying elsewhere; on failure drop and tell upstream.
 
         ``flush``: the sync mode's flush number, set by stage 0 and passed on unchanged (None in async mode).
+        ``ids``: the micro-batch's input token ids (subspace runs send them with the coefficients).
         """
-        env = await self._encode(y, self.run.compression.activations)
+        env, tokens = await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_forward, y, ids)
         msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
-                      is_eval=is_eval, sent_at=time.time(), flush=flush)
+                      is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
         peer = await self._send_with_retries("forward", msg, self.stage + 1, p.sent_to if p else set())
         if peer is not None:

@@ -1,9 +1,9 @@
 """What each RPC handler may receive: its message kind, and its largest request computed from the run's shapes.
 
-A forward carries ``batch x block x width`` activations in the run's activation codec and, for the last stage, the
-token targets; a backward carries a gradient of the same shape in the gradient codec; an ``infer`` request one
-sequence, ``1 x block x width`` activations in the widest codec it may use (none, fp32) or ``1 x block`` token ids.
-These sizes are known before the first byte arrives, so a frame announcing more is refused before it is read (instead
+A forward carries ``batch x block x width`` activations in the run's activation codec (in subspace runs
+``batch x block x rank`` coefficients and the token ids) and the token targets; a backward carries a gradient of the
+same shape in the gradient codec; an ``infer`` request one sequence, ``1 x block x width`` activations in the widest
+codec it may use (none, fp32) or ``1 x block`` token ids. These sizes are known before the first byte arrives, so a frame announcing more is refused before it is read (instead
 of reading up to the server's generic 256 MiB). The limit is the packed size of the largest such message, with the
 longest route and run id the schema allows, plus a fixed slack for msgpack headers. ``infer_message_bytes`` also
 bounds the replies a generating client reads.
@@ -16,6 +16,7 @@ import torch
 from peer.averaging.loop import AVG_RPC
 from peer.averaging.sync import SYNC_RPC
 from peer.membership.reachability import REACH_RPC
+from peer.pipeline.boundary import Boundary
 from peer.pipeline.infer import INFER_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
@@ -33,12 +34,14 @@ REACH_BYTES = 16 * 1024
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     """Largest request of ``forward``, ``backward``, ``reach`` and ``infer`` (bytes, framing excluded) for this run."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
-    x = torch.zeros(b, t, d)
-    targets = encode(torch.zeros(b, t, dtype=torch.int64), "none")
+    x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
+    targets = encode(ids, "none")
+    boundary = Boundary(run, None)
+    acts, tokens = boundary.encode_forward(x, ids)
     forward = Forward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, targets=targets, is_eval=False,
-                      activations=encode(x, run.compression.activations), sent_at=1e12, flush=2**63 - 1)
+                      activations=acts, sent_at=1e12, flush=2**63 - 1, tokens=tokens)
     backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,
-                        gradient=encode(x, run.compression.gradients))
+                        gradient=boundary.encode_gradient(x))
     hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="Q" * 64, capabilities=["x" * 64] * 32)
     return {"forward": len(pack(forward)) + SLACK_BYTES, "backward": len(pack(backward)) + SLACK_BYTES,
             "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),

@@ -184,6 +184,9 @@ class SimConfig:
 def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "none":
         return lambda t: t
+    if name == "subspace":
+        raise SimulationError('the simulator does not model "subspace" compression (its coefficients need the token '
+                              "ids of each micro-batch); measure it with a swarm: tools/bench_links.py")
     try:
         from protocol.codecs.registry import roundtrip
     except ImportError as e:  # pragma: no cover - the protocol package ships codecs

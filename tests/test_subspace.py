@@ -1,0 +1,198 @@
+"""The subspace model+codec pair: exact rebuild, gradients in the subspace, the invariant kept after optimiser steps,
+averaging and state loads, frame validation, export, and a 2-stage in-process pipeline that trains with it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
+from peer.membership.routing import Router
+from peer.ops.metrics import PeerMetrics
+from peer.pipeline.boundary import Boundary
+from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.sizes import pipeline_request_bytes
+from protocol.codecs.registry import encode
+from protocol.errors import ValidationError
+from protocol.messages import Forward, pack, unpack
+from trainer.config import RunConfig
+from trainer.data import BatchStream, load_corpus, val_batches
+from trainer.export import gpt_state
+from trainer.model import GPT
+from trainer.worker import StageWorker
+
+TINY = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+SUB = TINY.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 4})
+
+
+def _batch(run: RunConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    b, t, v = run.data.batch_size, run.model.block_size, run.model.vocab_size
+    return torch.randint(0, v, (b, t), generator=g), torch.randint(0, v, (b, t), generator=g)
+
+
+def test_config_checks_and_run_ids():
+    assert "subspace_rank" not in TINY.to_dict()["compression"]  # plain runs keep the run ids they had
+    assert SUB.run_id != TINY.run_id and RunConfig.from_dict(__import__("tomllib").loads(SUB.to_toml())) == SUB
+    with pytest.raises(ValueError, match="both"):
+        TINY.replace(compression={"activations": "subspace", "subspace_rank": 4})
+    with pytest.raises(ValueError, match="subspace_rank"):
+        TINY.replace(compression={"activations": "subspace", "gradients": "subspace"})
+    with pytest.raises(ValueError, match="below"):
+        SUB.replace(compression={"subspace_rank": 32})
+    with pytest.raises(ValueError, match="dropout"):
+        SUB.replace(model={"dropout": 0.1})
+
+
+def test_boundary_rebuilds_exactly_and_gradients_lose_nothing():
+    """Coefficients + ids rebuild stage 0's output to float rounding, and the subspace gradient gives stage 0 the
+    same update as the full gradient would."""
+    ids, targets = _batch(SUB)
+    w0, w1 = StageWorker(SUB, 0), StageWorker(SUB, 1)
+    ss = w0.subspace
+    y = w0.forward(1, ids)
+    x = ss.rebuild(ss.coefficients(y, ids), ids)
+    assert float((x - y).abs().max()) < 1e-6 * float(y.abs().max())
+    _, g = w1.forward_loss(1, x, targets)
+    assert float((g - ss.grad_rebuild(ss.grad_coefficients(g))).norm()) > 0.1 * float(g.norm())  # g leaves it...
+    twin = StageWorker(SUB, 0, auto_step=False)
+    w0.auto_step = False
+    twin.forward(1, ids)
+    w0.backward(1, ss.grad_rebuild(ss.grad_coefficients(g)))  # ... yet only its part in the subspace trains
+    twin.backward(1, g)
+    w0.optimizer_step(), twin.optimizer_step()
+    for a, b in zip(w0.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_invariant_kept_after_step_averaging_and_load():
+    w = StageWorker(SUB, 0)
+    ss = w.subspace
+    assert ss.distance(w.model) < 1e-6
+    ids, _ = _batch(SUB)
+    for i in range(3):
+        w.forward(i, ids)
+        w.backward(i, torch.randn(*ids.shape, SUB.model.n_embd))
+    assert w.local_step == 3 and ss.distance(w.model) < 1e-6
+    begun = w.averaging_begin(0)
+    w.averaging_finish(0, [v + torch.randn_like(v) for v in begun])  # a mean that leaves the subspace
+    assert ss.distance(w.model) < 1e-6
+    state = w.state_dict()
+    state["model"] = {k: v + torch.randn_like(v) for k, v in state["model"].items()}
+    w.load_state_dict(state)
+    assert ss.distance(w.model) < 1e-6
+    # the fixed embedding tables are the seeded init of every replica: two replicas agree without communicating
+    other = StageWorker(SUB, 1).subspace
+    assert torch.equal(other.u, ss.u) and torch.equal(other.tok_table, ss.tok_table)
+
+
+def test_frames_are_validated():
+    b = Boundary(SUB, None)
+    ids, _ = _batch(SUB)
+    y = torch.randn(*ids.shape, SUB.model.n_embd)
+    acts, tokens = b.encode_forward(y, ids)
+    assert acts.shape == (*ids.shape, 4) and tokens.dtype == "uint8"
+
+    def fwd(**kw):
+        fields = dict(run_id=SUB.run_id, mb_id=1, route=["a"], activations=acts, targets=None, is_eval=False,
+                      sent_at=1.0, tokens=tokens)
+        return unpack(pack(Forward(**{**fields, **kw})))
+
+    x, got = b.decode_forward(fwd(), "p")
+    assert torch.equal(got, ids) and x.shape == y.shape
+    with pytest.raises(ValidationError, match="tokens"):
+        b.decode_forward(fwd(tokens=None), "p")
+    with pytest.raises(ValidationError, match="shape"):
+        b.decode_forward(fwd(activations=encode(torch.zeros(*ids.shape, 5), "none")), "p")
+    with pytest.raises(ValidationError, match="exceeds"):
+        b.decode_forward(fwd(activations=encode(torch.full((*ids.shape, 4), 1e12), "none")), "p")
+    with pytest.raises(ValidationError, match="dtype"):
+        b.decode_forward(fwd(tokens=encode(ids, "none")), "p")  # int64 ids: not the run's uint8 frame
+    big = TINY.replace(model={"vocab_size": 300}, compression=SUB.compression.__dict__)
+    bb = Boundary(big, None)
+    bad = encode(torch.full(ids.shape, 299, dtype=torch.int16), "none")
+    with pytest.raises(ValidationError, match="vocabulary"):
+        bb.decode_forward(fwd(run_id=big.run_id, tokens=encode(torch.full(ids.shape, 300, dtype=torch.int16),
+                                                                   "none")), "p")
+    assert bb.decode_forward(fwd(run_id=big.run_id, tokens=bad), "p")[1].max() == 299
+    # the frames are small, and the receiver's size limit knows it
+    assert pipeline_request_bytes(SUB)["forward"] < pipeline_request_bytes(TINY)["forward"]
+    # a message without tokens packs as before (peers that predate the field read it)
+    old = Forward(run_id="r", mb_id=1, route=["a"], activations=acts, targets=None, is_eval=False, sent_at=1.0)
+    assert len(__import__("msgpack").unpackb(pack(old))[2]) == 8
+
+
+def test_export_is_a_plain_gpt():
+    """The stages' weights make an ordinary GPT whose logits equal the pipeline's."""
+    w0, w1 = StageWorker(SUB, 0), StageWorker(SUB, 1)
+    ids, targets = _batch(SUB)
+    for i in range(2):
+        y = w0.forward(i, ids)
+        _, g = w1.forward_loss(i, y, targets)
+        w0.backward(i, g)
+    gpt = GPT(SUB.model)
+    gpt.load_state_dict(gpt_state(SUB, {0: w0.model.state_dict(), 1: w1.model.state_dict()}))
+    with torch.no_grad():
+        ss = w0.subspace
+        x = ss.rebuild(ss.coefficients(w0.evaluate(ids), ids), ids)
+        assert torch.allclose(gpt(ids), w1.evaluate(x), atol=1e-4)
+
+
+@pytest.mark.timeout(200)
+def test_two_stage_loopback_pipeline_trains_in_the_subspace():
+    run = SUB.replace(compression={"subspace_codec": "int8"})
+    corpus = load_corpus(run.data, run.model.vocab_size)
+    pool = ThreadPoolExecutor(max_workers=1)
+    stages: dict[str, PipelineStage] = {}
+
+    def sender(me: str):
+        async def send(peer: str, name: str, msg):
+            target = stages[peer]
+            handler = target.rpc_forward if name == "forward" else target.rpc_backward
+            return unpack(pack(await handler(unpack(pack(msg)), me)))
+        return send
+
+    async def compute(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
+               for s, pid in enumerate(["a0", "b1"])}
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    for s, pid in enumerate(["a0", "b1"]):
+        stages[pid] = PipelineStage(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
+                                    swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+                                    metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+
+    async def drive() -> Stage0Driver:
+        stop = asyncio.Event()
+        t = run.model.block_size
+        driver = Stage0Driver(pipe=stages["a0"], stream=BatchStream(corpus.train, t, 8, seed=1),
+                              val=val_batches(corpus, t, 8, 2), inflight=3, stop=stop, max_steps=60,
+                              metrics=stages["a0"].metrics)
+        serving = [asyncio.ensure_future(p.serve()) for p in stages.values()]
+        try:
+            await driver.run_async()
+            await driver.evaluate()
+        finally:
+            for task in serving:
+                task.cancel()
+        return driver
+
+    try:
+        driver = asyncio.run(drive())
+    finally:
+        pool.shutdown()
+    assert stages["a0"].worker.local_step >= 60 and stages["b1"].worker.local_step >= 60
+    first, last = sum(driver.losses[:5]) / 5, sum(driver.losses[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert driver.val_losses and driver.val_losses[-1] < first
+    for p in stages.values():
+        assert p.worker.subspace.distance(p.worker.model) < 1e-5
+        assert not p.metrics.snapshot()["counters"].get("rejected:bad_tensor")

@@ -1,0 +1,154 @@
+"""The subspace-confined residual stream (Protocol Models, Pluralis 2025): k coefficients per token cross a boundary.
+
+Every weight that writes into the residual stream is kept in the column space of a fixed orthonormal basis U
+[n_embd, k] (GPT: each block's ``attn.c_proj`` and ``mlp.c_proj``, weights and biases), and each embedding table is a
+fixed table F (its seeded init, never trained) plus a trainable part whose rows lie in span(U). The residual stream
+anywhere in the model is then ``x = F_tok[ids] + F_pos[pos] + U c``: a stage boundary needs only the k coefficients
+``c = U^T (x - F)`` and the token ids, from which the receiver rebuilds ``x`` exactly (to float rounding).
+
+Gradients: every trained weight sees the gradient ``g`` at a boundary only through ``U U^T g`` (the stage's outputs
+move only inside span(U), and the out-of-subspace parts of the embeddings and writers are projected away), so the
+backward sends ``U^T g``, losslessly. ``project_grads_`` applies the same projection to the gradients computed
+locally, so a stage steps on the same gradient whichever side of a boundary its layers sit.
+
+The optimiser (Adam's per-coordinate scaling, weight decay) and averaging (coordinate-wise robust aggregation,
+quantised payloads) move the weights out of the subspace; ``project_`` puts them back and runs after every optimiser
+step, averaging finish and state load. U and F derive from the run seed alone and are never trained or sent, so every
+stage and replica agrees on them, and the weights stay an ordinary GPT's (export needs nothing of this module).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import RunConfig
+from trainer.model import seeded_normal
+
+__all__ = ["Layout", "LAYOUTS", "Subspace", "basis"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Where one architecture writes into its residual stream (parameter names as a stage module holds them).
+
+    writers: name suffixes of the [n_embd, *] weights and [n_embd] biases whose output is added to the residual.
+    token_table / position_table: the stage-0 embedding tables whose rows are residual vectors (None: no such
+        table, e.g. rotary positions), and the names their seeded init is drawn under.
+    init_std: the std of those tables' init (their fixed part F is that init).
+    """
+
+    writers: tuple[str, ...]
+    token_table: str
+    position_table: str | None
+    init_std: float = 0.02
+
+
+#: per architecture (``model.arch``); a new stage model adds its own
+LAYOUTS: dict[str, Layout] = {
+    "gpt": Layout(writers=("attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"),
+                  token_table="wte.weight", position_table="wpe.weight"),
+    "llama": Layout(writers=("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+                    token_table="model.embed_tokens.weight", position_table=None),  # rotary: no position table
+}
+
+
+def basis(seed: int, n_embd: int, rank: int) -> torch.Tensor:
+    """The run's orthonormal basis U [n_embd, rank] (fp32, CPU): QR of a Gaussian drawn from the run seed."""
+    digest = hashlib.sha256(f"asyncmesh-subspace/{seed}/{n_embd}/{rank}".encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    q, r = torch.linalg.qr(torch.randn(n_embd, rank, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).to(torch.float32).contiguous()  # sign-fixed: unique for the draw
+
+
+class Subspace:
+    """The run's basis and fixed embedding tables, and the maps between full vectors and coefficients.
+
+    Args:
+        run: a run with ``compression.subspace``; its seed, width and rank fix everything here.
+        arch: the architecture's ``Layout`` key (default: the run's ``model.arch``).
+        device: where the tensors live (the worker's device; the peer's wire side keeps a CPU one).
+    """
+
+    def __init__(self, run: RunConfig, *, arch: str | None = None, device: str | torch.device = "cpu") -> None:
+        arch = run.model.arch if arch is None else arch
+        if not run.compression.subspace:
+            raise ValueError('this run does not use "subspace" compression (compression.activations)')
+        if arch not in LAYOUTS:
+            raise ValueError(f"no subspace layout for architecture {arch!r}; known: {sorted(LAYOUTS)}")
+        cfg, self.layout = run.model, LAYOUTS[arch]
+        self.n_embd, self.rank, self.vocab_size = cfg.n_embd, run.compression.subspace_rank, cfg.vocab_size
+        self.device = torch.device(device)
+        self.u = basis(run.seed, cfg.n_embd, self.rank).to(self.device)  # [d, k]
+        std = self.layout.init_std
+        self.tok_table = seeded_normal(run.seed, self.layout.token_table, (cfg.vocab_size, cfg.n_embd),
+                                       std).to(self.device)  # [V, d]
+        self.pos_table = (None if self.layout.position_table is None else
+                          seeded_normal(run.seed, self.layout.position_table, (cfg.block_size, cfg.n_embd),
+                                        std).to(self.device))  # [block, d]
+
+    # --- the boundary: full vectors <-> coefficients --------------------------------------------------------------
+    def fixed(self, ids: torch.Tensor) -> torch.Tensor:
+        """F_tok[ids] + F_pos[positions]: the part of the residual stream that never leaves the fixed tables."""
+        ids = ids.to(self.device, torch.long)  # [B, T]
+        x = self.tok_table[ids]  # [B, T, d]
+        if self.pos_table is not None:
+            x = x + self.pos_table[: ids.shape[1]]
+        return x
+
+    def coefficients(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """c = U^T (x - F): x [B, T, d] and its token ids [B, T] -> [B, T, k] (fp32, on this object's device)."""
+        return (x.to(self.device, torch.float32) - self.fixed(ids)) @ self.u
+
+    def rebuild(self, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x = F + U c: coefficients [B, T, k] and token ids [B, T] -> the residual stream [B, T, d]."""
+        return torch.addmm(self.fixed(ids).reshape(-1, self.n_embd), c.to(self.device, torch.float32).reshape(
+            -1, self.rank), self.u.T).view(*c.shape[:-1], self.n_embd)
+
+    def grad_coefficients(self, g: torch.Tensor) -> torch.Tensor:
+        """U^T g: a boundary gradient [B, T, d] -> [B, T, k]."""
+        return g.to(self.device, torch.float32) @ self.u
+
+    def grad_rebuild(self, gc: torch.Tensor) -> torch.Tensor:
+        """U gc: [B, T, k] -> the gradient [B, T, d] every trained weight upstream sees."""
+        return gc.to(self.device, torch.float32) @ self.u.T
+
+    # --- the weights ------------------------------------------------------------------------------------------------
+    def _targets(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in module.named_parameters()
+                if n.endswith(self.layout.writers) or n in (self.layout.token_table, self.layout.position_table)]
+
+    def _table(self, name: str) -> torch.Tensor | None:
+        if name == self.layout.token_table:
+            return self.tok_table
+        return self.pos_table if name == self.layout.position_table else None
+
+    def _project(self, name: str, t: torch.Tensor, *, fixed: bool) -> torch.Tensor:
+        u = self.u.to(t.device, t.dtype)
+        table = self._table(name)
+        if table is not None:  # rows are residual vectors: F + ((W - F) U) U^T
+            f = table[: t.shape[0]].to(t.device, t.dtype)
+            return (f + ((t - f) @ u) @ u.T) if fixed else (t @ u) @ u.T
+        return u @ (u.T @ t)  # a weight's columns or a bias vector: U U^T w
+
+    @torch.no_grad()
+    def project_(self, module: nn.Module) -> None:
+        """Put the module's residual writers and embedding tables back into the subspace (in place)."""
+        for name, p in self._targets(module):
+            p.copy_(self._project(name, p, fixed=True))
+
+    @torch.no_grad()
+    def project_grads_(self, module: nn.Module) -> None:
+        """Project the same parameters' gradients onto the subspace (what a boundary's U^T g would have given)."""
+        for name, p in self._targets(module):
+            if p.grad is not None:
+                p.grad.copy_(self._project(name, p.grad, fixed=False))
+
+    @torch.no_grad()
+    def distance(self, module: nn.Module) -> float:
+        """Largest |value| by which any constrained parameter leaves the subspace (0 up to rounding when kept)."""
+        return max((float((p - self._project(n, p, fixed=True)).abs().max()) for n, p in self._targets(module)),
+                   default=0.0)
