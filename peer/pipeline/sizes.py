@@ -4,9 +4,9 @@ A forward carries ``batch x block x width`` activations in the run's activation 
 ``batch x block x rank`` coefficients and the token ids) and the token targets; a backward carries a gradient of the
 same shape in the gradient codec; an ``infer`` request one sequence, ``1 x block x width`` activations in the widest
 codec it may use (none, fp32) or ``1 x block`` token ids. These sizes are known before the first byte arrives, so a
-frame announcing more is refused before it is read (instead of reading up to the server's generic 256 MiB). The limit is the packed size of the largest such message, with the
-longest route and run id the schema allows, plus a fixed slack for msgpack headers. ``infer_message_bytes`` also
-bounds the replies a generating client reads.
+frame announcing more is refused before it is read (instead of reading up to the server's generic 256 MiB). The limit
+is the packed size of the largest such message, with the longest route and run id the schema allows, plus a fixed
+slack for msgpack headers. ``infer_message_bytes`` also bounds the replies a generating client reads.
 """
 
 from __future__ import annotations
