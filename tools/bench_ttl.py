@@ -193,6 +193,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         for p, s in zip(stage0, first, strict=True):
             seen[p["i"]] = int(s["counters"].get("evaluations", 0)) if s else 0
             evals[p["i"]] = []
+        links0 = [net.link_bytes(p["i"]) for p in sc.peers]  # None on loopback
         logger.info("%s: all %d peers training; %.0f s budget", case.label, n, args.budget_s)
         tokens = tokens0
         while (now := time.monotonic()) - t0 < args.budget_s:
@@ -209,7 +210,10 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
                     seen[p["i"]] = count
             loads.append(os.getloadavg()[0])
         elapsed = time.monotonic() - t0
+        links1 = [net.link_bytes(p["i"]) for p in sc.peers]
         summaries = sc.stop_and_collect()
+    links = [{"stage": p["stage"], "tx": b["tx"] - a["tx"], "rx": b["rx"] - a["rx"]}
+             for p, a, b in zip(sc.peers, links0, links1, strict=True) if a is not None and b is not None]
     curve = merge_replicas(evals)
     return {
         "label": case.label, "mode": case.mode, "net": case.net, "delay_ms": case.delay_ms,
@@ -217,6 +221,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "curve": [{"t": t, "tokens": tok, "val_loss": loss} for t, tok, loss in curve],
         "evals_per_replica": {str(k): len(v) for k, v in evals.items()},
+        "link_bytes": links or None,  # per peer, over the budget: what its emulated link sent (tx) and received
         "final_val_loss": final_loss([(t, loss) for t, _, loss in curve]),
         "avg_fraction_per_step": [s.get("avg_fraction_per_step") for s in summaries],
         "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],

@@ -79,7 +79,7 @@ class Subspace:
             raise ValueError('this run does not use "subspace" compression (compression.activations)')
         if arch not in LAYOUTS:
             raise ValueError(f"no subspace layout for architecture {arch!r}; known: {sorted(LAYOUTS)}")
-        cfg, self.layout = run.model, LAYOUTS[arch]
+        cfg, self.arch, self.layout = run.model, arch, LAYOUTS[arch]
         self.n_embd, self.rank, self.vocab_size = cfg.n_embd, run.compression.subspace_rank, cfg.vocab_size
         self.device = torch.device(device)
         self.u = basis(run.seed, cfg.n_embd, self.rank).to(self.device)  # [d, k]

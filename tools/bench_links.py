@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Activation/gradient codecs where the link is the bottleneck: one fresh swarm per codec, same wall-clock budget.
+
+``python tools/bench_links.py --json OUT --plot PNG`` (as root, for the emulated WAN of tools/wan.py). For each network
+(by default 20 and 100 Mbit/s uplinks per peer, 101 ms RTT) and each codec it writes the run (``--run``, by default
+trainer/runs/links.toml, a wide and shallow GPT whose activations dominate the link) with that codec's compression
+section, starts a fresh ``n_stages x replicas`` swarm of ``asyncmesh-peer join`` processes on it
+(tools/bench_ttl.py's ``train_case``) and trains it for ``--budget-s`` seconds from the moment every peer trains. The
+stage-0 replicas evaluate the run's fixed validation batches every ``--eval-every-s``.
+
+Codecs: ``int8`` (the default: blockwise int8 activations and gradients), ``subspace`` (k fp32 coefficients per token
+and the token ids, trainer/subspace.py), ``subspace-int8`` and ``subspace-int4`` (the coefficients quantised).
+
+Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> codec:
+
+* ``bytes_per_token``: what the peers' emulated links sent over the budget per training token, all peers of a stage
+  together: ``activations`` (stage < last: forwards, evaluation forwards, their TCP/IP headers, the DHT) and
+  ``gradients`` (stage > 0), their ``total``, and ``payload`` (the envelopes' bytes alone, from the codec).
+* ``tokens_per_s`` (stage 0's training tokens over the budget), ``curve`` (validation loss against seconds and
+  tokens), ``final_val_loss`` (mean of the last three evaluations).
+* ``time_to_loss_speedup_vs_int8``: the seconds int8 needs to reach its own final loss over the seconds this codec
+  needs to reach it (interpolated first crossing; None if it never does within the budget).
+* ``equal_tokens_loss_ratio_vs_int8``: this codec's validation loss / int8's, both at the smaller of the two final
+  token counts (interpolated along each curve).
+* ``costs`` (per codec, measured in this process, not on the wire): encode+decode seconds of one micro-batch's
+  activations and of its gradient, the projection's seconds per optimiser step (subspace), and the memory the codec
+  keeps per stage (basis and fixed tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.ops.procs import unwind_on_sigterm  # noqa: E402
+from tools.bench_swarm import REPO, BenchError, Case, repo_path  # noqa: E402
+from tools.bench_ttl import final_loss, interpolate, time_to_reach, train_case  # noqa: E402
+from tools.wan import DEFAULT_EMULATOR, check_available  # noqa: E402
+
+logger = logging.getLogger("bench_links")
+
+CODECS = ("int8", "subspace", "subspace-int8", "subspace-int4")
+BASELINE = "int8"
+_NETWORK = re.compile(r"^(?P<rate>[0-9.]+)mbit-(?P<rtt>[0-9.]+)ms$")
+
+
+# ----- the runs -----------------------------------------------------------------------------------------------------
+def codec_run(base: Any, codec: str, rank: int) -> Any:
+    """The base run with one codec's compression section (averaging payloads as they were)."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
+    if not codec.startswith("subspace"):
+        return base.replace(compression={"activations": codec, "gradients": codec, "subspace_rank": 0,
+                                         "subspace_codec": "none"})
+    coefficients = codec.partition("-")[2] or "none"
+    return base.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": rank,
+                                     "subspace_codec": coefficients})
+
+
+def parse_network(name: str) -> tuple[float, float]:
+    """'20mbit-101ms' -> (uplink Mbit/s, one-way delay in ms: half the RTT)."""
+    m = _NETWORK.match(name)
+    if not m:
+        raise ValueError(f"network {name!r} must look like 20mbit-101ms (uplink rate, round-trip time)")
+    return float(m["rate"]), float(m["rtt"]) / 2
+
+
+# ----- what a codec costs, in this process ------------------------------------------------------------------------
+def payload_per_token(run: Any) -> dict[str, float]:
+    """Envelope bytes per token of one micro-batch: activations (+ token ids) and gradients, as sent."""
+    import torch
+
+    from peer.pipeline.boundary import Boundary
+
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    g = torch.Generator().manual_seed(0)
+    y, ids = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t), generator=g)
+    acts, tokens = Boundary(run, None).encode_forward(y, ids)
+    grad = Boundary(run, None).encode_gradient(y * 1e-3)
+    act_bytes = len(acts.data) + (len(tokens.data) if tokens is not None else 0)
+    return {"activations": act_bytes / (b * t), "gradients": len(grad.data) / (b * t),
+            "fp32_activations": 4.0 * d}
+
+
+def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
+    """Seconds to encode+decode one micro-batch's activations and gradient, the subspace projection per step, and
+    the bytes a stage keeps for the codec (median of ``repeats``, one thread, on the CPU)."""
+    import torch
+
+    from peer.pipeline.boundary import Boundary
+    from protocol.messages import Forward
+    from trainer.worker import StageWorker
+
+    torch.set_num_threads(1)
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    boundary = Boundary(run, None)
+    g = torch.Generator().manual_seed(0)
+    y, ids = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t), generator=g)
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def forward() -> None:
+        acts, tokens = boundary.encode_forward(y, ids)
+        boundary.decode_forward(Forward(run_id=run.run_id, mb_id=1, route=["p"], activations=acts, targets=None,
+                                        is_eval=False, sent_at=1.0, tokens=tokens), "p")
+
+    out: dict[str, Any] = {"activations_s": median(forward),
+                           "gradients_s": median(lambda: boundary.decode_gradient(boundary.encode_gradient(y), "p"))}
+    ss = boundary.subspace
+    if ss is not None:
+        worker = StageWorker(run, 0)
+        out["projection_s_per_step"] = median(lambda: (ss.project_grads_(worker.model), ss.project_(worker.model)))
+        tables = [ss.u, ss.tok_table] + ([ss.pos_table] if ss.pos_table is not None else [])
+        out["memory_bytes"] = sum(x.numel() * x.element_size() for x in tables)
+    else:
+        out["projection_s_per_step"], out["memory_bytes"] = 0.0, 0
+    return out
+
+
+# ----- figures ------------------------------------------------------------------------------------------------------
+def wire_bytes_per_token(result: dict[str, Any], n_stages: int) -> dict[str, float | None]:
+    """Link bytes sent per training token: stages before the last send activations, stages after the first
+    gradients (a 2-stage swarm splits them exactly)."""
+    tokens = result["tokens"]
+    links = result.get("link_bytes")
+    if not links or tokens <= 0:
+        return {"activations": None, "gradients": None, "total": None}
+    acts = sum(x["tx"] for x in links if x["stage"] < n_stages - 1) / tokens
+    grads = sum(x["tx"] for x in links if x["stage"] > 0) / tokens
+    return {"activations": acts, "gradients": grads, "total": acts + grads}
+
+
+def compare(cases: dict[str, dict[str, Any]]) -> None:
+    """Fill each codec's figures against the baseline's curve (in place)."""
+    base = cases.get(BASELINE)
+    base_t = [(p["t"], p["val_loss"]) for p in base["curve"]] if base else []
+    base_tok = [(p["tokens"], p["val_loss"]) for p in base["curve"]] if base else []
+    target = final_loss(base_t)
+    t_base = time_to_reach(base_t, target) if target is not None else None
+    for rec in cases.values():
+        by_t = [(p["t"], p["val_loss"]) for p in rec["curve"]]
+        by_tok = [(p["tokens"], p["val_loss"]) for p in rec["curve"]]
+        t_own = time_to_reach(by_t, target) if target is not None else None
+        rec["time_to_loss"] = {"target_loss": target, "int8_s": t_base, "codec_s": t_own}
+        rec["time_to_loss_speedup_vs_int8"] = t_base / t_own if t_base and t_own else None
+        at = min(base_tok[-1][0], by_tok[-1][0]) if base_tok and by_tok else None
+        mine = interpolate(by_tok, at) if at is not None else None
+        theirs = interpolate(base_tok, at) if at is not None else None
+        rec["equal_tokens"] = {"tokens": at, "codec_loss": mine, "int8_loss": theirs}
+        rec["equal_tokens_loss_ratio_vs_int8"] = mine / theirs if mine and theirs else None
+
+
+def plot(networks: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(networks), 2, figsize=(12, 4 * len(networks)), squeeze=False)
+    for (name, cases), (a, b) in zip(networks.items(), axes, strict=True):
+        for codec, c in cases.items():
+            a.plot([p["t"] for p in c["curve"]], [p["val_loss"] for p in c["curve"]], label=codec)
+            b.plot([p["tokens"] / 1e3 for p in c["curve"]], [p["val_loss"] for p in c["curve"]], label=codec)
+        a.set(xlabel="wall-clock since all peers train (s)", ylabel="validation loss (nats)",
+              title=f"{name}: vs time")
+        b.set(xlabel="training tokens (thousands)", ylabel="validation loss (nats)", title=f"{name}: vs tokens")
+        for ax in (a, b):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----- command line -------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_links.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "links.toml", help="base run TOML")
+    p.add_argument("--codecs", nargs="+", choices=CODECS, default=["int8", "subspace", "subspace-int4"])
+    p.add_argument("--rank", type=int, default=32, help="subspace rank k for the subspace codecs")
+    p.add_argument("--networks", nargs="+", default=["20mbit-101ms", "100mbit-101ms"],
+                   help="emulated WANs as RATEmbit-RTTms (per-peer uplink, round trip), or 'loopback'")
+    p.add_argument("--replicas", type=int, default=1, help="peers per stage")
+    p.add_argument("--budget-s", type=float, default=90.0, help="training seconds per swarm, from all peers training")
+    p.add_argument("--eval-every-s", type=float, default=10.0, help="stage-0 replicas' evaluation period")
+    p.add_argument("--eval-batches", type=int, default=2, help="validation micro-batches per evaluation")
+    p.add_argument("--poll-s", type=float, default=1.0, help="/status poll period (evaluation time resolution)")
+    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
+    p.add_argument("--subnet", default="100.64.9", help="first three octets of the namespaces' addresses")
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
+    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a swarm")
+    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="every peer's --device")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
+                   help="extra PeerConfig setting for every peer")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens per network")
+    p.add_argument("--workdir", type=Path, default=None, help="runs, peers' logs and summaries (default: temp)")
+    args = p.parse_args(argv)
+    if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1 or args.rank < 1:
+        p.error("--budget-s, --eval-every-s, --poll-s must be positive, --replicas and --rank >= 1")
+    for name in args.networks:
+        if name != "loopback":
+            try:
+                parse_network(name)
+            except ValueError as e:
+                p.error(str(e))
+    args.max_inflight, args.sync_microbatches = 0, 0  # what SwarmCase reads of bench_swarm's arguments
+    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", *args.overrides]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    from trainer.config import RunConfig
+
+    base = RunConfig.from_toml(args.run)
+    if any(n != "loopback" for n in args.networks) and (why := check_available(args.emulator)):
+        print(f"bench_links: error: the emulated WAN is not available here: {why}", file=sys.stderr)
+        return 2
+    unwind_on_sigterm()
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="asyncmesh-links-"))
+    root.mkdir(parents=True, exist_ok=True)
+    runs = {c: codec_run(base, c, args.rank) for c in args.codecs}
+    paths = {}
+    for codec, run in runs.items():
+        paths[codec] = root / f"run-{codec}.toml"
+        paths[codec].write_text(run.to_toml())
+    codecs = {c: {"run_id": run.run_id, "compression": run.to_dict()["compression"],
+                  "payload_bytes_per_token": payload_per_token(run), "costs": codec_costs(run)}
+              for c, run in runs.items()}
+    load_start = os.getloadavg()
+    networks: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in args.networks:
+        rate, delay = (0.0, 0.0) if name == "loopback" else parse_network(name)
+        case = Case("async", "loopback" if name == "loopback" else "wan", delay, rate)
+        networks[name] = {}
+        for codec in args.codecs:
+            workdir = root / name / codec
+            workdir.mkdir(parents=True, exist_ok=True)
+            logger.info("%s / %s: starting a fresh swarm", name, codec)
+            try:
+                rec = train_case(case, argparse.Namespace(**{**vars(args), "run": paths[codec]}), workdir,
+                                 base.n_stages)
+            except BenchError as e:
+                logger.error("%s / %s failed: %s", name, codec, e)
+                rec = {"error": str(e), "curve": [], "tokens": 0, "tokens_per_s": 0.0}
+            rec.pop("summaries", None)
+            rec["bytes_per_token"] = {**wire_bytes_per_token(rec, base.n_stages),
+                                      "payload": codecs[codec]["payload_bytes_per_token"]}
+            networks[name][codec] = rec
+            logger.info("%s / %s: %.0f tokens/s, %s bytes/token, final loss %s", name, codec, rec["tokens_per_s"],
+                        rec["bytes_per_token"]["total"], rec.get("final_val_loss"))
+        compare(networks[name])
+    doc = {"networks": networks, "codecs": codecs,
+           "meta": {"run": repo_path(args.run), "rank": args.rank, "n_stages": base.n_stages,
+                    "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
+                    "eval_batches": args.eval_batches, "torch_threads": args.torch_threads, "device": args.device,
+                    "nproc": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                    "python": platform.python_version(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
+    if args.plot:
+        plot(networks, args.plot)
+    for name, cases in networks.items():
+        for codec, rec in cases.items():
+            print(f"{name:>16} {codec:>14}: {rec['tokens_per_s']:8.0f} tok/s  bytes/token {rec['bytes_per_token']}"
+                  f"  ttl x{rec.get('time_to_loss_speedup_vs_int8')}  loss ratio "
+                  f"{rec.get('equal_tokens_loss_ratio_vs_int8')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
