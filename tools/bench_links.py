@@ -168,6 +168,27 @@ def compare(cases: dict[str, dict[str, Any]]) -> None:
         rec["equal_tokens_loss_ratio_vs_int8"] = mine / theirs if mine and theirs else None
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The figures as the markdown table of docs/performance.md (``--table JSON`` prints it for a result file)."""
+    rows = ["| network | codec | act B/token | grad B/token | total (x fp32) | payload act+grad | tokens/s | "
+            "final loss | loss vs int8, equal tokens | time-to-loss vs int8 |", "|---|---|" + "---:|" * 8]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for name, cases in doc["networks"].items():
+        for codec, r in cases.items():
+            b = r["bytes_per_token"]
+            fp32 = 2 * b["payload"]["fp32_activations"]
+            share = f"{num(b['total'], '.0f')} ({num(b['total'] / fp32 if b['total'] else None, '.4f')})"
+            rows.append(f"| {name} | {codec} | {num(b['activations'], '.0f')} | {num(b['gradients'], '.0f')} | "
+                        f"{share} | {b['payload']['activations'] + b['payload']['gradients']:.0f} | "
+                        f"{r['tokens_per_s']:.0f} | {num(r.get('final_val_loss'), '.3f')} | "
+                        f"{num(r.get('equal_tokens_loss_ratio_vs_int8'), '.3f')} | "
+                        f"{num(r.get('time_to_loss_speedup_vs_int8'), '.2f')} |")
+    return "\n".join(rows)
+
+
 def plot(networks: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
@@ -216,6 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens per network")
     p.add_argument("--workdir", type=Path, default=None, help="runs, peers' logs and summaries (default: temp)")
+    p.add_argument("--table", type=Path, default=None, metavar="JSON", help="only print an earlier result's table")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1 or args.rank < 1:
         p.error("--budget-s, --eval-every-s, --poll-s must be positive, --replicas and --rank >= 1")
@@ -233,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    if args.table is not None:
+        print(markdown(json.loads(args.table.read_text())))
+        return 0
     from trainer.config import RunConfig
 
     base = RunConfig.from_toml(args.run)
@@ -284,11 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=1, default=str))
     if args.plot:
         plot(networks, args.plot)
-    for name, cases in networks.items():
-        for codec, rec in cases.items():
-            print(f"{name:>16} {codec:>14}: {rec['tokens_per_s']:8.0f} tok/s  bytes/token {rec['bytes_per_token']}"
-                  f"  ttl x{rec.get('time_to_loss_speedup_vs_int8')}  loss ratio "
-                  f"{rec.get('equal_tokens_loss_ratio_vs_int8')}")
+    print(markdown(doc))
     return 0
 
 

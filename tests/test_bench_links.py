@@ -1,0 +1,40 @@
+"""tools/bench_links.py's pure parts: the codec runs, network names, and the figures against int8."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.bench_links import codec_run, compare, markdown, parse_network, payload_per_token, wire_bytes_per_token
+from trainer.config import RunConfig
+
+
+def test_codec_runs_and_networks():
+    base = RunConfig.default()
+    sub = codec_run(base, "subspace-int4", 16)
+    assert sub.compression.subspace and sub.compression.subspace_rank == 16 and sub.compression.subspace_codec == "int4"
+    assert codec_run(base, "int8", 16).run_id == base.run_id  # the baseline is the base run itself
+    assert parse_network("20mbit-101ms") == (20.0, 50.5)
+    with pytest.raises(ValueError):
+        parse_network("20mbps")
+    pay = payload_per_token(sub)
+    assert pay["activations"] == 8 + 1 + 16 * 2 / 64 and pay["gradients"] == 8 + 16 * 2 / 64  # int4 codes, scales
+
+
+def test_figures_against_int8():
+    def case(points, tokens):
+        return {"curve": [{"t": t, "tokens": n, "val_loss": v} for t, n, v in points], "tokens": tokens,
+                "tokens_per_s": tokens / 30, "final_val_loss": points[-1][2],
+                "link_bytes": [{"stage": 0, "tx": 1000 * tokens, "rx": 0}, {"stage": 1, "tx": 10 * tokens, "rx": 0}]}
+    cases = {"int8": case([(10, 100, 4.0), (20, 200, 3.0), (30, 300, 3.0)], 300),
+             "subspace": case([(10, 300, 3.6), (20, 600, 2.5), (30, 900, 2.0)], 900)}
+    compare(cases)
+    s = cases["subspace"]
+    assert s["time_to_loss"]["int8_s"] == pytest.approx(50 / 3) and 10 < s["time_to_loss"]["codec_s"] < 13
+    assert s["time_to_loss_speedup_vs_int8"] > 1
+    assert s["equal_tokens"]["tokens"] == 300 and s["equal_tokens_loss_ratio_vs_int8"] == pytest.approx(3.6 / 3.0)
+    assert cases["int8"]["time_to_loss_speedup_vs_int8"] == 1.0
+    assert wire_bytes_per_token(cases["subspace"], 2) == {"activations": 1000, "gradients": 10, "total": 1010}
+    for rec in cases.values():
+        rec["bytes_per_token"] = {**wire_bytes_per_token(rec, 2),
+                                  "payload": {"activations": 1, "gradients": 1, "fp32_activations": 512}}
+    assert "| 20mbit-101ms | subspace |" in markdown({"networks": {"20mbit-101ms": cases}})
