@@ -11,7 +11,8 @@ from trainer.config import RunConfig
 def test_codec_runs_and_networks():
     base = RunConfig.default()
     sub = codec_run(base, "subspace-int4", 16)
-    assert sub.compression.subspace and sub.compression.subspace_rank == 16 and sub.compression.subspace_codec == "int4"
+    comp = sub.compression
+    assert comp.subspace and comp.subspace_rank == 16 and comp.subspace_codec == "int4"
     assert codec_run(base, "int8", 16).run_id == base.run_id  # the baseline is the base run itself
     assert parse_network("20mbit-101ms") == (20.0, 50.5)
     with pytest.raises(ValueError):
