@@ -25,7 +25,9 @@ uses the latest weights.
 **Subspace runs** (``compression.activations = "subspace"``, trainer/subspace.py): the worker keeps its residual
 writers and embeddings in the run's subspace: projected at construction and after every optimiser step, averaging
 finish and state load, and their gradients projected before the step. Its inputs and outputs stay full vectors; the
-peer's wire side turns them into coefficients and back with ``subspace``.
+peer's wire side turns them into coefficients and back with ``subspace``. The last stage's residual stream never
+crosses a boundary, so its weights are not constrained (it receives a residual stream in the subspace and may write
+anywhere after that).
 
 **Not thread-safe.** The daemon calls one worker from one dedicated compute thread; the simulator from its loop.
 """
@@ -157,8 +159,14 @@ class StageWorker:
             self._stash.setdefault(self._epoch, [p.detach().clone() for p in self._params])
         self._epoch += 1
 
+    @property
+    def constrained(self) -> bool:
+        """Whether this stage keeps its weights in the subspace: every stage but the last, whose residual stream
+        never crosses a boundary (its writers are free, as in Protocol Models' unconstrained final layers)."""
+        return self.subspace is not None and not self.is_last
+
     def _keep_in_subspace(self) -> None:
-        if self.subspace is not None:
+        if self.constrained:
             self.subspace.project_(self.model)
 
     # --- input checks (programming-error guards; the daemon validated wire tensors already) ------------------------
@@ -328,7 +336,7 @@ class StageWorker:
 
         A non-finite gradient norm skips the step (counted in ``steps_skipped``) so the weights stay intact.
         """
-        if self.subspace is not None:
+        if self.constrained:
             self.subspace.project_grads_(self.model)
         norm = clip_grad_norm(self._params, self.run.optim.grad_clip)
         self.last_grad_norm = norm
