@@ -35,6 +35,7 @@ def test_figures_against_int8():
     assert s["equal_tokens"]["tokens"] == 300 and s["equal_tokens_loss_ratio_vs_int8"] == pytest.approx(3.6 / 3.0)
     assert cases["int8"]["time_to_loss_speedup_vs_int8"] == 1.0
     assert wire_bytes_per_token(cases["subspace"], 2) == {"activations": 1000, "gradients": 10, "total": 1010}
+    assert wire_bytes_per_token(cases["subspace"], 2, eval_tokens=900)["activations"] == 500
     for rec in cases.values():
         rec["bytes_per_token"] = {**wire_bytes_per_token(rec, 2),
                                   "payload": {"activations": 1, "gradients": 1, "fp32_activations": 512}}

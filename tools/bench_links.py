@@ -13,9 +13,10 @@ and the token ids, trainer/subspace.py), ``subspace-int8`` and ``subspace-int4``
 
 Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> codec:
 
-* ``bytes_per_token``: what the peers' emulated links sent over the budget per training token, all peers of a stage
-  together: ``activations`` (stage < last: forwards, evaluation forwards, their TCP/IP headers, the DHT) and
-  ``gradients`` (stage > 0), their ``total``, and ``payload`` (the envelopes' bytes alone, from the codec).
+* ``bytes_per_token``: what the peers' emulated links sent over the budget, all peers of a stage together:
+  ``activations`` (stages before the last: training and evaluation forwards with their TCP/IP headers and the DHT's
+  traffic, per token forwarded) and ``gradients`` (stages after the first, per training token), their ``total``, and
+  ``payload`` (the envelopes' bytes alone per token, from the codec).
 * ``tokens_per_s`` (stage 0's training tokens over the budget), ``curve`` (validation loss against seconds and
   tokens), ``final_val_loss`` (mean of the last three evaluations).
 * ``time_to_loss_speedup_vs_int8``: the seconds int8 needs to reach its own final loss over the seconds this codec
@@ -136,16 +137,35 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
 
 
 # ----- figures ------------------------------------------------------------------------------------------------------
-def wire_bytes_per_token(result: dict[str, Any], n_stages: int) -> dict[str, float | None]:
-    """Link bytes sent per training token: stages before the last send activations, stages after the first
-    gradients (a 2-stage swarm splits them exactly)."""
+def wire_bytes_per_token(result: dict[str, Any], n_stages: int, eval_tokens: int = 0) -> dict[str, float | None]:
+    """Link bytes sent per token: stages before the last send activations (per token forwarded: training and the
+    ``eval_tokens`` of the evaluations), stages after the first gradients (per training token; an evaluation's
+    answer is a loss). A 2-stage swarm splits them exactly."""
     tokens = result["tokens"]
     links = result.get("link_bytes")
     if not links or tokens <= 0:
         return {"activations": None, "gradients": None, "total": None}
-    acts = sum(x["tx"] for x in links if x["stage"] < n_stages - 1) / tokens
+    acts = sum(x["tx"] for x in links if x["stage"] < n_stages - 1) / (tokens + eval_tokens)
     grads = sum(x["tx"] for x in links if x["stage"] > 0) / tokens
     return {"activations": acts, "gradients": grads, "total": acts + grads}
+
+
+def refigure(doc: dict[str, Any]) -> None:
+    """(Re)compute every case's bytes per token and its figures against int8 from the raw records (in place)."""
+    meta = doc["meta"]
+    if "tokens_per_microbatch" not in meta:  # results written before it was recorded: the run file says
+        from trainer.config import RunConfig
+
+        run = RunConfig.from_toml(REPO / meta["run"])
+        meta["tokens_per_microbatch"] = run.data.batch_size * run.model.block_size
+    tpm = meta["tokens_per_microbatch"]
+    for cases in doc["networks"].values():
+        for codec, rec in cases.items():
+            evals = sum(int(n) for n in (rec.get("evals_per_replica") or {}).values())
+            rec["eval_tokens"] = evals * meta["eval_batches"] * tpm
+            rec["bytes_per_token"] = {**wire_bytes_per_token(rec, meta["n_stages"], rec["eval_tokens"]),
+                                      "payload": doc["codecs"][codec]["payload_bytes_per_token"]}
+        compare(cases)
 
 
 def compare(cases: dict[str, dict[str, Any]]) -> None:
@@ -237,7 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens per network")
     p.add_argument("--workdir", type=Path, default=None, help="runs, peers' logs and summaries (default: temp)")
-    p.add_argument("--table", type=Path, default=None, metavar="JSON", help="only print an earlier result's table")
+    p.add_argument("--table", type=Path, default=None, metavar="JSON",
+                   help="only recompute an earlier result's figures from its raw records, rewrite it, print the table")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1 or args.rank < 1:
         p.error("--budget-s, --eval-every-s, --poll-s must be positive, --replicas and --rank >= 1")
@@ -256,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     if args.table is not None:
-        print(markdown(json.loads(args.table.read_text())))
+        doc = json.loads(args.table.read_text())
+        refigure(doc)
+        args.table.write_text(json.dumps(doc, indent=1, default=str))
+        if args.plot:
+            plot(doc["networks"], args.plot)
+        print(markdown(doc))
         return 0
     from trainer.config import RunConfig
 
@@ -292,18 +318,17 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("%s / %s failed: %s", name, codec, e)
                 rec = {"error": str(e), "curve": [], "tokens": 0, "tokens_per_s": 0.0}
             rec.pop("summaries", None)
-            rec["bytes_per_token"] = {**wire_bytes_per_token(rec, base.n_stages),
-                                      "payload": codecs[codec]["payload_bytes_per_token"]}
             networks[name][codec] = rec
-            logger.info("%s / %s: %.0f tokens/s, %s bytes/token, final loss %s", name, codec, rec["tokens_per_s"],
-                        rec["bytes_per_token"]["total"], rec.get("final_val_loss"))
-        compare(networks[name])
+            logger.info("%s / %s: %.0f tokens/s, final loss %s", name, codec, rec["tokens_per_s"],
+                        rec.get("final_val_loss"))
     doc = {"networks": networks, "codecs": codecs,
            "meta": {"run": repo_path(args.run), "rank": args.rank, "n_stages": base.n_stages,
+                    "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
                     "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
                     "eval_batches": args.eval_batches, "torch_threads": args.torch_threads, "device": args.device,
                     "nproc": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                     "python": platform.python_version(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    refigure(doc)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
