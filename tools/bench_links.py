@@ -136,6 +136,40 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
     return out
 
 
+def train_in_process(run: Any, steps: int, evals: int = 4) -> list[dict[str, float]]:
+    """The same micro-batches through a 2-stage pair of workers in this process, every activation and gradient
+    through the codec's real encode and decode (peer/pipeline/boundary.py), no network and no delay: validation loss
+    against tokens with the wall clock and the machine's load taken out. Returns [{tokens, val_loss}]."""
+    import torch
+
+    from peer.pipeline.boundary import Boundary
+    from protocol.messages import Forward
+    from trainer.data import BatchStream, load_corpus, val_batches
+    from trainer.worker import StageWorker
+
+    if run.n_stages != 2:
+        raise ValueError("the in-process comparison runs 2-stage runs")
+    torch.set_num_threads(1)
+    corpus = load_corpus(run.data, run.model.vocab_size)
+    b, t = run.data.batch_size, run.model.block_size
+    val = val_batches(corpus, t, b, 2)
+    stream = BatchStream(corpus.train, t, b, seed=1)
+    w0, w1 = StageWorker(run, 0), StageWorker(run, 1)
+    wire = Boundary(run, w0.subspace)
+    curve = []
+    for i in range(1, steps + 1):
+        x, y = stream.next()
+        acts, tokens = wire.encode_forward(w0.forward(i, x), x)
+        msg = Forward(run_id=run.run_id, mb_id=i, route=["p"], activations=acts, targets=None, is_eval=False,
+                      sent_at=1.0, tokens=tokens)
+        _, grad = w1.forward_loss(i, wire.decode_forward(msg, "p")[0], y)
+        w0.backward(i, wire.decode_gradient(wire.encode_gradient(grad), "p"))
+        if i % max(1, steps // evals) == 0 or i == steps:
+            loss = sum(float(w1.evaluate(w0.evaluate(vx), vy)) for vx, vy in val) / len(val)
+            curve.append({"tokens": i * b * t, "val_loss": loss})
+    return curve
+
+
 # ----- figures ------------------------------------------------------------------------------------------------------
 def wire_bytes_per_token(result: dict[str, Any], n_stages: int, eval_tokens: int = 0) -> dict[str, float | None]:
     """Link bytes sent per token: stages before the last send activations (per token forwarded: training and the
@@ -206,6 +240,14 @@ def markdown(doc: dict[str, Any]) -> str:
                         f"{r['tokens_per_s']:.0f} | {num(r.get('final_val_loss'), '.3f')} | "
                         f"{num(r.get('equal_tokens_loss_ratio_vs_int8'), '.3f')} | "
                         f"{num(r.get('time_to_loss_speedup_vs_int8'), '.2f')} |")
+    inproc = {c: r for c, r in doc.get("codecs", {}).items() if r.get("in_process_curve")}
+    if inproc:
+        rows += ["", "| codec (in process, same micro-batches) | tokens | validation loss | vs int8 |",
+                 "|---|---:|---:|---:|"]
+        for codec, r in inproc.items():
+            last = r["in_process_curve"][-1]
+            rows.append(f"| {codec} | {last['tokens']} | {last['val_loss']:.3f} | "
+                        f"{num(r.get('in_process_loss_ratio_vs_int8'), '.3f')} |")
     return "\n".join(rows)
 
 
@@ -257,13 +299,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens per network")
     p.add_argument("--workdir", type=Path, default=None, help="runs, peers' logs and summaries (default: temp)")
+    p.add_argument("--in-process-steps", type=int, default=0,
+                   help="also train each codec this many micro-batches in one process, without network (0: skip)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="only recompute an earlier result's figures from its raw records, rewrite it, print the table")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1 or args.rank < 1:
         p.error("--budget-s, --eval-every-s, --poll-s must be positive, --replicas and --rank >= 1")
     for name in args.networks:
-        if name != "loopback":
+        if name not in ("loopback", "none"):
             try:
                 parse_network(name)
             except ValueError as e:
@@ -287,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import RunConfig
 
     base = RunConfig.from_toml(args.run)
+    args.networks = [n for n in args.networks if n != "none"]  # 'none': the in-process comparison only
     if any(n != "loopback" for n in args.networks) and (why := check_available(args.emulator)):
         print(f"bench_links: error: the emulated WAN is not available here: {why}", file=sys.stderr)
         return 2
@@ -302,6 +347,14 @@ def main(argv: list[str] | None = None) -> int:
                   "payload_bytes_per_token": payload_per_token(run), "costs": codec_costs(run)}
               for c, run in runs.items()}
     load_start = os.getloadavg()
+    for codec, run in runs.items():
+        if args.in_process_steps:
+            logger.info("%s: %d micro-batches in process", codec, args.in_process_steps)
+            codecs[codec]["in_process_curve"] = train_in_process(run, args.in_process_steps)
+    if args.in_process_steps and BASELINE in codecs:
+        base_loss = codecs[BASELINE]["in_process_curve"][-1]["val_loss"]
+        for rec in codecs.values():
+            rec["in_process_loss_ratio_vs_int8"] = rec["in_process_curve"][-1]["val_loss"] / base_loss
     networks: dict[str, dict[str, dict[str, Any]]] = {}
     for name in args.networks:
         rate, delay = (0.0, 0.0) if name == "loopback" else parse_network(name)
