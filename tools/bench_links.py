@@ -313,7 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except ValueError as e:
                 p.error(str(e))
     args.max_inflight, args.sync_microbatches = 0, 0  # what SwarmCase reads of bench_swarm's arguments
-    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", *args.overrides]
+    # no copy of the neighbour stage's state (peer/state/backup.py): its transfer is not pipeline traffic and would
+    # land in one case's window and not another's
+    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", "backup_every_s=0",
+                      *args.overrides]
     return args
 
 
