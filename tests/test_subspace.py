@@ -101,6 +101,7 @@ def test_frames_are_validated():
     y = torch.randn(*ids.shape, SUB.model.n_embd)
     acts, tokens = b.encode_forward(y, ids)
     assert acts.shape == (*ids.shape, 4) and tokens.dtype == "uint8"
+    assert b.targets_dtype == torch.uint8 and Boundary(TINY, None).targets_dtype == torch.int64  # plain runs as ever
 
     def fwd(**kw):
         fields = dict(run_id=SUB.run_id, mb_id=1, route=["a"], activations=acts, targets=None, is_eval=False,

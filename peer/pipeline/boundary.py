@@ -57,6 +57,12 @@ class Boundary:
             self.ids_spec = TensorSpec((b, t), ids_dtype(run.model.vocab_size))
 
     @property
+    def targets_dtype(self) -> torch.dtype:
+        """The targets' wire dtype: int64 in plain runs (as ever), the ids' compact dtype in subspace runs, where
+        8 bytes per token would be a quarter of what a forward carries."""
+        return self.ids_spec.dtype if self.subspace is not None else torch.int64
+
+    @property
     def coefficient_codec(self) -> str:
         return self.run.compression.subspace_codec
 

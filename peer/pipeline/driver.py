@@ -109,7 +109,7 @@ class Stage0Driver:
         else:
             out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
-            targets = await loop.run_in_executor(None, encode, y, "none")
+            targets = await loop.run_in_executor(None, encode, y.to(pipe.boundary.targets_dtype), "none")
             await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush,
                                     ids=x)
             return await p.done  # set by the backward, a drop, or the expiry timer

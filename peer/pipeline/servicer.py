@@ -102,7 +102,7 @@ class PipelineStage:
         b, t = run.data.batch_size, run.model.block_size
         # activations and gradients in the run's codec, or as subspace coefficients (peer/pipeline/boundary.py)
         self.boundary = Boundary(run, getattr(worker, "subspace", None))
-        self.tok_spec = TensorSpec((b, t), torch.int64)
+        self.tok_spec = TensorSpec((b, t), self.boundary.targets_dtype)
         self.pending: dict[int, Pending] = {}
         self.backward_q: asyncio.Queue = asyncio.Queue()
         self.forward_q: asyncio.Queue = asyncio.Queue(maxsize=cfg.max_queue)
@@ -199,7 +199,7 @@ class PipelineStage:
             if self.is_last:
                 if msg.targets is None:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "the last stage needs targets")
-                targets = await self._decode(msg.targets, self.tok_spec, peer_id)
+                targets = (await self._decode(msg.targets, self.tok_spec, peer_id)).long()
                 if int(targets.min()) < 0 or int(targets.max()) >= self.run.model.vocab_size:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets outside the vocabulary")
         except ProtocolError as e:
