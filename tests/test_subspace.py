@@ -199,3 +199,22 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
     for p in stages.values():
         assert (p.worker.subspace.distance(p.worker.model) < 1e-5) == p.worker.constrained
         assert not p.metrics.snapshot()["counters"].get("rejected:bad_tensor")
+
+
+def test_llama_layout_rebuilds_exactly_and_keeps_the_invariant():
+    """The same pair on the Llama-style stages (trainer/llama.py): o_proj and down_proj are the residual writers,
+    the token table the only embedding (rotary positions)."""
+    run = RunConfig.from_toml(Path(__file__).parent.parent / "trainer" / "runs" / "llama-tiny.toml").replace(
+        n_stages=2, compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 8},
+        optim={"warmup_steps": 0})
+    w0, w1 = StageWorker(run, 0), StageWorker(run, 1)
+    ss = w0.subspace
+    assert ss.arch == "llama" and ss.pos_table is None
+    ids, targets = torch.randint(0, run.model.vocab_size, (2, 16)), torch.randint(0, run.model.vocab_size, (2, 16))
+    for i in range(2):
+        y = w0.forward(i, ids)
+        x = ss.rebuild(ss.coefficients(y, ids), ids)
+        assert float((x - y).abs().max()) < 1e-6 * float(y.abs().max())
+        _, g = w1.forward_loss(i, x, targets)
+        w0.backward(i, ss.grad_rebuild(ss.grad_coefficients(g)))
+    assert w0.local_step == 2 and ss.distance(w0.model) < 1e-6

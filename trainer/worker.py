@@ -115,8 +115,7 @@ class StageWorker:
         self.replica, self.auto_step = replica, auto_step
         self.model = build_stage(run, stage, seed).to(self.device)
         self.model.train()
-        self.subspace = (Subspace(run, arch=getattr(self.model, "ARCH", "gpt"), device=self.device)
-                         if run.compression.subspace else None)  # the stage model names its residual layout
+        self.subspace = Subspace(run, device=self.device) if run.compression.subspace else None
         self._keep_in_subspace()
         self._names = [n for n, _ in self.model.named_parameters()]
         self._params = list(self.model.parameters())

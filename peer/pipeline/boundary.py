@@ -46,9 +46,7 @@ class Boundary:
         self.act_spec = TensorSpec((b, t, d), torch.float32, max_abs=MAX_ACT_ABS)
         self.subspace = None
         if run.compression.subspace:
-            arch = "gpt" if subspace is None else subspace.arch
-            self.subspace = (subspace if subspace is not None and subspace.device.type == "cpu" else
-                             Subspace(run, arch=arch))
+            self.subspace = subspace if subspace is not None and subspace.device.type == "cpu" else Subspace(run)
             k = run.compression.subspace_rank
             # |c_i| <= |x - F|_2 <= sqrt(d) * (MAX_ACT_ABS + max |F|): a coefficient beyond it cannot rebuild into
             # activations the act_spec accepts
