@@ -1,0 +1,69 @@
+"""`asyncmesh-peer memory`: how much memory each stage of a run needs, in fp32 and with bf16 autocast.
+
+It prints trainer/memory.py's estimate per stage and precision, part by part, so an organiser can size a run and a
+volunteer can see which stage their machine can hold (``join`` refuses a stage that does not fit, see
+docs/performance.md). Nothing is allocated: the stages are built on the ``meta`` device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from peer.errors import UserError, user_input
+
+HELP = "Print the memory each stage of a run needs (weights, optimiser, stash, averaging, activations), fp32 and bf16."
+EPILOG = """examples:
+  asyncmesh-peer memory                       # the embedded default run
+  asyncmesh-peer memory --run myrun.toml --inflight 8
+  asyncmesh-peer memory --run myrun.toml --json
+The GPU must hold 'device'; a CPU peer 'device' + 'host'. join adds 15 % headroom when it decides what fits."""
+
+COLUMNS = (("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("stash", "stash"),
+           ("averaging", "avg"), ("inputs", "inputs"), ("backward", "backward"), ("device_bytes", "device"),
+           ("host", "host"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
+    p.add_argument("--inflight", type=int, default=0, metavar="N",
+                   help="micro-batches in flight (default n_stages + 1, as join's max_inflight)")
+    p.add_argument("--json", action="store_true", help="print the estimates as JSON")
+
+
+def mib(n: int) -> str:
+    if n >= 10 * 2**30:
+        return f"{n / 2**30:.1f}G"
+    return f"{n / 2**20:.1f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2f}"
+
+
+def table(estimates: list) -> str:
+    """The estimates as a text table, one row per stage and precision, in MiB."""
+    head = ["stage", "prec", "params"] + [label for _, label in COLUMNS]
+    rows = [head]
+    for e in estimates:
+        d = e.as_dict()
+        rows.append([str(e.stage), e.precision, f"{e.params / 1e6:.2f}M"] + [mib(int(d[k])) for k, _ in COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.config import RunConfig
+    from trainer.memory import estimate_run
+
+    if args.inflight < 0:
+        raise UserError(f"--inflight must be >= 0 (0: n_stages + 1), got {args.inflight}")
+    with user_input():
+        run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
+    inflight = args.inflight or run_cfg.n_stages + 1
+    estimates = estimate_run(run_cfg, inflight=inflight)
+    if args.json:
+        print(json.dumps({"run": run_cfg.name, "run_id": run_cfg.run_id, "inflight": inflight,
+                          "stages": [e.as_dict() for e in estimates]}, indent=2))
+        return 0
+    print(f"run {run_cfg.name!r} ({run_cfg.run_id}): {run_cfg.n_stages} stages, batch {run_cfg.data.batch_size} x "
+          f"{run_cfg.model.block_size} tokens, {inflight} micro-batches in flight; MiB")
+    print(table(estimates))
+    return 0
