@@ -2,13 +2,14 @@
 state, the inputs kept for micro-batches in flight, and the peak of one micro-batch's backward.
 
 Nothing here is a formula of one architecture. The stage is built by ``trainer.model.build_stage`` on the ``meta``
-device (shapes, no storage), and what the backward keeps is *measured*: the stage's forward (and loss, on the last
-stage) runs once on fake tensors (``torch._subclasses.FakeTensorMode``: real kernels' shape and dtype logic, no
-storage, a few ms) under a saved-tensor hook that sums every tensor autograd keeps for the backward, deduplicated by
-storage and without the parameters themselves. It runs under the same ``torch.autocast`` the worker uses, so the
-bf16 column counts the bf16 copies of the weights and activations that autocast makes. The fake tensors are CPU
-tensors: attention is measured with the CPU kernel of ``scaled_dot_product_attention``, which keeps its output and a
-log-sum-exp per row, as the CUDA flash kernel does.
+device (shapes, no storage), and the backward is *measured*: the worker's recompute-and-backward of one micro-batch
+(forward with autograd, the loss on the last stage, ``torch.autograd.grad`` to the weights and the input) runs once
+on fake tensors (``torch._subclasses.FakeTensorMode``: the real kernels' shape and dtype logic, no storage, a few
+ms) under a dispatch mode that counts the bytes of every tensor alive and keeps their peak. It runs under the same
+``torch.autocast`` the worker uses, so the bf16 column counts the bf16 copies of weights and activations autocast
+makes. The fake tensors are CPU tensors: attention is measured with the CPU kernel of
+``scaled_dot_product_attention``, which keeps its output and a log-sum-exp per row as the CUDA flash kernel does,
+and CPU autocast casts the same matrix products as CUDA's.
 
 The worker recomputes a stage's forward at its backward (trainer/worker.py), so a micro-batch in flight costs only
 its stage input; the autograd graph exists for one micro-batch at a time. Weight stashing keeps at most one copy of
@@ -27,9 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from trainer.config import RunConfig
 from trainer.optim import build_optimizer
@@ -52,7 +56,7 @@ class StageMemory:
     weights: int
     """fp32 weights (and buffers)."""
     grads: int
-    """fp32 gradients summed between optimiser steps (twice with ``optim.accumulate`` > 1: the new one and the sum)."""
+    """fp32 gradients summed into the weights' ``.grad`` (the backward's own gradients are in ``backward``)."""
     optimizer: int
     """The optimiser's per-weight state (Adam-family: two fp32 moments)."""
     stash: int
@@ -62,7 +66,8 @@ class StageMemory:
     inputs: int
     """Stage inputs kept for the micro-batches in flight (the backward recomputes from them)."""
     backward: int
-    """Peak of one micro-batch's recomputed forward and backward: saved tensors, output and its gradient."""
+    """Peak of one micro-batch's recomputed forward and backward (activations saved, the loss, the gradients of
+    activations, weights and input, the output gradient received)."""
     host: int
     """Host memory only: the averaging partition cache (two cycles of one small integer per coordinate)."""
 
@@ -123,7 +128,7 @@ def estimate_stage(run: RunConfig, stage: int, *, precision: str = "fp32", infli
         host = 0 if n_parts == 1 else 2 * params * (2 if n_parts <= 65535 else 4)
     return StageMemory(
         stage=stage, precision=precision, inflight=inflight, params=params, weights=weight_bytes,
-        grads=shape.weight_bytes * (1 if run.optim.accumulate == 1 else 2),
+        grads=shape.weight_bytes,
         optimizer=_optimizer_slots(run, stage) * shape.weight_bytes,
         stash=0 if is_last or not run.optim.weight_stashing else inflight * shape.weight_bytes,
         averaging=averaging,
@@ -178,46 +183,74 @@ def _optimizer_slots(run: RunConfig, stage: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _backward_peak(run: RunConfig, stage: int, precision: str) -> int:
-    """Bytes alive at one micro-batch's backward: what autograd saved (parameters excluded), the stage output and a
-    gradient of its size, and the gradient of the stage input; measured on fake tensors."""
+    """Peak bytes allocated by one micro-batch's recomputed forward and backward, measured on fake tensors, plus
+    the output gradient received (fp32)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     module = _meta_stage(run, stage)
-    is_first = stage == 0
+    is_first, is_last = stage == 0, stage == run.n_stages - 1
     b, t, c = run.data.batch_size, run.model.block_size, run.model.n_embd
     with FakeTensorMode(allow_non_fake_inputs=True):
         tensors = {n: torch.empty(p.shape, dtype=p.dtype, requires_grad=True) for n, p in module.named_parameters()}
         tensors.update({n: torch.empty(x.shape, dtype=x.dtype) for n, x in module.named_buffers()})
         x = torch.zeros(b, t, dtype=torch.long) if is_first else torch.empty(b, t, c, requires_grad=True)
-        targets = torch.zeros(b, t, dtype=torch.long) if stage == run.n_stages - 1 else None
-        saved, out_bytes = saved_by_forward(module, tensors, x, targets, precision=precision)
-    return saved + 2 * out_bytes + (0 if is_first else b * t * c * 4)
+        targets = torch.zeros(b, t, dtype=torch.long) if is_last else None
+        grad_out = None if is_last else torch.empty(b, t, c)
+        peak = backward_peak(module, tensors, x, targets, grad_out, precision=precision)
+    return peak + (0 if is_last else b * t * c * 4)
 
 
-def saved_by_forward(module: torch.nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor,
-                     targets: torch.Tensor | None, *, precision: str) -> tuple[int, int]:
-    """(bytes autograd saves for the backward of ``module`` run at ``tensors`` on ``x``, with the loss when
-    ``targets`` is given; the output's bytes). Storages are counted once; the weights themselves are not counted.
-    Works on real and on fake tensors (the estimate uses fake ones, the tests compare both)."""
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every storage made under it while any tensor holds it, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key not in self.sizes:
+            self.sizes[key], self.refs[key] = t.untyped_storage().nbytes(), 0
+            self.live += self.sizes[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.sizes.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+
+def backward_peak(module: torch.nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor,
+                  targets: torch.Tensor | None, grad_out: torch.Tensor | None, *, precision: str) -> int:
+    """Peak bytes allocated while ``module`` at ``tensors`` recomputes its forward on ``x`` (with the loss when
+    ``targets`` is given, else backpropagating ``grad_out``) and backpropagates to its weights and input, as the
+    worker's ``_backprop`` does. Works on real and on fake tensors (the estimate uses fake ones, the tests compare)."""
     from torch.func import functional_call
 
-    own = {_storage_key(v) for v in tensors.values()}
-    saved: dict[int, int] = {}
-
-    def pack(s: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(s)
-        if key not in own:
-            saved[key] = max(saved.get(key, 0), s.untyped_storage().nbytes())
-        return s
-
-    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s),
-          torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")):
-        out = functional_call(module, tensors, (x,))
-        if targets is not None:
-            module.loss(out, targets)  # type: ignore[operator]
-    return sum(saved.values()), out.numel() * out.element_size()
+    params = [v for v in tensors.values() if v.requires_grad]
+    with _LiveBytes() as live:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = functional_call(module, tensors, (x,))
+            if targets is not None:
+                target, grad = module.loss(out, targets), None  # type: ignore[operator]
+            else:
+                assert grad_out is not None
+                target, grad = out, grad_out.to(out.dtype)
+        grads = torch.autograd.grad(target, params + ([x] if x.requires_grad else []), grad)
+        del out, target, grad, grads
+    return live.peak
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    """One storage, however many views of it autograd saves."""
+    """One storage, however many views of it there are."""
     return int(t.untyped_storage()._cdata)
