@@ -7,9 +7,15 @@ one is forwarded, so the weight stash holds what a pipeline in flight makes it h
 rounds are begun at the start and finished at the end (their snapshots live throughout). The last stage forwards
 and backwards each micro-batch at once.
 
-Measured: on CUDA ``torch.cuda.max_memory_allocated`` (what the estimate's ``device`` column predicts); on the CPU
-the growth of the peak resident set size over the process before the worker was built (what ``device + host``
-predicts; it also counts the allocator's slack and torch's CPU kernels' scratch, so it reads a little higher).
+Speed: tokens per second over the timed steps (after the ``--inflight`` warm-up forwards), and with
+``--peak-tflops`` (the device's dense peak at the precision used, e.g. 989 for an H100 SXM in bf16) the model FLOPs
+utilisation, MFU = 6 x stage parameters x tokens/s / peak (the usual 6N per token; the worker's recompute adds 2N
+more on every stage but the last, which MFU does not credit).
+
+Measured memory: on CUDA ``torch.cuda.max_memory_allocated`` (what the estimate's ``device`` column predicts); on
+the CPU the growth of the peak resident set size over the process before the worker was built (what ``device + host``
+predicts; it also counts the allocator's slack and what torch loads on first use, tens of MB: meaningful for stages of
+hundreds of MB, not for the tiny test runs).
 
     python tools/bench_memory.py --stage 0 --precision fp32 --device cpu --json out.json
 """
@@ -49,6 +55,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--inflight", type=int, default=0, help="micro-batches in flight (default n_stages + 1)")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak, for MFU (0: no MFU)")
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args()
     run = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
@@ -72,25 +79,32 @@ def main() -> int:
     rounds = list(range(run.averaging.rounds_per_tick)) if worker.averaging is not None else []
     sent = {r: worker.averaging_begin(r) for r in rounds}
     if worker.is_last:
-        for mb in range(args.steps):
-            targets = torch.randint(0, run.model.vocab_size, (b, t), generator=gen)
+        targets = torch.randint(0, run.model.vocab_size, (b, t), generator=gen)
+        worker.forward_loss(0, stage_input(), targets)  # warm-up
+        timed = time.perf_counter()
+        for mb in range(1, args.steps + 1):
             worker.forward_loss(mb, stage_input(), targets)
     else:
         for mb in range(inflight):
             worker.forward(mb, stage_input())
+        timed = time.perf_counter()
         for k in range(args.steps):
             worker.backward(k, torch.randn(b, t, c, generator=gen).to(args.device) * 1e-3)
             worker.forward(inflight + k, stage_input())
+    if cuda:
+        torch.cuda.synchronize()
+    tokens_per_s = args.steps * b * t / (time.perf_counter() - timed)
     for r in rounds:
         worker.averaging_finish(r, sent[r])
     if cuda:
-        torch.cuda.synchronize()
         measured, predicted = torch.cuda.max_memory_allocated(args.device), est.device_bytes
     else:
         measured, predicted = peak_rss_bytes() - base, est.total_bytes
     result = {"run": run.name, "stage": args.stage, "precision": precision, "device": args.device,
               "inflight": inflight, "steps": args.steps, "estimate": est.as_dict(), "predicted_bytes": predicted,
               "measured_bytes": measured, "measured_over_predicted": measured / predicted,
+              "tokens_per_s": tokens_per_s,
+              "mfu": 6 * est.params * tokens_per_s / (args.peak_tflops * 1e12) if args.peak_tflops > 0 else None,
               "seconds": time.perf_counter() - t0, "torch": torch.__version__}
     print(json.dumps(result, indent=1))
     if args.json:
