@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def mib(n: int) -> str:
-    if n >= 10 * 2**30:
-        return f"{n / 2**30:.1f}G"
+    if n >= 1000 * 2**20:
+        return f"{n / 2**20:.0f}"
     return f"{n / 2**20:.1f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2f}"
 
 
