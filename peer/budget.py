@@ -73,7 +73,10 @@ class MemoryBudget:
         return self.limit_bytes is None or fits(self.estimates[stage], self.limit_bytes, self.device_type)
 
     @property
-    def fitting(self) -> tuple[int, ...]:
+    def fitting(self) -> tuple[int, ...] | None:
+        """The stages this peer can hold; None when there is no estimate (every stage is taken to fit)."""
+        if not self.estimates:
+            return None
         return tuple(s for s in range(len(self.estimates)) if self.fits(s))
 
     def describe_limit(self) -> str:
@@ -81,35 +84,44 @@ class MemoryBudget:
 
     def check_stage(self, stage: int | None) -> None:
         """UserError when ``stage`` (None: any stage) cannot be held, naming what fits and what to do."""
+        fitting = self.fitting
+        if fitting is None:
+            return
         need = {s: gib(int(self.needs(s) * HEADROOM)) for s in range(len(self.estimates))}
         needs = ", ".join(f"stage {s} {n}" for s, n in need.items())
         remedies = ("free memory on this machine, use --precision bf16 (autocast; on a GPU by default), lower "
                     "max_inflight (--set max_inflight=N), or set --memory-gb if the detected figure is wrong")
-        if not self.fitting:
+        if not fitting:
             raise UserError(f"no stage of this run fits in the memory this peer may use, {self.describe_limit()}; "
                             f"needed at {self.precision} with {round(HEADROOM * 100 - 100)} % headroom: {needs}. "
                             f"Run on a machine with more memory, {remedies}; or ask the organiser for a run with more "
                             "stages (asyncmesh-peer memory --run FILE shows the estimate)")
         if stage is not None and not self.fits(stage):
-            ok = ", ".join(map(str, self.fitting))
+            ok = ", ".join(map(str, fitting))
             raise UserError(f"--stage {stage} needs {need[stage]} at {self.precision} (with "
                             f"{round(HEADROOM * 100 - 100)} % headroom) but this peer may use "
                             f"{self.describe_limit()}; "
-                            f"stages that fit: {ok}. Pass --stage {self.fitting[0]} or --stage auto, or {remedies}")
+                            f"stages that fit: {ok}. Pass --stage {fitting[0]} or --stage auto, or {remedies}")
 
     def as_dict(self, stage: int | None = None) -> dict[str, object]:
         """The figures the dashboard and ``/status`` show (``stage``: the one served now)."""
         return {"limit_bytes": self.limit_bytes, "limit_source": self.source, "precision": self.precision,
                 "device_type": self.device_type, "headroom": HEADROOM,
-                "stage_bytes": [self.needs(s) for s in range(len(self.estimates))], "fits": list(self.fitting),
+                "stage_bytes": [self.needs(s) for s in range(len(self.estimates))],
+                "fits": None if self.fitting is None else list(self.fitting),
                 "estimate_bytes": None if stage is None or not 0 <= stage < len(self.estimates) else self.needs(stage)}
 
 
 def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_gb: float = 0.0) -> MemoryBudget:
     """Estimate every stage for this peer and read its limit (``precision`` resolved already: 'fp32' or 'bf16')."""
     limit, source = memory_limit(device, memory_gb)
-    estimates = tuple(estimate_stage(run, s, precision=precision, inflight=inflight) for s in range(run.n_stages))
+    try:
+        estimates = tuple(estimate_stage(run, s, precision=precision, inflight=inflight) for s in range(run.n_stages))
+    except Exception as e:  # a model the meta/fake-tensor build cannot handle: train unchecked rather than not at all
+        logger.warning("memory estimate failed (%r): every stage is taken to fit; check with asyncmesh-peer memory", e)
+        estimates, limit, source = (), None, "unknown: the estimate failed"
     budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates)
-    logger.info("memory: may use %s; stages need %s at %s; fitting: %s", budget.describe_limit(),
-                ", ".join(gib(budget.needs(s)) for s in range(run.n_stages)), precision, budget.fitting)
+    if estimates:
+        logger.info("memory: may use %s; stages need %s at %s; fitting: %s", budget.describe_limit(),
+                    ", ".join(gib(budget.needs(s)) for s in range(run.n_stages)), precision, budget.fitting)
     return budget

@@ -78,6 +78,21 @@ def test_the_daemon_refuses_at_start_and_reports_the_budget():
     assert text.startswith("needs ") and "(fp32) of" in text and "fits stage 1" in text
 
 
+def test_a_model_the_estimate_cannot_build_trains_unchecked(monkeypatch):
+    import peer.budget
+
+    def broken(*a, **k):
+        raise NotImplementedError("no meta kernel for some op")
+
+    monkeypatch.setattr(peer.budget, "estimate_stage", broken)
+    b = plan(RUN, device="cpu", precision="fp32", inflight=3, memory_gb=0.001)
+    assert b.fitting is None and b.limit_bytes is None and "failed" in b.source
+    b.check_stage(1)  # no refusal without an estimate
+    metrics = PeerMetrics()
+    metrics.memory = b.as_dict()
+    assert "not estimated" in memory_text(metrics.snapshot()["memory"]).plain
+
+
 def test_join_flags_build_the_config():
     args = cmd_join.build_config(_parse("--precision", "bf16", "--memory-gb", "6.5"))[1]
     assert args.precision == "bf16" and args.memory_gb == 6.5

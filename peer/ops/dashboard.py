@@ -216,8 +216,10 @@ def _row(grid: Table, label: str, value: RenderableType) -> None:
 def memory_text(m: dict) -> Text:
     """This stage's memory estimate against the limit, e.g. 'needs 37.0 MB (bf16) of 9.8 GB free GPU memory · fits
     stages 0,1 · peak 32.5 MB' (peak: the GPU's peak allocation); red when the stage served does not fit."""
-    est, limit, fits = m.get("estimate_bytes"), m.get("limit_bytes"), m.get("fits") or []
+    est, limit, fits = m.get("estimate_bytes"), m.get("limit_bytes"), m.get("fits")
     text = Text()
+    if fits is None:
+        return Text(f"not estimated ({m.get('limit_source', '')}): every stage is taken to fit", style="yellow")
     if est is not None:
         text.append(f"needs {human_bytes(est)}", style="bold")
     else:
