@@ -3,10 +3,11 @@
 The limit is, in this order: ``--memory-gb`` given by the operator; on a CUDA device the GPU's free memory
 (``torch.cuda.mem_get_info``, read once before the peer allocates anything); on the CPU the machine's available
 memory (``MemAvailable``). A stage fits when ``trainer.memory.HEADROOM`` times its estimate (``trainer.memory``, at
-this peer's precision and micro-batches in flight) is at most the limit: on a GPU only what the device holds counts,
-on the CPU the host-only part too. Stage choice and rebalancing never pick a stage outside ``fitting``
-(``peer.membership.stage_choice``); a fixed ``--stage`` that does not fit, or a run of which no stage fits, is refused
-at start with what fits and what to do.
+this peer's precision and micro-batches in flight) is at most the limit: on a GPU only what the device holds counts;
+on the CPU the host-only part too, and the copy of the neighbour stage's state (weights, optimiser and EMA state)
+that a peer without a checkpoint folder keeps in memory for the swarm (peer/state/spare.py). Stage choice and
+rebalancing never pick a stage outside ``fitting`` (``peer.membership.stage_choice``); a fixed ``--stage`` that does
+not fit, or a run of which no stage fits, is refused at start with what fits and what to do.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from peer.errors import UserError
 from trainer.config import RunConfig
-from trainer.memory import HEADROOM, GiB, StageMemory, estimate_stage, fits
+from trainer.memory import HEADROOM, GiB, StageMemory, estimate_stage
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,16 @@ class MemoryBudget:
     device_type: str
     precision: str
     estimates: tuple[StageMemory, ...]
+    spare_bytes: tuple[int, ...] = ()
+    """Per stage: the neighbour stage's state kept in host memory while serving it (0: kept on disk, or none)."""
 
     def needs(self, stage: int) -> int:
         """Bytes ``stage`` needs on this peer (before the headroom)."""
-        return self.estimates[stage].needs(self.device_type)
+        spare = self.spare_bytes[stage] if self.device_type == "cpu" and self.spare_bytes else 0
+        return self.estimates[stage].needs(self.device_type) + spare
 
     def fits(self, stage: int) -> bool:
-        return self.limit_bytes is None or fits(self.estimates[stage], self.limit_bytes, self.device_type)
+        return self.limit_bytes is None or self.needs(stage) * HEADROOM <= self.limit_bytes
 
     @property
     def fitting(self) -> tuple[int, ...] | None:
@@ -112,15 +116,23 @@ class MemoryBudget:
                 "estimate_bytes": None if stage is None or not 0 <= stage < len(self.estimates) else self.needs(stage)}
 
 
-def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_gb: float = 0.0) -> MemoryBudget:
-    """Estimate every stage for this peer and read its limit (``precision`` resolved already: 'fp32' or 'bf16')."""
+def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_gb: float = 0.0,
+         spare_in_memory: bool = False) -> MemoryBudget:
+    """Estimate every stage for this peer and read its limit (``precision`` resolved already: 'fp32' or 'bf16');
+    ``spare_in_memory``: the peer keeps its copy of the neighbour stage in memory (backups on, no checkpoint
+    folder)."""
     limit, source = memory_limit(device, memory_gb)
     try:
         estimates = tuple(estimate_stage(run, s, precision=precision, inflight=inflight) for s in range(run.n_stages))
     except Exception as e:  # a model the meta/fake-tensor build cannot handle: train unchecked rather than not at all
         logger.warning("memory estimate failed (%r): every stage is taken to fit; check with asyncmesh-peer memory", e)
         estimates, limit, source = (), None, "unknown: the estimate failed"
-    budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates)
+    spare: tuple[int, ...] = ()
+    if spare_in_memory and estimates and run.n_stages > 1:
+        def state_bytes(e: StageMemory) -> int:
+            return e.weights + e.optimizer + (e.weights if run.averaging.rule == "ema" else 0)
+        spare = tuple(state_bytes(estimates[(s + 1) % run.n_stages]) for s in range(run.n_stages))
+    budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates, spare)
     if estimates:
         logger.info("memory: may use %s; stages need %s at %s; fitting: %s", budget.describe_limit(),
                     ", ".join(gib(budget.needs(s)) for s in range(run.n_stages)), precision, budget.fitting)

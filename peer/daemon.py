@@ -95,7 +95,8 @@ class Daemon:
         self.precision = resolve_precision(cfg.precision, self.metrics.device)
         # what each stage needs against what this peer may use: a stage that does not fit is never served
         self.budget = plan_memory(run, device=self.metrics.device, precision=self.precision,
-                                  inflight=cfg.inflight_for(run.n_stages), memory_gb=cfg.memory_gb)
+                                  inflight=cfg.inflight_for(run.n_stages), memory_gb=cfg.memory_gb,
+                                  spare_in_memory=cfg.backup_every_s > 0 and cfg.checkpoint_dir is None)
         self.budget.check_stage(cfg.stage)
         self.metrics.memory = self.budget.as_dict()
         self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone

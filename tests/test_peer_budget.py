@@ -65,7 +65,7 @@ def test_no_stage_fits_is_a_clear_error():
 def test_the_daemon_refuses_at_start_and_reports_the_budget():
     gb = between_gb(RUN, 1, 0)
     with pytest.raises(UserError, match="--stage 0 needs"):
-        Daemon(RUN, PeerConfig(stage=0, device="cpu", memory_gb=gb))
+        Daemon(RUN, PeerConfig(stage=0, device="cpu", memory_gb=gb, backup_every_s=0))
     with pytest.raises(UserError, match="no stage of this run fits"):
         Daemon(RUN, PeerConfig(device="cpu", memory_gb=0.001))
     metrics = PeerMetrics()
@@ -76,6 +76,14 @@ def test_the_daemon_refuses_at_start_and_reports_the_budget():
     assert snap["limit_source"] == "--memory-gb"
     text = memory_text(snap).plain
     assert text.startswith("needs ") and "(fp32) of" in text and "fits stage 1" in text
+
+
+def test_a_neighbour_copy_kept_in_memory_counts_on_the_cpu_only():
+    plain = plan(RUN, device="cpu", precision="fp32", inflight=3, memory_gb=64)
+    kept = plan(RUN, device="cpu", precision="fp32", inflight=3, memory_gb=64, spare_in_memory=True)
+    e1 = plain.estimates[1]
+    assert kept.needs(0) == plain.needs(0) + e1.weights + e1.optimizer + e1.weights  # stage 1's state, EMA included
+    assert kept.as_dict(0)["estimate_bytes"] == kept.needs(0)
 
 
 def test_a_model_the_estimate_cannot_build_trains_unchecked(monkeypatch):
@@ -114,8 +122,8 @@ def _parse(*argv: str):
 def test_join_with_a_stage_that_does_not_fit_fails_at_start_in_one_line():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-m", "peer.cli", "join", "--no-tui", "--device", "cpu", "--stage", "0",
-                          "--memory-gb", f"{between_gb(RUN, 1, 0):.6f}"], capture_output=True, text=True, env=env,
-                         timeout=120)
+                          "--memory-gb", f"{between_gb(RUN, 1, 0):.6f}", "--set", "backup_every_s=0"],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]  # after the peer's log lines
     assert last.startswith("asyncmesh-peer join: error: --stage 0 needs"), out.stderr
