@@ -7,9 +7,9 @@ device (shapes, no storage), and the backward is *measured*: the worker's recomp
 on fake tensors (``torch._subclasses.FakeTensorMode``: the real kernels' shape and dtype logic, no storage, a few
 ms) under a dispatch mode that counts the bytes of every tensor alive and keeps their peak. It runs under the same
 ``torch.autocast`` the worker uses, so the bf16 column counts the bf16 copies of weights and activations autocast
-makes. The fake tensors are CPU tensors: attention is measured with the CPU kernel of
-``scaled_dot_product_attention``, which keeps its output and a log-sum-exp per row as the CUDA flash kernel does,
-and CPU autocast casts the same matrix products as CUDA's.
+makes. The fake tensors are CPU tensors: attention is measured with the CPU flash kernel of
+``scaled_dot_product_attention``, which keeps its output and a log-sum-exp per row as the CUDA flash kernel does
+(no T x T matrix), and CPU autocast casts matrix products to bf16 as CUDA's does (its op lists differ in details).
 
 The worker recomputes a stage's forward at its backward (trainer/worker.py), so a micro-batch in flight costs only
 its stage input; the autograd graph exists for one micro-batch at a time. Weight stashing keeps at most one copy of
@@ -21,7 +21,8 @@ measured by stepping the run's optimiser once on a tiny tensor.
 
 Mixed precision (``precision="bf16"``) keeps fp32 master weights, fp32 gradients and fp32 optimiser state; only
 what the backward keeps changes. Not counted: the CUDA context and allocator slack (``HEADROOM`` covers them when
-deciding what fits), torch's own workspaces, and what the peer process holds besides the model (about 0.3-0.5 GB).
+deciding what fits), torch's own workspaces, and what the peer process holds besides the model (Python, torch and
+hivemind themselves, the compute queue).
 """
 
 from __future__ import annotations
