@@ -115,15 +115,19 @@ def test_bad_arguments():
 def test_memory_command_prints_every_stage_in_both_precisions(capsys, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(TINY.to_toml())
-    assert cli_main(["memory", "--run", str(path)]) == 0
+    assert cli_main(["memory", "--run", str(path), "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "3 stages" in lines[0] and "4 micro-batches in flight" in lines[0]
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], r[1]) for r in rows] == [(str(s), p) for s in range(3) for p in PRECISIONS]
-    assert cli_main(["memory", "--run", str(path), "--json", "--inflight", "5"]) == 0
+    assert [(r[0], r[1]) for r in rows[:-1]] == [(str(s), p) for s in range(3) for p in PRECISIONS]
+    assert lines[-1].startswith("this machine (cpu, fp32): may use") and "it can serve stages 0, 1, 2" in lines[-1]
+    assert cli_main(["memory", "--run", str(path), "--device", "cpu", "--memory-gb", "0.0001"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("it can serve no stage")
+    assert cli_main(["memory", "--run", str(path), "--json", "--inflight", "5", "--device", "cpu"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["inflight"] == 5
     assert doc["stages"] == [e.as_dict() for e in estimate_run(TINY, inflight=5)]
+    assert doc["here"]["precision"] == "fp32" and doc["here"]["fits"] == [0, 1, 2]
 
 
 def test_memory_command_errors_are_one_line(capsys, tmp_path):
