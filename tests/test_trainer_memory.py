@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +136,26 @@ def test_memory_command_errors_are_one_line(capsys, tmp_path):
     assert cli_main(["memory", "--run", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("asyncmesh-peer memory: error:") and "cannot read run file" in err
+
+
+RUNS_DIR = Path(__file__).resolve().parent.parent / "trainer" / "runs"
+LINE = re.compile(r"^#\s+stage (\d+) needs ([\d.]+ [GM]iB) / ([\d.]+ [GM]iB)$", re.M)
+
+
+def documented(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", pytest.param("llama-small", marks=pytest.mark.slow),
+                                  pytest.param("llama-125m", marks=pytest.mark.slow),
+                                  pytest.param("llama-1b", marks=pytest.mark.slow)])
+def test_the_memory_the_run_files_document_is_the_estimate(name):
+    """Any architecture the stage builder returns is estimated (here the Llama stages), and the run files' comments
+    say what `asyncmesh-peer memory` says."""
+    path = RUNS_DIR / f"{name}.toml"
+    run = RunConfig.from_toml(path)
+    lines = LINE.findall(path.read_text())
+    assert [int(s) for s, _, _ in lines] == list(range(run.n_stages))
+    for s, fp32, bf16 in lines:
+        got = [documented(estimate_stage(run, int(s), precision=p).device_bytes) for p in PRECISIONS]
+        assert got == [fp32, bf16], (name, s)
