@@ -17,9 +17,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOAT_CODECS = ("fp16", "bf16", "int8", "int4")
 
 
-def tiny(n_stages: int = 2) -> RunConfig:
+def tiny(n_stages: int = 2, arch: str = "gpt") -> RunConfig:
     return RunConfig.default().replace(
-        n_stages=n_stages, model={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64},
+        n_stages=n_stages, model={"arch": arch, "n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16,
+                                  "vocab_size": 64},
         optim={"warmup_steps": 0, "total_steps": 200, "lr": 3e-3}, data={"batch_size": 4})
 
 
@@ -65,11 +66,12 @@ def test_a_bf16_worker_computes_in_bf16_and_keeps_fp32_master_state():
     assert sum(losses[-8:]) / 8 < losses[0] - 0.5  # it trains
 
 
-def test_bf16_starts_where_fp32_starts():
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_bf16_starts_where_fp32_starts(arch):
     x, y = batch(0)
     out = {}
     for precision in ("fp32", "bf16"):
-        w = [StageWorker(tiny(), s, precision=precision, auto_step=False) for s in range(2)]
+        w = [StageWorker(tiny(arch=arch), s, precision=precision, auto_step=False) for s in range(2)]
         out[precision] = w[1].forward_loss(0, w[0].forward(0, x), y)[0]
     assert out["bf16"] == pytest.approx(out["fp32"], rel=0.02)
 
