@@ -18,6 +18,7 @@ MODES = ("async", "sync")
 MAX_RECORD_TTL_S = 60.0
 """The furthest ahead a DHT record may expire: every node refuses later expirations (membership/signing.py)."""
 DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("auto", "fp32", "bf16")  # trainer.worker.PRECISIONS, kept torch-free here
 
 
 def default_home() -> Path:
@@ -45,6 +46,12 @@ class PeerConfig:
     """Overrides the run's data source (text files, a folder, or .bin shards)."""
     device: str = "auto"
     """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    precision: str = "auto"
+    """'auto' (bf16 autocast on CUDA, fp32 on the CPU), 'fp32', or 'bf16' (autocast; fp32 master weights and
+    optimiser state). Peers of one swarm may differ: what crosses the wire is the same."""
+    memory_gb: float = 0.0
+    """Memory this peer may use for its stage, in GiB; 0 detects it (the GPU's free memory on CUDA, the machine's
+    available memory on the CPU). Stages that do not fit are never chosen (peer/budget.py)."""
     mode: str = "async"
     """'async' (no barrier anywhere) or 'sync' (GPipe flush and full gradient average every step, for comparison)."""
     max_steps: int = 0
@@ -145,6 +152,10 @@ class PeerConfig:
             raise ValueError(f"--stage must be 'auto' or a non-negative integer, got {self.stage}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not self.memory_gb >= 0:
+            raise ValueError(f"--memory-gb must be >= 0 (0 detects it), got {self.memory_gb}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
         for name in ("max_steps", "max_inflight", "torch_threads"):

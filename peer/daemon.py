@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from peer.budget import plan as plan_memory
 from peer.compute import ComputeThread
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
@@ -53,7 +54,7 @@ from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, newest
 from peer.state.spare import SpareStore, spare_fields
 from protocol.messages import Error, Message
 from trainer.config import RunConfig, stage_layer_ranges
-from trainer.worker import resolve_device
+from trainer.worker import resolve_device, resolve_precision
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -91,6 +92,13 @@ class Daemon:
             self.metrics.device = resolve_device(cfg.device)
         except ValueError as e:  # --device cuda without a GPU: say so before anything starts
             raise UserError(f"--device {cfg.device}: {e}") from None
+        self.precision = resolve_precision(cfg.precision, self.metrics.device)
+        # what each stage needs against what this peer may use: a stage that does not fit is never served
+        self.budget = plan_memory(run, device=self.metrics.device, precision=self.precision,
+                                  inflight=cfg.inflight_for(run.n_stages), memory_gb=cfg.memory_gb,
+                                  spare_in_memory=cfg.backup_every_s > 0 and cfg.checkpoint_dir is None)
+        self.budget.check_stage(cfg.stage)
+        self.metrics.memory = self.budget.as_dict()
         self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
@@ -111,7 +119,8 @@ class Daemon:
         self.spares = SpareStore(run, cfg.checkpoint_dir)  # the copy of a neighbour stage kept (peer.state.spare)
         self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
         self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
-            jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s))
+            jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s),
+            fits=self.budget.fitting)
 
     # ----- the stage served now --------------------------------------------------------------------------------------
     @property
@@ -183,15 +192,18 @@ class Daemon:
             if held:
                 last = newest_checkpoint_stage(self.cfg.checkpoint_dir, held)
                 logger.info("checkpoints held (stage: step): %s; stage %s served last", held, last)
-        first = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
+        first = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last,
+                             fits=self.budget.fitting)
         await asyncio.sleep(random.uniform(0, self.cfg.join_jitter_s))
-        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
+        chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last,
+                             fits=self.budget.fitting)
         settle = time.monotonic() + RESTART_SETTLE_ANNOUNCES * self.cfg.announce_every_s
         while leaves_for_an_empty_stage(self.swarm, self.run.n_stages, chosen, last) and time.monotonic() < settle:
             logger.info("stage %d looks empty: reading the swarm again before leaving stage %s (its peers may be "
                         "restarting too)", chosen, last)
             await asyncio.sleep(self.cfg.announce_every_s)
-            chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last)
+            chosen = choose_stage(await self.refresh_swarm(), self.costs, held=held, last=last,
+                             fits=self.budget.fitting)
         if chosen != first:
             logger.info("stage choice changed from %d to %d after re-checking the swarm", first, chosen)
         caps = ", ".join(f"{c:.2f}" for c in capacities(self.swarm, self.costs))
@@ -235,6 +247,8 @@ class Daemon:
         if pipe is not None and worker is not None:
             self.metrics.inflight, self.metrics.queued = len(pipe.pending), pipe.queued()
             self.metrics.local_step = worker.local_step
+            if worker.device.type == "cuda" and self.metrics.memory is not None:  # the estimate against the real peak
+                self.metrics.memory["peak_bytes"] = torch.cuda.max_memory_allocated(worker.device)
         held = self.spares.info
         self.metrics.backup = None if held is None else (held.stage, held.step, held.taken_at)
         await self.refresh_swarm()

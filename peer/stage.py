@@ -43,7 +43,7 @@ from protocol.messages import Error, Message
 from protocol.rpc import Handler, HandlerTable, RpcLimits
 from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
 from trainer.tokenizer import MissingExtra
-from trainer.worker import StageWorker, resolve_device
+from trainer.worker import StageWorker, resolve_device, resolve_precision
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +131,8 @@ class StageService:
         """Build the worker, load the state and start every service of the stage (the caller announced the claim)."""
         host, stage = self.host, self.stage
         device = _device(host.cfg.device)
-        self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device,
+        precision = resolve_precision(host.cfg.precision, device)
+        self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device, precision=precision,
                                                              auto_step=host.cfg.mode == "async"))
         source = await self.load_state()
         self.loaded = True

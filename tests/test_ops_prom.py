@@ -125,3 +125,13 @@ def test_gpu_memory_and_utilisation_on_a_cuda_device(monkeypatch):
     got = samples(render(peer_registry(m.snapshot, process=False)))
     assert "asyncmesh_gpu_memory_reserved_bytes{device=\"cuda\"}" in got
     assert not any("utilization" in k for k in got)
+
+
+def test_the_memory_estimate_and_limit_are_exposed_for_the_stage_served():
+    m = PeerMetrics("12D3KooWpeer")
+    assert not any(k.startswith("asyncmesh_memory_") for k in samples(prometheus_text(m.snapshot())))
+    m.memory = {"limit_bytes": 8 * 2**30, "limit_source": "--memory-gb", "precision": "bf16", "headroom": 1.15,
+                "device_type": "cuda", "stage_bytes": [3 * 2**30, 5 * 2**30], "fits": [0, 1]}
+    m.stage = 1
+    got = samples(prometheus_text(m.snapshot()))
+    assert got["asyncmesh_memory_estimate_bytes"] == 5 * 2**30 and got["asyncmesh_memory_limit_bytes"] == 8 * 2**30

@@ -155,3 +155,30 @@ def test_a_single_mover_still_moves_and_then_cools_down():
         return None
 
     assert asyncio.run(mover.decide(my_id="p", read=never, claim=nothing, release=nothing)) is None
+
+
+def test_a_mover_never_moves_to_a_stage_outside_the_ones_that_fit():
+    """The daemon gives its Mover the stages its memory holds: a starved stage that does not fit is not taken."""
+
+    async def decide(fits):
+        swarm = snap(rec("a", 0), rec("b", 0), rec("c", 0), rec("d", 2))  # stage 1 empty, stage 2 thin
+
+        async def read():
+            return dict(swarm)
+
+        async def claim():
+            swarm["a"] = replace(swarm["a"], state="draining")
+
+        async def release():
+            swarm["a"] = replace(swarm["a"], state="training")
+
+        async def no_sleep(_s):
+            return None
+
+        mover = Mover([1.0, 1.0, 1.0], quality=0.75, timing=MoveTiming(jitter_s=0, settle_s=0, cooldown_s=0),
+                      sleep=no_sleep, fits=fits)
+        return await mover.decide(my_id="a", read=read, claim=claim, release=release)
+
+    assert asyncio.run(decide(None)) == 1
+    assert asyncio.run(decide((0, 1))) == 1
+    assert asyncio.run(decide((0, 2))) is None  # stage 1 does not fit; stage 2 would not raise the minimum

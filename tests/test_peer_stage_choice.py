@@ -9,6 +9,7 @@ import pytest
 
 from peer.membership.records import PeerRecord
 from peer.membership.stage_choice import (
+    NoStageFits,
     capacities,
     choose_stage,
     estimate_throughput,
@@ -118,3 +119,33 @@ def test_a_restarting_peer_waits_before_leaving_its_stage_for_one_nobody_announc
     assert not leaves_for_an_empty_stage(back, 2, chosen=0, last=0)  # staying
     assert not leaves_for_an_empty_stage(back, 2, chosen=1, last=None)  # no checkpoint: a joiner fills it at once
     assert not leaves_for_an_empty_stage({**back, "b": rec("b", 1, state="loading_state")}, 2, chosen=1, last=0)
+
+
+# --- memory: only the stages that fit --------------------------------------------------------------------------------
+def test_choice_never_picks_a_stage_that_does_not_fit():
+    costs = [1.0, 1.0, 1.0]
+    starved = swarm(rec("a", 0), rec("b", 0), rec("c", 2))  # stage 1 has no peer at all
+    assert choose_stage(starved, costs) == 1
+    picks = {choose_stage(starved, costs, fits=(0, 2), rng=random.Random(i)) for i in range(30)}
+    assert picks == {2}  # the least served stage among those that fit
+    assert choose_stage({}, costs, fits=[2], rng=random.Random(0)) == 2
+
+
+def test_a_checkpoint_of_a_stage_that_no_longer_fits_does_not_pull_the_peer_back():
+    snap = swarm(rec("a", 0), rec("b", 1))
+    assert choose_stage(snap, [1.0, 1.0], held={1: 500}) == 1
+    assert choose_stage(snap, [1.0, 1.0], held={1: 500}, fits=(0,)) == 0
+
+
+def test_no_stage_fits_is_an_error():
+    with pytest.raises(NoStageFits, match="none of the 2 stages"):
+        choose_stage(swarm(rec("a", 0)), [1.0, 1.0], fits=())
+
+
+def test_rebalancing_never_moves_to_a_stage_that_does_not_fit():
+    snap = swarm(rec("a", 0), rec("b", 0), rec("c", 0), rec("e", 2))  # stage 1 is empty
+    costs = [1.0, 1.0, 1.0]
+    assert should_move(snap, costs, "a") == 1
+    assert should_move(snap, costs, "a", fits=(0, 1)) == 1
+    assert should_move(snap, costs, "a", fits=(0, 2)) is None  # stage 2 would not raise the minimum: stay
+    assert should_move(snap, costs, "a", fits=(0,)) is None

@@ -29,6 +29,11 @@ peer's wire side turns them into coefficients and back with ``subspace``. The la
 crosses a boundary, so its weights are not constrained (it receives a residual stream in the subspace and may write
 anywhere after that).
 
+**Mixed precision** (``precision="bf16"``): forwards and recomputes run under ``torch.autocast`` with bfloat16; the
+weights, their gradients and the optimiser state stay fp32 (the master copy), so a step, the averaging and a state
+sync see exactly what an fp32 worker has. What leaves the worker (a stage's output, an input gradient, logits) is
+fp32, so peers of both precisions can serve one swarm.
+
 **Not thread-safe.** The daemon calls one worker from one dedicated compute thread; the simulator from its loop.
 """
 
@@ -73,6 +78,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(name: str, device: str | torch.device) -> str:
+    """'auto' -> 'bf16' on a CUDA device (autocast, fp32 master weights), 'fp32' elsewhere; 'fp32'/'bf16' as given."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {name!r}")
+    if name == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return name
+
+
 def is_gpu(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
@@ -103,16 +120,18 @@ class StageWorker:
         replica: this replica's index (simulator) — informational, used in log messages.
         auto_step: True (asynchronous drivers): every backward/forward_loss adds its gradient and, after
             ``optim.accumulate`` of them, the worker steps. False (synchronous drivers): call ``optimizer_step``.
+        precision: 'fp32', 'bf16' (autocast, fp32 master weights) or 'auto' (bf16 on CUDA, fp32 elsewhere).
     """
 
     def __init__(self, run: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int | None = None,
-                 replica: int = 0, auto_step: bool = True) -> None:
+                 replica: int = 0, auto_step: bool = True, precision: str = "fp32") -> None:
         if not 0 <= stage < run.n_stages:
             raise ValueError(f"stage must be in [0, {run.n_stages}), got {stage}")
         self.run, self.stage, self.n_stages = run, stage, run.n_stages
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
         self.device = torch.device(device)
         self.replica, self.auto_step = replica, auto_step
+        self.precision = resolve_precision(precision, self.device)
         self.model = build_stage(run, stage, seed).to(self.device)
         self.model.train()
         self.subspace = Subspace(run, device=self.device) if run.compression.subspace else None
@@ -168,6 +187,10 @@ class StageWorker:
         if self.constrained:
             self.subspace.project_(self.model)
 
+    def _amp(self) -> torch.autocast:
+        """bf16 autocast on this worker's device when its precision is 'bf16' (a no-op context otherwise)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
     # --- input checks (programming-error guards; the daemon validated wire tensors already) ------------------------
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.run.model
@@ -213,11 +236,11 @@ class StageWorker:
             raise ValueError(f"micro-batch {mb_id} is already pending on stage {self.stage}; ids must be unique")
         x = self._check_input(x)
         rng = self._save_rng()
-        with torch.no_grad():
+        with torch.no_grad(), self._amp():
             y = self.model(x)  # [B, T, C]
         self._pending[mb_id] = _Pending(x, self.version, self._epoch, rng)
         self._refs[self._epoch] += 1
-        return y
+        return y.float()
 
     def backward(self, mb_id: int, grad_y: torch.Tensor) -> torch.Tensor | None:
         """Backward a pending micro-batch; returns the gradient wrt its input (None on stage 0)."""
@@ -276,13 +299,14 @@ class StageWorker:
 
     def _backprop(self, x: torch.Tensor, weights: list[torch.Tensor] | None, head: _Head) -> torch.Tensor | None:
         """Forward with autograd (at ``weights`` or the live ones), backprop, add into .grad; returns grad wrt x."""
-        if weights is None:
-            params = self._params
-            out = self.model(x)
-        else:
-            params = [w.detach().requires_grad_(True) for w in weights]
-            out = functional_call(self.model, dict(zip(self._names, params, strict=True)), (x,))
-        target, grad_out = head(out)
+        with self._amp():  # the forward only: autograd runs the backward in each op's forward dtype
+            if weights is None:
+                params = self._params
+                out = self.model(x)
+            else:
+                params = [w.detach().requires_grad_(True) for w in weights]
+                out = functional_call(self.model, dict(zip(self._names, params, strict=True)), (x,))
+            target, grad_out = head(out)
         inputs = params + ([] if self.is_first else [x])
         grads = torch.autograd.grad(target, inputs, grad_out, allow_unused=True)
         for p, g in zip(self._params, grads[: len(params)], strict=True):
@@ -320,9 +344,10 @@ class StageWorker:
         x = self._check_input(x)
         self.model.eval()
         try:
-            if last_only and self.is_last:
-                return self.model(x, last_only=True)[:, -1]
-            out = self.model(x)
+            with self._amp():
+                if last_only and self.is_last:
+                    return self.model(x, last_only=True)[:, -1].float()
+                out = self.model(x).float()
         finally:
             self.model.train()
         if self.is_last and targets is not None:

@@ -13,7 +13,8 @@ import sys
 
 from peer.errors import UserError
 
-SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit", "export", "generate", "tokenizer")
+SUBCOMMANDS = ("join", "swarm", "simulate", "monitor", "status", "admit", "export", "generate", "tokenizer",
+               "memory")
 
 
 def build_parser() -> argparse.ArgumentParser:

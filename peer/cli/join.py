@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
     p.add_argument("--data", default=None, metavar="PATH", help="override the run's data source (stage 0 reads it)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="compute device")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="bf16 autocast with fp32 master weights and optimiser state, or fp32; auto (default): bf16 on "
+                        "CUDA, fp32 on the CPU")
+    p.add_argument("--memory-gb", type=float, default=0.0, metavar="GIB",
+                   help="memory this peer may use (GiB); default: the GPU's free memory, or the available RAM. "
+                        "Stages that do not fit are never served (asyncmesh-peer memory shows what each needs)")
     p.add_argument("--host-maddrs", nargs="*", default=None, metavar="MADDR",
                    help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -119,7 +125,8 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
     kw: dict[str, object] = dict(
         stage=parse_stage(args.stage), initial_peers=tuple(args.initial_peers),
         announce_maddrs=tuple(args.announce_maddrs), checkpoint_dir=args.checkpoint_dir, data_path=args.data,
-        device=args.device, mode=args.mode, relay=args.relay, relay_service=args.relay_service,
+        device=args.device, precision=args.precision, memory_gb=args.memory_gb, mode=args.mode, relay=args.relay,
+        relay_service=args.relay_service,
         relays=tuple(args.relays),
         max_steps=args.max_steps, summary_json=args.summary_json, metrics_port=args.metrics_port,
         torch_threads=args.torch_threads)

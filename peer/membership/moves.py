@@ -21,7 +21,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
 from peer.membership.records import PeerRecord
@@ -55,8 +55,10 @@ class Mover:
 
     def __init__(self, costs: list[float], *, quality: float, timing: MoveTiming, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, fits: Collection[int] | None = None,
+                 ) -> None:
         self.costs, self.quality, self.timing = costs, quality, timing
+        self.fits = fits  # the stages this peer can hold (None: all)
         self.rng = rng or random.Random()
         self.clock, self.sleep = clock, sleep
         self.quiet_until = 0.0
@@ -74,11 +76,11 @@ class Mover:
         """
         if self.clock() < self.quiet_until:
             return None
-        target = should_move(await read(), self.costs, my_id, quality=self.quality)
+        target = should_move(await read(), self.costs, my_id, quality=self.quality, fits=self.fits)
         if target is None:
             return None
         await self.sleep(self.rng.uniform(0, self.timing.jitter_s))
-        target = should_move(await read(), self.costs, my_id, quality=self.quality)
+        target = should_move(await read(), self.costs, my_id, quality=self.quality, fits=self.fits)
         if target is None:
             return None
         await claim()
@@ -88,7 +90,7 @@ class Mover:
         still = None
         if me is not None:  # judge the move as if we stayed: our own record says 'draining' now
             still = should_move({**snap, my_id: replace(me, state="training")}, self.costs, my_id,
-                                quality=self.quality)
+                                quality=self.quality, fits=self.fits)
         if still is None or not may_leave(snap, my_id):
             self.backoffs += 1
             logger.info("not moving to stage %d after all: %s", target,

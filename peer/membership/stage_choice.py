@@ -10,13 +10,16 @@ acting and re-checks against a fresh snapshot, so peers that decide at the same 
 Leaving a stage is a claim (``peer.membership.moves``): a mover first announces itself 'draining', waits until the
 claim is visible, and leaves only if ``may_leave`` holds on a snapshot read after that, i.e. another peer of its stage
 is still training and none of them is leaving too. A 'draining' peer counts for no capacity: it is already gone.
+
+Memory: every choice takes ``fits``, the stages this peer can hold (``peer.budget``: the memory estimate of each stage
+against the memory the peer may use), and never picks or moves to another one; ``None`` means no limit is known.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from peer.membership.records import PeerRecord
 
@@ -67,11 +70,16 @@ def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]
     return best
 
 
+class NoStageFits(ValueError):
+    """No stage of the run fits in the memory this peer may use."""
+
+
 def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held: Mapping[int, int] | None = None,
-                 last: int | None = None, rng: random.Random | None = None, tolerance: float = 0.05) -> int:
+                 last: int | None = None, rng: random.Random | None = None, tolerance: float = 0.05,
+                 fits: Collection[int] | None = None) -> int:
     """The stage whose checkpoint this peer holds ahead of every announced version of it, else the stage of least
     capacity; ties (within ``tolerance`` relative) are settled by the checkpoints held, then at random to spread
-    joiners.
+    joiners. Only stages in ``fits`` (all when None) are candidates; raises NoStageFits when it is empty.
 
     held: stage -> step of this peer's checkpoints. A checkpoint ahead of every announced version of its stage is the
     most advanced state of that stage in the swarm: without this peer that training would be lost, so it outweighs
@@ -81,14 +89,17 @@ def choose_stage(records: Mapping[str, PeerRecord], costs: list[float], *, held:
     most advanced checkpoint. Among tied stages, then, any stage it holds a checkpoint for (it resumes without a
     download).
     """
-    held = {s: step for s, step in (held or {}).items() if 0 <= s < len(costs)}
+    allowed = [s for s in range(len(costs)) if fits is None or s in fits]
+    if not allowed:
+        raise NoStageFits(f"none of the {len(costs)} stages fits in this peer's memory")
+    held = {s: step for s, step in (held or {}).items() if s in allowed}
     best = best_versions(records, len(costs))
     ahead = [s for s in held if held[s] > max(best[s], 0)]
     if ahead:
         return last if last in ahead else max(ahead, key=lambda s: (held[s], -s))
     cap = capacities(records, costs)
-    lowest = min(cap)
-    candidates = [s for s, c in enumerate(cap) if c <= lowest * (1 + tolerance) + EPS]
+    lowest = min(cap[s] for s in allowed)
+    candidates = [s for s in allowed if cap[s] <= lowest * (1 + tolerance) + EPS]
     kept = [s for s in candidates if s in held]
     return (rng or random).choice(kept or candidates)
 
@@ -105,11 +116,12 @@ def leaves_for_an_empty_stage(records: Mapping[str, PeerRecord], n_stages: int, 
 
 
 def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: str, *, quality: float = 0.75,
-                ) -> int | None:
+                fits: Collection[int] | None = None) -> int | None:
     """The stage this peer should move to, or None to stay.
 
     Moves only when the swarm's minimum capacity after the move exceeds the current minimum by the factor
-    ``1 / quality`` (hysteresis). A peer whose stage has no other server never moves (it would empty its stage).
+    ``1 / quality`` (hysteresis). A peer whose stage has no other server never moves (it would empty its stage), and
+    never to a stage outside ``fits`` (all stages when None).
     """
     if not 0 < quality <= 1:
         raise ValueError(f"quality must be in (0, 1], got {quality}")
@@ -120,7 +132,8 @@ def should_move(records: Mapping[str, PeerRecord], costs: list[float], my_id: st
     without = capacities(records, costs, exclude=my_id)
     if without[me.stage] <= EPS:
         return None
-    target = min(range(len(costs)), key=lambda s: (without[s], s))
+    allowed = [s for s in range(len(costs)) if fits is None or s in fits or s == me.stage]
+    target = min(allowed, key=lambda s: (without[s], s))
     if target == me.stage:
         return None
     without[target] += me.throughput / costs[target]

@@ -213,6 +213,28 @@ def _row(grid: Table, label: str, value: RenderableType) -> None:
     grid.add_row(Text(label, style="bold cyan"), value)
 
 
+def memory_text(m: dict) -> Text:
+    """This stage's memory estimate against the limit, e.g. 'needs 37.0 MB (bf16) of 9.8 GB free GPU memory · fits
+    stages 0,1 · peak 32.5 MB' (peak: the GPU's peak allocation); red when the stage served does not fit."""
+    est, limit, fits = m.get("estimate_bytes"), m.get("limit_bytes"), m.get("fits")
+    text = Text()
+    if fits is None:
+        return Text(f"not estimated ({m.get('limit_source', '')}): every stage is taken to fit", style="yellow")
+    if est is not None:
+        text.append(f"needs {human_bytes(est)}", style="bold")
+    else:
+        text.append("needs " + " / ".join(human_bytes(b) for b in m.get("stage_bytes", [])))
+    text.append(f" ({m.get('precision', '?')}) of ")
+    text.append(human_bytes(limit) if limit is not None else "?", style="bold")
+    text.append(f" {m.get('limit_source', '')} · fits stage{'s' if len(fits) != 1 else ''} "
+                + (",".join(map(str, fits)) or "none"))
+    if m.get("peak_bytes") is not None:
+        text.append(f" · peak {human_bytes(m['peak_bytes'])}")
+    if limit is not None and est is not None and est * m.get("headroom", 1.0) > limit:
+        text.stylize("bold red")
+    return text
+
+
 def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
     """The single-peer panel."""
     c = s.get("counters", {})
@@ -274,6 +296,8 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
                      style="bold red" if n == 0 else ("bold" if mine else ""))
     _row(grid, "swarm", swarm if pps else Text("not fetched yet", style="dim"))
     _row(grid, "run", Text(progress_line(s.get("swarm"), duration, human), style="" if s.get("swarm") else "dim"))
+    if s.get("memory"):
+        _row(grid, "memory", memory_text(s["memory"]))
     if s.get("backup"):
         b = s["backup"]
         _row(grid, "backup", Text(f"copy of stage {b['stage']} at step {b['step']}, {duration(b.get('age_s'))} old",

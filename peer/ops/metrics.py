@@ -104,6 +104,7 @@ class PeerMetrics:
         self.access = "open"  # the run's access mode: "open" (anyone may join) or "closed" (admitted peers only)
         self.n_stages: int | None = None
         self.maddrs: list[str] = []
+        self.memory: dict[str, Any] | None = None  # peer.budget.MemoryBudget.as_dict(): estimates against the limit
         self.backup: tuple[int, int, float] | None = None  # the neighbour copy held: stage, step, taken at (Unix s)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
@@ -299,6 +300,14 @@ class PeerMetrics:
                            "check --initial-peers and the network")
         return not reasons, reasons
 
+    def _memory(self) -> dict[str, Any] | None:
+        """The memory estimates against the limit, with the estimate of the stage served now."""
+        if self.memory is None:
+            return None
+        per_stage = self.memory.get("stage_bytes") or []
+        here = per_stage[self.stage] if self.stage is not None and 0 <= self.stage < len(per_stage) else None
+        return {**self.memory, "estimate_bytes": here}
+
     def snapshot(self) -> dict[str, Any]:
         """Every figure as a JSON-able dict (the schema all views share; see ``SNAPSHOT_SCHEMA``)."""
         now = self._clock()
@@ -348,6 +357,7 @@ class PeerMetrics:
             "rejected": rejected,
             "peers_per_stage": {str(s): n for s, n in sorted(self._peers_per_stage.items())},
             "swarm": self.swarm_progress,
+            "memory": self._memory(),
             "backup": None if self.backup is None else {
                 "stage": self.backup[0], "step": self.backup[1], "age_s": max(0.0, time.time() - self.backup[2])},
             "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings

@@ -74,6 +74,13 @@ class SnapshotCollector(Collector):
         yield from families(self.source(), version=self.version, torch_version=self.torch_version)
 
 
+MEMORY_GAUGES = (
+    ("estimate_bytes", "asyncmesh_memory_estimate_bytes", "Estimated memory of the stage served (trainer/memory.py)."),
+    ("limit_bytes", "asyncmesh_memory_limit_bytes", "Memory this peer may use (--memory-gb, free GPU memory or "
+                                                    "available RAM at start)."),
+)
+
+
 def families(snap: Snapshot, *, version: str = "", torch_version: str = "") -> Iterator[Metric]:
     """Every asyncmesh metric family of ``snap``."""
     info = GaugeMetricFamily("asyncmesh_peer_info", "Identity of this peer (value always 1).",
@@ -114,6 +121,10 @@ def families(snap: Snapshot, *, version: str = "", torch_version: str = "") -> I
     yield peers
     yield GaugeMetricFamily("asyncmesh_warnings", "Operator warnings currently shown.",
                             value=len(snap.get("warnings", [])))
+    memory = snap.get("memory") or {}
+    for key, name, help_text in MEMORY_GAUGES:
+        if _finite(memory.get(key)):
+            yield GaugeMetricFamily(name, help_text, value=memory[key])
 
 
 class GpuCollector(Collector):

@@ -12,7 +12,10 @@ Names and ids come from the one table, protocol.codecs.names; this module attach
 | topk  | 5  | k sorted int32 indices + k fp32 values (protocol.codecs.topk)| averaging deltas, with feedback.py  |
 | int8q | 6  | hivemind Quantile8BitQuantization: 256 levels + u8 | per-tensor quantile 8-bit (reference) |
 
-Quantizing codecs accept floating-point tensors only and decode back to the sender's dtype. `decode` validates
+Quantizing codecs accept floating-point tensors only and decode back to the sender's dtype. The float codecs (fp16,
+bf16, int8, int4) have a *kernel* that runs on the tensor's own device: a GPU tensor is encoded on the GPU and only
+the encoded tensors (codes and scales) are copied to the host, through pinned buffers (``to_host``). A CPU tensor
+takes the same path without the copy, so its payload is the same bytes. `decode` validates
 everything before and after decoding (see protocol.validation) and raises `ValidationError` naming field and peer.
 (De)quantization of large tensors is CPU work that releases the GIL: on an event loop use `encode_async` /
 `decode_async`, which run it in an executor.
@@ -38,6 +41,7 @@ from protocol.errors import ValidationError
 from protocol.validation import DEFAULT_MAX_ELEMENTS, TensorSpec, check_header, check_values
 
 __all__ = [
+    "to_host",
     "Codec",
     "CODECS",
     "CODEC_IDS",
@@ -69,6 +73,9 @@ class Codec:
     check_length: Callable[[int, int, torch.dtype], str | None]
     #: (payload, numel, dtype) -> flat tensor (any float dtype for lossy codecs, exactly `dtype` for none)
     decode: Callable[[bytes, int, torch.dtype], torch.Tensor]
+    #: tensor -> the encoded tensors whose bytes, in order, are the payload; run on the tensor's device (None: the
+    #: codec runs on the CPU only, ``encode`` after a copy of the whole tensor)
+    kernel: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
 
 def _raw(*tensors: torch.Tensor) -> bytes:
@@ -112,16 +119,34 @@ def _int4_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     return quant.dequantize_int4(scales, _frombuffer(data, torch.uint8, (n + 1) // 2, 2 * n_scales), n)
 
 
-def _fp16_encode(t: torch.Tensor) -> bytes:
+def _fp16_kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
     fmax = torch.finfo(torch.float16).max
-    return _raw(t.to(torch.float32).clamp_(-fmax, fmax).to(torch.float16))
+    return (t.to(torch.float32).clamp_(-fmax, fmax).to(torch.float16),)
 
 
-def _quant(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[torch.Tensor], bytes]:
-    def encode_quantized(t: torch.Tensor) -> bytes:
-        return _raw(*fn(t))
+def _bf16_kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
+    return (t.to(torch.bfloat16),)
 
-    return encode_quantized
+
+def to_host(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The encoded tensors on the host: as they are on the CPU; from a CUDA device through pinned buffers (page-locked
+    memory the copy engine writes directly, recycled by torch's caching host allocator)."""
+    if all(p.device.type == "cpu" for p in parts):
+        return parts
+    if all(p.device.type == "cuda" for p in parts):
+        host = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts)
+        for h, p in zip(host, parts, strict=True):
+            h.copy_(p, non_blocking=True)
+        torch.cuda.current_stream(parts[0].device).synchronize()  # the bytes are read right after
+        return host
+    return tuple(p.cpu() for p in parts)
+
+
+def _kernel_encode(kernel: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[torch.Tensor], bytes]:
+    def encode_on_device(t: torch.Tensor) -> bytes:
+        return _raw(*to_host(kernel(t)))
+
+    return encode_on_device
 
 
 _Q8_CODEBOOK = 256  # hivemind's Quantile8BitQuantization: int64 codebook size, 256 fp32 levels, uint8 codes
@@ -145,19 +170,22 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     return codebook[_frombuffer(data, torch.uint8, n, 8 + 4 * _Q8_CODEBOOK).long()]
 
 
+_Device = Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None
 _Kernels = tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
-                 Callable[[bytes, int, torch.dtype], torch.Tensor]]
-_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode); names, ids: names.py
-    "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode),
-    "fp16": (True, _fp16_encode, _exact_length(lambda n, d: 2 * n),
-             lambda data, n, d: _frombuffer(data, torch.float16, n)),
-    "bf16": (True, lambda t: _raw(t.to(torch.bfloat16)), _exact_length(lambda n, d: 2 * n),
-             lambda data, n, d: _frombuffer(data, torch.bfloat16, n)),
-    "int8": (True, _quant(quant.quantize_int8), _exact_length(lambda n, d: quant.int8_payload_bytes(n)), _int8_decode),
-    "int4": (True, _quant(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)), _int4_decode),
+                 Callable[[bytes, int, torch.dtype], torch.Tensor], _Device]
+_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode, device kernel); names.py
+    "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode, None),
+    "fp16": (True, _kernel_encode(_fp16_kernel), _exact_length(lambda n, d: 2 * n),
+             lambda data, n, d: _frombuffer(data, torch.float16, n), _fp16_kernel),
+    "bf16": (True, _kernel_encode(_bf16_kernel), _exact_length(lambda n, d: 2 * n),
+             lambda data, n, d: _frombuffer(data, torch.bfloat16, n), _bf16_kernel),
+    "int8": (True, _kernel_encode(quant.quantize_int8), _exact_length(lambda n, d: quant.int8_payload_bytes(n)),
+             _int8_decode, quant.quantize_int8),
+    "int4": (True, _kernel_encode(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)),
+             _int4_decode, quant.quantize_int4),
     "topk": (True, functools.partial(topk.topk_encode, fraction=0.01),
-             lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n)),
-    "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode),
+             lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n), None),
+    "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode, None),
 }  # fmt: skip
 if set(_KERNELS) != set(CODEC_NAMES):
     raise ImportError(f"codec table and kernels differ: {sorted(set(_KERNELS) ^ set(CODEC_NAMES))}")
@@ -187,15 +215,17 @@ def parse_codec(name: str) -> Codec:
 
 
 def encode(t: torch.Tensor, codec: str) -> TensorEnvelope:
-    """Encode a tensor (any device; moved to CPU) with the named codec."""
+    """Encode a tensor of any device with the named codec: on its device when the codec has a kernel (only the
+    encoded tensors cross to the host), else after a copy to the CPU."""
     spec = parse_codec(codec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"encode expects a torch.Tensor, got {type(t).__name__}")
-    t = t.detach().cpu()
+    t = t.detach()
     name = dtype_name(t.dtype)
     if spec.floats_only and t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"codec {codec!r} quantizes floating-point tensors only, got {t.dtype}; use 'none'")
-    return TensorEnvelope(codec=spec.id, dtype=name, shape=tuple(t.shape), data=spec.encode(t))
+    data = spec.encode(t) if spec.kernel is not None else spec.encode(t.cpu())
+    return TensorEnvelope(codec=spec.id, dtype=name, shape=tuple(t.shape), data=data)
 
 
 def decode(

@@ -1,0 +1,139 @@
+"""The memory a peer may use and the stages that fit in it.
+
+The limit is, in this order: ``--memory-gb`` given by the operator; on a CUDA device the GPU's free memory
+(``torch.cuda.mem_get_info``, read once before the peer allocates anything); on the CPU the machine's available
+memory (``MemAvailable``). A stage fits when ``trainer.memory.HEADROOM`` times its estimate (``trainer.memory``, at
+this peer's precision and micro-batches in flight) is at most the limit: on a GPU only what the device holds counts;
+on the CPU the host-only part too, and the copy of the neighbour stage's state (weights, optimiser and EMA state)
+that a peer without a checkpoint folder keeps in memory for the swarm (peer/state/spare.py). Stage choice and
+rebalancing never pick a stage outside ``fitting`` (``peer.membership.stage_choice``); a fixed ``--stage`` that does
+not fit, or a run of which no stage fits, is refused at start with what fits and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from peer.errors import UserError
+from trainer.config import RunConfig
+from trainer.memory import HEADROOM, GiB, StageMemory, estimate_stage
+
+logger = logging.getLogger(__name__)
+
+
+def memory_limit(device: str, memory_gb: float) -> tuple[int | None, str]:
+    """(bytes this peer may use, where the figure comes from); None when it cannot be known (no check then)."""
+    if memory_gb > 0:
+        return int(memory_gb * GiB), "--memory-gb"
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), "free GPU memory"
+    available = _available_ram()
+    return (available, "available RAM") if available is not None else (None, "unknown")
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Every stage's estimate at this peer's precision against the memory it may use."""
+
+    limit_bytes: int | None
+    source: str
+    device_type: str
+    precision: str
+    estimates: tuple[StageMemory, ...]
+    spare_bytes: tuple[int, ...] = ()
+    """Per stage: the neighbour stage's state kept in host memory while serving it (0: kept on disk, or none)."""
+
+    def needs(self, stage: int) -> int:
+        """Bytes ``stage`` needs on this peer (before the headroom)."""
+        spare = self.spare_bytes[stage] if self.device_type == "cpu" and self.spare_bytes else 0
+        return self.estimates[stage].needs(self.device_type) + spare
+
+    def fits(self, stage: int) -> bool:
+        return self.limit_bytes is None or self.needs(stage) * HEADROOM <= self.limit_bytes
+
+    @property
+    def fitting(self) -> tuple[int, ...] | None:
+        """The stages this peer can hold; None when there is no estimate (every stage is taken to fit)."""
+        if not self.estimates:
+            return None
+        return tuple(s for s in range(len(self.estimates)) if self.fits(s))
+
+    def describe_limit(self) -> str:
+        return f"{gib(self.limit_bytes)} ({self.source})"
+
+    def check_stage(self, stage: int | None) -> None:
+        """UserError when ``stage`` (None: any stage) cannot be held, naming what fits and what to do."""
+        fitting = self.fitting
+        if fitting is None:
+            return
+        need = {s: gib(int(self.needs(s) * HEADROOM)) for s in range(len(self.estimates))}
+        needs = ", ".join(f"stage {s} {n}" for s, n in need.items())
+        remedies = ("free memory on this machine, use --precision bf16 (autocast; on a GPU by default), lower "
+                    "max_inflight (--set max_inflight=N), or set --memory-gb if the detected figure is wrong")
+        if not fitting:
+            raise UserError(f"no stage of this run fits in the memory this peer may use, {self.describe_limit()}; "
+                            f"needed at {self.precision} with {round(HEADROOM * 100 - 100)} % headroom: {needs}. "
+                            f"Run on a machine with more memory, {remedies}; or ask the organiser for a run with more "
+                            "stages (asyncmesh-peer memory --run FILE shows the estimate)")
+        if stage is not None and not self.fits(stage):
+            ok = ", ".join(map(str, fitting))
+            raise UserError(f"--stage {stage} needs {need[stage]} at {self.precision} (with "
+                            f"{round(HEADROOM * 100 - 100)} % headroom) but this peer may use "
+                            f"{self.describe_limit()}; "
+                            f"stages that fit: {ok}. Pass --stage {fitting[0]} or --stage auto, or {remedies}")
+
+    def as_dict(self, stage: int | None = None) -> dict[str, object]:
+        """The figures the dashboard and ``/status`` show (``stage``: the one served now)."""
+        return {"limit_bytes": self.limit_bytes, "limit_source": self.source, "precision": self.precision,
+                "device_type": self.device_type, "headroom": HEADROOM,
+                "stage_bytes": [self.needs(s) for s in range(len(self.estimates))],
+                "fits": None if self.fitting is None else list(self.fitting),
+                "estimate_bytes": None if stage is None or not 0 <= stage < len(self.estimates) else self.needs(stage)}
+
+
+def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_gb: float = 0.0,
+         spare_in_memory: bool = False) -> MemoryBudget:
+    """Estimate every stage for this peer and read its limit (``precision`` resolved already: 'fp32' or 'bf16');
+    ``spare_in_memory``: the peer keeps its copy of the neighbour stage in memory (backups on, no checkpoint
+    folder)."""
+    limit, source = memory_limit(device, memory_gb)
+    try:
+        estimates = tuple(estimate_stage(run, s, precision=precision, inflight=inflight) for s in range(run.n_stages))
+    except Exception as e:  # a model the meta/fake-tensor build cannot handle: train unchecked rather than not at all
+        logger.warning("memory estimate failed (%r): every stage is taken to fit; check with asyncmesh-peer memory", e)
+        estimates, limit, source = (), None, "unknown: the estimate failed"
+    spare: tuple[int, ...] = ()
+    if spare_in_memory and estimates and run.n_stages > 1:
+        def state_bytes(e: StageMemory) -> int:
+            return e.weights + e.optimizer + (e.weights if run.averaging.rule == "ema" else 0)
+        spare = tuple(state_bytes(estimates[(s + 1) % run.n_stages]) for s in range(run.n_stages))
+    budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates, spare)
+    if estimates:
+        logger.info("memory: may use %s; stages need %s at %s; fitting: %s", budget.describe_limit(),
+                    ", ".join(gib(budget.needs(s)) for s in range(run.n_stages)), precision, budget.fitting)
+    return budget
