@@ -21,11 +21,12 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /app
 
 # 1. Dependencies first, from the manifest and the constraints alone, so that editing the source does not re-download
-#    them. constraints.txt pins every package to the version the tests run with (CI installs from it too); the
+#    them. constraints.txt pins every package to the version the tests run with (CI installs from it too). The
+#    Hugging Face extra is in (real runs name a tokenizer and stream a dataset; `export --format hf`); the
 #    simulator's plotting extra is left out of the runtime image.
 COPY pyproject.toml constraints.txt ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['hf']))" > /tmp/requirements.txt \
     && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

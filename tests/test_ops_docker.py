@@ -90,8 +90,11 @@ def test_image_ci_and_readme_install_from_one_constraints_file() -> None:
     pins = dict(line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines()
                 if line and not line.startswith("#"))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for dep in project["dependencies"] + project["optional-dependencies"]["dev"]:
+    extras = project["optional-dependencies"]
+    for dep in project["dependencies"] + extras["dev"] + extras["hf"]:
         name = re.split(r"[<>=!~\[ ]", dep, maxsplit=1)[0]
+        if name == project["name"]:
+            continue  # the dev extra includes the project's own hf extra
         assert any(k.lower().replace("_", "-") == name.lower().replace("_", "-") for k in pins), f"{name} unpinned"
     assert not any("matplotlib" in d for d in project["dependencies"]), "the runtime image must not ship matplotlib"
     readme = (ROOT / "README.md").read_text()
