@@ -160,6 +160,11 @@ class Daemon:
     def swarm(self) -> dict[str, PeerRecord]:
         return self.net.swarm
 
+    def trusted_peers(self) -> list[str]:
+        """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
+        rpc = self.net.rpc
+        return rpc.known_peers() if rpc is not None else []
+
     async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
         pipe = self.pipe
         return await pipe.rpc_forward(msg, peer_id) if pipe is not None else self._not_ready()

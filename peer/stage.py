@@ -87,6 +87,8 @@ class StageHost(Protocol):
 
     async def refresh_swarm(self) -> dict[str, PeerRecord]: ...
 
+    def trusted_peers(self) -> list[str]: ...
+
 
 class StageService:
     """Everything this peer runs for one stage: ``StageService(host, stage)``, then ``await start()``."""
@@ -120,7 +122,8 @@ class StageService:
             restored = await restore_state(
                 run=host.run, stage=self.stage, my_id=host.my_id, refresh=host.refresh_swarm, p2p=host.p2p,
                 dht=host.dht, metrics=host.metrics, reference=reference, checkpoint_dir=host.cfg.checkpoint_dir,
-                io=host.compute, timeout_s=host.cfg.state_load_timeout_s, spare=host.spares)
+                io=host.compute, timeout_s=host.cfg.state_load_timeout_s, spare=host.spares,
+                trusted=host.trusted_peers)
         except CheckpointError as e:
             raise DaemonError(str(e)) from e
         if restored.state is not None:
@@ -173,7 +176,8 @@ class StageService:
             self.tasks.append(asyncio.ensure_future(backup_loop(
                 run=host.run, stage=stage, my_id=host.my_id, period_s=host.cfg.backup_every_s, spares=host.spares,
                 metrics=host.metrics, p2p=host.p2p, swarm=lambda: host.swarm,
-                busy=lambda: host.metrics.state != "training" or pipe.queued() >= max(2, host.cfg.max_queue // 2))))
+                busy=lambda: host.metrics.state != "training" or pipe.queued() >= max(2, host.cfg.max_queue // 2),
+                trusted=host.trusted_peers)))
         host.metrics.state = "training"
         await host.announce("training")
         await host.refresh_swarm()

@@ -36,6 +36,7 @@ __all__ = [
     "AveragingPart",
     "StateRequest",
     "StateChunk",
+    "StateDigestRequest",
     "Infer",
     "InferResult",
     "pack",
@@ -44,9 +45,10 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 5  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
-# 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation)
-SUPPORTED_VERSIONS: tuple[int, ...] = (5,)
+PROTOCOL_VERSION = 6  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+# 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
+# 6: StateDigestRequest (witnesses of a state send per-tensor digests)
+SUPPORTED_VERSIONS: tuple[int, ...] = (6,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -216,6 +218,17 @@ class StateChunk(Message):
             raise s.SchemaError(f"StateChunk.chunk {self.chunk} must be below n_chunks {self.n_chunks}")
 
 
+@_message(12, run_id=s.text(), stage=_stage, seed=_count, dims=s.integer(1, 256))
+class StateDigestRequest(Message):
+    """Ask a replica of `stage` for the digest of its current state (``peer.state.digest``): per tensor its norm and
+    a `dims`-coordinate sketch drawn from `seed`. The reply is a one-chunk `StateChunk`."""
+
+    run_id: str
+    stage: int
+    seed: int
+    dims: int
+
+
 @_message(10, run_id=s.text(), stage=_stage, inputs=s.envelope, codec=s.text(32))
 class Infer(Message):
     """Forward only, for generation: run `inputs` through the receiver's stage at its latest weights, train nothing.
@@ -242,7 +255,7 @@ class InferResult(Message):
 
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
-                              Infer, InferResult)
+                              Infer, InferResult, StateDigestRequest)
 }
 
 

@@ -165,6 +165,10 @@ class RpcServer:
     def is_known(self, peer_id: str) -> bool:
         return peer_id in self._known
 
+    def known_peers(self) -> list[str]:
+        """The known peers, most recently vouched for last."""
+        return list(self._known)
+
     def restrict(self, name: str, *, kinds: tuple[type[Message], ...] | None = None,
                  max_message_bytes: int | None = None) -> None:
         """Limit handler ``name``: requests of another message kind are refused as BAD_REQUEST before the handler

@@ -139,6 +139,9 @@ def test_a_backup_is_fetched_from_the_neighbour_kept_and_only_fetched_again_when
         transport = Direct({"d": donor})
         kw = dict(run=RUN, stage=0, my_id="me", spares=store, metrics=metrics, p2p=None, transport=transport,
                   config=SMALL)
+        # the neighbour stage's only replica, unwitnessed: copied only once it did validated work for us
+        assert not await take_backup(records=records, **kw)
+        kw["trusted"] = ["d"]
         assert await take_backup(records=records, **kw)
         assert store.info.stage == 1 and store.info.step == 4 and store.info.source == "d"
         taken = metrics.snapshot()["counters"]
@@ -152,6 +155,31 @@ def test_a_backup_is_fetched_from_the_neighbour_kept_and_only_fetched_again_when
     assert copy["local_step"] == 4 and copy["model"].keys() == original["model"].keys()
     assert all(torch.equal(copy["model"][k], original["model"][k]) for k in original["model"])
     assert neighbour_stage(1, 0) is None and neighbour_stage(3, 2) == 0
+
+
+def test_the_backup_loop_copies_only_a_witnessed_state(tmp_path):
+    """A liar announcing the neighbour stage's most advanced state serves zeros: the other replica refuses it, the
+    honest replica's state is copied, and the copy's step is capped at what the witness reports."""
+    async def main():
+        liar = worker(1, 4)
+        liar.local_step = 2**40
+        with torch.no_grad():
+            for p in liar.model.parameters():
+                p.zero_()
+        honest = worker(1, 5)
+        store, metrics = SpareStore(RUN, tmp_path), PeerMetrics("me", 0)
+        records = {"liar": rec("liar", 1, version=2**40), "h": rec("h", 1, version=5)}
+        transport = Direct({"liar": server(liar), "h": server(honest)})
+        kw = dict(run=RUN, stage=0, my_id="me", spares=store, metrics=metrics, p2p=None, transport=transport,
+                  config=SMALL, records=records)
+        assert not await take_backup(**kw)  # a stage of two, one word against another: nothing is copied
+        assert metrics.snapshot()["counters"]["state_sync_outvoted"] == 2 and store.info is None
+        assert await take_backup(trusted=["h"], **kw)  # h did validated work for us: it witnesses, and is copied
+        assert store.info.source == "h" and store.info.step == 5
+        copy = store.read(1)
+        assert float(copy["model"][next(iter(copy["model"]))].abs().sum()) > 0
+
+    asyncio.run(main())
 
 
 def test_a_peer_serves_its_copy_for_the_copys_stage_and_counts_the_traffic(tmp_path):

@@ -8,8 +8,9 @@ writes ``model.safetensors`` and ``config.json`` to ``--out``; with ``--format h
 written beside ``--out`` and renamed into place at the end, so an error never leaves it half-written. With
 ``--initial-peers`` instead, it joins the running swarm's DHT as a client (it serves and stores nothing), and fetches
 every stage's state from its most advanced training peer through the same chunked, validated state transfer a joiner
-uses. Load the result with a few lines of plain PyTorch or with transformers (docs/export.md), or sample it with
-``asyncmesh-peer generate``.
+uses, witnessed by the stage's other replicas like a joiner's (``peer.state.witness``: a state they do not all vouch
+for is not exported; the stage's next peer is tried). Load the result with a few lines of plain PyTorch or with
+transformers (docs/export.md), or sample it with ``asyncmesh-peer generate``.
 """
 
 from __future__ import annotations
@@ -179,13 +180,16 @@ def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, 
     async def fetch() -> dict[int, tuple[int, str, dict]]:
         from hivemind import DHT
 
+        from peer.membership.admission import organiser_key
         from peer.membership.records import fetch_swarm, record_validator
         from peer.ops.metrics import PeerMetrics
-        from peer.state.sync import choose_donors, load_state_from_peers
+        from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
+        from peer.state.witness import witness_vetter
 
         try:
             dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
-                                          record_validators=[record_validator(run_cfg.run_id)])
+                                          record_validators=[record_validator(run_cfg.run_id,
+                                                                              organiser_key(run_cfg))])
         except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
             raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
                             "multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e
@@ -199,9 +203,13 @@ def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, 
                     raise UserError(f"no training peer of stage {stage} of run {run_cfg.run_id} found through "
                                     f"{args.initial_peers[0]}; check --run (the peers' run file) or export from "
                                     "their checkpoint folders")
-                for donor in donors[:LIVE_DONORS]:  # the most advanced first; the next if it fails
-                    state = await load_state_from_peers(p2p=p2p, run=run_cfg, stage=stage,
-                                                        metrics=PeerMetrics("export", stage), donors=[donor])
+                for donor in donors[:LIVE_DONORS]:  # the most advanced first; the next if it fails or is refused
+                    config = StateSyncConfig()
+                    metrics = PeerMetrics("export", stage)
+                    vet = witness_vetter(run=run_cfg, stage=stage, config=config, metrics=metrics, announced=donors,
+                                         what="the state")
+                    state = await load_state_from_peers(p2p=p2p, run=run_cfg, stage=stage, metrics=metrics,
+                                                        donors=[donor], config=config, vet=vet)
                     if state is not None:
                         best[stage] = (int(state["local_step"]), donor, state["model"])
                         break

@@ -136,6 +136,7 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
     from hivemind import DHT
 
     from peer.ids import short_id
+    from peer.membership.admission import organiser_key
     from peer.membership.records import fetch_swarm, record_validator
     from peer.pipeline.remote import RemotePipeline, rpc_call
     from peer.pipeline.sizes import infer_message_bytes
@@ -143,7 +144,7 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
 
     try:
         dht = await asyncio.to_thread(DHT, initial_peers=list(args.initial_peers), client_mode=True, start=True,
-                                      record_validators=[record_validator(run_cfg.run_id)])
+                                      record_validators=[record_validator(run_cfg.run_id, organiser_key(run_cfg))])
     except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
         raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
                         "multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e

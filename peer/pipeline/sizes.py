@@ -20,7 +20,17 @@ from peer.pipeline.boundary import Boundary
 from peer.pipeline.infer import INFER_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
-from protocol.messages import AveragingPart, Backward, Forward, Hello, Infer, InferResult, StateRequest, pack
+from protocol.messages import (
+    AveragingPart,
+    Backward,
+    Forward,
+    Hello,
+    Infer,
+    InferResult,
+    StateDigestRequest,
+    StateRequest,
+    pack,
+)
 from protocol.rpc import RpcServer
 from trainer.config import RunConfig
 
@@ -62,8 +72,9 @@ def infer_message_bytes(run: RunConfig) -> dict[str, int]:
 
 
 #: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
-HANDLER_KINDS = {"forward": (Forward,), "backward": (Backward,), REACH_RPC: (Hello,), STATE_RPC: (StateRequest,),
-                 AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,), INFER_RPC: (Infer,)}
+HANDLER_KINDS = {"forward": (Forward,), "backward": (Backward,), REACH_RPC: (Hello,),
+                 STATE_RPC: (StateRequest, StateDigestRequest), AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,),
+                 INFER_RPC: (Infer,)}
 
 
 def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:

@@ -3,7 +3,10 @@ restored from the freshest copy in the swarm instead of the run's seeded init.
 
 Every ``backup_every_s`` (jittered) a peer of stage s fetches stage (s+1) mod n from a training peer of that stage
 through the ordinary state-sync client (same chunks, limits and validation as a joiner's) and offers it to its
-``SpareStore`` (``peer.state.spare``), which keeps the more advanced of the held copy and the new one. It is low
+``SpareStore`` (``peer.state.spare``), which keeps the more advanced of the held copy and the new one. Only a
+witnessed state is copied (``peer.state.witness``: the neighbour stage's other replicas vouch for all of it; its
+``local_step`` is capped at theirs), since the copy is announced in this peer's own record and may later restore the
+stage; a neighbour stage of one replica is copied only when that replica did validated work for this peer. It is low
 priority: skipped while the peer is not training, while its compute queue is busy, and when no peer of the neighbour
 stage is ahead of the copy held. The traffic is counted: ``backup_bytes_in`` and ``backups_taken`` here,
 ``backup_bytes_out`` and ``backups_served`` at the serving peer (``peer.state.sync``).
@@ -24,6 +27,7 @@ import torch
 from peer.state.codec import StateFormatError, check_against_reference
 from peer.state.spare import SpareStore
 from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers, state_nbytes
+from peer.state.witness import witness_vetter
 from protocol.rpc import Transport
 from trainer.model import build_stage
 from trainer.worker import STATE_FORMAT
@@ -57,14 +61,16 @@ def shape_reference(run: RunConfig, stage: int) -> tuple[dict[str, Any], int]:
 
 async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], spares: SpareStore,
                       metrics: PeerMetrics, p2p: P2P | None, reference: tuple[dict[str, Any], int] | None = None,
-                      transport: Transport | None = None, config: StateSyncConfig | None = None) -> bool:
+                      transport: Transport | None = None, config: StateSyncConfig | None = None,
+                      trusted: list[str] | None = None) -> bool:
     """Fetch the neighbour stage of ``stage`` from one of its training peers and offer it to ``spares``. Returns
     whether a new copy is kept (False: no neighbour, nobody ahead of the held copy, no peer delivered, or less
-    advanced than the held copy). reference: ``shape_reference`` of the neighbour stage (built when None)."""
+    advanced than the held copy, or not witnessed). reference: ``shape_reference`` of the neighbour stage (built when
+    None). trusted: the peers this peer has validated work from (preferred as witnesses)."""
     neighbour = neighbour_stage(run.n_stages, stage)
     if neighbour is None:
         return False
-    holders = choose_donors(records, neighbour, my_id)
+    replicas = holders = choose_donors(records, neighbour, my_id)
     held = spares.info
     if held is not None and held.stage == neighbour:
         holders = [h for h in holders if records[h].version > held.step]
@@ -77,8 +83,10 @@ async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[s
     # parameters + two optimiser moments + averaging state, with room: what state sync bounds a joiner's download by
     config = config or StateSyncConfig(max_state_bytes=max(4 * param_bytes + 64 * 2**20, 1024 * 1024))
     for holder in holders[:MAX_HOLDERS]:
+        vet = witness_vetter(run=run, stage=neighbour, config=config, metrics=metrics, announced=replicas,
+                             trusted=trusted, allow_alone=holder in (trusted or []), what="a copy")
         state = await load_state_from_peers(p2p=p2p, run=run, stage=neighbour, metrics=metrics, donors=[holder],
-                                            config=config, transport=transport)
+                                            config=config, transport=transport, vet=vet)
         if state is None:
             continue
         try:
@@ -107,8 +115,9 @@ async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[s
 
 async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float, spares: SpareStore,
                       metrics: PeerMetrics, p2p: P2P, swarm: Callable[[], dict[str, PeerRecord]],
-                      busy: Callable[[], bool]) -> None:
-    """Take a backup of the neighbour stage every ``period_s`` (jittered) unless ``busy()``; runs until cancelled."""
+                      busy: Callable[[], bool], trusted: Callable[[], list[str]] | None = None) -> None:
+    """Take a backup of the neighbour stage every ``period_s`` (jittered) unless ``busy()``; runs until cancelled.
+    trusted: the peers this peer has validated work from, read at each backup."""
     neighbour = neighbour_stage(run.n_stages, stage)
     if neighbour is None or period_s <= 0:
         return
@@ -120,7 +129,7 @@ async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float
             continue
         try:
             await take_backup(run=run, stage=stage, my_id=my_id, records=swarm(), spares=spares, metrics=metrics,
-                              p2p=p2p, reference=reference)
+                              p2p=p2p, reference=reference, trusted=trusted() if trusted is not None else None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed backup costs the next period, never the peer

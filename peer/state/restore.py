@@ -2,15 +2,17 @@
 
 The sources are the stage's donors (their announced state versions), this peer's checkpoint of the stage and the
 run's seeded init (``peer.state.progress`` ranks them). Donors are asked only when one announces at least the
-progress of the best local file; a delivered state is loaded only if the stage's other replicas do not outvote its
-weights (``peer.state.witness``: an announcement is the donor's word, a liar announces the most progress), and it
-is compared again by its real ``local_step`` (an announcement may be a little stale) before it replaces anything,
-so a restarted peer never trades its trained checkpoint for a less-trained donor's state.
+progress of the best local file; a delivered state is loaded only if replicas of the stage witness all of it
+(``peer.state.witness``: an announcement is the donor's word, a liar announces the most progress; the witnessed
+state's ``local_step`` is capped at the witnesses'), and it is compared again by that step before it replaces
+anything, so a restarted peer never trades its trained checkpoint for a less-trained donor's state.
 
 When no donor of the stage delivers a state (every peer of it died, and their records may not have expired yet), the
 neighbour copies of the stage are sources too
 (``peer.state.spare``): the ones other peers announce in their records and this peer's own, ranked by progress like
-the rest. Restoring from one logs a WARNING naming the peer that held it, its step and its age.
+the rest. A copy from another peer is witnessed like a donor's state, by the stage's live replicas and the other
+copies' holders (and this peer's own copy), and is never loaded unwitnessed: a record can announce any copy. Restoring
+from one logs a WARNING naming the peer that held it, its step and its age.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                         refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
                         metrics: PeerMetrics, reference: dict[str, Any],
                         checkpoint_dir: Path | None, io: Callable[..., Any], timeout_s: float,
-                        donor_wait_s: float = DONOR_WAIT_S, spare: SpareStore | None = None) -> Restored:
+                        donor_wait_s: float = DONOR_WAIT_S, spare: SpareStore | None = None,
+                        trusted: Callable[[], list[str]] | None = None) -> Restored:
     """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
 
     refresh: reads the swarm's records. When the swarm has trained but no donor of the stage is visible and there is
@@ -70,7 +73,9 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
     files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable. spare:
     this peer's own neighbour copy (considered, with the copies others announce, only when no donor delivered).
+    trusted: the peers this peer has validated work from (preferred as witnesses).
     """
+    vouched = trusted() if trusted is not None else []
     files = [StateSource(kind="init", step=0, label="the run's seeded init")]
     if checkpoint_dir is not None:
         held = (await io(checkpoint_steps, checkpoint_dir, run)).get(stage)
@@ -96,7 +101,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
         try:
             config = StateSyncConfig()
             vet = witness_vetter(run=run, stage=stage, config=config, metrics=metrics,
-                                 witnesses=choose_donors(records, stage, my_id))
+                                 announced=choose_donors(records, stage, my_id), trusted=vouched)
             delivered = await asyncio.wait_for(load_state_from_peers(
                 p2p=p2p, run=run, stage=stage, metrics=metrics, dht=dht, reference=reference, donors=worth_asking,
                 config=config, vet=vet), timeout=timeout_s)
@@ -114,7 +119,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     floor = max(best_file.step, _step_of(delivered))
     copy = await _from_copies(run=run, stage=stage, my_id=my_id, records=records, p2p=p2p, metrics=metrics,
                               reference=reference, spare=spare, io=io, floor=floor, timeout_s=timeout_s,
-                              ahead_of_donor=delivered is not None)
+                              ahead_of_donor=delivered is not None, trusted=vouched)
     if copy is not None:
         return copy
     if delivered is not None:
@@ -142,9 +147,10 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
 async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], p2p: P2P,
                        metrics: PeerMetrics, reference: dict[str, Any], spare: SpareStore | None,
                        io: Callable[..., Any], floor: int, timeout_s: float,
-                       ahead_of_donor: bool = False) -> Restored | None:
+                       ahead_of_donor: bool = False, trusted: list[str] | None = None) -> Restored | None:
     """The most advanced copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's
-    delivered state), or None. ahead_of_donor: a donor delivered (only the log line differs)."""
+    delivered state) that its witnesses vouch for, or None. ahead_of_donor: a donor delivered (only the log line
+    differs)."""
     holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == "training"
                and r.peer_id != my_id and r.backup_step is not None and r.backup_step > floor}
     held = spare.info if spare is not None else None
@@ -156,6 +162,10 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
     logger.info("stage %d: copies ahead of step %d, most advanced first: %s", stage, floor,
                 ", ".join(f"{c.label[:16]} step {c.step}" for c in rank(copies)))
     deadline = time.monotonic() + timeout_s
+    replicas = choose_donors(records, stage, my_id)
+    holding = [r.peer_id for r in records.values() if r.backup_stage == stage and r.state == "training"
+               and r.peer_id != my_id]
+    own = await io(spare.read, stage) if held is not None and held.stage == stage and spare is not None else None
     for copy in rank(copies):
         if copy.label == my_id:
             assert spare is not None and held is not None
@@ -164,10 +174,15 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            config = StateSyncConfig(max_donors=1)
+            vet = witness_vetter(run=run, stage=stage, config=config, metrics=metrics, trusted=trusted,
+                                 announced=[*replicas, *holding],
+                                 local={"this peer's copy": own} if own is not None else None,
+                                 allow_alone=False, what="a backup copy")
             try:
                 state = await asyncio.wait_for(load_state_from_peers(
                     p2p=p2p, run=run, stage=stage, metrics=metrics, reference=reference, donors=[copy.label],
-                    config=StateSyncConfig(max_donors=1)), timeout=left)
+                    config=config, vet=vet), timeout=left)
             except TimeoutError:
                 state = None
             taken_at = float(holders[copy.label].backup_taken_at or 0.0)

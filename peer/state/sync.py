@@ -50,9 +50,10 @@ from peer.state.codec import (
     flatten_state,
     plan_pieces,
 )
+from peer.state.digest import digest_chunk
 from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode, PeerUnreachable, ProtocolError, RemoteError
-from protocol.messages import Busy, Error, Message, StateChunk, StateRequest
+from protocol.messages import Busy, Error, Message, StateChunk, StateDigestRequest, StateRequest
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from protocol.validation import TensorSpec
 from trainer.config import RunConfig
@@ -100,19 +101,14 @@ class StateSyncConfig:
     """Client: chunk requests in flight at once (hides the round trip; memory is window x chunk_bytes)."""
     worker_timeout_s: float = 120.0
     """Server: timeout of taking a snapshot on the compute thread."""
-    witnesses: int = 2
-    """Client: other replicas of the stage asked about a delivered state's weights before it is loaded
-    (``peer.state.witness``; 0: none)."""
-    probe_chunks: int = 2
-    """Client: chunks of weights each witness sends besides its chunk 0."""
+    witnesses: int = 3
+    """Client: replicas of the stage asked for the digest of their state before a delivered state is loaded
+    (``peer.state.witness``; every one asked must agree; 0: none)."""
     witness_timeout_s: float = 20.0
-    """Client: how long one witness may take to answer (a silent witness is skipped)."""
-    disagree_factor: float = 3.0
-    """Client: a delivered state is outvoted when every witness (two or more) is farther from it than this times the
-    witnesses' distance from one another ..."""
-    disagree_floor: float = 0.25
-    """Client: ... plus this (relative distance: zeros are at 1 from anything, a sign flip at 2; the most advanced
-    honest donor may be 0.1 from two replicas that loaded its state a while ago and are close to each other)."""
+    """Client: how long one witness may take to answer (a silent witness means "do not load")."""
+    tensor_tolerance: float = 0.5
+    """Client: the largest relative distance, on any one tensor, between a delivered state and a witness's own
+    (zeros are at 1 from anything, a sign flip at 2; honest replicas of the tiny run measured in docs/security.md)."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1024 or self.max_state_bytes < self.chunk_bytes:
@@ -125,10 +121,8 @@ class StateSyncConfig:
             raise ValueError(f"state_sync.snapshot_max_lag_steps must be >= 0, got {self.snapshot_max_lag_steps}")
         if self.chunk_retries < 0 or self.max_donors < 1 or self.max_concurrent < 1 or self.window < 1:
             raise ValueError("chunk_retries must be >= 0; max_donors, max_concurrent and window >= 1")
-        if self.witnesses < 0 or self.probe_chunks < 0 or not self.witness_timeout_s > 0 \
-                or self.disagree_factor < 1 or self.disagree_floor < 0:
-            raise ValueError("witnesses and probe_chunks must be >= 0, witness_timeout_s positive, disagree_factor "
-                             ">= 1 and disagree_floor >= 0")
+        if self.witnesses < 0 or not self.witness_timeout_s > 0 or not self.tensor_tolerance > 0:
+            raise ValueError("witnesses must be >= 0, witness_timeout_s and tensor_tolerance positive")
 
 
 Vet = Callable[[Transport, str, dict, int], Awaitable[bool]]
@@ -180,7 +174,7 @@ class StateServer:
         return Error(code=code, message=message)
 
     async def _handle(self, msg: Message, peer: str) -> Message:
-        if not isinstance(msg, StateRequest):
+        if not isinstance(msg, StateRequest | StateDigestRequest):
             return self._refuse(ErrorCode.BAD_REQUEST, "not_a_request", "state: expected a StateRequest")
         if msg.run_id != self.run.run_id:
             return self._refuse(ErrorCode.WRONG_RUN, "wrong_run", f"state: this peer trains run {self.run.run_id}")
@@ -190,6 +184,8 @@ class StateServer:
             return self._refuse(ErrorCode.WRONG_STAGE, "wrong_stage", f"state: this peer serves stage {self.stage}")
         if not self.ready:
             return Error(code=ErrorCode.NOT_READY, message="state: this peer is still loading its own state")
+        if isinstance(msg, StateDigestRequest):
+            return await self._digest(msg)
         if msg.chunk > 0 and msg.version == 0:
             return self._refuse(ErrorCode.BAD_REQUEST, "no_version",
                                 "state: a chunk after the first must name the snapshot version chunk 0 carried")
@@ -208,6 +204,18 @@ class StateServer:
             if msg.chunk == 0:
                 self.metrics.inc("backups_served")
         return chunk
+
+    async def _digest(self, msg: StateDigestRequest) -> Message:
+        """The digest of the current snapshot of ``msg.stage`` (``peer.state.digest``), for a witness's verdict."""
+        snap = await self._snapshot_for(msg.stage, 0)
+        if snap is None:
+            return Error(code=ErrorCode.NOT_READY, message="state: no snapshot of that stage to digest")
+        async with self._encoding:
+            reply = await asyncio.get_running_loop().run_in_executor(None, lambda: digest_chunk(
+                run_id=self.run.run_id, stage=snap.stage, version=snap.version, skeleton=snap.skeleton,
+                tensors=snap.tensors, local_step=snap.local_step, seed=msg.seed, dims=msg.dims))
+        self.metrics.inc("state_digests_served")
+        return reply
 
     async def _snapshot_for(self, stage: int, version: int) -> _Snapshot | None:
         """The snapshot of ``stage`` with ``version``, or for 0 the current one (a new one when it is older than

@@ -1,23 +1,35 @@
-"""Before a joiner loads a donor's state, other replicas of the stage witness its weights.
+"""Before any state from another peer is loaded, replicas of its stage witness all of it, tensor by tensor.
 
-A joiner takes the most advanced state a donor offers, and "most advanced" is what the donor *announces*: a liar that
-announces the highest version would hand every joiner zeros, a scaled model or noise. The averaging rounds do not
-repair that reliably: a state far from everyone's fails the distance check of every part the honest replicas send,
-so it is never pulled back. So, before loading, the joiner asks up to ``witnesses`` other training peers of the stage
-(picked at random by the joiner, not by announced progress) for pieces of their own model weights through the same
-state RPC a transfer uses: chunk 0 of their snapshot (it starts with the first weights) and ``probe_chunks`` more
-chunks drawn at random among those that hold weights. It compares each witness's pieces with the same pieces of the
-delivered state by relative distance, ``|a - w| / max(|a|, |w|)`` over all probed coordinates (0 for equal
-vectors, 1 for zeros against anything, 2 for a sign flip).
+Every source of a stage's state that is not this peer's own (a donor, a neighbour's backup copy, a live export's
+stage) is a claim: "most advanced" is what a record *announces*, and a liar announces the most. So before a delivered
+state is loaded, ``witnesses`` replicas of the stage each send the digest of their own current state
+(``peer.state.digest``: per tensor its norm and a 64-coordinate count sketch seeded by *us*, a few hundred bytes per
+tensor), and the joiner compares, per tensor, the delivered state's digest with each witness's.
 
-Honest replicas of a stage are close: they start from the run's seeded init and every averaging round pulls them
-together. The delivered state is **outvoted** (not loaded, ``state_sync_outvoted``; the next donor is tried and
-witnessed in turn) when two or more witnesses answered, each is farther from it than ``disagree_factor`` times the
-witnesses' distance from one another plus ``disagree_floor``, and so they agree with each other far better than with
-the donor. One witness alone cannot outvote a donor (one word against another), nor can witnesses that disagree
-among themselves: the state is loaded, and a witness far from it is counted (``state_sync_disputed``) and logged.
-A witness that fails to answer, or whose weights have other shapes, is skipped. The cost is chunk 0 plus
-``probe_chunks`` chunks from each witness.
+**Which replicas witness.** Peers this peer has validated work from (``trusted``: averaging parts it accepted, trained
+pipeline work) when any of them serves the stage; else, for a peer that has no history yet, replicas drawn at random
+among the stage's announced training peers. Never the donor itself; none when the donor is trusted and no other
+replica is (its validated work vouches for it, and a stranger may not veto it).
+
+**The verdict** is unanimous: the state is loaded only if every witness asked answered, holds tensors of the same
+sizes, and is within ``tensor_tolerance`` of the delivered state on *every* tensor (relative distance, 0 equal, 1
+zeros against anything, 2 a sign flip; honest replicas of the tiny run are measured in docs/security.md). A witness
+that is silent, answers garbage, or disagrees means "do not load": the caller tries the next source, and in the end
+the run's seeded init with a WARNING. A liar can thus keep a joiner from loading (it then starts from the init and
+the averaging rounds pull it in), never make it load a state no witness vouches for. Only when the stage has no other
+replica than the donor at all, or the donor alone is trusted, is its state loaded unwitnessed (``allow_alone``;
+counted and logged): the stage is then that donor's, whatever we load. A backup copy is never loaded unwitnessed
+unless its holder is trusted.
+
+**A stage of two** (the donor and one other replica): the other replica is the only witness and must agree; if it
+does not, nothing is loaded (the joiner starts from the init, with a warning) unless the donor did validated work
+for us and the witness did not. One word against another is never settled for the stranger.
+
+**What is kept of a witnessed state**: the weights and the averaging EMA (both witnessed), and ``local_step`` capped at
+the highest step a witness reports (an announced step of 2^62 would pin the learning rate schedule at its end). The
+optimiser moments and pending gradients are dropped (``sanitize``): honest replicas' first moments follow their own
+batches and point in different directions, so no tolerance separates an honest moment from a crafted one of the same
+norm, and a fresh NAdam state costs a few steps of warm-up (its first update is lr per coordinate, an ordinary size).
 """
 
 from __future__ import annotations
@@ -25,163 +37,164 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from peer.state.codec import StateFormatError, flatten_state, plan_pieces
-from peer.state.sync import (
-    SKELETON_KEY,
-    StateSyncConfig,
-    StateSyncError,
-    Vet,
-    decode_piece,
-    open_snapshot,
-    request_chunk,
-)
+from peer.state.digest import Digest, digest, read_digest, tensor_distances, witnessed_tensors
+from peer.state.sync import STATE_RPC, StateSyncConfig, StateSyncError, Vet
+from protocol.errors import PeerUnreachable, ProtocolError, RemoteError
+from protocol.messages import StateChunk, StateDigestRequest
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
-    from protocol.messages import StateChunk
     from protocol.rpc import Transport
     from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-ALONE_FAR = 0.5
-"""A lone witness (or witnesses that disagree among themselves) this far from a delivered state is counted as a
-dispute: honest replicas, started from one init and pulled together by averaging, are far closer."""
-
-Pieces = dict[tuple[int, int], torch.Tensor]
-"""(tensor index, offset) -> a flat float piece of a model weight."""
+DIMS = 64
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the witnesses said of a delivered state: ``outvoted`` (do not load it), the state's distance from each
-    witness that answered, the witnesses' largest distance from one another (None with fewer than two), and the
-    witnesses far from the state."""
+    """What the witnesses said of a delivered state: ``loadable``, why not (``reason``), each witness's largest
+    per-tensor distance from it, the step cap (the highest step a witness reported; None without witnesses), and
+    whether no witness could be asked at all."""
 
-    outvoted: bool
-    distances: dict[str, float]
-    spread: float | None
-    disputed: list[str]
-
-
-def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / max(|a|, |b|)``: 0 for equal vectors, 1 for zeros against anything, 2 for ``b = -a``."""
-    scale = max(float(a.norm()), float(b.norm()))
-    return float((a - b).norm()) / scale if scale > 0 else 0.0
+    loadable: bool
+    reason: str
+    distances: dict[str, float] = field(default_factory=dict)
+    step_cap: int | None = None
+    unwitnessed: bool = False
 
 
-def _distance(a: Pieces, b: Pieces) -> float | None:
-    """Distance over the pieces both hold (None if none)."""
-    keys = sorted(set(a) & set(b))
-    if not keys:
-        return None
-    return relative_distance(torch.cat([a[k] for k in keys]), torch.cat([b[k] for k in keys]))
+def draw_witnesses(*, trusted: list[str], announced: list[str], donor: str, n: int,
+                   rng: random.Random) -> list[str]:
+    """Up to ``n`` witnesses, never ``donor``: from ``trusted`` (validated work) when any of them is an announced
+    replica; none when the donor itself is trusted and no other replica is (a peer we never had validated work from
+    may not veto one we had); else drawn at random from ``announced``."""
+    announced = [p for p in dict.fromkeys(announced) if p != donor]
+    known = [p for p in announced if p in set(trusted)]
+    if not known and donor in set(trusted):
+        return []
+    pool = known or announced
+    return rng.sample(pool, min(n, len(pool)))
 
 
-def _weight_chunks(tensors: list[torch.Tensor], n_model: int, config: StateSyncConfig) -> list[int]:
-    """The chunks after chunk 0 that hold model weights, as a witness with our chunk size cuts the state."""
-    plan = plan_pieces(tensors, config.chunk_bytes)
-    return [c for c in range(1, plan.n_chunks) if any(i < n_model for i, _, _ in plan.chunks[c])]
+async def _ask(transport: Transport, witness: str, run: RunConfig, stage: int, seed: int, n_tensors: int,
+               timeout: float) -> Digest:
+    request = StateDigestRequest(run_id=run.run_id, stage=stage, seed=seed, dims=DIMS)
+    try:
+        reply = await transport.call(witness, STATE_RPC, request, timeout=timeout)
+    except (TimeoutError, RemoteError, PeerUnreachable, ProtocolError, ConnectionError, OSError) as e:
+        raise StateSyncError(f"{type(e).__name__}: {e}") from e
+    if not isinstance(reply, StateChunk) or reply.run_id != run.run_id or reply.stage != stage:
+        raise StateSyncError("it answered with something else than a digest")
+    try:
+        return read_digest(reply, dims=DIMS, n_tensors=n_tensors, peer=witness)
+    except ValueError as e:
+        raise StateSyncError(str(e)) from e
 
 
-def _same_pieces(tensors: list[torch.Tensor], pieces: Pieces) -> Pieces:
-    """The delivered state's coordinates at the pieces a witness sent."""
-    return {(i, o): tensors[i].reshape(-1)[o:o + p.numel()].float() for (i, o), p in pieces.items()}
-
-
-async def _probe(transport: Transport, witness: str, run: RunConfig, stage: int, config: StateSyncConfig,
-                 ours: list[torch.Tensor], n_model: int, chunks: list[int], limit: int) -> Pieces:
-    """Pieces of ``witness``'s model weights from its chunk 0 and ``chunks``. Raises StateSyncError or
-    StateFormatError when it cannot serve them."""
-    first, builder = await open_snapshot(transport, witness, run, stage, config, limit)
-    if len(builder.shapes) < n_model or any(builder.shapes[i] != tuple(ours[i].shape)
-                                            or builder.dtypes[i] != ours[i].dtype for i in range(n_model)):
-        raise StateSyncError("its model weights have other shapes")
-    replies: list[StateChunk] = [first]
-    for c in chunks:
-        if c < first.n_chunks:
-            reply = await request_chunk(transport, witness, run, stage, c, config, first.version)
-            if reply.version != first.version:
-                raise StateSyncError("it replaced its snapshot while witnessing")
-            replies.append(reply)
-    pieces: Pieces = {}
-    for reply in replies:
-        for key, env in reply.tensors.items():
-            if key == SKELETON_KEY:
-                continue
-            idx, offset, piece = decode_piece(builder, key, env, witness)
-            if idx < n_model and piece.is_floating_point():
-                pieces[(idx, offset)] = piece.float()
-    return pieces
-
-
-async def witness_state(*, transport: Transport, state: dict[str, Any], donor: str, witnesses: list[str],
-                        run: RunConfig, stage: int, config: StateSyncConfig, limit: int,
-                        rng: random.Random | None = None) -> Verdict:
-    """Ask ``config.witnesses`` of ``witnesses`` (drawn at random, never ``donor``) about ``state``, delivered by
-    ``donor``, all at once; see the module docstring for the verdict."""
+async def witness_state(*, transport: Transport, state: dict[str, Any], witnesses: list[str], run: RunConfig,
+                        stage: int, config: StateSyncConfig, local: dict[str, dict[str, Any]] | None = None,
+                        allow_alone: bool = False, rng: random.Random | None = None) -> Verdict:
+    """Ask every peer in ``witnesses`` (and digest every state in ``local``, e.g. this peer's own copy of the stage)
+    about ``state``; see the module docstring for the verdict. allow_alone: loadable when there is no witness."""
     rng = rng or random.Random()
-    _, tensors = flatten_state(state)
-    n_model = len(state["model"])  # the worker's state dict lists ``model`` before any other tensor
-    weighted = _weight_chunks(tensors, n_model, config)
-    pool = [w for w in dict.fromkeys(witnesses) if w != donor]
-    asked = rng.sample(pool, min(config.witnesses, len(pool)))
-    chunks = sorted(rng.sample(weighted, min(config.probe_chunks, len(weighted))))
+    seed = rng.getrandbits(62)
+    loop = asyncio.get_running_loop()
+    tensors = witnessed_tensors(state)
+    ours = await loop.run_in_executor(None, lambda: digest(tensors, seed=seed, dims=DIMS,
+                                                           local_step=int(state.get("local_step", 0))))
+    if not witnesses and not local:
+        return Verdict(loadable=allow_alone, unwitnessed=True,
+                       reason="no replica of the stage besides the source can witness it")
 
-    async def ask(w: str) -> Pieces | None:
+    async def one(w: str) -> Digest | str:
         try:
-            return await asyncio.wait_for(_probe(transport, w, run, stage, config, tensors, n_model, chunks, limit),
+            return await asyncio.wait_for(_ask(transport, w, run, stage, seed, len(tensors), config.witness_timeout_s),
                                           config.witness_timeout_s)
-        except (StateSyncError, StateFormatError, TimeoutError) as e:
-            logger.info("witness %s could not answer: %s", w[:16], e or type(e).__name__)
-            return None
+        except (StateSyncError, TimeoutError) as e:
+            return str(e) or type(e).__name__
 
-    replies = await asyncio.gather(*(ask(w) for w in asked))
-    answered = {w: p for w, p in zip(asked, replies, strict=True) if p}
-    distances = {w: d for w, p in answered.items() if (d := _distance(_same_pieces(tensors, p), p)) is not None}
-    names = sorted(distances)
-    spreads = [s for i, a in enumerate(names) for b in names[i + 1:]
-               if (s := _distance(answered[a], answered[b])) is not None]
-    spread = max(spreads, default=None)
-    far = config.disagree_factor * spread + config.disagree_floor if spread is not None else None
-    outvoted = far is not None and len(distances) >= 2 and all(d > far for d in distances.values())
-    disputed = [w for w, d in distances.items() if d > (far if outvoted else ALONE_FAR)]
-    return Verdict(outvoted=outvoted, distances=distances, spread=spread, disputed=disputed)
+    answers: dict[str, Digest | str] = dict(zip(witnesses, await asyncio.gather(*(one(w) for w in witnesses)),
+                                                strict=True))
+    for label, held in (local or {}).items():
+        answers[label] = await loop.run_in_executor(None, lambda h=held: digest(
+            witnessed_tensors(h), seed=seed, dims=DIMS, local_step=int(h.get("local_step", 0))))
+    distances: dict[str, float] = {}
+    problems: list[str] = []
+    for w, answer in answers.items():
+        if isinstance(answer, str):
+            problems.append(f"witness {w[:16]} did not answer ({answer})")
+            continue
+        if not bool((answer.numel == ours.numel).all()):
+            problems.append(f"witness {w[:16]} holds tensors of other sizes")
+            continue
+        d = tensor_distances(ours, answer)
+        distances[w] = float(d.max()) if d.numel() else 0.0
+        if distances[w] > config.tensor_tolerance:
+            worst = int(d.argmax())
+            problems.append(f"witness {w[:16]} is {distances[w]:.3f} from it on tensor {worst} "
+                            f"(tolerance {config.tensor_tolerance})")
+    steps = [a.local_step for a in answers.values() if isinstance(a, Digest)]
+    cap = max(steps) if steps else None
+    return Verdict(loadable=not problems, reason="; ".join(problems) or "every witness agrees",
+                   distances=distances, step_cap=cap)
+
+
+def sanitize(state: dict[str, Any], step_cap: int | None) -> dict[str, Any]:
+    """What is kept of a witnessed state from another peer (see the module docstring): the optimiser moments and
+    pending gradients dropped, ``local_step`` capped at ``step_cap``."""
+    out = dict(state)
+    optimizer = state.get("optimizer")
+    out["optimizer"] = {**optimizer, "state": {}} if isinstance(optimizer, dict) else optimizer
+    out["grads"], out["accumulated"] = None, 0
+    if step_cap is not None and isinstance(out.get("local_step"), int):
+        out["local_step"] = min(out["local_step"], step_cap)
+    return out
 
 
 def witness_vetter(*, run: RunConfig, stage: int, config: StateSyncConfig, metrics: PeerMetrics,
-                   witnesses: list[str]) -> Vet:
-    """The ``vet`` hook of ``load_state_from_peers``: False (and counted, logged, shown on the dashboard) when the
-    witnesses among ``witnesses`` outvote a delivered state."""
+                   announced: list[str], trusted: list[str] | None = None,
+                   local: dict[str, dict[str, Any]] | None = None, allow_alone: bool = True,
+                   what: str = "the state", rng: random.Random | None = None) -> Vet:
+    """The ``vet`` hook of ``load_state_from_peers``: witnesses drawn with ``draw_witnesses`` (``config.witnesses``
+    of them; 0 turns witnessing off) judge each delivered state; on a "do not load" the verdict is counted
+    (``state_sync_outvoted``), logged and shown on the dashboard. A loadable state is sanitised in place (moments and
+    pending gradients dropped, ``local_step`` capped; ``state_step_capped`` when the cap lowered it)."""
+    rng = rng or random.Random()
 
     async def vet(transport: Transport, donor: str, state: dict, limit: int) -> bool:
         if config.witnesses == 0:
             return True
-        verdict = await witness_state(transport=transport, state=state, donor=donor, witnesses=witnesses, run=run,
-                                      stage=stage, config=config, limit=limit)
-        figures = ", ".join(f"{w[:16]} {d:.3f}" for w, d in sorted(verdict.distances.items()))
-        spread = f"{verdict.spread:.3f}" if verdict.spread is not None else "-"
-        if verdict.disputed:
-            metrics.inc("state_sync_disputed", len(verdict.disputed))
-        if verdict.outvoted:
+        asked = draw_witnesses(trusted=trusted or [], announced=announced, donor=donor, n=config.witnesses, rng=rng)
+        verdict = await witness_state(transport=transport, state=state, witnesses=asked, run=run, stage=stage,
+                                      config=config, local=local, allow_alone=allow_alone, rng=rng)
+        figures = ", ".join(f"{w[:16]} {d:.3f}" for w, d in sorted(verdict.distances.items())) or "-"
+        if not verdict.loadable:
             metrics.inc("state_sync_outvoted")
-            text = (f"stage {stage}: the state delivered by {donor[:16]} was outvoted by its witnesses (distance "
-                    f"{figures}; between witnesses {spread}): not loaded, trying the next donor")
+            text = (f"stage {stage}: {what} delivered by {donor[:16]} is not loaded: {verdict.reason} "
+                    f"(largest per-tensor distances {figures})")
             logger.warning("%s", text)
             metrics.warn(text)
             return False
-        if verdict.disputed:
-            logger.warning("stage %d: witnesses %s are far from the state delivered by %s (distance %s; between "
-                           "witnesses %s) but do not outvote it; loading it", stage,
-                           ", ".join(w[:16] for w in verdict.disputed), donor[:16], figures, spread)
-        elif verdict.distances:
-            logger.info("stage %d: the state from %s agrees with its witnesses (distance %s; between witnesses %s)",
-                        stage, donor[:16], figures, spread)
+        if verdict.unwitnessed:
+            metrics.inc("state_sync_unwitnessed")
+            logger.warning("stage %d: loading %s from %s unwitnessed: it is the stage's only replica", stage, what,
+                           donor[:16])
+        else:
+            logger.info("stage %d: %s from %s agrees with its witnesses (largest per-tensor distance %s)", stage,
+                        what, donor[:16], figures)
+        before = state.get("local_step")
+        clean = sanitize(state, verdict.step_cap)
+        if clean.get("local_step") != before:
+            metrics.inc("state_step_capped")
+            logger.warning("stage %d: %s from %s announced local step %s, above every witness's (%s): capped",
+                           stage, what, donor[:16], before, verdict.step_cap)
+        state.clear()
+        state.update(clean)
         return True
 
     return vet

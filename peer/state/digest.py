@@ -1,0 +1,133 @@
+"""Per-tensor digests of a stage's state: what a witness sends so that a joiner can compare a whole state cheaply.
+
+A digest covers every tensor that a loaded state keeps (``witnessed_tensors``: the model weights and the averaging
+rule's EMA; the optimiser moments and pending gradients are not kept, see ``peer.state.witness``). For each one it
+holds the tensor's exact norm and a count sketch of ``dims`` coordinates: every coordinate is added, with a random
+sign, into one of ``dims`` buckets, both drawn from a generator seeded by the *joiner's* seed and the tensor's index.
+The sketch is linear, so the sketch of a difference is the difference of the sketches, and its norm estimates the
+tensor's norm (relative error about ``sqrt(2 / dims)``): the joiner computes the same sketch of a delivered state and
+reads, per tensor, how far it is from each witness's, without either side sending the weights. A witness that does
+not know the seed beforehand cannot craft a state whose sketches match while its weights do not.
+
+The reply is a ``StateChunk`` (chunk 0 of 1) with ``meta`` ``{"digest": dims, "local_step": ...}`` and the tensors
+``sketch`` [n, dims] and ``norms`` [n] (float32) and ``numel`` [n] (int64): 280 bytes per tensor at 64 dims.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from protocol.codecs.registry import decode, encode
+from protocol.errors import ProtocolError
+from protocol.messages import StateChunk
+from protocol.validation import TensorSpec
+
+BLOCK = 1 << 22  # coordinates drawn and added at once (bounds the memory of the random draws)
+MAX_DIMS = 256
+RMS_FLOOR = 0.002
+"""Distances are relative to at least this rms per coordinate (a tenth of the GPT init std): a tensor that starts at
+zero (a bias, a LayerNorm shift) differs between honest replicas by a large fraction of its own small norm."""
+
+
+@dataclass(frozen=True)
+class Digest:
+    """One state's digest: per witnessed tensor its sketch, norm and size, and the state's ``local_step``."""
+
+    sketch: torch.Tensor  # [n, dims] float32
+    norms: torch.Tensor  # [n] float32
+    numel: torch.Tensor  # [n] int64
+    local_step: int
+
+
+def witnessed_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a worker state dict that a load keeps and a witness vouches for, in a fixed order: the model's
+    weights in state-dict order, then the averaging rule's EMA (when the rule keeps one)."""
+    out = [t for t in state["model"].values()]
+    averaging = state.get("averaging")
+    if isinstance(averaging, dict) and isinstance(averaging.get("ema"), list):
+        out.extend(averaging["ema"])
+    return out
+
+
+def witnessed_from_flat(skeleton: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``witnessed_tensors`` of a flattened state (``peer.state.codec.flatten_state``'s skeleton and tensors), as a
+    state server holds its snapshot. ValueError when the skeleton is not a worker state's."""
+    tree = json.loads(skeleton)["tree"]
+    top = {k: v for k, v in tree.get("d", [])}
+    model = top.get("model")
+    if not isinstance(model, dict) or "d" not in model:
+        raise ValueError("the snapshot holds no model weights")
+    indices = [v["T"] for _, v in model["d"]]
+    averaging = top.get("averaging")
+    if isinstance(averaging, dict):
+        ema = {k: v for k, v in averaging.get("d", [])}.get("ema")
+        if isinstance(ema, dict):
+            indices.extend(v["T"] for v in ema.get("l", []))
+    return [tensors[i] for i in indices]
+
+
+def sketch(t: torch.Tensor, *, seed: int, index: int, dims: int) -> torch.Tensor:
+    """The count sketch of ``t`` (float32 [dims]) under ``seed`` and the tensor's ``index`` (see the module doc)."""
+    x = t.detach().reshape(-1)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + index * 7919) % (2**63 - 1))
+    out = torch.zeros(dims, dtype=torch.float64)
+    for start in range(0, x.numel(), BLOCK):
+        part = x[start:start + BLOCK].double()
+        buckets = torch.randint(0, dims, (part.numel(),), generator=gen)
+        signs = torch.randint(0, 2, (part.numel(),), generator=gen, dtype=torch.int8).double().mul_(2).sub_(1)
+        out.index_add_(0, buckets, part * signs)
+    return out.float()
+
+
+def digest(tensors: list[torch.Tensor], *, seed: int, dims: int, local_step: int) -> Digest:
+    """The digest of ``tensors`` (``witnessed_tensors`` of a state) under ``seed`` (blocking: one pass over them)."""
+    if not 1 <= dims <= MAX_DIMS:
+        raise ValueError(f"dims must be in [1, {MAX_DIMS}], got {dims}")
+    sketches = [sketch(t, seed=seed, index=i, dims=dims) for i, t in enumerate(tensors)]
+    return Digest(sketch=torch.stack(sketches) if sketches else torch.zeros(0, dims),
+                  norms=torch.tensor([float(t.double().norm()) for t in tensors], dtype=torch.float32),
+                  numel=torch.tensor([t.numel() for t in tensors], dtype=torch.int64), local_step=int(local_step))
+
+
+def tensor_distances(a: Digest, b: Digest) -> torch.Tensor:
+    """Per tensor, ``|S(a) - S(b)| / max(|S(a)|, |S(b)|, RMS_FLOOR sqrt(numel))`` with S the sketch: about the
+    relative distance of the two tensors, exactly 0 for equal ones, 1 for zeros against anything and 2 for a sign
+    flip. The floor keeps tensors that start at zero (biases) from reading small honest differences as far."""
+    diff = (a.sketch - b.sketch).double().norm(dim=1)
+    scale = torch.maximum(a.sketch.double().norm(dim=1), b.sketch.double().norm(dim=1))
+    scale = torch.maximum(scale, RMS_FLOOR * a.numel.double().sqrt())
+    return torch.where(scale > 0, diff / scale.clamp_min(1e-30), torch.zeros_like(diff)).float()
+
+
+def digest_chunk(*, run_id: str, stage: int, version: int, skeleton: str, tensors: list[torch.Tensor],
+                 local_step: int, seed: int, dims: int) -> StateChunk:
+    """A state server's reply to a ``StateDigestRequest`` for its snapshot (blocking: run it in an executor)."""
+    d = digest(witnessed_from_flat(skeleton, tensors), seed=seed, dims=dims, local_step=local_step)
+    return StateChunk(run_id=run_id, stage=stage, version=version, chunk=0, n_chunks=1,
+                      meta={"digest": dims, "local_step": d.local_step},
+                      tensors={"sketch": encode(d.sketch, "none"), "norms": encode(d.norms, "none"),
+                               "numel": encode(d.numel, "none")})
+
+
+def read_digest(reply: StateChunk, *, dims: int, n_tensors: int, peer: str) -> Digest:
+    """The digest a witness sent, checked: ``n_tensors`` tensors of ``dims`` coordinates, finite, non-negative
+    norms. ValueError when it is not one (the witness is then counted as not answering)."""
+    step = reply.meta.get("local_step")
+    if reply.meta.get("digest") != dims or type(step) is not int or step < 0:
+        raise ValueError("not a digest of the asked size")
+    missing = {"sketch", "norms", "numel"} - set(reply.tensors)
+    if missing:
+        raise ValueError(f"the digest lacks {sorted(missing)}")
+    try:
+        sk = decode(reply.tensors["sketch"], TensorSpec(shape=(n_tensors, dims), dtype=torch.float32), peer=peer)
+        norms = decode(reply.tensors["norms"], TensorSpec(shape=(n_tensors,), dtype=torch.float32), peer=peer)
+        numel = decode(reply.tensors["numel"], TensorSpec(shape=(n_tensors,), dtype=torch.int64), peer=peer)
+    except ProtocolError as e:
+        raise ValueError(f"the digest does not fit this stage: {e}") from e
+    if not bool(torch.isfinite(sk).all()) or not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
+        raise ValueError("the digest holds NaN, Inf or negative norms")
+    return Digest(sketch=sk, norms=norms, numel=numel, local_step=step)
