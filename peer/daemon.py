@@ -160,6 +160,9 @@ class Daemon:
     def swarm(self) -> dict[str, PeerRecord]:
         return self.net.swarm
 
+    def vouch(self, peer_id: str) -> None:
+        self.net.vouch(peer_id)
+
     def trusted_peers(self) -> list[str]:
         """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
         rpc = self.net.rpc

@@ -28,7 +28,7 @@ from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
 from peer.pipeline.sizes import restrict_handlers
-from protocol.messages import Busy, Message
+from protocol.messages import Message
 from protocol.rpc import Handler, RpcLimits, RpcServer, call
 from trainer.config import RunConfig
 
@@ -146,11 +146,14 @@ class Presence:
     # ----- while serving ---------------------------------------------------------------------------------------------
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message:
         assert self.p2p is not None
-        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
-                           limits=self.limits, count=self.metrics.inc)
-        if self.rpc is not None and not isinstance(reply, Busy):
-            self.rpc.vouch(peer_id)  # it answered work of ours: the full budgets of a known peer from now on
-        return reply
+        # answering is not vouching: a peer is known once the pipeline or averaging validated its work (``vouch``)
+        return await call(self.p2p, peer_id, name, msg, timeout=timeout or self.cfg.rpc_timeout_s,
+                          limits=self.limits, count=self.metrics.inc)
+
+    def vouch(self, peer_id: str) -> None:
+        """``peer_id`` did validated work for us: the full budgets of a known peer, and a preferred state witness."""
+        if self.rpc is not None:
+            self.rpc.vouch(peer_id)
 
     async def refresh_swarm(self) -> dict[str, PeerRecord]:
         """Read the run's records (the last good view is kept when a read comes back empty)."""

@@ -89,6 +89,8 @@ class StageHost(Protocol):
 
     def trusted_peers(self) -> list[str]: ...
 
+    def vouch(self, peer_id: str) -> None: ...
+
 
 class StageService:
     """Everything this peer runs for one stage: ``StageService(host, stage)``, then ``await start()``."""
@@ -157,6 +159,7 @@ class StageService:
         # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
         # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
         pipe.on_first_measure = lambda: pipe.spawn(self._announce_measured())
+        pipe.vouch = host.vouch
         age = host.cfg.state_snapshot_max_age_s
         self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
                                         worker_call=self.worker_call, metrics=host.metrics,

@@ -408,8 +408,6 @@ class RpcTransport:
         await self.rpc_server.add_handler(name, fn)
 
     async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message:
-        reply = await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)
-        vouch = getattr(self.rpc_server, "vouch", None)
-        if vouch is not None and not isinstance(reply, Busy):
-            vouch(peer_id)  # it answered a call of ours: no longer a stranger to our server
-        return reply
+        # an answer is not vouched for here: a peer becomes known only through work its owner validated (an accepted
+        # averaging part, a trained gradient), never by replying; anyone can reply
+        return await call(self.p2p, peer_id, name, msg, timeout=timeout, limits=self.limits, count=self.count)

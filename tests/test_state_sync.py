@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(90)
 
 RUN = RunConfig.default()
 # libp2p streams on a loaded host are now and then cut mid-reply (the joiner's retry covers it, as in production)
-SMALL_CHUNKS = StateSyncConfig(chunk_bytes=128 * 1024, chunk_timeout_s=3.0, chunk_retries=2)
+SMALL_CHUNKS = StateSyncConfig(chunk_bytes=128 * 1024, chunk_timeout_s=3.0, chunk_retries=2, peer_start_burst=10**6,
+                               peer_chunk_burst=10**6)
 
 
 def _trained_worker(seed: int, steps: int) -> StageWorker:

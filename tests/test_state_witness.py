@@ -13,10 +13,10 @@ from test_state_sync import RUN, SMALL_CHUNKS, Direct, _server, _trained_worker
 
 from peer.ops.metrics import PeerMetrics
 from peer.state.digest import digest, tensor_distances, witnessed_tensors
-from peer.state.sync import load_state_from_peers
+from peer.state.sync import StateSyncConfig, load_state_from_peers
 from peer.state.witness import draw_witnesses, witness_state, witness_vetter
 from protocol.errors import ErrorCode
-from protocol.messages import Error
+from protocol.messages import Busy, Error, StateChunk, StateRequest
 from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,3 +158,23 @@ def test_witnessed_tensors_are_the_weights_and_the_ema():
     state = w.state_dict()
     n_ema = len(state["averaging"]["ema"]) if state["averaging"] else 0
     assert len(witnessed_tensors(state)) == len(state["model"]) + n_ema
+
+
+def test_one_peer_gets_a_few_snapshots_and_a_bounded_chunk_rate_then_busy():
+    """state_flood: one peer asking for chunk 0 (a new transfer, perhaps a new snapshot) over and over."""
+    async def main():
+        now = [0.0]
+        config = StateSyncConfig(chunk_bytes=128 * 1024)
+        server = _server(_trained_worker(1, 2), clock=lambda: now[0], config=config)
+        replies = [await server._handle(StateRequest(run_id=RUN.run_id, stage=0, chunk=0), "flooder")
+                   for _ in range(20)]
+        assert sum(isinstance(r, StateChunk) for r in replies) == config.peer_start_burst
+        assert all(isinstance(r, Busy) for r in replies[config.peer_start_burst:])
+        other = await server._handle(StateRequest(run_id=RUN.run_id, stage=0, chunk=0), "joiner")
+        assert isinstance(other, StateChunk)  # another peer is served
+        now[0] += 1 / config.peer_starts_per_s
+        assert isinstance(await server._handle(StateRequest(run_id=RUN.run_id, stage=0, chunk=0), "flooder"),
+                          StateChunk)
+        assert server.metrics.snapshot()["counters"]["rejected:state_rate_limited"] == 20 - 6
+
+    asyncio.run(main())

@@ -190,6 +190,7 @@ class AveragingLoop:
         self._owed = 0.0  # local steps of averaging owed at local step _owed_at (see owed())
         self._owed_at: int | None = None  # None: no round taken yet, one is owed at once
         self.dht, self.clock = dht, clock
+        self.vouch: Callable[[str], None] | None = getattr(rpc_server, "vouch", None)  # parts kept: validated work
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
         self.exchange = PartExchange(
@@ -463,6 +464,10 @@ class AveragingLoop:
                 continue
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
+        if self.vouch is not None:  # parts kept by the robust aggregate: validated work of their senders
+            for peer in slot.contributions:
+                if peer not in dropped and peer != self.me:
+                    self.vouch(peer)
         if clipped:
             self.metrics.inc("avg_pull_clipped")
             logger.debug("round %d: %d of the stage's contributions pulled farther than half %s of our values' "

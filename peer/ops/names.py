@@ -24,8 +24,8 @@ COUNTERS = (
     "bytes_in", "bytes_out",
     # stage moves, state and backups
     "stage_moves", "stage_move_backoffs", "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted",
-    "state_sync_disputed", "state_chunks_served", "backups_taken", "backups_skipped_busy", "backups_served",
-    "backups_failed", "backup_restores", "backup_bytes_in", "backup_bytes_out",
+    "state_sync_unwitnessed", "state_step_capped", "state_digests_served", "state_chunks_served", "backups_taken",
+    "backups_skipped_busy", "backups_served", "backups_failed", "backup_restores", "backup_bytes_in", "backup_bytes_out",
     # generation through the swarm
     "infer_served", "infer_busy", "infer_compute_ms",
     # data shards of streamed datasets (peer/pipeline/shards.py)
@@ -40,7 +40,7 @@ _AVG_REASONS = ("not_a_part", "wrong_run", "wrong_stage", "wrong_round", "sender
                 "dtype", "payload", "nonfinite", "closed", "not_member", "not_in_group", "stopped", "stale_round",
                 "future_round", "round_over", "step_over", "too_many_steps", "slot_closed", "too_far", "too_large",
                 "outlier")
-_STATE_REASONS = ("not_a_request", "wrong_run", "wrong_stage", "no_version", "bad_chunk")
+_STATE_REASONS = ("not_a_request", "wrong_run", "wrong_stage", "no_version", "bad_chunk", "rate_limited")
 _INFER_REASONS = ("bad_request", "rate_limited", "wrong_run", "wrong_stage", "not_ready")
 
 REJECTIONS = (
@@ -59,7 +59,7 @@ REJECTIONS = (
     "other",
 )
 
-EVENTS = ("relearnt:activations_norm", "relearnt:gradients_norm", "flagged:loss_outlier")
+EVENTS = ("relearnt:activations_norm", "relearnt:gradients_norm", "relearnt:loss_ceiling", "flagged:loss_outlier")
 
 REJECTED_PREFIX = "rejected:"
 _REGISTERED = frozenset((*COUNTERS, *(REJECTED_PREFIX + r for r in REJECTIONS), *EVENTS))

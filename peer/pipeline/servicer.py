@@ -108,6 +108,8 @@ class PipelineStage:
         self.forward_q: asyncio.Queue = asyncio.Queue(maxsize=cfg.max_queue)
         self._wake = asyncio.Event()
         self.accepting = True
+        self.vouch: Callable[[str], None] = lambda peer: None
+        """Marks a peer as known (``RpcServer.vouch``) once its work is validated and trained; set by the stage."""
         self.tasks: set[asyncio.Task] = set()
         self.last_forward = time.monotonic()
         self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
@@ -252,6 +254,8 @@ class PipelineStage:
             return Ack()
         self.backward_q.put_nowait(("bwd", msg, grad))
         self._wake.set()
+        if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
+            self.vouch(peer_id)
         return Ack()
 
     # ----- the compute consumer --------------------------------------------------------------------------------------
@@ -297,6 +301,8 @@ class PipelineStage:
                 return
             self.pending.pop(msg.mb_id, None)
             self.guard.loss_verdict(p.prev_peer, float(loss))
+            if p.prev_peer is not None:
+                self.vouch(p.prev_peer)  # its micro-batch passed the loss check and is trained
             self._count_step(float(loss), x)
             env = await self._encode_gradient(grad)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
@@ -342,6 +348,7 @@ class PipelineStage:
             return
         if p.prev_peer is not None:
             self.guard.share.trained(p.prev_peer)
+            self.vouch(p.prev_peer)  # its micro-batch is trained
         grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
         # observed pipeline staleness (tau_s of the papers, here whatever the network made it)
         self.metrics.observe_pipeline_delay(self.worker.last_delay)

@@ -53,6 +53,7 @@ from peer.state.codec import (
 from peer.state.digest import digest_chunk
 from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode, PeerUnreachable, ProtocolError, RemoteError
+from protocol.limits import PeerBudgets
 from protocol.messages import Busy, Error, Message, StateChunk, StateDigestRequest, StateRequest
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from protocol.validation import TensorSpec
@@ -101,6 +102,14 @@ class StateSyncConfig:
     """Client: chunk requests in flight at once (hides the round trip; memory is window x chunk_bytes)."""
     worker_timeout_s: float = 120.0
     """Server: timeout of taking a snapshot on the compute thread."""
+    peer_starts_per_s: float = 0.2
+    """Server: chunk-0 and digest requests (each may take a new snapshot) one peer may make per second ..."""
+    peer_start_burst: int = 6
+    """Server: ... in a burst of at most this many (a joiner needs one per donor tried and witness asked)."""
+    peer_chunks_per_s: float = 16.0
+    """Server: chunks one peer may fetch per second (64 MiB/s at 4 MiB chunks) ..."""
+    peer_chunk_burst: int = 64
+    """Server: ... in a burst of at most this many; beyond either budget the request is answered Busy."""
     witnesses: int = 3
     """Client: replicas of the stage asked for the digest of their state before a delivered state is loaded
     (``peer.state.witness``; every one asked must agree; 0: none)."""
@@ -165,6 +174,8 @@ class StateServer:
         self._versions = 0
         self._lock = asyncio.Lock()
         self._encoding = asyncio.Semaphore(self.config.max_concurrent)
+        self._starts = PeerBudgets(self.config.peer_starts_per_s, self.config.peer_start_burst, clock=clock)
+        self._chunks = PeerBudgets(self.config.peer_chunks_per_s, self.config.peer_chunk_burst, clock=clock)
 
     async def start(self) -> None:
         await self.transport.add_handler(STATE_RPC, self._handle)
@@ -184,6 +195,13 @@ class StateServer:
             return self._refuse(ErrorCode.WRONG_STAGE, "wrong_stage", f"state: this peer serves stage {self.stage}")
         if not self.ready:
             return Error(code=ErrorCode.NOT_READY, message="state: this peer is still loading its own state")
+        starts = isinstance(msg, StateDigestRequest) or msg.chunk == 0
+        budget = self._starts if starts else self._chunks
+        if budget.empty(peer):  # per-peer: snapshots and chunks cost this server copies, encoding and bandwidth
+            self.metrics.inc("rejected:state_rate_limited")
+            rate = self.config.peer_starts_per_s if starts else self.config.peer_chunks_per_s
+            return Busy(retry_after_s=1.0 / rate)
+        budget.spend(peer)
         if isinstance(msg, StateDigestRequest):
             return await self._digest(msg)
         if msg.chunk > 0 and msg.version == 0:
