@@ -312,10 +312,25 @@ async def test_an_announced_replica_that_never_answers_does_not_stop_the_others_
     """Only partners heard from recently set the quorum: a silent sybil in the view leaves the honest pair a
     quorum of two (their mean), where counting it would ask for three and refuse every round."""
     net, names = MemTransport(), ["p0", "p1", "silent"]
-    workers = [FakeWorker(i, drift=0.02) for i in range(2)]
+    workers = [FakeWorker(i) for i in range(2)]  # ~14 % apart: a pull of half of it is past a minority round's 2.5 %
     peers = [_make_peer(net, n, w, names) for n, w in zip(names[:2], workers, strict=True)]
     net.down.add("silent")
     await _run_rounds([lp for lp, _ in peers], 2.6)
     assert workers[0].finished and workers[1].finished
     for _, metrics in peers:
         assert metrics.snapshot()["counters"].get("avg_below_quorum", 0) == 0
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_phantom_records_do_not_make_an_honest_pair_a_clipped_minority_round():
+    """phantom_quorum: two honest replicas and two announced records that never answer. Before, the full quorum
+    counted the 3 partners asked, so every round of the two (2 contributions) was clipped as a minority round."""
+    net, names = MemTransport(), ["p0", "p1", "ghost0", "ghost1"]
+    net.down.update({"ghost0", "ghost1"})
+    workers = [FakeWorker(i) for i in range(2)]  # ~14 % apart: a pull of half of it is past a minority round's 2.5 %
+    peers = [_make_peer(net, n, w, names) for n, w in zip(names[:2], workers, strict=True)]
+    await _run_rounds([lp for lp, _ in peers], 3.2)
+    assert all(w.finished for w in workers)
+    for _, metrics in peers:
+        assert metrics.snapshot()["counters"].get("avg_pull_clipped", 0) == 0

@@ -263,3 +263,52 @@ def test_garbage_with_a_plausible_norm_is_trained_nowhere_and_its_sample_is_not_
     assert c1["rejected:loss_above_ceiling"] == 2 and c0["microbatches_refused"] == 2
     assert c0["samples_refused"] == 8 and c0.get("microbatches_requeued", 0) == 0
     assert stage1.guard.share.snapshot()["a0"]["refused"] == 2
+
+
+def test_one_sender_cannot_reset_the_norm_bounds_while_others_are_announced():
+    """bounds_reset: before, four bad norms from any previous-stage sender forgot the learnt bound."""
+    counts: Counter[str] = Counter()
+    swarm = {"a": rec("a", 0), "b": rec("b", 0)}
+    g = PipelineGuard(stage=1, swarm=lambda: swarm, count=lambda k: counts.update([k]),
+                      config=GuardConfig(norm_relearn_after=4))
+    torch.manual_seed(0)
+    for _ in range(16):
+        assert g.norm_ok("activations", 25 * torch.randn(8, 32, 32), "a")
+    for _ in range(40):
+        assert not g.norm_ok("activations", 1000 * torch.randn(8, 32, 32), "attacker")
+    assert not g.norm_ok("activations", torch.randn(8, 32, 32), "a")  # one stray refusal of an honest sender
+    assert counts["relearnt:activations_norm"] == 0
+    assert not g.norm_ok("activations", torch.randn(8, 32, 32), "a")  # an honest sender twice, none accepted
+    assert counts["relearnt:activations_norm"] == 1
+
+
+@pytest.mark.parametrize("honest", [1, 3])
+def test_the_loss_ceiling_learns_only_from_trained_losses_of_long_known_senders_each_capped(honest: int):
+    """loss_window_drift: before, every loss (refused or trained) entered the window, so a sender supplying most
+    losses just under the ceiling raised it ~1.5x per window, without end."""
+    clock = Clock()
+    names = [f"h{i}" for i in range(honest)]
+    g = PipelineGuard(stage=1, swarm=lambda: {p: rec(p, 0) for p in [*names, "x"]}, count=lambda k: None)
+    g.clock = clock
+    for sender in [*names, "x"]:
+        g.loss_verdict(sender, 2.0)  # their first trained work (a warm-up value each)
+    clock.t += 60  # every sender long known
+    for i in range(16):
+        for h in names:
+            g.loss_verdict(h, 2.0 + 0.01 * (i % 3))
+    start = g.loss_ceiling()
+    assert start == pytest.approx(3.0, abs=0.05)
+    for _ in range(20):  # the attacker feeds losses just under the ceiling, window after window
+        for _ in range(64):
+            g.loss_verdict("x", g.loss_ceiling() - 0.01)
+        for _ in range(8):
+            for h in names:
+                g.loss_verdict(h, 2.0)
+    # x holds at most loss_sender_cap (16) of the 64 values: beside 3 honest senders the median stays theirs;
+    # beside one, the median sits between the two and the ceiling stops at 2x (before: without bound)
+    assert g.loss_ceiling() < (1.1 if honest == 3 else 2.05) * start
+    refused = LossRefused(9.0, 3.0)
+    before = g.loss_ceiling()
+    for _ in range(64):  # refused losses never enter the window, and one sender's refusals never reset it
+        g.loss_verdict("x", 9.0, refused=refused)
+    assert g.loss_ceiling() == before

@@ -34,10 +34,10 @@ and the partners that sent a valid part in the last ``quorum_recent_s``; ``trimm
 which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a larger share of
 a round that the honest parts did not all reach (between two parts nothing tells the liar at all). Announced peers
 that never answer do not count, so they cannot stop a stage's averaging; a round that passes with fewer contributions
-than the stage's full quorum (of the partners asked) moves our values by at most half ``lone_bound`` (5 %) of their
-norm (``peer.averaging.aggregate``: liars that always answer may be most of such a round). A peer that is
-asked for a round it has not begun yet begins it on demand, so a joiner that the others already see takes part at
-once.
+than the stage's full quorum (of the partners asked that sent a valid part lately: a record alone is no partner)
+moves our values by at most half ``lone_bound`` (5 %) of their norm (``peer.averaging.aggregate``: liars that
+always answer may be most of such a round). A peer that is asked for a round it has not begun yet begins it on
+demand, so a joiner that the others already see takes part at once.
 
 **Who takes part.** Only announced peers of the stage: a part from a peer id that is not in our view of the DHT
 (same stage, state 'training') is refused (UNAUTHORIZED, ``rejected:avg_not_member``) after at most one re-read of the
@@ -393,7 +393,10 @@ class AveragingLoop:
                 self.metrics.observe_round(ok=False)
                 self._pay(-1)
                 return
-            mean, group = await self._combine(slot, asked=len(peers), quorum=need)
+            # the full quorum counts partners we measured (a valid part lately), never bare records: phantom
+            # records would make every honest round a clipped minority round
+            measured = sum(1 for p in peers if p in self._heard)
+            mean, group = await self._combine(slot, asked=measured, quorum=need)
             finish = self._finisher(r, mean, group)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)

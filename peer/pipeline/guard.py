@@ -6,9 +6,11 @@
   forward is refused (and a retry is idempotent).
 - Activation and gradient norms must lie within ``norm_factor`` of the median of recently accepted ones (after a
   warm-up); what falls outside is refused and counted, and never enters the window (an attacker cannot drag it).
-  After ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, the bound is forgotten and
-  learnt again: every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from
-  its init, whose activations are an order of magnitude smaller than trained ones), not an attack to hold out.
+  After ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, from at least two distinct
+  senders (or from every announced peer of the neighbour stage, when it has one), the bound is forgotten and learnt
+  again: every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from its init,
+  whose activations are an order of magnitude smaller than trained ones), not an attack to hold out; one sender alone
+  cannot reset it while others are announced.
 - A loss reported by the last stage is compared with the recent losses of its kind (median of a window); an outlier
   is flagged, counted and not reported as this peer's loss (the gradient, if within bounds, still counts).
 - The last stage trains on a micro-batch only if its loss is not far *above* its own recent training losses
@@ -17,9 +19,12 @@
 - A sender's share of a stage's work is bounded by what it measurably contributed (``WorkShare``): each sender may
   hold ``allowance`` micro-batches here at once; it starts small, grows by one per micro-batch of its that was trained
   and halves per refused one; a sender refused by our own loss check ``ban_after`` times in a row while others' work
-  was trained is refused for a while (a refusal relayed from a later stage halves, never bans). All refused losses
-  still enter the window, so when *everything* is refused (the stage's weights moved away from its senders', e.g. a
-  stage restarted from its init) the ceiling follows within half a window and nobody is banned.
+  was trained is refused for a while (a refusal relayed from a later stage halves, never bans).
+- The ceiling's window holds only *trained* losses, of senders whose first trained micro-batch is at least
+  ``loss_trust_s`` old (any trained sender's while the window warms up), at most ``loss_sender_cap`` per sender: a
+  sender feeding losses just under the ceiling cannot drag it up window after window. When *everything* is refused
+  (``loss_relearn_after`` in a row, from two distinct senders or every announced one: the stage's weights moved away
+  from its senders', e.g. it restarted from its init) the window is forgotten and learnt again.
 
 Backwards are already accepted only from peers we forwarded that micro-batch to (``Pending.sent_to``).
 """
@@ -30,7 +35,7 @@ import logging
 import math
 import statistics
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +70,12 @@ class GuardConfig:
     """A loss further than max(tolerance x median, loss_abs_tolerance) from the median is an outlier."""
     loss_abs_tolerance: float = 1.0
     """Absolute floor of the loss tolerance (small medians)."""
+    loss_trust_s: float = 30.0
+    """A sender's trained losses enter the ceiling's window once its first trained micro-batch is this old."""
+    loss_sender_cap: int = 16
+    """Most losses of one sender in the ceiling's window (its oldest is dropped for a newer one)."""
+    loss_relearn_after: int = 32
+    """Training losses refused in a row (none trained meanwhile) after which the ceiling's window is relearnt."""
     share_initial: int = 2
     """Micro-batches a sender with no trained work yet may hold here at once."""
     share_max: int = 64
@@ -83,14 +94,41 @@ class GuardConfig:
 
 
 class _Window:
-    """The last ``size`` accepted values and their median."""
+    """The last ``size`` accepted values (and who sent each) and their median; the refusals since the last accept."""
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)
+        self.senders: deque[str | None] = deque(maxlen=size)
         self.refused_in_a_row = 0
+        self.refusers: Counter[str | None] = Counter()
 
     def median(self) -> float | None:
         return statistics.median(self.values) if self.values else None
+
+    def add(self, value: float, sender: str | None = None, cap: int | None = None) -> None:
+        """Append ``value``; with ``cap``, first drop ``sender``'s oldest value when it already holds ``cap``."""
+        if cap is not None and sender is not None and self.senders.count(sender) >= cap:
+            i = self.senders.index(sender)
+            del self.values[i], self.senders[i]
+        self.values.append(value)
+        self.senders.append(sender)
+        self.refused_in_a_row = 0
+        self.refusers.clear()
+
+    def refuse(self, sender: str | None) -> None:
+        self.refused_in_a_row += 1
+        self.refusers[sender] += 1
+
+    def distinct_refusers(self) -> int:
+        """Senders refused at least twice since the last accepted value (one stray refusal of an honest sender
+        beside an attacker's flood does not count)."""
+        return sum(1 for n in self.refusers.values() if n >= 2)
+
+    def clear(self) -> None:
+        self.values.clear()
+        self.senders.clear()
+        self.refused_in_a_row = 0
+        self.refusers.clear()
 
 
 class PipelineGuard:
@@ -105,6 +143,14 @@ class PipelineGuard:
         self._norms = {"activations": _Window(self.config.norm_window), "gradients": _Window(self.config.norm_window)}
         self._losses = {False: _Window(self.config.loss_window), True: _Window(self.config.loss_window)}
         self.share = WorkShare(self.config, count)
+        self._first_trained: OrderedDict[str, float] = OrderedDict()  # sender -> when its first work was trained
+        self.clock: Callable[[], float] = time.monotonic
+
+    def _distinct_needed(self, neighbour: int) -> int:
+        """Distinct senders whose refusals may reset a learnt bound: two, or all of the neighbour stage's announced
+        peers when it has fewer (a stage of one sender must recover from its restart too)."""
+        n = sum(1 for r in self.swarm().values() if r.stage == neighbour and r.state in SENDER_STATES)
+        return max(1, min(2, n))
 
     # ----- who -----------------------------------------------------------------------------------------------------
     def announced_sender(self, peer_id: str) -> bool:
@@ -129,9 +175,9 @@ class PipelineGuard:
             self._trained.popitem(last=False)
 
     # ----- which tensors -------------------------------------------------------------------------------------------
-    def norm_ok(self, kind: str, t: torch.Tensor) -> bool:
-        """Check ``t``'s norm against the learnt bounds of ``kind`` ('activations' or 'gradients'); learn from it
-        when accepted."""
+    def norm_ok(self, kind: str, t: torch.Tensor, sender: str | None = None) -> bool:
+        """Check ``t``'s norm, sent by ``sender``, against the learnt bounds of ``kind`` ('activations' or
+        'gradients'); learn from it when accepted."""
         norm = float(torch.linalg.vector_norm(t.float()))
         window = self._norms[kind]
         median = window.median()
@@ -139,23 +185,23 @@ class PipelineGuard:
             f = self.config.norm_factor
             if not (median / f <= norm <= median * f) or not math.isfinite(norm):
                 self.count(f"rejected:{kind}_norm")
-                window.refused_in_a_row += 1
-                if window.refused_in_a_row >= self.config.norm_relearn_after:
+                window.refuse(sender)
+                neighbour = self.stage - 1 if kind == "activations" else self.stage + 1
+                if window.refused_in_a_row >= self.config.norm_relearn_after \
+                        and window.distinct_refusers() >= self._distinct_needed(neighbour):
                     self._relearn(kind, median, norm)
                 return False
         if not math.isfinite(norm):  # the static checks of the warm-up still hold
             self.count(f"rejected:{kind}_norm")
             return False
-        window.refused_in_a_row = 0
-        window.values.append(norm)
+        window.add(norm, sender)
         return True
 
     def _relearn(self, kind: str, median: float, norm: float) -> None:
         """Forget the learnt bound of ``kind``: nothing within it arrived for ``norm_relearn_after`` tries. Without
         this, a stage whose neighbour restarted from its init refused that neighbour's work for good (refused norms
         never enter the window) and the neighbour's router banned it longer and longer."""
-        self._norms[kind].values.clear()
-        self._norms[kind].refused_in_a_row = 0
+        self._norms[kind].clear()
         self.count(f"relearnt:{kind}_norm")
         logger.warning("the last %d %s were all refused (norm %.3g against a learnt median of %.3g): the neighbour "
                        "stage's weights moved (restarted from its init?); forgetting the bound and learning it again",
@@ -178,7 +224,7 @@ class PipelineGuard:
         window (its median is what an attacker would have to move, and it follows honest drift)."""
         bounds = self._loss_bounds(is_eval)
         ok = bounds is None or abs(loss - bounds[0]) <= bounds[1]
-        self._losses[is_eval].values.append(loss)
+        self._losses[is_eval].add(loss)
         if not ok:
             self.count("flagged:loss_outlier")
         return ok
@@ -193,14 +239,30 @@ class PipelineGuard:
         """Last stage: a training loss it computed enters the window, and the sender's share learns whether the
         micro-batch was trained on (``refused``: why not). Work thrown away on purpose is said out loud: on the
         dashboard, and in the log at most once a minute."""
-        self._losses[False].values.append(loss)
+        window = self._losses[False]
         if sender is not None:
             if refused is None:
                 self.share.trained(sender)
             else:
                 self.share.refused(sender)
         if refused is None:
+            now = self.clock()
+            first = self._first_trained.setdefault(sender or "", now)
+            while len(self._first_trained) > 4096:
+                self._first_trained.popitem(last=False)
+            if now - first >= self.config.loss_trust_s:
+                window.add(loss, sender, cap=self.config.loss_sender_cap)
+            elif len(window.values) < self.config.loss_warmup:  # a newcomer helps warm up, never alone
+                window.add(loss, sender, cap=max(1, self.config.loss_warmup // 2))
             return
+        window.refuse(sender)
+        if window.refused_in_a_row >= self.config.loss_relearn_after \
+                and window.distinct_refusers() >= self._distinct_needed(self.stage - 1):
+            window.clear()
+            self.count("relearnt:loss_ceiling")
+            logger.warning("the last %d training losses were all refused: this stage's weights moved away from its "
+                           "senders' (restarted?); forgetting the loss ceiling and learning it again",
+                           self.config.loss_relearn_after)
         self.count("rejected:loss_above_ceiling")
         if self.warn is not None:
             self.warn("not training on micro-batches whose loss is far above this stage's recent losses (garbage "

@@ -206,7 +206,7 @@ class PipelineStage:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets outside the vocabulary")
         except ProtocolError as e:
             return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
-        if not self.guard.norm_ok("activations", x):
+        if not self.guard.norm_ok("activations", x, peer_id):
             return Error(code=ErrorCode.BAD_REQUEST, message="activation norm outside the bounds of recent traffic")
         if self.forward_q.full():  # filled while we decoded
             return Busy(retry_after_s=0.1)
@@ -239,7 +239,7 @@ class PipelineStage:
                     None, self.boundary.decode_gradient, msg.gradient, peer_id)
             except ProtocolError as e:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
-        if grad is not None and not self.guard.norm_ok("gradients", grad):
+        if grad is not None and not self.guard.norm_ok("gradients", grad, peer_id):
             # the micro-batch cannot finish here: dropped now (stage 0 re-sends its sample at once) rather than held
             # until microbatch_timeout_s, which stalled stage 0 while the learnt bound caught up with early
             # training's growing gradients (and left the gradient owed to the router's black-hole count).
