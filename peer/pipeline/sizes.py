@@ -3,13 +3,17 @@
 A forward carries ``batch x block x width`` activations in the run's activation codec (in subspace runs
 ``batch x block x rank`` coefficients and the token ids) and the token targets; a backward carries a gradient of the
 same shape in the gradient codec; an ``infer`` request one sequence, ``1 x block x width`` activations in the widest
-codec it may use (none, fp32) or ``1 x block`` token ids. These sizes are known before the first byte arrives, so a
-frame announcing more is refused before it is read (instead of reading up to the server's generic 256 MiB). The limit
-is the packed size of the largest such message, with the longest route and run id the schema allows, plus a fixed
-slack for msgpack headers. ``infer_message_bytes`` also bounds the replies a generating client reads.
+codec it may use (none, fp32) or ``1 x block`` token ids. A ``state`` request is a few small integers; an averaging
+part (``avg_part``, and ``sync``'s gradients) carries at most every parameter of the largest stage once, in fp32 (the
+widest codec). These sizes are known before the first byte arrives, so a frame announcing more is refused before it
+is read (instead of reading up to the server's generic 256 MiB). The limit is the packed size of the largest such
+message, with the longest route and run id the schema allows, plus a fixed slack for msgpack headers.
+``infer_message_bytes`` also bounds the replies a generating client reads.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -33,6 +37,7 @@ from protocol.messages import (
 )
 from protocol.rpc import RpcServer
 from trainer.config import RunConfig
+from trainer.model import build_stage
 
 SLACK_BYTES = 16 * 1024
 #: the longest route a message may carry (protocol/messages.py: 64 peer ids) with generously long ids
@@ -41,8 +46,27 @@ _ROUTE = ["Q" * 64] * 64
 REACH_BYTES = 16 * 1024
 
 
+def stage_parameters(run: RunConfig) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of every stage (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        return [[tuple(p.shape) for p in build_stage(run, s).parameters()] for s in range(run.n_stages)]
+
+
+def averaging_request_bytes(run: RunConfig) -> int:
+    """Largest ``avg_part`` or ``sync`` request: an ``AveragingPart`` holding every parameter of the largest stage in
+    fp32 (real parts hold a fraction of each tensor, in the run's codec)."""
+    largest = 0
+    for shapes in stage_parameters(run):
+        part = AveragingPart(run_id=run.run_id, stage=1023, round_no=2**63 - 1, sender="Q" * 64,
+                             tensors=[encode(torch.zeros(1), "none") for _ in shapes], weight=1e6)
+        numel = sum(math.prod(s) for s in shapes)
+        largest = max(largest, len(pack(part)) + 4 * numel + 64 * len(shapes))
+    return largest + SLACK_BYTES
+
+
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
-    """Largest request of ``forward``, ``backward``, ``reach`` and ``infer`` (bytes, framing excluded) for this run."""
+    """Largest request of every handler (bytes, framing excluded) for this run: ``forward``, ``backward``, ``reach``,
+    ``infer``, ``state``, ``avg_part`` and ``sync``."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
     targets = encode(ids, "none")
@@ -53,9 +77,13 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,
                         gradient=boundary.encode_gradient(x))
     hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="Q" * 64, capabilities=["x" * 64] * 32)
+    state = max(len(pack(StateRequest(run_id=run.run_id, stage=1023, chunk=2**20, version=2**63 - 1))),
+                len(pack(StateDigestRequest(run_id=run.run_id, stage=1023, seed=2**63 - 1, dims=256))))
+    averaging = averaging_request_bytes(run)
     return {"forward": len(pack(forward)) + SLACK_BYTES, "backward": len(pack(backward)) + SLACK_BYTES,
             "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
-            INFER_RPC: infer_message_bytes(run)["request"]}
+            INFER_RPC: infer_message_bytes(run)["request"], STATE_RPC: state + SLACK_BYTES, AVG_RPC: averaging,
+            SYNC_RPC: averaging}
 
 
 def infer_message_bytes(run: RunConfig) -> dict[str, int]:
