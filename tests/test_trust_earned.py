@@ -30,7 +30,6 @@ def test_an_answer_to_our_call_does_not_make_a_peer_known(monkeypatch):
 
 
 def test_every_handler_has_a_request_size_limit_that_its_largest_honest_request_fits():
-    import torch
 
     from peer.pipeline.sizes import HANDLER_KINDS, pipeline_request_bytes
     from protocol.codecs.registry import encode

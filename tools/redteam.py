@@ -394,6 +394,9 @@ ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[st
     "stream_flood": stream_flood,
     "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole,
     "lying_donor": lying_donor}
+from tools.redteam_state import ATTACKS as _STATE_ATTACKS  # noqa: E402 (its attacks use this module's helpers)
+
+ATTACKS.update(_STATE_ATTACKS)
 FLOOD = {"ids": 16, "streams": 16}
 
 

@@ -110,9 +110,10 @@ class StateSyncConfig:
     """Server: chunks one peer may fetch per second (64 MiB/s at 4 MiB chunks) ..."""
     peer_chunk_burst: int = 64
     """Server: ... in a burst of at most this many; beyond either budget the request is answered Busy."""
-    witnesses: int = 3
+    witnesses: int = 8
     """Client: replicas of the stage asked for the digest of their state before a delivered state is loaded
-    (``peer.state.witness``; every one asked must agree; 0: none)."""
+    (``peer.state.witness``; every one asked must agree; 0: none). Digests are small, so many are asked: a liar
+    must then control every replica asked, not three drawn at random, to have its state loaded."""
     witness_timeout_s: float = 20.0
     """Client: how long one witness may take to answer (a silent witness means "do not load")."""
     tensor_tolerance: float = 0.5

@@ -4,7 +4,7 @@ Every source of a stage's state that is not this peer's own (a donor, a neighbou
 stage) is a claim: "most advanced" is what a record *announces*, and a liar announces the most. So before a delivered
 state is loaded, ``witnesses`` replicas of the stage each send the digest of their own current state
 (``peer.state.digest``: per tensor its norm and a 64-coordinate count sketch seeded by *us*, a few hundred bytes per
-tensor), and the joiner compares, per tensor, the delivered state's digest with each witness's.
+tensor; up to 8 replicas), and the joiner compares, per tensor, the delivered state's digest with each witness's.
 
 **Which replicas witness.** Peers this peer has validated work from (``trusted``: averaging parts it accepted, trained
 pipeline work) when any of them serves the stage; else, for a peer that has no history yet, replicas drawn at random

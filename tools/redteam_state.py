@@ -1,0 +1,265 @@
+"""Red-team attacks on loaded states and earned trust, registered in ``tools/redteam.py`` (same phases and report).
+
+Each attack is ``attack(att, victims, until) -> evidence`` like the others of the tool: ``att`` is its ``Attacker``
+(a DHT node of its own, raw libp2p clients), ``victims`` maps "a" (stage 0) and "b" (stage 1) to peer ids, and the
+evidence carries ``refused`` (the victims refused what the attack needed) and ``degraded`` (harm shown by the
+evidence itself). What each one does is in its docstring; docs/security.md has the measured results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.p2p import P2P
+
+from peer.membership.records import PeerRecord, announce
+from peer.membership.signing import Signer
+from peer.ops.metrics import PeerMetrics
+from peer.ops.procs import PeerProcess, terminate
+from peer.state.sync import STATE_RPC, StateServer, StateSyncConfig, load_state_from_peers
+from protocol.errors import RemoteError
+from protocol.limits import RpcLimits
+from protocol.messages import Busy, Error, Message, StateChunk, StateRequest
+from protocol.rpc import RpcServer, call
+from trainer.worker import StageWorker
+
+if TYPE_CHECKING:
+    from tools.redteam import Attacker
+
+Evidence = dict[str, Any]
+
+
+async def _serve_state(att: Attacker, p2p: P2P, stage: int, worker: StageWorker) -> RpcServer:
+    """A state server on ``p2p`` serving ``worker``'s state as stage ``stage``'s (unlimited: the attacker's own)."""
+    async def worker_call(fn: Callable[[StageWorker], Any]) -> Any:
+        return fn(worker)
+
+    server = RpcServer(p2p, RpcLimits())
+    unlimited = {k: 10**6 for k in ("peer_start_burst", "peer_chunk_burst")
+                 if k in {f.name for f in dataclasses.fields(StateSyncConfig)}}  # (versions before the limits)
+    state = StateServer(p2p=p2p, rpc_server=server, run=att.run, stage=stage, worker_call=worker_call,
+                        metrics=PeerMetrics("attacker", stage), config=StateSyncConfig(**unlimited))
+    await state.start()
+    state.ready = True
+    return server
+
+
+async def _announcing(att: Attacker, signer: Signer, rec: PeerRecord) -> asyncio.Task:
+    async def loop() -> None:
+        while True:
+            await announce(att.dht, att.run.run_id, rec, 4.0, signer=signer)
+            await asyncio.sleep(1.0)
+
+    task = asyncio.ensure_future(loop())
+    await asyncio.sleep(2.0)  # the record reaches the DHT before anyone reads it
+    return task
+
+
+def _zeros(att: Attacker, stage: int) -> StageWorker:
+    w = StageWorker(att.run, stage)
+    with torch.no_grad():
+        for p in w.model.parameters():
+            p.zero_()
+    return w
+
+
+async def _join(att: Attacker, name: str, stage: int) -> tuple[PeerProcess, dict[str, Any]]:
+    from tools.redteam import _spawn_honest
+    joiner = _spawn_honest(att, name, stage)
+    status = await asyncio.to_thread(joiner.wait_status, lambda st: st.get("state") == "training", 120,
+                                     f"{name} training")
+    return joiner, status
+
+
+async def poisoned_backup(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """The attacker's record says it is a stage-0 peer holding a copy of stage 1 at step 10^6 (``backup_stage`` 1)
+    and it serves a zeroed stage-1 state. A joiner of stage 1 ranks that copy above the honest donor (b): before,
+    it restored the copy unwitnessed; now b witnesses it and refuses it."""
+    server = await _serve_state(att, att.p2p, 1, _zeros(att, 1))
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=1, state="training",
+                     maddrs=[], backup_stage=1, backup_step=10**6, backup_taken_at=time.time())
+    task = await _announcing(att, att.signer, rec)
+    joiner: PeerProcess | None = None
+    try:
+        joiner, status = await _join(att, "pb", 1)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        log = joiner.log()
+        late = await asyncio.to_thread(joiner.status) or {}
+    finally:
+        task.cancel()
+        if joiner is not None:
+            terminate([joiner.proc], 10.0)
+        await server.shutdown()
+    restored = f"backup copy held by peer {att.signer.peer_id[:16]}" in log
+    counters = status.get("counters", {})
+    return {"refused": not restored and counters.get("state_sync_outvoted", 0) >= 1, "degraded": restored,
+            "joiner_restored_attackers_copy": restored, "joiner_outvoted": counters.get("state_sync_outvoted", 0),
+            "joiner_train_loss": late.get("train_loss")}
+
+
+async def poisoned_donor_state(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """The attacker fetches b's honest stage-1 state, then serves it as its own with ``local_step`` 2^62 (the
+    learning-rate schedule's end, for good), optimiser moments x 10^6 and announces version 10^6. A joiner takes it
+    (its weights are honest): before, with the step and moments; now with the step capped at the witnesses' and the
+    moments dropped."""
+    honest = await load_state_from_peers(p2p=att.p2p, run=att.run, stage=1, metrics=PeerMetrics("attacker", 1),
+                                         donors=[victims["b"]])
+    if honest is None:
+        return {"refused": False, "error": "could not read b's state"}
+    liar = StageWorker(att.run, 1)
+    liar.load_state_dict(honest)
+    liar.local_step = 2**62
+    for slot in liar.optimizer.state.values():
+        for v in slot.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                v.mul_(1e6)
+    server = await _serve_state(att, att.p2p, 1, liar)
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**6,
+                     state="training", maddrs=[])
+    task = await _announcing(att, att.signer, rec)
+    joiner: PeerProcess | None = None
+    try:
+        joiner, status = await _join(att, "pd", 1)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        late = await asyncio.to_thread(joiner.status) or {}
+    finally:
+        task.cancel()
+        if joiner is not None:
+            terminate([joiner.proc], 10.0)
+        await server.shutdown()
+    step = int(late.get("local_step") or 0)
+    counters = status.get("counters", {})
+    return {"refused": step < 2**40, "degraded": step >= 2**40, "joiner_local_step": step,
+            "joiner_step_capped": counters.get("state_step_capped", 0), "joiner_train_loss": late.get("train_loss")}
+
+
+async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """A liar announces a zeroed stage-1 state at version 10^6, and four sybil identities announce themselves as
+    stage-1 replicas serving the same zeros, so that a joiner's witnesses are mostly theirs. Before, two witnesses
+    drawn at random judged only chunk 0 and two chunks, and a silent one prevented any outvote; now every announced
+    replica (up to 8) is asked and each must agree, so the honest b refuses the zeros."""
+    zeros = _zeros(att, 1)
+    servers = [await _serve_state(att, att.p2p, 1, zeros)]
+    tasks = [await _announcing(att, att.signer, PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0,
+                                                           queue=0, version=10**6, state="training", maddrs=[]))]
+    signers, sybils = [], []
+    for i in range(4):  # each sybil: its own identity, serving the zeros, with a record signed by that identity
+        key = att.root / f"sybil{i}.key"
+        if not key.exists():
+            P2P.generate_identity(str(key))
+        p2p = await P2P.create(identity_path=str(key), initial_peers=att.initial,
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        sybils.append(p2p)
+        servers.append(await _serve_state(att, p2p, 1, zeros))
+        signers.append(Signer.from_identity_file(key))
+    for s in signers:
+        tasks.append(await _announcing(att, s, PeerRecord(peer_id=s.peer_id, stage=1, throughput=1.0, queue=0,
+                                                          version=10**5, state="training", maddrs=[])))
+    joiner: PeerProcess | None = None
+    try:
+        joiner, status = await _join(att, "pw", 1)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        log = joiner.log()
+    finally:
+        for t in tasks:
+            t.cancel()
+        if joiner is not None:
+            terminate([joiner.proc], 10.0)
+        await asyncio.gather(*(s.shutdown() for s in servers), return_exceptions=True)
+        await asyncio.gather(*(p.shutdown() for p in sybils), return_exceptions=True)
+    loaded = next((line for line in log.splitlines() if "loaded stage 1 state from" in line), "")
+    from_liar = att.signer.peer_id[:16] in loaded
+    counters = status.get("counters", {})
+    return {"refused": not from_liar and counters.get("state_sync_outvoted", 0) >= 1, "degraded": from_liar,
+            "joiner_loaded_from_liar": from_liar, "joiner_outvoted": counters.get("state_sync_outvoted", 0),
+            "sybil_records": len(signers)}
+
+
+async def bounds_reset(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """The attacker announces itself as a stage-0 peer and sends b (stage 1) forwards whose activations are 1000x
+    a trained stage's: before, four of them in a row made b forget its learnt norm bound; now the refusals of one
+    sender never reset it while another stage-0 peer (a) is announced."""
+    from tools.redteam import _counters, _forward
+    task = await _announcing(att, att.signer, PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0,
+                                                         queue=0, version=0, state="training", maddrs=[]))
+    b = victims["b"]
+    before = await _counters(att.status_b)
+    b_, t = att.run.data.batch_size, att.run.model.block_size
+    replies: dict[str, int] = {}
+    n = 0
+    while time.monotonic() < until - 1.0 and n < 64:
+        x = 1000 * torch.randn(b_, t, att.run.model.n_embd)
+        try:
+            reply = await call(att.p2p, b, "forward", _forward(att.run, 2**40 + n, [att.signer.peer_id], x),
+                               timeout=5.0)
+            name = reply.code.name if isinstance(reply, Error) else type(reply).__name__
+        except RemoteError as e:
+            name = e.code.name
+        except Exception as e:  # how the victim ended the call is the observation
+            name = type(e).__name__
+        replies[name] = replies.get(name, 0) + 1
+        n += 1
+        await asyncio.sleep(0.05)
+    task.cancel()
+    after = await _counters(att.status_b)
+    relearnt = after.get("relearnt:activations_norm", 0) - before.get("relearnt:activations_norm", 0)
+    return {"refused": relearnt == 0, "degraded": relearnt > 0, "b_relearnt_bound": relearnt, "replies": replies}
+
+
+async def state_flood(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """The attacker asks a for a new transfer (chunk 0: a snapshot, the skeleton) as fast as answers come: before,
+    every request was served; now a few are, then Busy."""
+    a = victims["a"]
+    replies: dict[str, int] = {}
+    t0 = time.monotonic()
+    while time.monotonic() < min(until, t0 + 10.0):
+        try:
+            reply: Message = await call(att.p2p, a, STATE_RPC, StateRequest(run_id=att.run.run_id, stage=0, chunk=0),
+                                        timeout=10.0)
+            name = type(reply).__name__
+        except RemoteError as e:
+            name = e.code.name
+        except Exception as e:  # how the victim ended the call is the observation
+            name = type(e).__name__
+        replies[name] = replies.get(name, 0) + 1
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    served = replies.get(StateChunk.__name__, 0)
+    return {"refused": replies.get(Busy.__name__, 0) > served, "replies": replies, "seconds": 10.0}
+
+
+async def phantom_quorum(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """A second honest stage-0 replica (c) joins a; the attacker announces two stage-0 records that never answer.
+    Before, the rounds' full quorum counted them, so every round of a and c (2 parts) was a clipped minority round
+    (avg_pull_clipped); now only partners heard from count."""
+    signers = [Signer.generate() for _ in range(2)]  # records only: nobody behind them answers
+    c: PeerProcess | None = None
+    tasks: list[asyncio.Task] = []
+    try:
+        c, _ = await _join(att, "pc", 0)
+        for s in signers:
+            tasks.append(await _announcing(att, s, PeerRecord(peer_id=s.peer_id, stage=0, throughput=1.0, queue=0,
+                                                              version=1, state="training", maddrs=[])))
+        from tools.redteam import _counters
+        before = await _counters(att.status_a)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        after = await _counters(att.status_a)
+    finally:
+        for t in tasks:
+            t.cancel()
+        if c is not None:
+            terminate([c.proc], 10.0)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("avg_pull_clipped", "averaging_rounds_ok",
+                                                             "avg_below_quorum")}
+    return {"refused": delta["avg_pull_clipped"] == 0 and delta["averaging_rounds_ok"] > 0,
+            "degraded": delta["avg_pull_clipped"] > 0, "a_rounds": delta}
+
+
+ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[Evidence]]] = {
+    "poisoned_backup": poisoned_backup, "poisoned_donor_state": poisoned_donor_state,
+    "witness_sybils": witness_sybils, "bounds_reset": bounds_reset, "state_flood": state_flood,
+    "phantom_quorum": phantom_quorum}
