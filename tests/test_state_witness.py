@@ -100,6 +100,7 @@ def test_moments_and_pending_gradients_are_dropped_and_the_step_is_capped_at_the
         state = await _load(servers, ["liar"], list(servers), metrics)
         assert state is not None and _weights_of(state, liar)  # its weights are honest: loaded
         assert state["optimizer"]["state"] == {} and state["grads"] is None and state["accumulated"] == 0
+        assert state["averaging"] is None  # the loader keeps its own fresh EMA
         assert state["local_step"] == 5 and metrics.snapshot()["counters"]["state_step_capped"] == 1
         fresh = StageWorker(RUN, 0)
         fresh.load_state_dict(state)  # the worker takes it
@@ -153,11 +154,9 @@ def test_an_honest_swarm_agrees_and_a_lone_replica_loads_unwitnessed_only_when_a
     asyncio.run(main())
 
 
-def test_witnessed_tensors_are_the_weights_and_the_ema():
-    w = _trained_worker(1, 2)
-    state = w.state_dict()
-    n_ema = len(state["averaging"]["ema"]) if state["averaging"] else 0
-    assert len(witnessed_tensors(state)) == len(state["model"]) + n_ema
+def test_witnessed_tensors_are_the_weights():
+    state = _trained_worker(1, 2).state_dict()
+    assert witnessed_tensors(state) == list(state["model"].values())
 
 
 def test_one_peer_gets_a_few_snapshots_and_a_bounded_chunk_rate_then_busy():
@@ -176,5 +175,18 @@ def test_one_peer_gets_a_few_snapshots_and_a_bounded_chunk_rate_then_busy():
         assert isinstance(await server._handle(StateRequest(run_id=RUN.run_id, stage=0, chunk=0), "flooder"),
                           StateChunk)
         assert server.metrics.snapshot()["counters"]["rejected:state_rate_limited"] == 20 - 6
+
+    asyncio.run(main())
+
+
+def test_a_client_that_trusts_nobody_keeps_the_replicas_a_majority_vouches_for():
+    """generate through a live swarm: a liar among three honest replicas of a stage is not used."""
+    from peer.state.witness import agreeing_replicas
+
+    async def main():
+        servers = {"liar": _server(_liar("zeros")), **{f"h{i}": _server(_trained_worker(i, 2)) for i in (1, 2, 3)}}
+        kept = await agreeing_replicas(transport=Direct(servers), run=RUN, stage=0, peers=list(servers),
+                                       config=SMALL_CHUNKS)
+        assert sorted(kept) == ["h1", "h2", "h3"]
 
     asyncio.run(main())

@@ -246,7 +246,7 @@ async def phantom_quorum(att: Attacker, victims: dict[str, str], until: float) -
                                                               version=1, state="training", maddrs=[])))
         from tools.redteam import _counters
         before = await _counters(att.status_a)
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        await asyncio.sleep(max(15.0, until - time.monotonic()))  # rounds of a and c, whenever c came
         after = await _counters(att.status_a)
     finally:
         for t in tasks:

@@ -153,13 +153,17 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
     try:
         p2p = await dht.replicate_p2p()
         sizes = infer_message_bytes(run_cfg)
-        pipe = RemotePipeline(run=run_cfg, call=rpc_call(p2p, max(sizes.values())), codec=args.codec,
+        pipe = RemotePipeline(run=run_cfg, call=rpc_call(p2p, max(*sizes.values(), 2**20)), codec=args.codec,
                               read_swarm=lambda: fetch_swarm(dht, run_cfg.run_id, timeout=min(10.0, args.timeout)),
                               timeout_s=args.timeout, where=args.initial_peers[0])
         await pipe.refresh()
         if not pipe.records:  # nobody of this run: perhaps the swarm trains another run (a wrong --run)
             await pipe.probe_run([m.rsplit("/p2p/", 1)[1] for m in args.initial_peers])
         await pipe.wait_for_stages(args.timeout)
+        for stage, excluded in (await pipe.witness_stages()).items():
+            if excluded:
+                print(f"asyncmesh-peer generate: stage {stage}: not using {', '.join(map(short_id, excluded))}: "
+                      "the stage's other replicas do not vouch for its state", file=sys.stderr)
         ids, t0 = list(prompt), time.monotonic()
         sys.stdout.write(decoder.decode(bytes(prompt)))
         written = True

@@ -100,6 +100,7 @@ class RemotePipeline:
         self.records: dict[str, PeerRecord] = {}
         self.read_at = -REFRESH_S
         self.hops: list[Hop] = []  # the last token's, one per stage
+        self.excluded: set[str] = set()  # replicas whose state the others of their stage do not vouch for
 
     # ----- the swarm -------------------------------------------------------------------------------------------------
     async def refresh(self) -> dict[str, PeerRecord]:
@@ -110,6 +111,33 @@ class RemotePipeline:
             self.records = records
             self.router.forget(records)
         return self.records
+
+    async def witness_stages(self) -> dict[int, list[str]]:
+        """Keep, per stage, only the replicas whose state a majority of the stage's replicas vouch for (digests,
+        ``peer.state.witness.agreeing_replicas``): a liar announcing the most progress serves no token. Returns the
+        replicas excluded per stage; ``SwarmUnavailable`` when no replica of a stage is vouched for."""
+        from peer.state.sync import StateSyncConfig
+        from peer.state.witness import agreeing_replicas
+
+        call = self.call
+
+        class _Transport:
+            async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message:
+                return await call(peer_id, name, msg, timeout)
+
+        out: dict[int, list[str]] = {}
+        for stage in range(self.run.n_stages):
+            peers = [r.peer_id for r in self.records.values() if r.stage == stage and r.state == "training"]
+            if len(peers) < 2:
+                continue
+            kept = await agreeing_replicas(transport=_Transport(), run=self.run, stage=stage, peers=peers,
+                                           config=StateSyncConfig(witness_timeout_s=min(10.0, self.timeout_s)))
+            if not kept:
+                raise SwarmUnavailable(f"no replica of stage {stage} is vouched for by the others ({len(peers)} "
+                                       "announced): they disagree, or none answered; try again later")
+            out[stage] = sorted(set(peers) - set(kept))
+            self.excluded.update(out[stage])
+        return out
 
     def missing(self) -> list[int]:
         """Stages with no announced training peer in the current view."""
@@ -191,7 +219,7 @@ class RemotePipeline:
                 raise SwarmUnavailable(f"no peer of stage {stage} answered within --timeout {self.timeout_s:g} s "
                                        f"(last: {why}); the swarm may be busy or unreachable, try again later")
             try:
-                record = self.router.choose(self.records.values(), stage, exclude=tried)
+                record = self.router.choose(self.records.values(), stage, exclude=tried | self.excluded)
             except NoRouteError:
                 if time.monotonic() - self.read_at >= REFRESH_MIN_S:
                     await self.refresh()

@@ -1,7 +1,7 @@
 """Per-tensor digests of a stage's state: what a witness sends so that a joiner can compare a whole state cheaply.
 
-A digest covers every tensor that a loaded state keeps (``witnessed_tensors``: the model weights and the averaging
-rule's EMA; the optimiser moments and pending gradients are not kept, see ``peer.state.witness``). For each one it
+A digest covers every tensor that a loaded state keeps (``witnessed_tensors``: the model weights; the optimiser
+moments, the averaging EMA and pending gradients are not kept, see ``peer.state.witness``). For each one it
 holds the tensor's exact norm and a count sketch of ``dims`` coordinates: every coordinate is added, with a random
 sign, into one of ``dims`` buckets, both drawn from a generator seeded by the *joiner's* seed and the tensor's index.
 The sketch is linear, so the sketch of a difference is the difference of the sketches, and its norm estimates the
@@ -44,13 +44,9 @@ class Digest:
 
 
 def witnessed_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors of a worker state dict that a load keeps and a witness vouches for, in a fixed order: the model's
-    weights in state-dict order, then the averaging rule's EMA (when the rule keeps one)."""
-    out = [t for t in state["model"].values()]
-    averaging = state.get("averaging")
-    if isinstance(averaging, dict) and isinstance(averaging.get("ema"), list):
-        out.extend(averaging["ema"])
-    return out
+    """The tensors of a worker state dict that a load keeps and a witness vouches for: the model's weights, in
+    state-dict order (the averaging EMA, like the optimiser moments, is per-replica bookkeeping reset on load)."""
+    return list(state["model"].values())
 
 
 def witnessed_from_flat(skeleton: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -61,13 +57,7 @@ def witnessed_from_flat(skeleton: str, tensors: list[torch.Tensor]) -> list[torc
     model = top.get("model")
     if not isinstance(model, dict) or "d" not in model:
         raise ValueError("the snapshot holds no model weights")
-    indices = [v["T"] for _, v in model["d"]]
-    averaging = top.get("averaging")
-    if isinstance(averaging, dict):
-        ema = {k: v for k, v in averaging.get("d", [])}.get("ema")
-        if isinstance(ema, dict):
-            indices.extend(v["T"] for v in ema.get("l", []))
-    return [tensors[i] for i in indices]
+    return [tensors[v["T"]] for _, v in model["d"]]
 
 
 def sketch(t: torch.Tensor, *, seed: int, index: int, dims: int) -> torch.Tensor:
@@ -113,9 +103,12 @@ def digest_chunk(*, run_id: str, stage: int, version: int, skeleton: str, tensor
                                "numel": encode(d.numel, "none")})
 
 
-def read_digest(reply: StateChunk, *, dims: int, n_tensors: int, peer: str) -> Digest:
-    """The digest a witness sent, checked: ``n_tensors`` tensors of ``dims`` coordinates, finite, non-negative
-    norms. ValueError when it is not one (the witness is then counted as not answering)."""
+def read_digest(reply: StateChunk, *, dims: int, n_tensors: int | None, peer: str) -> Digest:
+    """The digest a witness sent, checked: ``n_tensors`` tensors (None: as many as it holds, at most 4096) of ``dims``
+    coordinates, finite, non-negative norms. ValueError when it is not one (the witness then counts as silent)."""
+    if n_tensors is None:
+        env = reply.tensors.get("norms")
+        n_tensors = env.shape[0] if env is not None and len(env.shape) == 1 and env.shape[0] <= 4096 else 0
     step = reply.meta.get("local_step")
     if reply.meta.get("digest") != dims or type(step) is not int or step < 0:
         raise ValueError("not a digest of the asked size")
