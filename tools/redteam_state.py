@@ -80,7 +80,9 @@ async def poisoned_backup(att: Attacker, victims: dict[str, str], until: float) 
     """The attacker's record says it is a stage-0 peer holding a copy of stage 1 at step 10^6 (``backup_stage`` 1)
     and it serves a zeroed stage-1 state. A joiner of stage 1 ranks that copy above the honest donor (b): before,
     it restored the copy unwitnessed; now b witnesses it and refuses it."""
-    server = await _serve_state(att, att.p2p, 1, _zeros(att, 1))
+    zeros = _zeros(att, 1)
+    zeros.local_step = 10**6  # what the copy's own counter says, like its record
+    server = await _serve_state(att, att.p2p, 1, zeros)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=1, state="training",
                      maddrs=[], backup_stage=1, backup_step=10**6, backup_taken_at=time.time())
     task = await _announcing(att, att.signer, rec)
@@ -144,6 +146,7 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
     drawn at random judged only chunk 0 and two chunks, and a silent one prevented any outvote; now every announced
     replica (up to 8) is asked and each must agree, so the honest b refuses the zeros."""
     zeros = _zeros(att, 1)
+    zeros.local_step = 10**6
     servers = [await _serve_state(att, att.p2p, 1, zeros)]
     tasks = [await _announcing(att, att.signer, PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0,
                                                            queue=0, version=10**6, state="training", maddrs=[]))]
