@@ -24,7 +24,7 @@ from peer.ops.procs import PeerProcess, terminate
 from peer.state.sync import STATE_RPC, StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import RemoteError
 from protocol.limits import RpcLimits
-from protocol.messages import Busy, Error, Message, StateChunk, StateRequest
+from protocol.messages import Ack, Busy, Error, Message, StateChunk, StateRequest
 from protocol.rpc import RpcServer, call
 from trainer.worker import StageWorker
 
@@ -262,7 +262,51 @@ async def phantom_quorum(att: Attacker, victims: dict[str, str], until: float) -
             "degraded": delta["avg_pull_clipped"] > 0, "a_rounds": delta}
 
 
+async def vouch_sybils(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
+    """Two sybil identities announce themselves as stage-0 replicas and answer every averaging call of a with Ack
+    (no part): before, any reply that was not Busy made a sybil a known peer (no refusal budget, never banned).
+    Then each sends 150 garbage requests at once: a stranger is banned after its refusal budget (40) and its
+    later streams are held unanswered; a known peer's are all answered."""
+    sybils: list[P2P] = []
+    servers: list[RpcServer] = []
+    tasks: list[asyncio.Task] = []
+
+    async def ack(msg: Message, peer: str) -> Message:
+        return Ack()
+
+    try:
+        for i in range(2):
+            key = att.root / f"voucher{i}.key"
+            if not key.exists():
+                P2P.generate_identity(str(key))
+            p2p = await P2P.create(identity_path=str(key), initial_peers=att.initial,
+                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            sybils.append(p2p)
+            server = RpcServer(p2p, RpcLimits())
+            await server.add_handler("avg_part", ack)
+            servers.append(server)
+            signer = Signer.from_identity_file(key)
+            tasks.append(await _announcing(att, signer, PeerRecord(peer_id=signer.peer_id, stage=0, throughput=1.0,
+                                                                   queue=0, version=1, state="training",
+                                                                   maddrs=[])))
+        await asyncio.sleep(8.0)  # a few averaging rounds of a call them
+        answered: dict[str, int] = {}
+        for p2p in sybils:
+            got = await asyncio.gather(*(att.raw(p2p, victims["a"], "forward", b"\x00garbage" * 8, timeout=4.0)
+                                         for _ in range(150)))
+            for name in got:
+                answered[name] = answered.get(name, 0) + 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*(s.shutdown() for s in servers), return_exceptions=True)
+        await asyncio.gather(*(p.shutdown() for p in sybils), return_exceptions=True)
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    held = sum(n for name, n in answered.items() if name != "BAD_REQUEST")
+    return {"refused": held > 0, "degraded": held == 0, "replies": answered, "requests": 300}
+
+
 ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[Evidence]]] = {
     "poisoned_backup": poisoned_backup, "poisoned_donor_state": poisoned_donor_state,
     "witness_sybils": witness_sybils, "bounds_reset": bounds_reset, "state_flood": state_flood,
-    "phantom_quorum": phantom_quorum}
+    "phantom_quorum": phantom_quorum, "vouch_sybils": vouch_sybils}
