@@ -302,7 +302,8 @@ async def vouch_sybils(att: Attacker, victims: dict[str, str], until: float) -> 
         await asyncio.gather(*(s.shutdown() for s in servers), return_exceptions=True)
         await asyncio.gather(*(p.shutdown() for p in sybils), return_exceptions=True)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
-    held = sum(n for name, n in answered.items() if name != "BAD_REQUEST")
+    # a banned stranger's streams end or are held unanswered; Busy is only the per-peer stream limit
+    held = sum(n for name, n in answered.items() if name not in ("BAD_REQUEST", "Busy"))
     return {"refused": held > 0, "degraded": held == 0, "replies": answered, "requests": 300}
 
 
