@@ -334,3 +334,19 @@ async def test_phantom_records_do_not_make_an_honest_pair_a_clipped_minority_rou
     assert all(w.finished for w in workers)
     for _, metrics in peers:
         assert metrics.snapshot()["counters"].get("avg_pull_clipped", 0) == 0
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_parts_the_aggregate_kept_make_their_senders_known_and_dropped_ones_do_not():
+    """Trust is earned: a part kept by the robust aggregate vouches for its sender; a zero part dropped as an outlier
+    does not (before, any reply to our call made its sender known)."""
+    net, names = MemTransport(), ["p0", "p1", "p2", "x"]
+    workers = [FakeWorker(i) for i in range(4)]
+    peers = [_make_peer(net, n, w, names, attack="zeros" if n == "x" else "")
+             for n, w in zip(names, workers, strict=True)]
+    vouched: list[str] = []
+    peers[0][0].vouch = vouched.append
+    await _run_rounds([lp for lp, _ in peers], 2.6)
+    assert workers[0].finished
+    assert {"p1", "p2"} <= set(vouched) and "x" not in vouched
