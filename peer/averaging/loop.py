@@ -467,8 +467,9 @@ class AveragingLoop:
                 continue
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("round %d: part of %s dropped: far from the robust centre", slot.key, peer)
-        if self.vouch is not None and not clipped:  # parts kept in a round not bounded as a minority round:
-            for peer in slot.contributions:                  # validated work of their senders
+        # parts kept in a round whose pull was not bounded as a minority round's: validated work of their senders
+        if self.vouch is not None and not clipped:
+            for peer in slot.contributions:
                 if peer not in dropped and peer != self.me:
                     self.vouch(peer)
         if clipped:
