@@ -94,8 +94,13 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     pool = build(net, [["a0"], ["b1", "c1"]], cfg)
     measured = []
     net.stages["a0"].on_first_measure = lambda: measured.append(net.stages["a0"].throughput())
+    vouched: dict[str, set[str]] = {pid: set() for pid in net.stages}
+    for pid, stage in net.stages.items():
+        stage.vouch = vouched[pid].add
     driver = asyncio.run(_run_driver(net, corpus, cfg, steps=60))
     pool.shutdown()
+    # trust is earned by validated work: stage 0 vouches for the stage-1 peers whose gradients it took, they for it
+    assert vouched["a0"] == {"b1", "c1"} and vouched["b1"] == vouched["c1"] == {"a0"}
     assert len(measured) == 1 and measured[0] > 0  # the daemon announces its first real throughput at once
     assert net.stages["a0"].worker.local_step >= 60
     steps1 = net.stages["b1"].worker.local_step + net.stages["c1"].worker.local_step
