@@ -11,8 +11,10 @@ When no donor of the stage delivers a state (every peer of it died, and their re
 neighbour copies of the stage are sources too
 (``peer.state.spare``): the ones other peers announce in their records and this peer's own, ranked by progress like
 the rest. A copy from another peer is witnessed like a donor's state, by the stage's live replicas and the other
-copies' holders (and this peer's own copy), and is never loaded unwitnessed: a record can announce any copy. Restoring
-from one logs a WARNING naming the peer that held it, its step and its age.
+copies' holders (and this peer's own copy); while the stage has a live replica a copy is never loaded unwitnessed (a
+record can announce any copy). Only a stage that lost every replica and whose one announced copy has nobody to
+witness it is restored from that copy unwitnessed (with a warning): the alternative is the run's seeded init.
+Restoring from one logs a WARNING naming the peer that held it, its step and its age.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
             vet = witness_vetter(run=run, stage=stage, config=config, metrics=metrics, trusted=trusted,
                                  announced=[*replicas, *holding],
                                  local={"this peer's copy": own} if own is not None else None,
-                                 allow_alone=False, what="a backup copy")
+                                 allow_alone=not replicas, what="a backup copy")
             try:
                 state = await asyncio.wait_for(load_state_from_peers(
                     p2p=p2p, run=run, stage=stage, metrics=metrics, reference=reference, donors=[copy.label],

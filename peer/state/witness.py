@@ -18,8 +18,9 @@ that is silent, answers garbage, or disagrees means "do not load": the caller tr
 the run's seeded init with a WARNING. A liar can thus keep a joiner from loading (it then starts from the init and
 the averaging rounds pull it in), never make it load a state no witness vouches for. Only when the stage has no other
 replica than the donor at all, or the donor alone is trusted, is its state loaded unwitnessed (``allow_alone``;
-counted and logged): the stage is then that donor's, whatever we load. A backup copy is never loaded unwitnessed
-unless its holder is trusted.
+counted and logged): the stage is then that donor's, whatever we load. A backup copy is loaded unwitnessed only when
+the stage has no live replica and no other copy is announced (its only alternative is the seeded init); the
+neighbour backup loop copies an unwitnessed state only from a holder that did validated work for us.
 
 **A stage of two** (the donor and one other replica): the other replica is the only witness and must agree; if it
 does not, nothing is loaded (the joiner starts from the init, with a warning) unless the donor did validated work
