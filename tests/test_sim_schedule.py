@@ -94,9 +94,9 @@ def test_sparse_averaging_rounds_are_applied_tau_steps_late():
         for w in row:
             original = w.averaging_finish
 
-            def spy(rn, mean, *, group_size=None, w=w, original=original):
+            def spy(rn, mean, w=w, original=original):
                 finished.append((w.stage, rn, w.local_step))
-                return original(rn, mean, group_size=group_size)
+                return original(rn, mean)
 
             w.averaging_finish = spy
     state.run_async()
@@ -123,9 +123,9 @@ def test_rounds_batch_round_steps_and_draw_measured_delays():
         begun.append((rn, w.local_step))
         return begin(rn)
 
-    def spy_finish(rn, mean, *, group_size=None, w=w, finish=finish):
+    def spy_finish(rn, mean, w=w, finish=finish):
         finished[rn] = w.local_step
-        return finish(rn, mean, group_size=group_size)
+        return finish(rn, mean)
 
     w.averaging_begin, w.averaging_finish = spy_begin, spy_finish
     state.run_async()

@@ -53,10 +53,10 @@ from typing import Any
 import torch
 
 from trainer.attacks import ATTACKS, byzantine_part
-from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.robust import aggregate
+from trainer.rules import rule_of, wagma_members
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
@@ -146,7 +146,7 @@ class SimConfig:
         for m in self.methods:
             if m == "full-avg":  # no delay by definition
                 out.append((m, m, 0))
-            elif self.taus and METHODS[m].combine in ("avg", "wagma"):
+            elif self.taus and METHODS[m].combine == "avg":
                 out.extend((f"{m}@tau{t}", m, t) for t in self.taus)
             else:
                 out.append((m, m, self.tau))
@@ -200,6 +200,7 @@ class _Run:
     def __init__(self, sim: SimConfig, spec: MethodSpec, tau: int, corpus, val: list) -> None:
         self.sim, self.spec, self.tau = sim, spec, tau
         self.run = spec.configure(sim.run, _Knobs(sim, tau))
+        self.rule = rule_of(self.run.averaging)
         self.K, self.R = self.run.n_stages, sim.n_replicas
         auto = spec.combine != "grad"
         self.w = [[StageWorker(self.run, s, device=sim.device, replica=r, auto_step=auto) for s in range(self.K)]
@@ -278,8 +279,8 @@ class _Run:
             self._begin(s, ws, step)
         due = [item for item in self.fifo[s] if item[0] <= step]
         self.fifo[s] = [item for item in self.fifo[s] if item[0] > step]
-        for _, rn, means, sizes in due:
-            self._finish(s, ws, rn, means, sizes)
+        for _, rn, means in due:
+            self._finish(s, ws, rn, means)
 
     def _begin(self, s: int, ws: list[StageWorker], step: int) -> None:
         cfg = self.run.averaging
@@ -290,30 +291,24 @@ class _Run:
         tau = self._draw_tau()
         if s == 0:
             self.delays.append(tau)
-        if self.spec.combine == "wagma":
-            if wagma_is_global(rn, cfg.wagma_global_every):
-                groups = [list(range(self.R))] * self.R
-            else:
-                groups = [wagma_group(r, rn, self.R, cfg.wagma_group_size) for r in range(self.R)]
+        if self.rule.groups:  # rounds are numbered consecutively here: the phase is the round number
+            groups = [wagma_members(r, rn, self.R, cfg) for r in range(self.R)]
             means = [self._combine([sent[j] for j in grp], grp.index(r)) for r, grp in enumerate(groups)]
-            sizes = [len(grp) for grp in groups]  # a global round arrives as late as the others, as a correction
-        else:
-            if cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
-                means = [self._combine(sent, r) for r in range(self.R)]
-            else:  # every replica computes the same aggregate
-                means = [self._combine(sent, 0)] * self.R
-            sizes = [self.R] * self.R
+        elif cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
+            means = [self._combine(sent, r) for r in range(self.R)]
+        else:  # every replica computes the same aggregate
+            means = [self._combine(sent, 0)] * self.R
         if tau == 0:
-            self._finish(s, ws, rn, means, sizes)
+            self._finish(s, ws, rn, means)
         else:
-            self.fifo[s].append((step + tau, rn, means, sizes))
+            self.fifo[s].append((step + tau, rn, means))
 
-    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list, sizes: list[int]) -> None:
-        for w, m, n in zip(ws, means, sizes, strict=True):
-            w.averaging_finish(rn, m, group_size=n)
+    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list) -> None:
+        for w, m in zip(ws, means, strict=True):
+            w.averaging_finish(rn, m)
         self.rounds_applied += 1
         if s == 0:
-            self.fraction_applied += 1.0 if self.spec.combine == "wagma" else self.run.averaging.round_fraction
+            self.fraction_applied += self.rule.round_fraction(self.run.averaging)
 
     def _attack(self, sent: list[list[torch.Tensor]]) -> None:
         """Replace the Byzantine replicas' parts (in place) by the configured attack."""
@@ -470,14 +465,14 @@ def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, An
     final = state.curve[-1]
     first = state.curve[0]
     return {
-        "name": name, "method": method, "tau": tau if spec.combine in ("avg", "wagma") else None,
+        "name": name, "method": method, "tau": tau if spec.combine == "avg" else None,
         "summary": spec.summary,
         "final_val_loss": final["val_loss"], "first_val_loss": first["val_loss"],
         "final_train_loss": final["train_loss"],
         "samples": final["samples"], "updates": state.w[0][0].local_step,
         "averaging_rounds_applied": state.rounds_applied,
         "avg_fraction_per_step": (state.fraction_applied / state.w[0][0].local_step
-                                  if spec.combine in ("avg", "wagma") and state.w[0][0].local_step else None),
+                                  if spec.combine == "avg" and state.w[0][0].local_step else None),
         "avg_delay_steps": (sum(state.delays) / len(state.delays)) if state.delays else None,
         "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
         "compute_s": round(time.perf_counter() - t0, 2),
