@@ -276,11 +276,13 @@ def test_large_stages_are_drawn_in_blocks_that_cover_them():
             assert max(len(g[j]) for g in got) - min(len(g[j]) for g in got) < 2 * 16  # one block, and a short one
     assert not torch.equal(parts.indices(0)[0], parts.indices(parts.n)[0])  # redrawn each cycle
     w = [torch.randn(s) for s in shapes]
-    part = parts.slice(5)
-    for j, (t, idx) in enumerate(zip(w, part.indices(), strict=True)):
-        assert torch.equal(part.gather(j, t), t.reshape(-1)[idx])
-        part.scatter(j, t, torch.zeros(len(idx)))
-        assert int((t.reshape(-1) == 0).sum()) == len(idx) == part.sizes()[j]
+    part = next(p for p in map(parts.slice, range(parts.n)) if any(p.tail))  # one with a short last block
+    idx = part.indices()
+    assert [len(i) for i in idx] == part.sizes
+    assert torch.equal(part.gather(w), torch.cat([t.reshape(-1)[i] for t, i in zip(w, idx, strict=True)]))
+    part.scatter(w, -torch.arange(float(part.total)) - 1)
+    assert torch.equal(torch.cat([t.reshape(-1)[i] for t, i in zip(w, idx, strict=True)]),
+                       -torch.arange(float(part.total)) - 1)
 
 
 def test_wagma_overlapping_rounds_re_apply_only_own_progress():

@@ -141,58 +141,63 @@ def block_size(total: int, n: int) -> int:
     return block
 
 
-@dataclass(frozen=True)
 class Slice:
     """One round's partition of a stage: per tensor the ascending ids of its blocks of ``block`` coordinates (the
-    last block of a tensor may be short). Gathers and scatters whole blocks as rows, so a round costs about a copy
-    of the slice."""
+    last block of a tensor may be short). Gathers and scatters whole blocks as rows, straight into (out of) one flat
+    buffer for the whole stage, so a round costs about a copy of the slice."""
 
-    rows: list[torch.Tensor]
-    block: int
-    numels: list[int]
-
-    def _split(self, j: int) -> tuple[torch.Tensor, bool]:
-        rows, full = self.rows[j], self.numels[j] // self.block
-        tail = bool(self.numels[j] % self.block) and rows.numel() > 0 and int(rows[-1]) == full
-        return (rows[:-1] if tail else rows), tail
-
-    def sizes(self) -> list[int]:
-        return [int(self._split(j)[0].numel()) * self.block + (self.numels[j] % self.block if self._split(j)[1]
-                                                              else 0) for j in range(len(self.rows))]
+    def __init__(self, rows: list[np.ndarray], block: int, numels: list[int]) -> None:
+        self.block, self.numels = block, numels
+        self.full = [numel // block for numel in numels]  # whole blocks of each tensor
+        # a tensor's short last block (numel % block coordinates) is copied apart from the whole ones
+        self.tail = [block > 1 and numel % block > 0 and len(r) > 0 and int(r[-1]) == full
+                     for r, numel, full in zip(rows, numels, self.full, strict=True)]
+        self.rows = [torch.from_numpy(r[:-1] if t else r) for r, t in zip(rows, self.tail, strict=True)]
+        self.sizes = [len(r) * block + (numel % block if t else 0)
+                      for r, numel, t in zip(self.rows, numels, self.tail, strict=True)]
+        self.total = sum(self.sizes)
 
     def indices(self) -> list[torch.Tensor]:
         """Flat coordinate indices (ascending), one LongTensor per tensor."""
-        if self.block == 1:
-            return list(self.rows)
         out = []
         for j, rows in enumerate(self.rows):
             idx = (rows.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
-            out.append(idx[idx < self.numels[j]])
+            if self.tail[j]:
+                idx = torch.cat([idx, torch.arange(self.full[j] * self.block, self.numels[j])])
+            out.append(idx)
         return out
 
-    def gather(self, j: int, t: torch.Tensor) -> torch.Tensor:
-        """Tensor j's slice of ``t`` (any shape of numel numels[j]) as a new flat tensor."""
-        flat = t.detach().reshape(-1)
-        if self.block == 1:
-            return flat.index_select(0, self.rows[j].to(flat.device))
-        rows, tail = self._split(j)
-        full = self.numels[j] // self.block
-        out = flat[: full * self.block].view(full, self.block).index_select(0, rows.to(flat.device)).reshape(-1)
-        return torch.cat([out, flat[full * self.block:]]) if tail else out
+    def _rows_view(self, j: int, flat: torch.Tensor) -> torch.Tensor:
+        return flat[: self.full[j] * self.block].view(self.full[j], self.block)
 
-    def scatter(self, j: int, t: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` (tensor j's slice, flat) into ``t`` in place."""
-        flat = t.data.view(-1)
-        values = values.to(device=flat.device, dtype=flat.dtype)
-        if self.block == 1:
-            flat.index_copy_(0, self.rows[j].to(flat.device), values)
-            return
-        rows, tail = self._split(j)
-        full, head = self.numels[j] // self.block, rows.numel() * self.block
-        flat[: full * self.block].view(full, self.block).index_copy_(
-            0, rows.to(flat.device), values[:head].view(-1, self.block))
-        if tail:
-            flat[full * self.block:] = values[head:]
+    def gather(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slice of ``tensors`` (the stage's, in order) as one flat tensor (the tensors' slices in order), new
+        or written into ``out``'s first ``total`` elements."""
+        if out is None:
+            out = torch.empty(self.total, dtype=tensors[0].dtype, device=tensors[0].device)
+        out = out[: self.total]
+        at = 0
+        for j, t in enumerate(tensors):
+            flat, head = t.detach().reshape(-1), len(self.rows[j]) * self.block
+            if head:
+                torch.index_select(self._rows_view(j, flat), 0, self.rows[j].to(flat.device),
+                                   out=out[at: at + head].view(-1, self.block))
+            if self.tail[j]:
+                out[at + head: at + self.sizes[j]] = flat[self.full[j] * self.block:]
+            at += self.sizes[j]
+        return out
+
+    def scatter(self, tensors: Sequence[torch.Tensor], values: torch.Tensor) -> None:
+        """Write ``values`` (a flat slice as ``gather`` returns it) into ``tensors`` in place."""
+        at = 0
+        for j, t in enumerate(tensors):
+            flat, head = t.data.view(-1), len(self.rows[j]) * self.block
+            if head:
+                self._rows_view(j, flat).index_copy_(0, self.rows[j].to(flat.device),
+                                                     values[at: at + head].view(-1, self.block))
+            if self.tail[j]:
+                flat[self.full[j] * self.block:] = values[at + head: at + self.sizes[j]]
+            at += self.sizes[j]
 
 
 class Partitioner:
@@ -223,6 +228,8 @@ class Partitioner:
         halves = [_halves(nb) for nb in self.n_blocks]
         self._masks = np.array([m for m, _ in halves], dtype=np.uint64)
         self._shifts = np.array([h for _, h in halves], dtype=np.uint64)
+        self._offsets = np.concatenate([[0], np.cumsum(self.n_blocks)]).astype(np.int64)
+        self._layouts: dict[int, tuple[np.ndarray, ...]] = {}
         self._keys: tuple[int, list[np.ndarray]] | None = None  # (cycle, per-round per-tensor keys)
 
     def _cycle_keys(self, cycle: int) -> list[np.ndarray]:
@@ -236,19 +243,27 @@ class Partitioner:
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
         if self.n == 1:
-            return Slice([torch.arange(nb) for nb in self.n_blocks], self.block, self.numels)
+            return Slice([np.arange(nb) for nb in self.n_blocks], self.block, self.numels)
         cycle, k = divmod(round_no, self.n)
-        counts = [len(range(k, nb, self.n)) for nb in self.n_blocks]
-        owner = np.repeat(np.arange(len(counts)), counts)
-        ys = np.concatenate([np.arange(k, nb, self.n, dtype=np.uint64) for nb in self.n_blocks])
-        keys = self._cycle_keys(cycle)
-        bounds = np.array(self.n_blocks, dtype=np.uint64)
-        blocks = _inverse_walk(ys, bounds[owner], self._masks[owner], self._shifts[owner], [k[owner] for k in keys])
-        offsets = np.concatenate([[0], np.cumsum(self.n_blocks)]).astype(np.int64)
-        glob = np.sort(blocks.astype(np.int64) + offsets[owner])
-        cuts = np.searchsorted(glob, offsets)
-        return Slice([torch.from_numpy(glob[cuts[j]:cuts[j + 1]] - offsets[j]) for j in range(len(counts))],
-                     self.block, self.numels)
+        owner, ys, bounds, masks, shifts = self._layout(k)
+        keys = [key[owner] for key in self._cycle_keys(cycle)]
+        blocks = _inverse_walk(ys, bounds, masks, shifts, keys)
+        glob = np.sort(blocks.astype(np.int64) + self._offsets[owner])
+        cuts = np.searchsorted(glob, self._offsets)
+        return Slice([glob[cuts[j]:cuts[j + 1]] - self._offsets[j] for j in range(len(self.numels))], self.block,
+                     self.numels)
+
+    def _layout(self, k: int) -> tuple[np.ndarray, ...]:
+        """Partition k's preimage inputs, the same every cycle: the tensor of each, k + n m, and its tensor's
+        bound, mask and shift (cached: a stage holds at most MAX_BLOCKS blocks in all)."""
+        got = self._layouts.get(k)
+        if got is None:
+            counts = [len(range(k, nb, self.n)) for nb in self.n_blocks]
+            owner = np.repeat(np.arange(len(counts)), np.array(counts, dtype=np.int64))
+            ys = np.concatenate([np.arange(k, nb, self.n, dtype=np.uint64) for nb in self.n_blocks])
+            bounds = np.array(self.n_blocks, dtype=np.uint64)
+            got = self._layouts[k] = (owner, ys, bounds[owner], self._masks[owner], self._shifts[owner])
+        return got
 
     def indices(self, round_no: int) -> list[torch.Tensor]:
         """Flat LongTensor indices (ascending) of round ``round_no``'s partition, one per parameter."""
@@ -292,17 +307,34 @@ class SparseAveragingState:
         # leave out what the rounds finishing in between did; transient (in-flight rounds do not survive a load)
         self.applied: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if self.rule.own_progress else []
         self.snapshots: dict[int, _Snapshot] = {}
+        # slice-sized buffers reused from round to round (a fresh one costs its page faults, about as much as the
+        # arithmetic): three a finish works in (trainer/rules.py), and the W_then copies of finished rounds
+        self._scratch: list[torch.Tensor] = []
+        self._spare: list[torch.Tensor] = []
+
+    def _buffers(self, size: int, like: torch.Tensor) -> list[torch.Tensor]:
+        if not self._scratch or self._scratch[0].numel() < size or self._scratch[0].device != like.device:
+            self._scratch = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(3)]
+        return self._scratch
+
+    def _copy(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of ``flat`` in a spare buffer when one is large enough."""
+        for i, buf in enumerate(self._spare):
+            if buf.numel() >= flat.numel() and buf.device == flat.device and buf.dtype == flat.dtype:
+                del self._spare[i]
+                return buf[: flat.numel()].copy_(flat)
+        return flat.clone()
 
     def begin(self, round_no: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Snapshot W[S] of round ``round_no``; returns copies of the values (one flat tensor per parameter)."""
         if round_no in self.snapshots:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
         part = self.partitioner.slice(round_no)
-        values = [part.gather(j, p) for j, p in enumerate(params)]
-        then = torch.cat(values) if self.rule.drift else None  # a copy: the values returned are the caller's
-        applied = torch.cat([part.gather(j, c) for j, c in enumerate(self.applied)]) if self.applied else None
+        flat = part.gather(params)
+        then = self._copy(flat) if self.rule.drift else None  # the values returned are the caller's
+        applied = part.gather(self.applied) if self.applied else None
         self.snapshots[round_no] = _Snapshot(part, then, applied)
-        return values
+        return list(flat.split(part.sizes))
 
     def abort(self, round_no: int) -> None:
         """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
@@ -318,7 +350,7 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
         if not self.rule.averages:
             raise AveragingError(f"averaging.rule {self.rule.name!r} does not average; set a rule to use averaging")
-        sizes = snap.part.sizes()
+        sizes = snap.part.sizes
         if len(mean) != len(sizes):
             raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(sizes)}")
         for j, (m, size) in enumerate(zip(mean, sizes, strict=True)):
@@ -328,29 +360,29 @@ class SparseAveragingState:
                 raise AveragingError(f"round {round_no}: tensor {j} has shape {tuple(m.shape)}, "
                                      f"expected ({size},)")
         dtype, device = params[0].dtype, params[0].device
-        a = torch.cat([m.to(device=device, dtype=dtype) for m in mean])
-        if not torch.isfinite(a).all():
+        scratch = self._buffers(sum(sizes), params[0])
+        a = torch.cat([m.to(device=device, dtype=dtype) for m in mean], out=scratch[2][: sum(sizes)])
+        if not torch.isfinite(a.sum()):  # one pass: NaN and Inf propagate into the sum
             raise AveragingError(f"round {round_no}: the mean holds NaN or Inf; round rejected")
         del self.snapshots[round_no]
         part = snap.part
-        now = torch.cat([part.gather(j, p) for j, p in enumerate(params)])
-        ema = torch.cat([part.gather(j, e) for j, e in enumerate(self.ema)]) if self.rule.ema else None
+        now = part.gather(params, scratch[0])
+        ema = part.gather(self.ema, scratch[1]) if self.rule.ema else None
         then, before = snap.then, None
         if snap.applied is not None and then is not None:
-            applied = torch.cat([part.gather(j, c) for j, c in enumerate(self.applied)])
+            applied = part.gather(self.applied)
             then = then + (applied - snap.applied)  # drift less the corrections applied since the begin
             before = now.clone()
         new, new_ema = self.rule.apply(RoundInputs(
             mean=a, now=now, then=then, ema=ema, lam=self.cfg.lam,
             mu=mu_at(self.cfg, local_step, self.total_steps)))
-        for j, (p, v) in enumerate(zip(params, new.split(sizes), strict=True)):
-            part.scatter(j, p, v)
+        part.scatter(params, new)
         if before is not None:
-            for j, (c, v) in enumerate(zip(self.applied, (new - before).split(sizes), strict=True)):
-                part.scatter(j, c, part.gather(j, c).add_(v))
+            part.scatter(self.applied, applied.add_(new - before))
+        if snap.then is not None and len(self._spare) < 2:
+            self._spare.append(snap.then)
         if new_ema is not None:
-            for j, (e, v) in enumerate(zip(self.ema, new_ema.split(sizes), strict=True)):
-                part.scatter(j, e, v)
+            part.scatter(self.ema, new_ema)
 
     def state_dict(self) -> dict:
         return {"ema": [e.clone() for e in self.ema]}

@@ -12,7 +12,9 @@ simulator and the daemon's averaging loop ask it instead of comparing names:
   that other rounds finishing in between applied (needed when every round covers every coordinate, see WAGMA).
 
 ``apply`` takes one round's flat tensors over the round's slice (the aggregate a of the replicas' published values,
-our current values W_now, W_then and e where the rule needs them) and returns the new values (and the new e).
+our current values W_now, W_then and e where the rule needs them) and returns the new values (and the new e). It may
+overwrite a, W_now and e, which are the caller's scratch copies: a round then allocates nothing the size of the
+slice (a fresh buffer costs its page faults, about as much as the arithmetic itself).
 The rules are written out in docs/design.md ("Data-parallel axis", "WAGMA group averaging").
 """
 
@@ -30,9 +32,10 @@ class RoundInputs:
     """One round at its finish, flat over the round's slice."""
 
     mean: torch.Tensor
-    """a: the aggregate of the published values (ours, as published at begin, among them)."""
+    """a: the aggregate of the published values (ours, as published at begin, among them; a copy the rule may
+    overwrite)."""
     now: torch.Tensor
-    """W_now: our values at the finish (a fresh copy the rule may overwrite)."""
+    """W_now: our values at the finish (a copy the rule may overwrite)."""
     then: torch.Tensor | None
     """W_then: our values at the begin (rules with ``drift``)."""
     ema: torch.Tensor | None
@@ -82,9 +85,9 @@ class _Ema(AveragingRule):
         assert r.then is not None and r.ema is not None
         drift = r.now.sub_(r.then)
         fresh = r.ema == 0
-        e = torch.lerp(drift, r.ema, r.mu)  # (1 - mu) drift + mu e
-        e = torch.where(fresh, drift, e)
-        return torch.add(r.mean, e, alpha=r.lam), e
+        e = r.ema.lerp_(drift, 1.0 - r.mu)  # mu e + (1 - mu) drift
+        e = torch.where(fresh, drift, e, out=e)
+        return r.mean.add_(e, alpha=r.lam), e
 
 
 class _Wagma(AveragingRule):
