@@ -44,9 +44,11 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 5  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
-# 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation)
-SUPPORTED_VERSIONS: tuple[int, ...] = (5,)
+PROTOCOL_VERSION = 6  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+# 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
+# 6: averaging partitions are drawn over blocks of coordinates (trainer/averaging.py): the same messages, but a peer
+# of version 5 would average other coordinates than ours under the same round number
+SUPPORTED_VERSIONS: tuple[int, ...] = (6,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
