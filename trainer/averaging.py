@@ -342,9 +342,10 @@ class SparseAveragingState:
 
     @torch.no_grad()
     def finish(self, round_no: int, mean: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-               local_step: int) -> None:
+               local_step: int, *, bounded: bool = False) -> None:
         """Apply the rule with the drift since ``begin``; validates ``mean`` (the aggregate of the round's published
-        values, one flat tensor per parameter) before touching any weight."""
+        values, one flat tensor per parameter) before touching any weight. ``bounded``: the aggregate's pull was
+        clipped (AveragingRule.apply_round)."""
         snap = self.snapshots.get(round_no)
         if snap is None:
             raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
@@ -373,9 +374,9 @@ class SparseAveragingState:
             applied = part.gather(self.applied)
             then = then + (applied - snap.applied)  # drift less the corrections applied since the begin
             before = now.clone()
-        new, new_ema = self.rule.apply(RoundInputs(
+        new, new_ema = self.rule.apply_round(RoundInputs(
             mean=a, now=now, then=then, ema=ema, lam=self.cfg.lam,
-            mu=mu_at(self.cfg, local_step, self.total_steps)))
+            mu=mu_at(self.cfg, local_step, self.total_steps), bounded=bounded))
         part.scatter(params, new)
         if before is not None:
             part.scatter(self.applied, applied.add_(new - before))

@@ -42,6 +42,8 @@ class RoundInputs:
     """e: the drift estimate (rules with ``ema``; a copy the rule may overwrite)."""
     lam: float = 1.0
     mu: float = 0.5
+    bounded: bool = False
+    """The aggregate's pull on our values was clipped (trainer/aggregate.py: a minority round): see ``apply_round``."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,17 @@ class AveragingRule:
     def round_fraction(self, cfg: AveragingConfig) -> float:
         """Fraction of every tensor one round averages: the run's p x round_steps, or 1 for whole-tensor rules."""
         return 1.0 if self.whole else cfg.round_fraction
+
+    def apply_round(self, r: RoundInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new values, new drift estimate or None). A round whose pull was clipped moves our values by exactly that
+        pull: W <- a + (W_now - W_then), our own drift, and the drift estimate is left as it was. The clip bounds
+        how far a round that liars may dominate moves us; a + lam e would move us by the pull plus lam e - drift,
+        which the bound does not cover (e is an average over past rounds, not this round's drift), and feeding the
+        round's drift into e would let such a round steer later ones."""
+        if r.bounded and self.drift:
+            assert r.then is not None
+            return r.now.sub_(r.then).add_(r.mean), None
+        return self.apply(r)
 
     def apply(self, r: RoundInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new values, new drift estimate or None)."""

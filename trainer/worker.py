@@ -406,13 +406,14 @@ class StageWorker:
         """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""
         return self._avg().begin(round_no, self._params)
 
-    def averaging_finish(self, round_no: int, mean: list[torch.Tensor]) -> None:
+    def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, bounded: bool = False) -> None:
         """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input.
 
-        Pending micro-batches keep the weights their forward used (stashed first when stashing is on)."""
+        Pending micro-batches keep the weights their forward used (stashed first when stashing is on). ``bounded``:
+        the aggregate's pull was clipped, so the round moves the weights by that pull only (trainer/rules.py)."""
         avg = self._avg()
         self._weights_will_change()  # a rejected mean leaves an identical copy behind, freed with its micro-batches
-        avg.finish(round_no, mean, self._params, self.local_step)
+        avg.finish(round_no, mean, self._params, self.local_step, bounded=bounded)
         self._keep_in_subspace()  # robust aggregation and quantised parts are not linear: back into the subspace
 
     def averaging_abort(self, round_no: int) -> None:

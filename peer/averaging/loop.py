@@ -395,8 +395,8 @@ class AveragingLoop:
                 self.metrics.observe_round(ok=False)
                 self._pay(-1)
                 return
-            mean, group = await self._combine(slot, asked=len(peers), quorum=need)
-            finish = self._finisher(r, mean)
+            mean, group, clipped = await self._combine(slot, asked=len(peers), quorum=need)
+            finish = self._finisher(r, mean, clipped)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
             tau = step1 - step0
@@ -448,8 +448,9 @@ class AveragingLoop:
         self.metrics.inc("avg_below_quorum")
         return True
 
-    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int]:
-        """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
+    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int, bool]:
+        """The round's robust aggregate (peer.averaging.aggregate), the contributions it kept, ours included, and
+        whether its pull on our values was clipped."""
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
@@ -467,11 +468,14 @@ class AveragingLoop:
             self.metrics.inc("avg_pull_clipped")
             logger.debug("round %d: %d of the stage's contributions pulled farther than half %s of our values' "
                          "norm: clipped", slot.key, len(slot.contributions) + 1, self.config.lone_bound)
-        return mean, len(slot.contributions) + 1 - len(dropped)
+        return mean, len(slot.contributions) + 1 - len(dropped), clipped
 
-    def _finisher(self, r: int, mean: list[torch.Tensor]) -> Callable[[StageWorker], int]:
+    def _finisher(self, r: int, mean: list[torch.Tensor], bounded: bool) -> Callable[[StageWorker], int]:
         def finish(w: StageWorker) -> int:
-            w.averaging_finish(r, mean)
+            if bounded:
+                w.averaging_finish(r, mean, bounded=True)
+            else:
+                w.averaging_finish(r, mean)
             return w.local_step
 
         return finish

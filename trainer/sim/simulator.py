@@ -52,10 +52,10 @@ from typing import Any
 
 import torch
 
+from trainer.aggregate import OUTLIER_FACTOR, OUTLIER_RMS, robust_combine
 from trainer.attacks import ATTACKS, byzantine_part
 from trainer.config import RunConfig
 from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
-from trainer.robust import aggregate
 from trainer.rules import rule_of, wagma_members
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
@@ -294,9 +294,9 @@ class _Run:
         if self.rule.groups:  # rounds are numbered consecutively here: the phase is the round number
             groups = [wagma_members(r, rn, self.R, cfg) for r in range(self.R)]
             means = [self._combine([sent[j] for j in grp], grp.index(r)) for r, grp in enumerate(groups)]
-        elif cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
-            means = [self._combine(sent, r) for r in range(self.R)]
-        else:  # every replica computes the same aggregate
+        elif (cfg.aggregator == "centered_clip" and cfg.clip_start == "own") or self.honest < self.R:
+            means = [self._combine(sent, r) for r in range(self.R)]  # each replica judges the parts from its own
+        else:  # honest replicas holding the same parts compute the same aggregate
             means = [self._combine(sent, 0)] * self.R
         if tau == 0:
             self._finish(s, ws, rn, means)
@@ -318,11 +318,14 @@ class _Run:
                 sent[j][i] = byzantine_part(self.sim.attack, sent[j][i], honest, generator=self.attack_rng)
 
     def _combine(self, parts: list[list[torch.Tensor]], own: int) -> list[torch.Tensor]:
-        """The run's aggregator over ``parts`` (one list of tensors per replica), seen by the replica at ``own``."""
-        a = self.run.averaging
-        return [aggregate(torch.stack(vs), a.aggregator, trim=a.trim, clip_scale=a.clip_scale,
-                          clip_iters=a.clip_iters, clip_start=a.clip_start, own=own)
-                for vs in zip(*parts, strict=True)]
+        """The daemon's round aggregation (trainer/aggregate.py: outliers dropped, honest-looking parts averaged as
+        they are, the run's aggregator otherwise) over ``parts`` (one list of tensors per replica), seen by the
+        replica at ``own``; every replica takes part, so the round has its full quorum."""
+        ids = [f"{i:04d}" for i in range(len(parts))]
+        others = {ids[i]: p for i, p in enumerate(parts) if i != own}
+        values, _, _ = robust_combine(ids[own], parts[own], others, self.run.averaging, outlier_factor=OUTLIER_FACTOR,
+                                      outlier_rms=OUTLIER_RMS, quorum=len(parts))
+        return values
 
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
