@@ -220,3 +220,17 @@ def test_simulate_cli_takes_the_cadence_and_a_daemons_measured_delays(tmp_path):
     with pytest.raises(UserError, match="no averaging round"):
         cmd_simulate.build_config(parser.parse_args(["--out", str(tmp_path), "--delays-from",
                                                      str(tmp_path / "empty.json")]))
+
+
+@pytest.mark.timeout(120)
+def test_replicas_at_different_speeds_train_their_share_and_rounds_follow_the_fastest():
+    n = 16
+    sim = dataclasses.replace(tiny(steps=n, tau=0), speeds=(1.0, 0.5))
+    state = build(sim, "asyncmesh")
+    state.run_async()
+    assert state.trained == [16, 8]
+    assert [state.w[r][0].local_step for r in range(2)] == [16, 8]  # every micro-batch of each was trained on
+    assert state.rounds_applied == state.K * 16  # a round per step of the fastest replica
+    assert state.curve[-1]["samples"] == 24 * sim.run.data.batch_size
+    with pytest.raises(ValueError, match="speeds"):
+        dataclasses.replace(sim, speeds=(0.5, 0.5))

@@ -112,6 +112,11 @@ class SimConfig:
     """'averaged': validate replica 0 holding the weights averaged over the honest replicas (as the AsyncMesh code
     evaluates); 'each': the mean over honest replicas r of the validation loss of replica r's own stages (as the
     daemon's stage-0 replicas each report theirs)."""
+    speeds: tuple[float, ...] = ()
+    """Async schedules: replica r's speed factor in (0, 1] (empty: all 1). Replica r works at a share ``speeds[r]``
+    of the ticks (spread evenly) and trains on ``round(steps * speeds[r])`` micro-batches, so that all finish
+    together, as replicas of a daemon trained for the same wall time; averaging rounds follow the fastest replica's
+    local steps, as the daemon's do (a replica pulled into its partners' rounds averages more per step)."""
     device: str = "cpu"
     """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
     On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
@@ -137,6 +142,9 @@ class SimConfig:
         if self.pipeline_extra < 0 or self.eval_replicas not in EVAL_REPLICAS:
             raise ValueError(f"pipeline_extra must be >= 0 and eval_replicas one of {EVAL_REPLICAS}, "
                              f"got {self.pipeline_extra}, {self.eval_replicas!r}")
+        if self.speeds and (len(self.speeds) != self.n_replicas or not all(0 < f <= 1 for f in self.speeds)
+                            or max(self.speeds) != 1):
+            raise ValueError(f"speeds must give one factor in (0, 1] per replica, the fastest 1, got {self.speeds}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -171,6 +179,7 @@ class SimConfig:
         d["run"] = RunConfig.from_dict(run)
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
         d["tau_samples"] = tuple(d.get("tau_samples", ()))
+        d["speeds"] = tuple(d.get("speeds", ()))
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +187,7 @@ class SimConfig:
         d["run"] = self.run.to_dict()
         d["methods"], d["taus"] = list(self.methods), list(self.taus)
         d["tau_samples"] = list(self.tau_samples)
+        d["speeds"] = list(self.speeds)
         return d
 
 
@@ -214,7 +224,8 @@ class _Run:
         self.act = self._measured(comp.activations, "act")
         self.grad = self._measured(comp.gradients, "grad")
         self.avg_codec = _codec(comp.averaging)
-        self.consumed = 0  # micro-batches per replica read so far
+        self.consumed = 0  # micro-batches per replica read so far (a speed-1 replica's, with speeds)
+        self.trained: list[int] = []  # async schedule: micro-batches each replica has read
         self.losses: list[float] = []
         self.curve: list[dict[str, float]] = []
         self.fifo: list[list] = [[] for _ in range(self.K)]  # per stage: (apply at step, round, means, group sizes)
@@ -269,7 +280,7 @@ class _Run:
         """'avg'/'wagma': after a local step, apply the rounds whose delay has passed, and begin a round on every
         replica when round_steps local steps have passed since the last one began."""
         ws = [self.w[r][s] for r in range(self.R)]
-        step = ws[0].local_step
+        step = max(w.local_step for w in ws)  # the fastest replica's steps set the rounds' pace
         if step == self.seen_steps[s] or self.R == 1:
             return
         self.seen_steps[s] = step
@@ -369,7 +380,8 @@ class _Run:
         val = self.evaluate()
         train = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         self.losses.clear()
-        samples = self.consumed * self.R * self.run.data.batch_size
+        samples = sum(self.trained) * self.run.data.batch_size if self.trained else \
+            self.consumed * self.R * self.run.data.batch_size
         point = {"samples": samples, "train_loss": train, "val_loss": val}
         for kind, errs in self.codec_errors.items():
             if errs:
@@ -381,14 +393,25 @@ class _Run:
     # --- schedules --------------------------------------------------------------------------------------------------
     def run_async(self) -> None:
         K, N, E = self.K, self.sim.steps, self.sim.pipeline_extra
+        speeds = self.sim.speeds or (1.0,) * self.R
+        quota = [max(1, round(N * f)) for f in speeds]  # micro-batches replica r trains on
+        clock = [0] * self.R  # replica r's own tick
+        self.trained = [0] * self.R
         outs: list[list[Any]] = [[None] * K for _ in range(self.R)]  # stage s's output of the previous tick
         targets: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]
         held: list[dict[int, Any]] = [{} for _ in range(self.R)]  # last stage's input gradients, held E ticks
-        for t in range(N + K - 1 + E):
+        T = 0
+        while any(clock[r] < quota[r] + K - 1 + E for r in range(self.R)):
             for r in range(self.R):
+                f = speeds[r]
+                if clock[r] >= quota[r] + K - 1 + E or int((T + 1) * f + 1e-9) == int(T * f + 1e-9):
+                    continue  # done, or idle at this tick (a slower replica)
+                t, n_r = clock[r], quota[r]
+                clock[r] += 1
+                self.trained[r] = min(t + 1, n_r)
                 w = self.w[r]
                 mb = t - (K - 1)
-                if 0 <= mb < N:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
+                if 0 <= mb < n_r:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
                     if K == 1:
                         x, y = self.next_batch(r)
                     else:
@@ -397,7 +420,7 @@ class _Run:
                     self.losses.append(loss)
                 for s in range(K - 2, -1, -1):  # forwards, deepest first so each reads the previous tick's output
                     m = t - s
-                    if 0 <= m < N:
+                    if 0 <= m < n_r:
                         if s == 0:
                             inp, targets[r][m] = self.next_batch(r)
                         else:
@@ -409,10 +432,11 @@ class _Run:
                     for s in range(K - 2, -1, -1):
                         grad = w[s].backward(back, self.grad(grad))
             self.after_backward_sweep()
-            if t < N:
-                self.consumed = t + 1
+            if T < N:
+                self.consumed = T + 1
                 if self.consumed % self.sim.eval_every == 0 and self.consumed < N:
                     self.record()
+            T += 1
         self.record()
 
     def run_sync(self) -> None:
