@@ -47,7 +47,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 6  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
-# 6: StateDigestRequest (witnesses of a state send per-tensor digests)
+# 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
+# of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number
 SUPPORTED_VERSIONS: tuple[int, ...] = (6,)
 
 _stage = s.integer(0, 1023)

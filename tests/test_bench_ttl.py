@@ -53,7 +53,8 @@ def test_the_simulator_gets_the_daemons_measured_cadence_and_stage_0_staleness()
                  {"stage": 0, "steps": 1200, "averaging_rounds_ok": 100, "pipeline_delay_steps": 1.9},
                  {"stage": 1, "steps": 2500, "averaging_rounds_ok": 200, "pipeline_delay_steps": 0.0}]
     assert measured_round_steps(summaries, 10) == 12  # 5,000 steps over 400 rounds
-    assert measured_round_steps(summaries[:1], 20) == 20  # never fewer steps per round than the run's
+    assert measured_round_steps(summaries[:1], 20) == 13  # what the daemon ran, below the run's 20 too
+    assert measured_round_steps([{"stage": 0, "steps": 50}], 20) == 20  # no round succeeded: the plan
     assert pipeline_extra(summaries, 2) == 1  # stage 0 saw ~2 steps of staleness where 1F1B on 2 stages gives 1
     assert pipeline_extra(summaries, 4) == 0 and pipeline_extra([{"stage": 1}], 2) == 0
 

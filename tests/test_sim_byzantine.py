@@ -23,11 +23,13 @@ def test_byzantine_settings_are_validated():
 
 
 @pytest.mark.timeout(900)  # ~20 s of CPU; minutes on a loaded shared machine
-def test_one_scaling_replica_of_four_wrecks_the_mean_but_not_the_trimmed_mean():
+def test_one_scaling_replica_of_four_is_dropped_as_an_outlier_whatever_the_aggregator():
+    """The simulator combines parts with the daemon's round aggregation (trainer/aggregate.py): the x-10 part is far
+    from the robust centre and dropped before any aggregator runs, so even 'mean' holds."""
     base = with_overrides(preset("smoke"), replicas=4, steps=32, methods=("asyncmesh",))
     control = _loss(with_overrides(base, aggregator="trimmed"))
     attacked = dataclasses.replace(base, byzantine=1, attack="scale")
     robust = _loss(with_overrides(attacked, aggregator="trimmed"))
     plain = _loss(with_overrides(attacked, aggregator="mean"))
     assert robust / control < 1.05, (control, robust)
-    assert not math.isfinite(plain) or plain > 1.5 * control, (control, plain)
+    assert math.isfinite(plain) and plain / control < 1.05, (control, plain)

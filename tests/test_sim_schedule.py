@@ -94,9 +94,9 @@ def test_sparse_averaging_rounds_are_applied_tau_steps_late():
         for w in row:
             original = w.averaging_finish
 
-            def spy(rn, mean, *, group_size=None, w=w, original=original):
+            def spy(rn, mean, w=w, original=original):
                 finished.append((w.stage, rn, w.local_step))
-                return original(rn, mean, group_size=group_size)
+                return original(rn, mean)
 
             w.averaging_finish = spy
     state.run_async()
@@ -123,9 +123,9 @@ def test_rounds_batch_round_steps_and_draw_measured_delays():
         begun.append((rn, w.local_step))
         return begin(rn)
 
-    def spy_finish(rn, mean, *, group_size=None, w=w, finish=finish):
+    def spy_finish(rn, mean, w=w, finish=finish):
         finished[rn] = w.local_step
-        return finish(rn, mean, group_size=group_size)
+        return finish(rn, mean)
 
     w.averaging_begin, w.averaging_finish = spy_begin, spy_finish
     state.run_async()
@@ -220,3 +220,17 @@ def test_simulate_cli_takes_the_cadence_and_a_daemons_measured_delays(tmp_path):
     with pytest.raises(UserError, match="no averaging round"):
         cmd_simulate.build_config(parser.parse_args(["--out", str(tmp_path), "--delays-from",
                                                      str(tmp_path / "empty.json")]))
+
+
+@pytest.mark.timeout(120)
+def test_replicas_at_different_speeds_train_their_share_and_rounds_follow_the_fastest():
+    n = 16
+    sim = dataclasses.replace(tiny(steps=n, tau=0), speeds=(1.0, 0.5))
+    state = build(sim, "asyncmesh")
+    state.run_async()
+    assert state.trained == [16, 8]
+    assert [state.w[r][0].local_step for r in range(2)] == [16, 8]  # every micro-batch of each was trained on
+    assert state.rounds_applied == state.K * 16  # a round per step of the fastest replica
+    assert state.curve[-1]["samples"] == 24 * sim.run.data.batch_size
+    with pytest.raises(ValueError, match="speeds"):
+        dataclasses.replace(sim, speeds=(0.5, 0.5))

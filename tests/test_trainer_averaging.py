@@ -12,16 +12,17 @@ from trainer.averaging import (
     AveragingError,
     Partitioner,
     SparseAveragingState,
-    global_average,
+    _seed,
+    block_size,
     keyed_permutation,
+    keyed_preimage,
     mu_at,
-    wagma_apply,
-    wagma_average,
     wagma_group,
     wagma_is_global,
     wagma_n_fields,
 )
-from trainer.config import AveragingConfig
+from trainer.config import AVERAGING_RULES, AveragingConfig
+from trainer.rules import RULES, wagma_members, wagma_phase
 
 
 def test_partitions_disjoint_cover_and_agree():
@@ -168,28 +169,45 @@ def test_wagma_groups_partition_and_mix(R, G):
     assert wagma_group(5, 1, 6, 2) == [5]  # padded index 7 does not exist
 
 
-def test_wagma_average_takes_own_current_model_and_global():
-    own_then, own_now = torch.tensor([1.0, 3.0]), torch.tensor([3.0, 0.0])
-    partner = torch.tensor([2.0, 0.0])
-    assert wagma_average(own_now, [partner]).tolist() == [2.5, 0.0]  # (own now + partner's published) / 2
-    # the exchange's mean holds our published copy: it is swapped for our current model
-    assert wagma_apply(own_now, own_then, global_average([own_then, partner]), 2).tolist() == [2.5, 0.0]
-    assert global_average([own_then, partner]).tolist() == [1.5, 1.5]
+def test_wagma_phase_rotates_whatever_the_rounds_per_tick():
+    """A daemon with two slots per tick that opens slot 0 only has even round numbers; the phase still advances by
+    one a tick, so with 3-4 replicas (two digit fields) the groups rotate."""
+    assert [wagma_phase(r, 2) for r in (0, 2, 4, 6)] == [0, 1, 2, 3]
+    assert [wagma_phase(r, 1) for r in range(4)] == [0, 1, 2, 3]
+    for n in (3, 4):
+        groups = {tuple(wagma_group(0, wagma_phase(r, 2), n, 2)) for r in (0, 2, 4, 6)}
+        assert len(groups) == 2
     assert [s for s in range(25) if wagma_is_global(s, 11)] == [10, 21]
+    cfg = AveragingConfig(rule="wagma", wagma_global_every=3)
+    assert wagma_members(1, 2, 4, cfg) == [0, 1, 2, 3] and wagma_members(1, 0, 4, cfg) == [0, 1]
 
 
 def test_wagma_rule_through_state():
-    """Own contribution is the current model (not the copy published at begin); a late global average is applied
-    as a correction: the mean then plus our drift since, never a stale overwrite."""
+    """The delta form: the group's mean of the published (begin-time) models, plus our own progress since, on group
+    and global rounds alike (partners' progress since arrives in later rounds)."""
     state, w = _state("wagma", wagma_group_size=2, wagma_global_every=3)
     sent = state.begin(0, w)  # published [1, 2, 3, 4]; the partner published [7, 6, 5, 4]
     w[0] += torch.tensor([1.0, 1.0, 0.0, 0.0])  # local steps before the partner's part arrives
-    state.finish(0, [(sent[0] + torch.tensor([7.0, 6.0, 5.0, 4.0])) / 2], w, 0, group_size=2)
-    assert w[0].tolist() == pytest.approx([4.5, 4.5, 4.0, 4.0])  # (own now + partner's) / 2
+    state.finish(0, [(sent[0] + torch.tensor([7.0, 6.0, 5.0, 4.0])) / 2], w, 0)
+    assert w[0].tolist() == pytest.approx([5.0, 5.0, 4.0, 4.0])  # group mean then [4, 4, 4, 4] + drift
     state.begin(2, w)
     w[0] += 1.0
-    state.finish(2, [torch.zeros(4)], w, 0)  # round 2 is global (every 3): global mean 0 plus the drift since
+    state.finish(2, [torch.zeros(4)], w, 0)  # a global round: global mean 0 plus the drift since
     assert w[0].tolist() == [1.0] * 4
+
+
+def test_rule_registry_declares_needs():
+    assert set(RULES) == set(AVERAGING_RULES)
+    cfg = AveragingConfig(fraction=0.05, round_steps=10)
+    assert RULES["ema"].round_fraction(cfg) == pytest.approx(0.5) and RULES["ema"].ema and RULES["ema"].drift
+    assert RULES["wagma"].round_fraction(cfg) == 1.0 and RULES["wagma"].groups
+    assert RULES["full"].whole and not RULES["full"].drift and not RULES["none"].averages
+    assert not RULES["avg"].drift and RULES["delta"].drift and not RULES["delta"].ema
+    state, w = _state("full")
+    state.begin(0, w)
+    w[0] += 1.0
+    state.finish(0, [torch.zeros(4)], w, 0)
+    assert w[0].tolist() == [0.0] * 4
 
 
 def test_state_dict_roundtrip():
@@ -202,11 +220,9 @@ def test_state_dict_roundtrip():
         other.load_state_dict({"ema": [torch.zeros(5)]})
 
 
-def test_finish_rejects_bad_group_size_and_non_tensors():
+def test_finish_rejects_non_tensors():
     state, w = _state("wagma")
     state.begin(0, w)
-    with pytest.raises(AveragingError, match="group_size"):
-        state.finish(0, [torch.zeros(4)], w, 0, group_size=0)
     with pytest.raises(AveragingError, match="float tensor"):
         state.finish(0, [[0.0] * 4], w, 0)
     with pytest.raises(AveragingError, match="float tensor"):
@@ -225,3 +241,67 @@ def test_keyed_permutation_is_a_permutation_and_pinned():
     assert keyed_permutation(10, 1).tolist() == [0, 3, 4, 2, 6, 5, 1, 9, 7, 8]
     with pytest.raises(ValueError):
         keyed_permutation(0, 1)
+
+
+def test_keyed_preimage_inverts_the_permutation():
+    for n in [1, 2, 3, 7, 16, 17, 1000, 4097]:
+        perm = keyed_permutation(n, key=n + 1)
+        assert np.array_equal(keyed_preimage(perm, n, key=n + 1), np.arange(n, dtype=np.uint64))
+    with pytest.raises(ValueError):
+        keyed_preimage(np.zeros(1, dtype=np.uint64), 0, 1)
+
+
+def test_small_tensors_keep_the_coordinate_partitions():
+    """Up to PERM_BLOCKS coordinates a partition is {i : pi(i) mod n == k}, as before blocks existed."""
+    numel, n = 5000, 4
+    parts = Partitioner(3, 1, [(numel,)], 1 / n)
+    perm = keyed_permutation(numel, _seed(3, 1, 0, 1))
+    for k in range(n):
+        expected = np.flatnonzero(perm % np.uint64(n) == k)
+        assert parts.indices(n + k)[0].tolist() == expected.tolist()
+
+
+def test_large_stages_are_drawn_in_blocks_that_cover_them():
+    assert block_size(1000, 4) == 1 and block_size(1 << 20, 2) == 64 and block_size(1 << 26, 2) == 256
+    shapes = [(300, 301), (37,), (5, 7)]  # 90,300 coordinates: blocks of 16 at n = 4, short last blocks
+    parts = Partitioner(0, 0, shapes, 0.25)
+    assert parts.block == 16
+    for cycle in range(2):
+        got = [parts.indices(cycle * parts.n + k) for k in range(parts.n)]
+        for j, shape in enumerate(shapes):
+            numel = math.prod(shape)
+            joined = torch.cat([g[j] for g in got])
+            assert torch.equal(joined.sort().values, torch.arange(numel))  # disjoint and covering
+            assert all(bool((g[j][1:] > g[j][:-1]).all()) for g in got)  # ascending
+            assert max(len(g[j]) for g in got) - min(len(g[j]) for g in got) < 2 * 16  # one block, and a short one
+    assert not torch.equal(parts.indices(0)[0], parts.indices(parts.n)[0])  # redrawn each cycle
+    w = [torch.randn(s) for s in shapes]
+    part = next(p for p in map(parts.slice, range(parts.n)) if any(p.tail))  # one with a short last block
+    idx = part.indices()
+    assert [len(i) for i in idx] == part.sizes
+    assert torch.equal(part.gather(w), torch.cat([t.reshape(-1)[i] for t, i in zip(w, idx, strict=True)]))
+    part.scatter(w, -torch.arange(float(part.total)) - 1)
+    assert torch.equal(torch.cat([t.reshape(-1)[i] for t, i in zip(w, idx, strict=True)]),
+                       -torch.arange(float(part.total)) - 1)
+
+
+def test_wagma_overlapping_rounds_re_apply_only_own_progress():
+    """Rounds every step, tau 3 in flight: each finish sets W to the group's mean at its begin plus our own training
+    progress since, not the corrections of the rounds that finished in between (which made the difference between
+    replicas grow)."""
+    cfg = AveragingConfig(rule="wagma", fraction=1.0, wagma_global_every=1000)
+    w = [[torch.tensor([0.0, 10.0])], [torch.tensor([4.0, -10.0])]]
+    states = [SparseAveragingState(cfg, 100, 0, 0, ws) for ws in w]
+    tau, published = 3, {}
+    for t in range(40):
+        published[t] = [s.begin(t, ws)[0] for s, ws in zip(states, w, strict=True)]
+        for i, ws in enumerate(w):
+            ws[0] += torch.tensor([0.1, 0.1]) * (1 + i)  # training progress: replica 1 twice as fast
+        if t >= tau:
+            a = (published[t - tau][0] + published[t - tau][1]) / 2
+            for s, ws in zip(states, w, strict=True):
+                s.finish(t - tau, [a], ws, 0)
+    gap = (w[0][0] - w[1][0]).abs().max()
+    assert gap == pytest.approx(0.1 * (tau + 1), abs=1e-4)  # only the progress since the last begin differs
+    mean = (w[0][0] + w[1][0]) / 2
+    assert mean.tolist() == pytest.approx([2.0 + 0.15 * 40, 0.15 * 40], abs=1e-4)  # no progress lost

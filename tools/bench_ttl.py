@@ -234,13 +234,14 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
 # ----- the simulator on the same run ---------------------------------------------------------------------------------
 def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """asyncmesh in the simulator: same run and cadence, R replicas, delays drawn from the case's measured taus, as
-    many micro-batches per replica as the daemon's stage-0 replicas trained (at most ``--sim-max-steps``)."""
+    many micro-batches per replica as the daemon's stage-0 replicas trained (``--sim-max-steps`` caps it when set), so
+    that sim_agreement compares the whole run."""
     from trainer.sim.simulator import SimConfig, run_method
 
     taus = tuple(int(t) for hist in case["avg_delay_hist"] for t, c in hist.items() for _ in range(int(c)))
     tpm = run.data.batch_size * run.model.block_size
     per_replica = int(case["tokens"] / tpm / args.replicas)
-    steps = max(8, min(per_replica, args.sim_max_steps) // 8 * 8)
+    steps = max(8, (min(per_replica, args.sim_max_steps) if args.sim_max_steps else per_replica) // 8 * 8)
     # the cadence the daemon really ran: a round opens on the first clock tick after round_steps local steps, so it
     # stands for more steps than round_steps; the simulator opens one every measured steps-per-round, each round
     # averaging the run's round fraction, so that both average the same fraction per local step
@@ -276,10 +277,11 @@ def pipeline_extra(summaries: list[dict[str, Any]], n_stages: int) -> int:
 
 
 def measured_round_steps(summaries: list[dict[str, Any]], planned: int) -> int:
-    """Local steps per successful averaging round, over the case's peers (``planned`` when none succeeded)."""
+    """Local steps per successful averaging round, over the case's peers (``planned`` when none succeeded): what the
+    daemon ran, fewer than ``planned`` too (a replica pulled into its partners' rounds averages more often)."""
     steps = sum(int(s.get("steps") or 0) for s in summaries)
     rounds = sum(int(s.get("averaging_rounds_ok") or 0) for s in summaries)
-    return max(planned, round(steps / rounds)) if rounds else planned
+    return max(1, round(steps / rounds)) if rounds else planned
 
 
 # ----- the plot ------------------------------------------------------------------------------------------------------
@@ -331,7 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
     p.add_argument("--compute-timeout-s", type=float, default=600.0,
                    help="start-up allowance of a compute-only process on top of --compute-s")
-    p.add_argument("--sim-max-steps", type=int, default=800, help="cap on the simulator's micro-batches per replica")
+    p.add_argument("--sim-max-steps", type=int, default=0,
+                   help="cap on the simulator's micro-batches per replica (0: as many as the daemon's replicas made)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_agreement)")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
                    help="extra PeerConfig setting for every peer")

@@ -1,30 +1,19 @@
-"""Data-parallel averaging math: sparse partitions, the avg/delta/EMA update rules, and WAGMA groups.
+"""Data-parallel averaging math: sparse partitions and a replica's round state (the rules are trainer/rules.py).
 
-AsyncMesh (docs/design.md, "Data-parallel axis"). Per parameter tensor, coordinates are randomly
-permuted into n = ceil(1/(p * round_steps)) disjoint partitions (p per local step, one round per round_steps
-steps), cycled one per round and redrawn after each cycle. The permutation
-of cycle c for parameter j of stage s is keyed by (run seed, s, j, c) only and computed with explicit integer
-arithmetic (``keyed_permutation``), so every replica computes the same partitions, whatever its library versions, and
-no mask crosses the wire. Round r uses partition r % n of cycle r // n.
+AsyncMesh (docs/design.md, "Data-parallel axis"). Every tensor of a stage is cut into n = ceil(1/(p * round_steps))
+disjoint partitions (p per local step, one round per round_steps steps), cycled one per round and redrawn after each
+cycle. Partitions are drawn over blocks of contiguous coordinates (single coordinates in small stages, up to
+BLOCK_MAX in large ones: ``block_size``) by a keyed pseudo-random permutation per tensor and cycle, keyed by
+(run seed, stage, tensor, cycle) only and computed with explicit integer arithmetic (``keyed_permutation``), so every
+replica computes the same partitions, whatever its library versions, and no mask crosses the wire. Round r uses
+partition r % n of cycle r // n; its blocks are found by inverting the permutation on k, k + n, ... only
+(``keyed_preimage``), so drawing a round costs O(blocks / n), never a pass over the whole stage.
 
-A round on partition S: the replicas' mean a = mean_j W_j[S] arrives some local steps after this replica snapshotted
-W_then = W[S] (``begin``). On arrival (``finish``), with drift delta = W_now[S] - W_then:
-  'avg'   W[S] <- a                                   (stale overwrite, "AsyncSPARTA")
-  'delta' W[S] <- a + lam * delta
-  'ema'   e[S] <- mu * e[S] + (1 - mu) * delta;  W[S] <- a + lam * e[S]     (AsyncMesh)
-          the first update of a coordinate sets e to delta itself, as the reference code does (not (1 - mu) * delta);
-          "first" is read from e == 0, so no extra state travels with the weights (a coordinate whose first
-          drift was exactly 0 starts again at its next, which is the same)
-mu is mu_start for the first mu_warmup_steps local steps, then cosine-annealed to mu_end at optim.total_steps:
+A round on partition S: the replicas' aggregate a arrives some local steps after this replica snapshotted
+W_then = W[S] (``begin``). On arrival (``finish``) the run's rule (trainer/rules.py) writes W[S] from a, the drift
+W_now[S] - W_then and, for 'ema', the drift estimate e[S]; mu for 'ema' is mu_start for the first mu_warmup_steps
+local steps, then cosine-annealed to mu_end at optim.total_steps:
   mu = mu_start + (mu_end - mu_start) * (1 - cos(pi * t)) / 2,  t = (k - W) / (T - W - 1) clamped to [0, 1].
-
-WAGMA (docs/design.md, "WAGMA group averaging") as pure functions the simulator and the worker share: groups rotate
-over the base-G digit fields of the replica index; a replica's new model is the mean of its *current* model and its
-group partners' published ones, w_i <- (w_i + sum_{j != i} w_j^pub) / |group| (Li et al.: a replica's own
-contribution is never a stale copy). Given the group's mean of the published models a (own published copy W_then
-included, as the exchange computes it), that is a + (W_now - W_then) / |group|. Every ``wagma_global_every``-th round
-is a global average over all replicas; arriving late, it is applied as a correction, W <- a + (W_now - W_then), never
-as a stale overwrite.
 """
 
 from __future__ import annotations
@@ -39,6 +28,10 @@ import numpy as np
 import torch
 
 from trainer.config import AveragingConfig
+from trainer.rules import RoundInputs, rule_of
+from trainer.rules import wagma_group as wagma_group  # re-exported: the WAGMA groups live with the rules
+from trainer.rules import wagma_is_global as wagma_is_global
+from trainer.rules import wagma_n_fields as wagma_n_fields
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +53,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 _CHUNK = 1 << 22  # elements per vectorised pass: bounds the temporaries to a few tens of MiB
+def _round_keys(key: int) -> list[np.uint64]:
+    return [np.uint64(_seed("feistel", key, i)) for i in range(4)]
+
+
+def _halves(n: int) -> tuple[np.uint64, np.uint64]:
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    return np.uint64((1 << half) - 1), np.uint64(half)
 
 
 def keyed_permutation(n: int, key: int) -> np.ndarray:
@@ -72,9 +72,8 @@ def keyed_permutation(n: int, key: int) -> np.ndarray:
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
-    round_keys = [np.uint64(_seed("feistel", key, i)) for i in range(4)]
+    mask, shift = _halves(n)
+    round_keys = _round_keys(key)
 
     def feistel(x: np.ndarray) -> np.ndarray:
         left, right = x >> shift, x & mask
@@ -93,11 +92,123 @@ def keyed_permutation(n: int, key: int) -> np.ndarray:
     return out
 
 
+def _inverse_walk(ys: np.ndarray, bounds: np.ndarray, masks: np.ndarray, shifts: np.ndarray,
+                  round_keys: Sequence[np.ndarray]) -> np.ndarray:
+    """Elementwise pi^-1(ys): each element with its own domain bound, half-width and round keys (so the partitions
+    of all of a stage's tensors are drawn in one vectorised pass)."""
+
+    def inverse(y: np.ndarray, m: np.ndarray, sh: np.ndarray, keys: Sequence[np.ndarray]) -> np.ndarray:
+        left, right = y >> sh, y & m
+        for k in reversed(keys):
+            left, right = right ^ (_mix64(left ^ k) & m), left
+        return (left << sh) | right
+
+    x = inverse(ys, masks, shifts, round_keys)
+    walk = np.flatnonzero(x >= bounds)
+    while walk.size:  # the inverse of a cycle-walked cipher is the cycle-walked inverse
+        x[walk] = inverse(x[walk], masks[walk], shifts[walk], [k[walk] for k in round_keys])
+        walk = walk[x[walk] >= bounds[walk]]
+    return x
+
+
+def keyed_preimage(ys: np.ndarray, n: int, key: int) -> np.ndarray:
+    """pi^-1(y) for every y in ``ys`` (each < n), pi = ``keyed_permutation(n, key)``. O(len(ys)): a partition's
+    members are found without permuting the whole range."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ys = np.asarray(ys, dtype=np.uint64)
+    mask, shift = _halves(n)
+    full = np.full(len(ys), 1, dtype=np.uint64)
+    return _inverse_walk(ys, full * np.uint64(n), full * mask, full * shift, [full * k for k in _round_keys(key)])
+
+
+BLOCK_MAX = 64
+"""Largest run of contiguous coordinates drawn as one (a power of two): a round gathers whole blocks (row copies)
+and draws one pseudo-random number per block, not per coordinate."""
+PART_MIN_BLOCKS = 1024
+"""Blocks get shorter until a partition holds about this many of the stage's, so partitions stay balanced and mixed."""
+MAX_BLOCKS = 1 << 18
+"""...and longer (past BLOCK_MAX) until the stage holds at most this many, so drawing a partition stays cheap."""
+
+
+def block_size(total: int, n: int) -> int:
+    """Coordinates per block for a stage of ``total`` coordinates cut into ``n`` partitions (a power of two)."""
+    block = 1
+    while block < BLOCK_MAX and total // (2 * block) >= n * PART_MIN_BLOCKS:
+        block *= 2
+    while -(-total // block) > MAX_BLOCKS:
+        block *= 2
+    return block
+
+
+class Slice:
+    """One round's partition of a stage: per tensor the ascending ids of its blocks of ``block`` coordinates (the
+    last block of a tensor may be short). Gathers and scatters whole blocks as rows, straight into (out of) one flat
+    buffer for the whole stage, so a round costs about a copy of the slice."""
+
+    def __init__(self, rows: list[np.ndarray], block: int, numels: list[int]) -> None:
+        self.block, self.numels = block, numels
+        self.full = [numel // block for numel in numels]  # whole blocks of each tensor
+        # a tensor's short last block (numel % block coordinates) is copied apart from the whole ones
+        self.tail = [block > 1 and numel % block > 0 and len(r) > 0 and int(r[-1]) == full
+                     for r, numel, full in zip(rows, numels, self.full, strict=True)]
+        self.rows = [torch.from_numpy(r[:-1] if t else r) for r, t in zip(rows, self.tail, strict=True)]
+        self.sizes = [len(r) * block + (numel % block if t else 0)
+                      for r, numel, t in zip(self.rows, numels, self.tail, strict=True)]
+        self.total = sum(self.sizes)
+
+    def indices(self) -> list[torch.Tensor]:
+        """Flat coordinate indices (ascending), one LongTensor per tensor."""
+        out = []
+        for j, rows in enumerate(self.rows):
+            idx = (rows.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
+            if self.tail[j]:
+                idx = torch.cat([idx, torch.arange(self.full[j] * self.block, self.numels[j])])
+            out.append(idx)
+        return out
+
+    def _rows_view(self, j: int, flat: torch.Tensor) -> torch.Tensor:
+        return flat[: self.full[j] * self.block].view(self.full[j], self.block)
+
+    def gather(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slice of ``tensors`` (the stage's, in order) as one flat tensor (the tensors' slices in order), new
+        or written into ``out``'s first ``total`` elements."""
+        if out is None:
+            out = torch.empty(self.total, dtype=tensors[0].dtype, device=tensors[0].device)
+        out = out[: self.total]
+        at = 0
+        for j, t in enumerate(tensors):
+            flat, head = t.detach().reshape(-1), len(self.rows[j]) * self.block
+            if head:
+                torch.index_select(self._rows_view(j, flat), 0, self.rows[j].to(flat.device),
+                                   out=out[at: at + head].view(-1, self.block))
+            if self.tail[j]:
+                out[at + head: at + self.sizes[j]] = flat[self.full[j] * self.block:]
+            at += self.sizes[j]
+        return out
+
+    def scatter(self, tensors: Sequence[torch.Tensor], values: torch.Tensor) -> None:
+        """Write ``values`` (a flat slice as ``gather`` returns it) into ``tensors`` in place."""
+        at = 0
+        for j, t in enumerate(tensors):
+            flat, head = t.data.view(-1), len(self.rows[j]) * self.block
+            if head:
+                self._rows_view(j, flat).index_copy_(0, self.rows[j].to(flat.device),
+                                                     values[at: at + head].view(-1, self.block))
+            if self.tail[j]:
+                flat[self.full[j] * self.block:] = values[at + head: at + self.sizes[j]]
+            at += self.sizes[j]
+
+
 class Partitioner:
     """Per-parameter index sets of each round, identical on every replica of a stage.
 
-    Coordinate i of parameter j belongs to partition pi(i) mod n of a cycle, pi = keyed_permutation keyed by
-    (seed, stage, j, cycle): the n partitions are disjoint, cover the tensor and differ in size by at most one.
+    The stage's tensors are cut into blocks of ``block_size(total, n)`` contiguous coordinates (single coordinates
+    in small stages); block b of parameter j belongs to partition pi(b) mod n of a cycle, pi = keyed_permutation over
+    that tensor's blocks keyed by (seed, stage, j, cycle). The n partitions are disjoint, cover every tensor and
+    differ per tensor by less than two blocks (one, and a short last one). Partition k's blocks are the preimages of
+    k, k + n, k + 2n, ... (``keyed_preimage``), drawn for all tensors in one vectorised pass, so a round costs
+    O(blocks / n) plus a copy of the slice, never a pass over every coordinate of the stage.
 
     Args:
         seed: the run seed.
@@ -112,27 +223,51 @@ class Partitioner:
         self.seed, self.stage = seed, stage
         self.numels = [math.prod(s) for s in shapes]
         self.n = max(1, math.ceil(1.0 / fraction - 1e-9))
-        self._dtype = np.uint16 if self.n <= np.iinfo(np.uint16).max else np.uint32
-        self._cache: dict[int, list[np.ndarray]] = {}  # cycle -> partition id of every coordinate (2 bytes each)
+        self.block = block_size(sum(self.numels), self.n) if self.n > 1 else 1
+        self.n_blocks = [-(-numel // self.block) for numel in self.numels]
+        halves = [_halves(nb) for nb in self.n_blocks]
+        self._masks = np.array([m for m, _ in halves], dtype=np.uint64)
+        self._shifts = np.array([h for _, h in halves], dtype=np.uint64)
+        self._offsets = np.concatenate([[0], np.cumsum(self.n_blocks)]).astype(np.int64)
+        self._layouts: dict[int, tuple[np.ndarray, ...]] = {}
+        self._keys: tuple[int, list[np.ndarray]] | None = None  # (cycle, per-round per-tensor keys)
 
-    def _parts(self, cycle: int) -> list[np.ndarray]:
-        parts = self._cache.get(cycle)
-        if parts is None:
-            parts = [(keyed_permutation(numel, _seed(self.seed, self.stage, j, cycle)) % np.uint64(self.n))
-                     .astype(self._dtype) for j, numel in enumerate(self.numels)]
-            # rounds in flight may straddle a cycle boundary: keep the two most recent cycles
-            self._cache = {c: p for c, p in self._cache.items() if c == cycle - 1}
-            self._cache[cycle] = parts
-        return parts
+    def _cycle_keys(self, cycle: int) -> list[np.ndarray]:
+        if self._keys is None or self._keys[0] != cycle:
+            per_tensor = [_round_keys(_seed(self.seed, self.stage, j, cycle)) for j in range(len(self.numels))]
+            self._keys = (cycle, [np.array([ks[i] for ks in per_tensor], dtype=np.uint64) for i in range(4)])
+        return self._keys[1]
 
-    def indices(self, round_no: int) -> list[torch.Tensor]:
-        """Flat LongTensor indices (ascending) of round ``round_no``'s partition, one per parameter."""
+    def slice(self, round_no: int) -> Slice:
+        """Round ``round_no``'s partition: partition round_no % n of cycle round_no // n."""
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
         if self.n == 1:
-            return [torch.arange(numel) for numel in self.numels]
+            return Slice([np.arange(nb) for nb in self.n_blocks], self.block, self.numels)
         cycle, k = divmod(round_no, self.n)
-        return [torch.from_numpy(np.flatnonzero(part == k)).long() for part in self._parts(cycle)]
+        owner, ys, bounds, masks, shifts = self._layout(k)
+        keys = [key[owner] for key in self._cycle_keys(cycle)]
+        blocks = _inverse_walk(ys, bounds, masks, shifts, keys)
+        glob = np.sort(blocks.astype(np.int64) + self._offsets[owner])
+        cuts = np.searchsorted(glob, self._offsets)
+        return Slice([glob[cuts[j]:cuts[j + 1]] - self._offsets[j] for j in range(len(self.numels))], self.block,
+                     self.numels)
+
+    def _layout(self, k: int) -> tuple[np.ndarray, ...]:
+        """Partition k's preimage inputs, the same every cycle: the tensor of each, k + n m, and its tensor's
+        bound, mask and shift (cached: a stage holds at most MAX_BLOCKS blocks in all)."""
+        got = self._layouts.get(k)
+        if got is None:
+            counts = [len(range(k, nb, self.n)) for nb in self.n_blocks]
+            owner = np.repeat(np.arange(len(counts)), np.array(counts, dtype=np.int64))
+            ys = np.concatenate([np.arange(k, nb, self.n, dtype=np.uint64) for nb in self.n_blocks])
+            bounds = np.array(self.n_blocks, dtype=np.uint64)
+            got = self._layouts[k] = (owner, ys, bounds[owner], self._masks[owner], self._shifts[owner])
+        return got
+
+    def indices(self, round_no: int) -> list[torch.Tensor]:
+        """Flat LongTensor indices (ascending) of round ``round_no``'s partition, one per parameter."""
+        return self.slice(round_no).indices()
 
 
 def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
@@ -148,34 +283,58 @@ def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
 
 @dataclass
 class _Snapshot:
-    indices: list[torch.Tensor]
-    values: list[torch.Tensor] | None  # W_then[S]; None for rules that ignore the drift ('avg', 'wagma')
+    part: Slice
+    then: torch.Tensor | None  # W_then over the slice, flat; None for rules that ignore the drift
+    applied: torch.Tensor | None  # own_progress rules: the corrections applied so far, at the begin
 
 
 class SparseAveragingState:
     """One replica's averaging state: the partitioner, in-flight snapshots and the EMA drift buffers.
 
     Several rounds may be in flight at once (the network delay spans several local steps); each keeps its own
-    snapshot. ``rule`` is 'avg', 'delta', 'ema' or 'wagma' (whose rounds average whole tensors, see wagma_apply).
+    snapshot. The run's rule (trainer/rules.py) says what a round needs: a partition or whole tensors, the values at
+    begin (for the drift), the EMA buffers. A finish works on the slice flattened into one tensor, so a round costs
+    a few passes over the slice whatever the number of tensors.
     """
 
     def __init__(self, cfg: AveragingConfig, total_steps: int, seed: int, stage: int,
                  params: Sequence[torch.Tensor]) -> None:
         self.cfg, self.total_steps = cfg, total_steps
-        fraction = 1.0 if cfg.rule == "wagma" else cfg.round_fraction
-        self.partitioner = Partitioner(seed, stage, [p.shape for p in params], fraction)
-        self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if cfg.rule == "ema" else []
+        self.rule = rule_of(cfg)
+        self.partitioner = Partitioner(seed, stage, [p.shape for p in params], self.rule.round_fraction(cfg))
+        self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if self.rule.ema else []
+        # own_progress rules: the sum of every correction a finish applied (a - W_now), so that a round's drift can
+        # leave out what the rounds finishing in between did; transient (in-flight rounds do not survive a load)
+        self.applied: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if self.rule.own_progress else []
         self.snapshots: dict[int, _Snapshot] = {}
+        # slice-sized buffers reused from round to round (a fresh one costs its page faults, about as much as the
+        # arithmetic): three a finish works in (trainer/rules.py), and the W_then copies of finished rounds
+        self._scratch: list[torch.Tensor] = []
+        self._spare: list[torch.Tensor] = []
+
+    def _buffers(self, size: int, like: torch.Tensor) -> list[torch.Tensor]:
+        if not self._scratch or self._scratch[0].numel() < size or self._scratch[0].device != like.device:
+            self._scratch = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(3)]
+        return self._scratch
+
+    def _copy(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of ``flat`` in a spare buffer when one is large enough."""
+        for i, buf in enumerate(self._spare):
+            if buf.numel() >= flat.numel() and buf.device == flat.device and buf.dtype == flat.dtype:
+                del self._spare[i]
+                return buf[: flat.numel()].copy_(flat)
+        return flat.clone()
 
     def begin(self, round_no: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Snapshot W[S] of round ``round_no``; returns copies of the values (one flat tensor per parameter)."""
         if round_no in self.snapshots:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
-        idx = [i.to(p.device) for i, p in zip(self.partitioner.indices(round_no), params, strict=True)]
-        values = [p.detach().reshape(-1)[i].clone() for p, i in zip(params, idx, strict=True)]
-        needs_drift = self.cfg.rule in ("delta", "ema", "wagma")
-        self.snapshots[round_no] = _Snapshot(idx, values if needs_drift else None)
-        return [v.clone() for v in values] if needs_drift else values
+        part = self.partitioner.slice(round_no)
+        flat = part.gather(params)
+        then = self._copy(flat) if self.rule.drift else None  # the values returned are the caller's
+        applied = part.gather(self.applied) if self.applied else None
+        self.snapshots[round_no] = _Snapshot(part, then, applied)
+        return list(flat.split(part.sizes))
 
     def abort(self, round_no: int) -> None:
         """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
@@ -183,51 +342,48 @@ class SparseAveragingState:
 
     @torch.no_grad()
     def finish(self, round_no: int, mean: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-               local_step: int, group_size: int | None = None) -> None:
-        """Apply the rule with the drift since ``begin``; validates ``mean`` before touching any weight.
-
-        For 'wagma', ``mean`` is the mean of the group's published models (ours included) and ``group_size`` how
-        many there were (default ``wagma_group_size``): ours is replaced by our current values (wagma_apply); on a
-        global round (``wagma_is_global(round_no)``) W <- mean + drift since begin.
-        """
+               local_step: int, *, bounded: bool = False) -> None:
+        """Apply the rule with the drift since ``begin``; validates ``mean`` (the aggregate of the round's published
+        values, one flat tensor per parameter) before touching any weight. ``bounded``: the aggregate's pull was
+        clipped (AveragingRule.apply_round)."""
         snap = self.snapshots.get(round_no)
         if snap is None:
             raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
-        if len(mean) != len(snap.indices):
-            raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(snap.indices)}")
-        if group_size is not None and group_size < 1:
-            raise AveragingError(f"round {round_no}: group_size must be >= 1, got {group_size}")
-        for j, (m, i) in enumerate(zip(mean, snap.indices, strict=True)):
+        if not self.rule.averages:
+            raise AveragingError(f"averaging.rule {self.rule.name!r} does not average; set a rule to use averaging")
+        sizes = snap.part.sizes
+        if len(mean) != len(sizes):
+            raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(sizes)}")
+        for j, (m, size) in enumerate(zip(mean, sizes, strict=True)):
             if not isinstance(m, torch.Tensor) or not m.is_floating_point():
                 raise AveragingError(f"round {round_no}: tensor {j} must be a float tensor, got {type(m).__name__}")
-            if m.shape != i.shape:
+            if m.shape != (size,):
                 raise AveragingError(f"round {round_no}: tensor {j} has shape {tuple(m.shape)}, "
-                                     f"expected {tuple(i.shape)}")
-            if not torch.isfinite(m).all():
-                raise AveragingError(f"round {round_no}: tensor {j} holds NaN or Inf; round rejected")
+                                     f"expected ({size},)")
+        dtype, device = params[0].dtype, params[0].device
+        scratch = self._buffers(sum(sizes), params[0])
+        a = torch.cat([m.to(device=device, dtype=dtype) for m in mean], out=scratch[2][: sum(sizes)])
+        if not torch.isfinite(a.sum()):  # one pass: NaN and Inf propagate into the sum
+            raise AveragingError(f"round {round_no}: the mean holds NaN or Inf; round rejected")
         del self.snapshots[round_no]
-        rule, lam = self.cfg.rule, self.cfg.lam
-        mu = mu_at(self.cfg, local_step, self.total_steps)
-        then = snap.values
-        for j, (p, i) in enumerate(zip(params, snap.indices, strict=True)):
-            flat = p.data.view(-1)
-            a = mean[j].to(device=p.device, dtype=p.dtype)
-            if rule == "avg":
-                new = a
-            elif rule == "delta" and then is not None:
-                new = a + lam * (flat[i] - then[j])
-            elif rule == "ema" and then is not None:
-                e = self.ema[j].view(-1)
-                drift, prev = flat[i] - then[j], e[i]
-                e[i] = torch.where(prev == 0, drift, mu * prev + (1.0 - mu) * drift)
-                new = a + lam * e[i]
-            elif rule == "wagma" and then is not None and wagma_is_global(round_no, self.cfg.wagma_global_every):
-                new = a + (flat[i] - then[j])
-            elif rule == "wagma" and then is not None:
-                new = wagma_apply(flat[i], then[j], a, group_size or self.cfg.wagma_group_size)
-            else:
-                raise AveragingError(f"averaging.rule {rule!r} does not average; set a rule to use averaging")
-            flat[i] = new
+        part = snap.part
+        now = part.gather(params, scratch[0])
+        ema = part.gather(self.ema, scratch[1]) if self.rule.ema else None
+        then, before = snap.then, None
+        if snap.applied is not None and then is not None:
+            applied = part.gather(self.applied)
+            then = then + (applied - snap.applied)  # drift less the corrections applied since the begin
+            before = now.clone()
+        new, new_ema = self.rule.apply_round(RoundInputs(
+            mean=a, now=now, then=then, ema=ema, lam=self.cfg.lam,
+            mu=mu_at(self.cfg, local_step, self.total_steps), bounded=bounded))
+        part.scatter(params, new)
+        if before is not None:
+            part.scatter(self.applied, applied.add_(new - before))
+        if snap.then is not None and len(self._spare) < 2:
+            self._spare.append(snap.then)
+        if new_ema is not None:
+            part.scatter(self.ema, new_ema)
 
     def state_dict(self) -> dict:
         return {"ema": [e.clone() for e in self.ema]}
@@ -238,62 +394,6 @@ class SparseAveragingState:
             raise ValueError("averaging state does not match this stage's parameters (different run or stage?)")
         for dst, src in zip(self.ema, ema, strict=True):
             dst.copy_(src)
+        for c in self.applied:
+            c.zero_()
         self.snapshots.clear()
-
-
-# --- WAGMA ------------------------------------------------------------------------------------------------------
-
-def wagma_n_fields(n_replicas: int, group_size: int) -> int:
-    """Digit fields L = ceil(log_G R): groups rotate through them, one per phase."""
-    if n_replicas < 1 or group_size < 2:
-        raise ValueError(f"need n_replicas >= 1 and group_size >= 2, got {n_replicas}, {group_size}")
-    fields, span = 0, 1
-    while span < n_replicas:
-        span *= group_size
-        fields += 1
-    return max(1, fields)
-
-
-def wagma_group(replica: int, phase: int, n_replicas: int, group_size: int) -> list[int]:
-    """Replicas averaging together with ``replica`` at ``phase`` (sorted, including ``replica`` itself).
-
-    Phase t uses base-G digit field f = t mod L of the replica index: the group is every index that differs from
-    ``replica`` only in digit f. For G a power of two this is the released code's XOR butterfly (partners
-    ``replica ^ (m << f*log2 G)``). Groups are disjoint and symmetric, and after L phases every replica has mixed
-    with every other. When R is not a power of G the index space is padded to G^L and indices >= R are left out, so
-    some groups are smaller than G (possibly just the replica itself); any 2L consecutive phases still mix every
-    replica into every other (move down the digits that decrease in the first L phases, then up the rest; all
-    intermediate indices stay below max(i, j) < R), and the averaging divisor uses the actual group size.
-    """
-    if not 0 <= replica < n_replicas:
-        raise ValueError(f"replica must be in [0, {n_replicas}), got {replica}")
-    L = wagma_n_fields(n_replicas, group_size)
-    unit = group_size ** (phase % L)
-    digit = (replica // unit) % group_size
-    base = replica - digit * unit
-    return [m for m in (base + d * unit for d in range(group_size)) if m < n_replicas]
-
-
-def wagma_is_global(step: int, every: int) -> bool:
-    """True when ``step`` is a global-average step: t mod (tau + 1) == tau with every = tau + 1."""
-    return step % every == every - 1
-
-
-def wagma_average(own: torch.Tensor, partners: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(own current model + the group partners' published models) / (len(partners) + 1)."""
-    total = own.clone()
-    for w in partners:
-        total += w
-    return total / (len(partners) + 1)
-
-
-def wagma_apply(own_now: torch.Tensor, own_then: torch.Tensor, group_mean: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """wagma_average given the mean of the ``group_size`` published models, ours (``own_then``) among them: our
-    published copy is swapped for our current model, group_mean + (own_now - own_then) / group_size."""
-    return group_mean + (own_now - own_then) / group_size
-
-
-def global_average(models: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Plain mean of all replicas' tensors (the periodic global synchronisation)."""
-    return torch.stack(list(models)).mean(dim=0)

@@ -28,7 +28,7 @@ from trainer.sources import file_sha256, is_streamed_source, tokenizer_vocab_siz
 # every module provides the same builders). One table: the config validates against it, the model builds from it.
 ARCHITECTURES = {"gpt": "trainer.model", "llama": "trainer.llama"}
 SUBSPACE = "subspace"  # the model+codec pair of trainer/subspace.py: k coefficients per token cross a boundary
-AVERAGING_RULES = ("ema", "delta", "avg", "wagma", "none")
+AVERAGING_RULES = ("ema", "delta", "avg", "full", "wagma", "none")  # trainer/rules.py: RULES
 AGGREGATORS = ("mean", "trimmed", "centered_clip")  # implemented in trainer/robust.py (kept torch-free here)
 CLIP_STARTS = ("median", "own")
 OPTIMIZERS = ("nadam", "adamw")
@@ -177,7 +177,8 @@ class AveragingConfig:
     """Data-parallel averaging between replicas of one stage (AsyncMesh sparse EMA by default)."""
 
     rule: str = "ema"
-    """'ema' (AsyncMesh), 'delta' (a + lam*drift), 'avg' (stale overwrite, AsyncSPARTA), 'wagma', or 'none'."""
+    """'ema' (AsyncMesh), 'delta' (a + lam*drift), 'avg' (stale overwrite, AsyncSPARTA), 'full' (whole tensors,
+    overwrite), 'wagma' (rotating groups, delta form), or 'none' (trainer/rules.py)."""
     fraction: float = 0.05
     """p: fraction of each tensor averaged per local step (the paper's 0.05); rounds batch round_steps of it."""
     lam: float = 1.0

@@ -52,6 +52,7 @@ from trainer.averaging import SparseAveragingState
 from trainer.config import RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from trainer.rules import rule_of
 from trainer.subspace import Subspace
 
 logger = logging.getLogger(__name__)
@@ -148,9 +149,8 @@ class StageWorker:
         self._epoch = 0  # advanced by every in-place change of the live weights (step, averaging, load)
         self._stash: dict[int, list[torch.Tensor]] = {}  # epoch -> weight copies of a superseded epoch
         self._refs: Counter[int] = Counter()  # epoch -> pending micro-batches forwarded at it
-        rule = run.averaging.rule
-        self.averaging = (None if rule == "none" else
-                          SparseAveragingState(run.averaging, run.optim.total_steps, run.seed, stage, self._params))
+        self.averaging = (SparseAveragingState(run.averaging, run.optim.total_steps, run.seed, stage, self._params)
+                          if rule_of(run.averaging).averages else None)
 
     # --- properties -------------------------------------------------------------------------------------------------
     @property
@@ -406,13 +406,14 @@ class StageWorker:
         """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""
         return self._avg().begin(round_no, self._params)
 
-    def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, group_size: int | None = None) -> None:
+    def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, bounded: bool = False) -> None:
         """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input.
 
-        Pending micro-batches keep the weights their forward used (stashed first when stashing is on)."""
+        Pending micro-batches keep the weights their forward used (stashed first when stashing is on). ``bounded``:
+        the aggregate's pull was clipped, so the round moves the weights by that pull only (trainer/rules.py)."""
         avg = self._avg()
         self._weights_will_change()  # a rejected mean leaves an identical copy behind, freed with its micro-batches
-        avg.finish(round_no, mean, self._params, self.local_step, group_size)
+        avg.finish(round_no, mean, self._params, self.local_step, bounded=bounded)
         self._keep_in_subspace()  # robust aggregation and quantised parts are not linear: back into the subspace
 
     def averaging_abort(self, round_no: int) -> None:

@@ -98,8 +98,8 @@ from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
-from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
+from trainer.rules import rule_of, wagma_group, wagma_is_global, wagma_phase
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -148,12 +148,13 @@ def rounds_to_open(owed_steps: float, round_steps: int, per_tick: int) -> int:
     return max(0, min(per_tick, math.floor(owed_steps / round_steps + 1e-9)))
 
 
-def wagma_partners(me: str, view: list[str], round_no: int, group_size: int) -> list[str]:
-    """WAGMA's rotating group over whoever is reachable: replicas are the sorted peer ids (ours included), and round
-    ``round_no`` uses digit field ``round_no mod L`` of their index (trainer.averaging.wagma_group); peers with the
-    same view compute the same disjoint groups, and the groups rotate so information mixes in L rounds."""
+def wagma_partners(me: str, view: list[str], phase: int, group_size: int) -> list[str]:
+    """WAGMA's rotating group over whoever is reachable: replicas are the sorted peer ids (ours included), and
+    ``phase`` (trainer.rules.wagma_phase of the round) uses digit field ``phase mod L`` of their index
+    (trainer.rules.wagma_group); peers with the same view compute the same disjoint groups, and the groups rotate so
+    information mixes in L phases."""
     members = sorted({*view, me})
-    group = wagma_group(members.index(me), round_no, len(members), group_size)
+    group = wagma_group(members.index(me), phase, len(members), group_size)
     return [members[i] for i in group if members[i] != me]
 
 
@@ -184,6 +185,7 @@ class AveragingLoop:
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
                  local_step: Callable[[], int] | None = None, attack: str = "") -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
+        self.rule = rule_of(run.averaging)
         self.config = config or NetAveragingConfig()
         self.period_s, self.per_tick = run.averaging.period_s, run.averaging.rounds_per_tick
         self.local_step = local_step or (lambda: metrics.local_step)
@@ -210,7 +212,7 @@ class AveragingLoop:
 
     @property
     def enabled(self) -> bool:
-        return self.run.averaging.rule != "none"
+        return self.rule.averages
 
     async def start(self) -> None:
         """Register the handler and start the round loop (nothing to do when the run's rule is 'none')."""
@@ -261,7 +263,7 @@ class AveragingLoop:
         want, avg = self.run.averaging.fraction, self.run.averaging
         got = self.metrics.averaging_cadence()["avg_fraction_per_step"]
         rounds = self.metrics.count("averaging_rounds_ok")
-        if avg.rule != "wagma" and got is not None and rounds >= CADENCE_MIN_ROUNDS and got < CADENCE_TOLERANCE * want:
+        if not self.rule.whole and got is not None and rounds >= CADENCE_MIN_ROUNDS and got < CADENCE_TOLERANCE * want:
             self.metrics.warn(f"averaging under half the run's {want:g} of the weights per local step: this peer "
                               f"makes more than averaging.rounds_per_tick x round_steps = {avg.rounds_per_tick} x "
                               f"{avg.round_steps} steps per {self.period_s:g}-s tick; the run should raise "
@@ -332,14 +334,15 @@ class AveragingLoop:
         rotating group among them (every ``wagma_global_every``-th round: everyone, which bounds staleness)."""
         cfg = self.run.averaging
         view = [p for p in self.peers if p != self.me]
-        if cfg.rule != "wagma" or wagma_is_global(round_no, cfg.wagma_global_every):
+        phase = wagma_phase(round_no, self.per_tick)
+        if not self.rule.groups or wagma_is_global(phase, cfg.wagma_global_every):
             return view
-        return wagma_partners(self.me, view, round_no, cfg.wagma_group_size)
+        return wagma_partners(self.me, view, phase, cfg.wagma_group_size)
 
     def _admit(self, round_no: int, peer: str) -> Slot:
         if self._stopped:
             raise Refused(ErrorCode.NOT_READY, "stopped", "this peer has stopped averaging")
-        if self.run.averaging.rule == "wagma" and peer in self.peers and peer not in self.partners(round_no):
+        if self.rule.groups and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, "not_in_group", f"not in our WAGMA group of round {round_no}")
         tick = self._tick(round_no)
         reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
@@ -396,12 +399,13 @@ class AveragingLoop:
             # the full quorum counts partners we measured (a valid part lately), never bare records: phantom
             # records would make every honest round a clipped minority round
             measured = sum(1 for p in peers if p in self._heard)
-            mean, group = await self._combine(slot, asked=measured, quorum=need)
-            finish = self._finisher(r, mean, group)
+            mean, group, clipped = await self._combine(slot, asked=measured, quorum=need)
+            finish = self._finisher(r, mean, clipped)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
             step1 = await asyncio.wait_for(self.worker_call(finish), self.config.worker_timeout_s)
             tau = step1 - step0
-            self.metrics.observe_round(ok=True, group_size=group, tau=tau, fraction=self._round_fraction())
+            self.metrics.observe_round(ok=True, group_size=group, tau=tau,
+                                       fraction=self.rule.round_fraction(self.run.averaging))
             logger.debug("round %d: averaged with %d peers, tau %d", r, group - 1, tau)
             self._check_cadence()
         except asyncio.CancelledError:
@@ -448,12 +452,9 @@ class AveragingLoop:
         self.metrics.inc("avg_below_quorum")
         return True
 
-    def _round_fraction(self) -> float:
-        """Fraction of every tensor a round averages ('wagma' averages whole tensors)."""
-        return 1.0 if self.run.averaging.rule == "wagma" else self.run.averaging.round_fraction
-
-    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int]:
-        """The round's robust aggregate (peer.averaging.aggregate) and the contributions it kept, ours included."""
+    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int, bool]:
+        """The round's robust aggregate (peer.averaging.aggregate), the contributions it kept, ours included, and
+        whether its pull on our values was clipped."""
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
             None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
@@ -476,12 +477,12 @@ class AveragingLoop:
             self.metrics.inc("avg_pull_clipped")
             logger.debug("round %d: %d of the stage's contributions pulled farther than half %s of our values' "
                          "norm: clipped", slot.key, len(slot.contributions) + 1, self.config.lone_bound)
-        return mean, len(slot.contributions) + 1 - len(dropped)
+        return mean, len(slot.contributions) + 1 - len(dropped), clipped
 
-    def _finisher(self, r: int, mean: list[torch.Tensor], group: int) -> Callable[[StageWorker], int]:
+    def _finisher(self, r: int, mean: list[torch.Tensor], bounded: bool) -> Callable[[StageWorker], int]:
         def finish(w: StageWorker) -> int:
-            if self.run.averaging.rule == "wagma":
-                w.averaging_finish(r, mean, group_size=group)
+            if bounded:
+                w.averaging_finish(r, mean, bounded=True)
             else:
                 w.averaging_finish(r, mean)
             return w.local_step

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-extra", type=int, default=None, metavar="E",
                         help="hold every stage's gradient E more ticks than 1F1B (a daemon's stage 0 with W "
                         "micro-batches in flight on K stages: E = W - K; default 0)")
+    parser.add_argument("--speeds", default=None, metavar="F0,F1,...",
+                        help="replicas' speed factors in (0, 1], one per replica, the fastest 1 (async methods; "
+                        "default: all 1)")
     parser.add_argument("--eval-replicas", choices=("averaged", "each"), default=None,
                         help="validate the replicas' averaged weights (default, as the AsyncMesh code) or each "
                         "replica's own, mean over replicas (as the daemon's replicas report)")
@@ -135,6 +138,12 @@ def _build_config(args: argparse.Namespace):
         sim = dataclasses.replace(sim, pipeline_extra=args.pipeline_extra)
     if args.eval_replicas is not None:
         sim = dataclasses.replace(sim, eval_replicas=args.eval_replicas)
+    if args.speeds is not None:
+        try:
+            speeds = tuple(float(f) for f in args.speeds.split(","))
+            sim = dataclasses.replace(sim, speeds=speeds)
+        except ValueError as e:
+            raise UserError(f"--speeds: {e}") from e
     return sim
 
 

@@ -36,14 +36,17 @@ from trainer.config import RunConfig
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """How one method trains: schedule ('sync' GPipe or 'async' 1F1B) and replica combination ('grad', 'avg',
-    'wagma'); ``configure(run, sim)`` returns the method's run config from the simulation's base run."""
+    """How one method trains: schedule ('sync' GPipe or 'async' 1F1B) and replica combination ('grad': gradient
+    averaging, 'avg': parameter averaging by ``rule``); ``configure(run, sim)`` returns the method's run config from
+    the simulation's base run."""
 
     name: str
     schedule: str
     combine: str
     configure: Callable[[RunConfig, object], RunConfig]
     summary: str
+    rule: str = "none"
+    """The averaging rule of 'avg' methods (trainer/rules.py), whose flags say what the simulator does with it."""
 
 
 def _pipeline_only(run: RunConfig, **optim: object) -> RunConfig:
@@ -90,11 +93,14 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("naive-async", "async", "grad", _naive, "async 1F1B, AdamW 0.9, no stashing, no look-ahead"),
     MethodSpec("asyncpp", "async", "grad", _asyncpp, "async 1F1B, NAdam 0.99 + weight stashing"),
     MethodSpec("asyncpp-nows", "async", "grad", _asyncpp_nows, "async 1F1B, NAdam, no stashing, beta1 0.99->0.9"),
-    MethodSpec("asyncmesh", "async", "avg", _sparse("ema"), "asyncpp + sparse averaging, EMA drift correction"),
-    MethodSpec("async-sparta", "async", "avg", _sparse("avg"), "asyncpp + sparse averaging, stale overwrite"),
-    MethodSpec("delta", "async", "avg", _sparse("delta"), "asyncpp + sparse averaging, a + lambda * drift"),
-    MethodSpec("full-avg", "async", "avg", _sparse("avg", full=True), "asyncpp + full averaging every step, tau 0"),
-    MethodSpec("wagma", "async", "wagma", _sparse("wagma"), "asyncpp + WAGMA group averaging, global every 11"),
+    MethodSpec("asyncmesh", "async", "avg", _sparse("ema"), "asyncpp + sparse averaging, EMA drift correction",
+               "ema"),
+    MethodSpec("async-sparta", "async", "avg", _sparse("avg"), "asyncpp + sparse averaging, stale overwrite", "avg"),
+    MethodSpec("delta", "async", "avg", _sparse("delta"), "asyncpp + sparse averaging, a + lambda * drift", "delta"),
+    MethodSpec("full-avg", "async", "avg", _sparse("full", full=True), "asyncpp + full averaging every step, tau 0",
+               "full"),
+    MethodSpec("wagma", "async", "avg", _sparse("wagma"), "asyncpp + WAGMA group averaging, global every 11",
+               "wagma"),
     MethodSpec("accum", "async", "grad", _accum, "async 1F1B, AdamW 0.9 + stashing, sum A gradients per step"),
 )}
 

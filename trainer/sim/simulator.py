@@ -52,11 +52,11 @@ from typing import Any
 
 import torch
 
+from trainer.aggregate import OUTLIER_FACTOR, OUTLIER_RMS, robust_combine
 from trainer.attacks import ATTACKS, byzantine_part
-from trainer.averaging import wagma_group, wagma_is_global
 from trainer.config import RunConfig
 from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
-from trainer.robust import aggregate
+from trainer.rules import rule_of, wagma_members
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
@@ -112,6 +112,11 @@ class SimConfig:
     """'averaged': validate replica 0 holding the weights averaged over the honest replicas (as the AsyncMesh code
     evaluates); 'each': the mean over honest replicas r of the validation loss of replica r's own stages (as the
     daemon's stage-0 replicas each report theirs)."""
+    speeds: tuple[float, ...] = ()
+    """Async schedules: replica r's speed factor in (0, 1] (empty: all 1). Replica r works at a share ``speeds[r]``
+    of the ticks (spread evenly) and trains on ``round(steps * speeds[r])`` micro-batches, so that all finish
+    together, as replicas of a daemon trained for the same wall time; averaging rounds follow the fastest replica's
+    local steps, as the daemon's do (a replica pulled into its partners' rounds averages more per step)."""
     device: str = "cpu"
     """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
     On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
@@ -137,6 +142,9 @@ class SimConfig:
         if self.pipeline_extra < 0 or self.eval_replicas not in EVAL_REPLICAS:
             raise ValueError(f"pipeline_extra must be >= 0 and eval_replicas one of {EVAL_REPLICAS}, "
                              f"got {self.pipeline_extra}, {self.eval_replicas!r}")
+        if self.speeds and (len(self.speeds) != self.n_replicas or not all(0 < f <= 1 for f in self.speeds)
+                            or max(self.speeds) != 1):
+            raise ValueError(f"speeds must give one factor in (0, 1] per replica, the fastest 1, got {self.speeds}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -146,7 +154,7 @@ class SimConfig:
         for m in self.methods:
             if m == "full-avg":  # no delay by definition
                 out.append((m, m, 0))
-            elif self.taus and METHODS[m].combine in ("avg", "wagma"):
+            elif self.taus and METHODS[m].combine == "avg":
                 out.extend((f"{m}@tau{t}", m, t) for t in self.taus)
             else:
                 out.append((m, m, self.tau))
@@ -171,6 +179,7 @@ class SimConfig:
         d["run"] = RunConfig.from_dict(run)
         d["methods"], d["taus"] = tuple(d["methods"]), tuple(d["taus"])
         d["tau_samples"] = tuple(d.get("tau_samples", ()))
+        d["speeds"] = tuple(d.get("speeds", ()))
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +187,7 @@ class SimConfig:
         d["run"] = self.run.to_dict()
         d["methods"], d["taus"] = list(self.methods), list(self.taus)
         d["tau_samples"] = list(self.tau_samples)
+        d["speeds"] = list(self.speeds)
         return d
 
 
@@ -200,6 +210,7 @@ class _Run:
     def __init__(self, sim: SimConfig, spec: MethodSpec, tau: int, corpus, val: list) -> None:
         self.sim, self.spec, self.tau = sim, spec, tau
         self.run = spec.configure(sim.run, _Knobs(sim, tau))
+        self.rule = rule_of(self.run.averaging)
         self.K, self.R = self.run.n_stages, sim.n_replicas
         auto = spec.combine != "grad"
         self.w = [[StageWorker(self.run, s, device=sim.device, replica=r, auto_step=auto) for s in range(self.K)]
@@ -213,7 +224,8 @@ class _Run:
         self.act = self._measured(comp.activations, "act")
         self.grad = self._measured(comp.gradients, "grad")
         self.avg_codec = _codec(comp.averaging)
-        self.consumed = 0  # micro-batches per replica read so far
+        self.consumed = 0  # micro-batches per replica read so far (a speed-1 replica's, with speeds)
+        self.trained: list[int] = []  # async schedule: micro-batches each replica has read
         self.losses: list[float] = []
         self.curve: list[dict[str, float]] = []
         self.fifo: list[list] = [[] for _ in range(self.K)]  # per stage: (apply at step, round, means, group sizes)
@@ -268,7 +280,7 @@ class _Run:
         """'avg'/'wagma': after a local step, apply the rounds whose delay has passed, and begin a round on every
         replica when round_steps local steps have passed since the last one began."""
         ws = [self.w[r][s] for r in range(self.R)]
-        step = ws[0].local_step
+        step = max(w.local_step for w in ws)  # the fastest replica's steps set the rounds' pace
         if step == self.seen_steps[s] or self.R == 1:
             return
         self.seen_steps[s] = step
@@ -278,8 +290,8 @@ class _Run:
             self._begin(s, ws, step)
         due = [item for item in self.fifo[s] if item[0] <= step]
         self.fifo[s] = [item for item in self.fifo[s] if item[0] > step]
-        for _, rn, means, sizes in due:
-            self._finish(s, ws, rn, means, sizes)
+        for _, rn, means in due:
+            self._finish(s, ws, rn, means)
 
     def _begin(self, s: int, ws: list[StageWorker], step: int) -> None:
         cfg = self.run.averaging
@@ -290,30 +302,24 @@ class _Run:
         tau = self._draw_tau()
         if s == 0:
             self.delays.append(tau)
-        if self.spec.combine == "wagma":
-            if wagma_is_global(rn, cfg.wagma_global_every):
-                groups = [list(range(self.R))] * self.R
-            else:
-                groups = [wagma_group(r, rn, self.R, cfg.wagma_group_size) for r in range(self.R)]
+        if self.rule.groups:  # rounds are numbered consecutively here: the phase is the round number
+            groups = [wagma_members(r, rn, self.R, cfg) for r in range(self.R)]
             means = [self._combine([sent[j] for j in grp], grp.index(r)) for r, grp in enumerate(groups)]
-            sizes = [len(grp) for grp in groups]  # a global round arrives as late as the others, as a correction
-        else:
-            if cfg.aggregator == "centered_clip" and cfg.clip_start == "own":
-                means = [self._combine(sent, r) for r in range(self.R)]
-            else:  # every replica computes the same aggregate
-                means = [self._combine(sent, 0)] * self.R
-            sizes = [self.R] * self.R
+        elif (cfg.aggregator == "centered_clip" and cfg.clip_start == "own") or self.honest < self.R:
+            means = [self._combine(sent, r) for r in range(self.R)]  # each replica judges the parts from its own
+        else:  # honest replicas holding the same parts compute the same aggregate
+            means = [self._combine(sent, 0)] * self.R
         if tau == 0:
-            self._finish(s, ws, rn, means, sizes)
+            self._finish(s, ws, rn, means)
         else:
-            self.fifo[s].append((step + tau, rn, means, sizes))
+            self.fifo[s].append((step + tau, rn, means))
 
-    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list, sizes: list[int]) -> None:
-        for w, m, n in zip(ws, means, sizes, strict=True):
-            w.averaging_finish(rn, m, group_size=n)
+    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list) -> None:
+        for w, m in zip(ws, means, strict=True):
+            w.averaging_finish(rn, m)
         self.rounds_applied += 1
         if s == 0:
-            self.fraction_applied += 1.0 if self.spec.combine == "wagma" else self.run.averaging.round_fraction
+            self.fraction_applied += self.rule.round_fraction(self.run.averaging)
 
     def _attack(self, sent: list[list[torch.Tensor]]) -> None:
         """Replace the Byzantine replicas' parts (in place) by the configured attack."""
@@ -323,11 +329,14 @@ class _Run:
                 sent[j][i] = byzantine_part(self.sim.attack, sent[j][i], honest, generator=self.attack_rng)
 
     def _combine(self, parts: list[list[torch.Tensor]], own: int) -> list[torch.Tensor]:
-        """The run's aggregator over ``parts`` (one list of tensors per replica), seen by the replica at ``own``."""
-        a = self.run.averaging
-        return [aggregate(torch.stack(vs), a.aggregator, trim=a.trim, clip_scale=a.clip_scale,
-                          clip_iters=a.clip_iters, clip_start=a.clip_start, own=own)
-                for vs in zip(*parts, strict=True)]
+        """The daemon's round aggregation (trainer/aggregate.py: outliers dropped, honest-looking parts averaged as
+        they are, the run's aggregator otherwise) over ``parts`` (one list of tensors per replica), seen by the
+        replica at ``own``; every replica takes part, so the round has its full quorum."""
+        ids = [f"{i:04d}" for i in range(len(parts))]
+        others = {ids[i]: p for i, p in enumerate(parts) if i != own}
+        values, _, _ = robust_combine(ids[own], parts[own], others, self.run.averaging, outlier_factor=OUTLIER_FACTOR,
+                                      outlier_rms=OUTLIER_RMS, quorum=len(parts))
+        return values
 
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
@@ -371,7 +380,8 @@ class _Run:
         val = self.evaluate()
         train = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         self.losses.clear()
-        samples = self.consumed * self.R * self.run.data.batch_size
+        samples = sum(self.trained) * self.run.data.batch_size if self.trained else \
+            self.consumed * self.R * self.run.data.batch_size
         point = {"samples": samples, "train_loss": train, "val_loss": val}
         for kind, errs in self.codec_errors.items():
             if errs:
@@ -383,14 +393,25 @@ class _Run:
     # --- schedules --------------------------------------------------------------------------------------------------
     def run_async(self) -> None:
         K, N, E = self.K, self.sim.steps, self.sim.pipeline_extra
+        speeds = self.sim.speeds or (1.0,) * self.R
+        quota = [max(1, round(N * f)) for f in speeds]  # micro-batches replica r trains on
+        clock = [0] * self.R  # replica r's own tick
+        self.trained = [0] * self.R
         outs: list[list[Any]] = [[None] * K for _ in range(self.R)]  # stage s's output of the previous tick
         targets: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]
         held: list[dict[int, Any]] = [{} for _ in range(self.R)]  # last stage's input gradients, held E ticks
-        for t in range(N + K - 1 + E):
+        T = 0
+        while any(clock[r] < quota[r] + K - 1 + E for r in range(self.R)):
             for r in range(self.R):
+                f = speeds[r]
+                if clock[r] >= quota[r] + K - 1 + E or int((T + 1) * f + 1e-9) == int(T * f + 1e-9):
+                    continue  # done, or idle at this tick (a slower replica)
+                t, n_r = clock[r], quota[r]
+                clock[r] += 1
+                self.trained[r] = min(t + 1, n_r)
                 w = self.w[r]
                 mb = t - (K - 1)
-                if 0 <= mb < N:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
+                if 0 <= mb < n_r:  # last stage: forward + loss + backward of micro-batch t - (K - 1), delay 0
                     if K == 1:
                         x, y = self.next_batch(r)
                     else:
@@ -399,7 +420,7 @@ class _Run:
                     self.losses.append(loss)
                 for s in range(K - 2, -1, -1):  # forwards, deepest first so each reads the previous tick's output
                     m = t - s
-                    if 0 <= m < N:
+                    if 0 <= m < n_r:
                         if s == 0:
                             inp, targets[r][m] = self.next_batch(r)
                         else:
@@ -411,10 +432,11 @@ class _Run:
                     for s in range(K - 2, -1, -1):
                         grad = w[s].backward(back, self.grad(grad))
             self.after_backward_sweep()
-            if t < N:
-                self.consumed = t + 1
+            if T < N:
+                self.consumed = T + 1
                 if self.consumed % self.sim.eval_every == 0 and self.consumed < N:
                     self.record()
+            T += 1
         self.record()
 
     def run_sync(self) -> None:
@@ -470,14 +492,14 @@ def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, An
     final = state.curve[-1]
     first = state.curve[0]
     return {
-        "name": name, "method": method, "tau": tau if spec.combine in ("avg", "wagma") else None,
+        "name": name, "method": method, "tau": tau if spec.combine == "avg" else None,
         "summary": spec.summary,
         "final_val_loss": final["val_loss"], "first_val_loss": first["val_loss"],
         "final_train_loss": final["train_loss"],
         "samples": final["samples"], "updates": state.w[0][0].local_step,
         "averaging_rounds_applied": state.rounds_applied,
         "avg_fraction_per_step": (state.fraction_applied / state.w[0][0].local_step
-                                  if spec.combine in ("avg", "wagma") and state.w[0][0].local_step else None),
+                                  if spec.combine == "avg" and state.w[0][0].local_step else None),
         "avg_delay_steps": (sum(state.delays) / len(state.delays)) if state.delays else None,
         "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
         "compute_s": round(time.perf_counter() - t0, 2),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainer.config import RunConfig
+from trainer.rules import RULES
 from trainer.sim.methods import METHODS
 from trainer.sim.wallclock import MeshTiming, simulate_async, simulate_sync
 
@@ -140,7 +141,7 @@ class WallclockReport:
                                   max_pending_rounds=0).seconds_per_microbatch
         if method == "full-avg":
             frac, nbytes, pending = 1.0, 1.0, 0
-        elif spec.combine == "wagma":
+        elif RULES[spec.rule].whole:
             frac, nbytes, pending = 1.0, 4.0, tau
         else:
             frac, nbytes, pending = self.sim.fraction, 1.0, tau

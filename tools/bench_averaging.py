@@ -1,0 +1,122 @@
+"""What one averaging round costs the compute thread, against one training step, at several stage sizes.
+
+The compute thread of a peer runs a round's two halves (``StageWorker.averaging_begin``: draw the round's partition
+and gather the slice; ``averaging_finish``: apply the run's rule to it) between the micro-batches it trains on.
+A round that costs a sizeable share of a step slows training down, and one that costs more than the round's window
+(docs/design.md, "When rounds happen") makes rounds time out. This tool times both halves (median over several
+consecutive rounds, so cycle boundaries are included; interleaved with the steps, so that both see the same load)
+and one training step of the same stage (forward, backward
+with its recompute, optimiser step; stage 0 of two, on the CPU, at the run's micro-batch size) at stages of about
+0.4 M, 4 M and 40 M parameters, with the embedded default run's averaging (rule, p, round_steps).
+
+    python tools/bench_averaging.py --json docs/bench/averaging_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.config import RunConfig
+from trainer.worker import StageWorker
+
+SIZES = {  # name -> model overrides (n_layer over 2 stages: stage 0 holds 2 blocks and the embeddings)
+    "0.4M": {"n_layer": 4, "n_embd": 128, "n_head": 4},
+    "4M": {"n_layer": 4, "n_embd": 384, "n_head": 6},
+    "40M": {"n_layer": 4, "n_embd": 1280, "n_head": 10},
+}
+
+
+def _ms(fn) -> float:
+    """CPU milliseconds of this thread (torch runs on it with --threads 1): on a shared machine wall time mostly
+    measures the neighbours."""
+    t0 = time.thread_time()
+    fn()
+    return (time.thread_time() - t0) * 1e3
+
+
+def measure(run: RunConfig, *, rounds: int, steps: int) -> dict:
+    """Round and step times (ms) of stage 0 of ``run``."""
+    w = StageWorker(run, 0)
+    params = sum(p.numel() for p in w.parameters())
+    b, t = run.data.batch_size, run.model.block_size
+    x = torch.randint(0, run.model.vocab_size, (b, t))
+    grad_y = torch.randn(b, t, run.model.n_embd) * 1e-3
+
+    def step(i: int) -> None:
+        w.forward(i, x)
+        w.backward(i, grad_y)  # auto_step: the optimiser steps after the backward
+
+    def round_(r: int) -> tuple[float, float, int]:
+        box: list[list[torch.Tensor]] = []
+        b_ms = _ms(lambda: box.append(w.averaging_begin(r)))
+        mean = [v + 1e-3 * torch.randn(v.shape, generator=gen) for v in box[0]]
+        w.local_step += 1  # a step between begin and finish, as in a real round
+        f_ms = _ms(lambda: w.averaging_finish(r, mean))
+        return b_ms, f_ms, sum(v.numel() for v in box[0])
+
+    gen = torch.Generator().manual_seed(0)
+    step(-1)  # warm-up: allocations, optimiser state
+    round_(0)
+    step_ms, begin_ms, finish_ms, slice_sizes = [], [], [], []
+    for i in range(max(rounds, steps)):  # interleaved, so that both see the same load on a shared machine
+        if i < steps:
+            step_ms.append(_ms(lambda i=i: step(i)))
+        if i < rounds:
+            b_ms, f_ms, n = round_(i + 1)
+            begin_ms.append(b_ms)
+            finish_ms.append(f_ms)
+            slice_sizes.append(n)
+    begin, finish = statistics.median(begin_ms), statistics.median(finish_ms)
+    step_med = statistics.median(step_ms)
+    return {"params": params, "slice": int(statistics.median(slice_sizes)), "round_ms": round(begin + finish, 2),
+            "begin_ms": round(begin, 2), "finish_ms": round(finish, 2), "round_ms_max": round(
+                max(a + b for a, b in zip(begin_ms, finish_ms, strict=True)), 2),
+            "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--rounds", type=int, default=6, help="rounds timed per size (median)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps timed per size (median)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the thread's CPU time is all the work; more would run on other threads)")
+    ap.add_argument("--json", type=Path, help="write the result here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = RunConfig.default()
+    load_before = os.getloadavg()
+    sizes = []
+    for name in args.sizes:
+        run = base.replace(model=SIZES[name])
+        res = {"size": name, **measure(run, rounds=args.rounds, steps=args.steps)}
+        print(json.dumps(res), flush=True)
+        sizes.append(res)
+    out = {
+        "command": "python tools/bench_averaging.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "averaging": {"rule": base.averaging.rule, "fraction": base.averaging.fraction,
+                      "round_steps": base.averaging.round_steps, "round_fraction": base.averaging.round_fraction},
+        "batch": [base.data.batch_size, base.model.block_size],
+        "clock": "CPU time of the calling thread (time.thread_time), torch on that one thread",
+        "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version(), "loadavg_before": load_before,
+                    "loadavg_after": os.getloadavg()},
+        "sizes": sizes,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
