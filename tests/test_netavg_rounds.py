@@ -602,6 +602,22 @@ def test_flush_clock_closes_each_flush_once_and_ignores_retries():
     assert fresh.on_remote_barrier(3) == 3  # a new replica joins its partners' barrier rather than make them wait
 
 
+def test_flush_clock_closes_a_flush_when_its_share_is_done_and_only_once():
+    """The drain closes a flush (its barrier overlaps the earlier stages' backwards); the next forward, a partner's
+    barrier or a late micro-batch of that flush then close nothing more."""
+    from peer.averaging.sync import FlushClock
+
+    clock = FlushClock()
+    assert clock.on_forward(4) is None
+    assert clock.on_drained(4) == 4  # the M-th backward of flush 4 here: barrier 4 at once
+    assert clock.on_drained(4) is None and clock.on_remote_barrier(4) is None  # a retried micro-batch, a partner
+    assert clock.on_forward(4) is None  # a late forward of flush 4 joins flush 5's gradient
+    assert clock.on_forward(5) is None and clock.current == 5  # flush 4 is closed already
+    assert clock.on_forward(7) == 6  # short of M in flush 5 and 6 (drops): the forward of 7 closes 6
+    assert clock.on_drained(5) is None  # too late: 5 is behind what we accumulate
+    assert clock.on_remote_barrier(7) == 7 and clock.on_drained(7) is None
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("fault", "grace"), [
     ("resets", 0.2),  # each side's first call fails at once (a reset stream): retried, not left to the deadline

@@ -76,6 +76,7 @@ class Pending:
     sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
     done: asyncio.Future | None = None  # stage 0: resolved with the loss (None when dropped, REFUSED)
     started: float = field(default_factory=time.monotonic)
+    flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
 
 
 class PipelineStage:
@@ -114,6 +115,9 @@ class PipelineStage:
         self._fwd_s: dict[int, float] = {}
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
+        # sync mode, later stages: called with a training micro-batch's flush once its backward is done here (a
+        # replica that finished its share of a flush opens that flush's barrier while the earlier stages drain)
+        self.on_backward_done: Callable[[int], None] | None = None
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
         self.on_first_measure: Callable[[], None] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
@@ -212,7 +216,7 @@ class PipelineStage:
         self.last_forward = time.monotonic()
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
-                                          is_eval=msg.is_eval)
+                                          is_eval=msg.is_eval, flush=msg.flush)
         self.forward_q.put_nowait(("fwd", msg, x, targets, ids))
         self._wake.set()
         return Ack()
@@ -298,6 +302,7 @@ class PipelineStage:
             self.pending.pop(msg.mb_id, None)
             self.guard.loss_verdict(p.prev_peer, float(loss))
             self._count_step(float(loss), x)
+            self._backward_done(msg.flush)
             env = await self._encode_gradient(grad)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
@@ -310,6 +315,10 @@ class PipelineStage:
             y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
                                      ids=ids))
+
+    def _backward_done(self, flush: int | None) -> None:
+        if self.on_backward_done is not None and flush is not None:
+            self.on_backward_done(flush)
 
     def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
         if loss is not None:
@@ -348,6 +357,7 @@ class PipelineStage:
         if not self.is_first:
             self.metrics.inc("tokens", self.run.data.batch_size * self.run.model.block_size)
             self.metrics.local_step = self.worker.local_step
+            self._backward_done(p.flush)
         if p.done is not None and not p.done.done():
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
@@ -467,7 +477,11 @@ class PipelineStage:
 
     async def expire(self) -> int:
         """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""
-        for peer, held in self.router.black_holes():  # accepted work, answered none of it: banned, work re-sent
+        # accepted work, answered none of it: banned, work re-sent. Not in sync mode: there the next hop is pinned
+        # (no other route) and a later stage rightly holds a flush's micro-batches while it waits at its barrier, so
+        # a ban would stall the pipeline for ban_max_s; a flush's lost micro-batches time out and are re-sent.
+        holes = self.router.black_holes() if self.cfg.mode == "async" else []
+        for peer, held in holes:
             self.metrics.inc("black_holes_banned")
             self.metrics.warn(f"peer {peer[-8:]} accepted {len(held)} micro-batches and answered none; banned")
             logger.warning("peer %s accepted %d micro-batches and answered none; banned, dropping them", peer,
