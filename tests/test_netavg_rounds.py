@@ -181,6 +181,30 @@ def test_round_clock_and_admission():
     assert admissible(10, 105.0, 10.0, cfg, 30.0) == "stale_round"
     with pytest.raises(ValueError, match="collect_fraction"):
         NetAveragingConfig(collect_fraction=1.0)
+    assert round_deadline(10, 10.0, cfg, 30.0, window_s=12.0) == 112.0  # the measured window, across ticks
+    assert admissible(10, 111.0, 10.0, cfg, 30.0, window_s=12.0) is None
+
+
+def test_the_exchange_window_follows_the_exchanges_not_a_constant():
+    """A round that ends below its quorum for lack of time lengthens the window (4- and 8-replica stages lost a third
+    to a half of their rounds in a fixed 0.6-period window); complete rounds bring it back towards twice what they
+    take, never under collect_fraction x period_s nor over max_window_periods periods."""
+    loop, metrics = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"])
+    base = loop.window_s
+    assert base == pytest.approx(FAST.collect_fraction * RUN.averaging.period_s)
+    loop.observe_exchange(base, complete=False, starved=True)
+    assert loop.window_s == pytest.approx(2 * base) and metrics.averaging_cadence()["avg_window_s"] == loop.window_s
+    for _ in range(10):
+        loop.observe_exchange(loop.window_s, complete=False, starved=True)
+    assert loop.window_s == pytest.approx(FAST.max_window_periods * RUN.averaging.period_s)  # bounded
+    loop.observe_exchange(0.5, complete=False, starved=False)  # reached its quorum without one: says nothing
+    assert loop.window_s == pytest.approx(FAST.max_window_periods * RUN.averaging.period_s)
+    for _ in range(40):
+        loop.observe_exchange(0.4, complete=True, starved=False)  # every part within 0.4 s
+    assert loop.window_s == pytest.approx(0.8, rel=0.05)
+    for _ in range(40):
+        loop.observe_exchange(0.01, complete=True, starved=False)
+    assert loop.window_s == pytest.approx(base)  # never below the run's short window
 
 
 def test_same_stage_peers_and_the_mean_are_order_independent():
