@@ -110,6 +110,7 @@ class PeerMetrics:
         self.val_loss: float | None = None
         self.pipeline_delay = 0.0
         self.avg_tau: float | None = None
+        self.tokens_by_stage: dict[int, int] = {}
         self.avg_window_s: float | None = None  # the averaging rounds' exchange window (it follows the exchanges)
         self.avg_group_size: int | None = None
         self._avg_base_step: int | None = None  # local step when averaging started (None: this peer does not average)
@@ -191,6 +192,8 @@ class PeerMetrics:
                 logger.warning("counter name %r is not registered (peer/ops/names.py); counted as %r", name, folded)
             name = folded
         self._counters[name] += n
+        if name == "tokens":  # a peer that moves counts each stage's tokens apart (stages are compared by them)
+            self.tokens_by_stage[self.stage] = self.tokens_by_stage.get(self.stage, 0) + n
         now = self._clock()
         window = self._rates.get(name)
         if window is None:

@@ -21,7 +21,9 @@ import dataclasses
 import functools
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
+THROUGHPUT_WINDOW = 32  # micro-batches whose compute time the announced throughput is the median of
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 
 
@@ -111,7 +114,8 @@ class PipelineStage:
         self.accepting = True
         self.tasks: set[asyncio.Task] = set()
         self.last_forward = time.monotonic()
-        self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
+        self.compute_s_per_mb = 0.0  # median forward+backward seconds of one micro-batch over the last few
+        self._recent_s: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
         self._fwd_s: dict[int, float] = {}
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
@@ -151,8 +155,11 @@ class PipelineStage:
                 return
         total = seconds + self._fwd_s.pop(mb_id, 0.0)
         first = not self.compute_s_per_mb
-        a = 1.0 if first else 0.2
-        self.compute_s_per_mb = (1 - a) * self.compute_s_per_mb + a * total
+        # a median, not a moving average: on a shared CPU one micro-batch descheduled for 50 ms among 1-ms ones made
+        # a moving average announce a tenth of the peer's throughput, and joiners piled onto its stage (6 of 8
+        # tiny-run peers on stage 0)
+        self._recent_s.append(total)
+        self.compute_s_per_mb = statistics.median(self._recent_s)
         if first and self.on_first_measure is not None:
             self.on_first_measure()
 
