@@ -35,8 +35,8 @@ def test_stage_costs_weigh_the_head_and_never_zero():
 
 
 def test_joiners_of_equal_speed_balance_the_replicas_by_cost():
-    """Eight equal peers joining one by one on the tiny run (2 stages of one block): 4 and 4, not 6 and 2 (a property of
-    capacity = announced throughput / cost with throughput = cost / time: the cost model cancels for measured peers)."""
+    """Eight equal peers joining one by one on the tiny run (2 stages of one block): 4 and 4, not 6 and 2 (capacity is
+    announced throughput / cost, throughput is cost / time: the cost model cancels for measured peers)."""
     costs = stage_costs([1, 1], n_embd=32, vocab_size=256)
     snap: dict[str, PeerRecord] = {}
     for i in range(8):
