@@ -60,6 +60,11 @@ class PeerConfig:
     """Stage 0: micro-batches in flight at once; 0 uses n_stages + 1."""
     sync_microbatches: int = 4
     """Sync mode: micro-batches per flush (GPipe M)."""
+    sync_optimizer: str = "adamw"
+    """Sync mode: the baseline's optimiser, 'adamw' (beta1 0.9, the papers' GPipe baseline) or 'nadam' (beta1 0.99).
+    Its warm-up and schedule are the run's divided by sync_microbatches (the same samples as the async mode's)."""
+    sync_lr: float = 0.0
+    """Sync mode: the baseline's peak learning rate (0: the run's); docs/convergence.md has the sweep that chose it."""
     max_queue: int = 16
     """Work items a peer queues for its compute thread before answering Busy (backpressure)."""
     eval_every_s: float = 10.0
@@ -186,6 +191,9 @@ class PeerConfig:
         if self.byzantine_attack not in ("", *ATTACKS):
             raise ValueError(f"byzantine_attack must be '' or one of {', '.join(ATTACKS)}, "
                              f"got {self.byzantine_attack!r}")
+        if self.sync_optimizer not in ("adamw", "nadam") or self.sync_lr < 0:
+            raise ValueError(f"sync_optimizer must be 'adamw' or 'nadam' and sync_lr >= 0 (0: the run's lr), got "
+                             f"{self.sync_optimizer!r}, {self.sync_lr}")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 

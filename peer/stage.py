@@ -42,6 +42,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import Error, Message
 from protocol.rpc import Handler, HandlerTable, RpcLimits
 from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
+from trainer.sim.methods import fullsync_optim
 from trainer.tokenizer import MissingExtra
 from trainer.worker import StageWorker, resolve_device, resolve_precision
 
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# sync mode: a replica that a partner's barrier finds with nothing of the flush waits this long for its share before
+# joining with a zero gradient (the pinned route delivers it a moment later; routing that sent the whole flush to the
+# partner does not)
+EMPTY_FLUSH_WAIT_S = 3.0
 
 __all__ = ["DaemonError", "StageHost", "StageService", "StageHandlers", "SyncSchedule"]
 
@@ -137,8 +142,11 @@ class StageService:
         host, stage = self.host, self.stage
         device = _device(host.cfg.device)
         precision = resolve_precision(host.cfg.precision, device)
+        sync = host.cfg.mode == "sync"  # the papers' GPipe baseline: its own optimiser, schedule in samples
+        optim = (fullsync_optim(host.run.optim, host.cfg.sync_microbatches, optimizer=host.cfg.sync_optimizer,
+                                lr=host.cfg.sync_lr or None) if sync else None)
         self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device, precision=precision,
-                                                             auto_step=host.cfg.mode == "async"))
+                                                             auto_step=not sync, optim=optim))
         source = await self.load_state()
         self.loaded = True
         logger.info("stage %d state from %s (local step %d)", stage, source, self.worker.local_step)
@@ -272,8 +280,10 @@ class StageService:
 class SyncSchedule:
     """``--mode sync`` on one stage: a gradient barrier among the stage's replicas, then one optimiser step.
 
-    Stage 0 closes a flush when every gradient of it is back (``flush``); a later stage closes flush f-1 on the first
-    forward of flush f or when a replica of its stage opens the barrier with it (``FlushClock``).
+    Stage 0 closes a flush when every gradient of it is back (``flush``); a later stage closes flush f when its share
+    of f is done, on the first forward of flush f + 1, or when a replica of its stage opens the barrier with it
+    (``FlushClock``). Barriers run one at a time, in the background of the servicer: a forward of a later flush waits
+    for the barriers before it (``forward_flush``), nothing else does.
     """
 
     def __init__(self, host: StageHost, service: StageService, averager: SyncAverager) -> None:
@@ -282,6 +292,9 @@ class SyncSchedule:
         self.step = service.worker.local_step
         self.clock: FlushClock = FlushClock()
         self.lock = asyncio.Lock()
+        self.drained: dict[int, int] = {}  # flush -> backwards done here
+        self.opened: set[int] = set()  # flushes whose barrier a replica of our stage opened with us
+        self.running: asyncio.Task | None = None  # the latest barrier started (they run in order, under the lock)
 
     @classmethod
     async def start(cls, host: StageHost, service: StageService) -> SyncSchedule:
@@ -292,6 +305,7 @@ class SyncSchedule:
         if service.stage > 0:
             assert service.pipe is not None
             service.pipe.on_flush = self.forward_flush
+            service.pipe.on_backward_done = self.backward_done
             averager.on_remote_open = self.remote_barrier
         return self
 
@@ -323,31 +337,75 @@ class SyncSchedule:
         """Stage 0: every gradient of the flush is back; average and step (the barrier is the flush number)."""
         await self.average_and_step(self.step)
 
-    async def forward_flush(self, flush: int) -> None:
-        """A later stage: a training forward of ``flush`` arrived; close the previous flush first."""
+    def _run(self, barrier: int, why: str) -> None:
+        logger.debug("closing flush %d: %s", barrier, why)
+        assert self.service.pipe is not None
+        self.running = self.service.pipe.spawn(self._barrier(barrier))
+
+    async def _barrier(self, barrier: int) -> None:
         async with self.lock:
-            if self.clock.current is not None and flush < self.clock.current:
-                self.host.metrics.inc("sync_late_forwards")  # a retry of an earlier flush: its gradient joins this one
-            barrier = self.clock.on_forward(flush)
-            if barrier is not None:
-                logger.debug("a forward of flush %d closes flush %d", flush, barrier)
+            try:
                 await self.average_and_step(barrier)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the replicas resynchronise at the next barrier (its step is adopted)
+                logger.warning("sync barrier %d failed: %r; the flush's gradient is dropped", barrier, e)
+                self.host.metrics.inc("sync_barrier_failed")
+
+    def _working_on(self, flush: int) -> bool:
+        """Micro-batches of ``flush`` (or earlier) are still in this stage: their gradient belongs to its barrier."""
+        assert self.service.pipe is not None
+        return any(p.flush is not None and p.flush <= flush and not p.is_eval
+                   for p in self.service.pipe.pending.values())
+
+    def backward_done(self, flush: int) -> None:
+        """A later stage: a backward of ``flush`` is done here; the M-th closes the flush at once (the drain), as
+        does the last one here of a flush a replica already waits for."""
+        self.drained[flush] = self.drained.get(flush, 0) + 1
+        for old in [f for f in self.drained if f < flush - 2]:
+            del self.drained[old]
+        self.opened = {f for f in self.opened if f >= flush - 2}
+        if self.drained[flush] >= self.host.cfg.sync_microbatches:
+            barrier = self.clock.on_drained(flush)
+            if barrier is not None:
+                self._run(barrier, "its micro-batches are done here")
+        elif flush in self.opened and not self._working_on(flush):
+            barrier = self.clock.on_remote_barrier(flush)
+            if barrier is not None:
+                self._run(barrier, "a replica waits and our part of the flush is done")
+
+    async def forward_flush(self, flush: int) -> None:
+        """A later stage: a training forward of ``flush`` arrived; the flushes before it are closed first."""
+        if self.clock.current is not None and flush < self.clock.current:
+            self.host.metrics.inc("sync_late_forwards")  # a retry of an earlier flush: its gradient joins this one
+        barrier = self.clock.on_forward(flush)
+        if barrier is not None:
+            self._run(barrier, f"a forward of flush {flush} arrived")
+        if self.running is not None and not self.running.done():
+            await asyncio.shield(self.running)
 
     def remote_barrier(self, step: int, peer: str) -> None:
         """A later stage: a replica of our stage waits at barrier ``step``; join it unless we did already."""
         stage = self.service.stage
         if any(r.peer_id == peer and r.stage == stage for r in self.host.swarm.values()):
-            assert self.service.pipe is not None
-            self.service.pipe.spawn(self._join_barrier(step))
+            self.opened.add(step)
+            if self._working_on(step):  # joining now would leave those micro-batches' gradient out of the step;
+                return  # the last of them closes the flush (backward_done)
+            if self.drained.get(step, 0) == 0:  # our share may still be on its way from stage 0: wait a little
+                asyncio.get_running_loop().call_later(EMPTY_FLUSH_WAIT_S, self._join_empty, step)
+                return
+            self._join_empty(step)
         else:
             logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, short_id(peer), stage)
 
-    async def _join_barrier(self, step: int) -> None:
-        async with self.lock:
-            barrier = self.clock.on_remote_barrier(step)
-            logger.debug("a replica opened barrier %d: %s", step, "joining it" if barrier is not None else "closed")
-            if barrier is not None:
-                await self.average_and_step(barrier)
+    def _join_empty(self, step: int) -> None:
+        """Join barrier ``step`` a replica opened, with what we hold of the flush (nothing at worst), unless our
+        share arrived meanwhile (then its last backward closes it)."""
+        if self._working_on(step):
+            return
+        barrier = self.clock.on_remote_barrier(step)
+        if barrier is not None:
+            self._run(barrier, "a replica opened its barrier")
 
 
 def _device(name: str) -> str:

@@ -179,6 +179,30 @@ def test_round_clock_and_admission():
     assert admissible(10, 105.0, 10.0, cfg, 30.0) == "stale_round"
     with pytest.raises(ValueError, match="collect_fraction"):
         NetAveragingConfig(collect_fraction=1.0)
+    assert round_deadline(10, 10.0, cfg, 30.0, window_s=12.0) == 112.0  # the measured window, across ticks
+    assert admissible(10, 111.0, 10.0, cfg, 30.0, window_s=12.0) is None
+
+
+def test_the_exchange_window_follows_the_exchanges_not_a_constant():
+    """A round that ends below its quorum for lack of time lengthens the window (4- and 8-replica stages lost a third
+    to a half of their rounds in a fixed 0.6-period window); complete rounds bring it back towards twice what they
+    take, never under collect_fraction x period_s nor over max_window_periods periods."""
+    loop, metrics = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"])
+    base = loop.window_s
+    assert base == pytest.approx(FAST.collect_fraction * RUN.averaging.period_s)
+    loop.observe_exchange(base, complete=False, starved=True)
+    assert loop.window_s == pytest.approx(2 * base) and metrics.averaging_cadence()["avg_window_s"] == loop.window_s
+    for _ in range(10):
+        loop.observe_exchange(loop.window_s, complete=False, starved=True)
+    assert loop.window_s == pytest.approx(FAST.max_window_periods * RUN.averaging.period_s)  # bounded
+    loop.observe_exchange(0.5, complete=False, starved=False)  # reached its quorum without one: says nothing
+    assert loop.window_s == pytest.approx(FAST.max_window_periods * RUN.averaging.period_s)
+    for _ in range(40):
+        loop.observe_exchange(0.4, complete=True, starved=False)  # every part within 0.4 s
+    assert loop.window_s == pytest.approx(0.8, rel=0.05)
+    for _ in range(40):
+        loop.observe_exchange(0.01, complete=True, starved=False)
+    assert loop.window_s == pytest.approx(base)  # never below the run's short window
 
 
 def test_same_stage_peers_and_the_mean_are_order_independent():
@@ -597,6 +621,22 @@ def test_flush_clock_closes_each_flush_once_and_ignores_retries():
     assert clock.on_remote_barrier(14) == 14 and clock.current == 15  # we missed flushes 13 and 14
     fresh = FlushClock()
     assert fresh.on_remote_barrier(3) == 3  # a new replica joins its partners' barrier rather than make them wait
+
+
+def test_flush_clock_closes_a_flush_when_its_share_is_done_and_only_once():
+    """The drain closes a flush (its barrier overlaps the earlier stages' backwards); the next forward, a partner's
+    barrier or a late micro-batch of that flush then close nothing more."""
+    from peer.averaging.sync import FlushClock
+
+    clock = FlushClock()
+    assert clock.on_forward(4) is None
+    assert clock.on_drained(4) == 4  # the M-th backward of flush 4 here: barrier 4 at once
+    assert clock.on_drained(4) is None and clock.on_remote_barrier(4) is None  # a retried micro-batch, a partner
+    assert clock.on_forward(4) is None  # a late forward of flush 4 joins flush 5's gradient
+    assert clock.on_forward(5) is None and clock.current == 5  # flush 4 is closed already
+    assert clock.on_forward(7) == 6  # short of M in flush 5 and 6 (drops): the forward of 7 closes 6
+    assert clock.on_drained(5) is None  # too late: 5 is behind what we accumulate
+    assert clock.on_remote_barrier(7) == 7 and clock.on_drained(7) is None
 
 
 @pytest.mark.timeout(30)

@@ -29,9 +29,21 @@ def swarm(*recs: PeerRecord) -> dict[str, PeerRecord]:
 
 def test_stage_costs_weigh_the_head_and_never_zero():
     costs = stage_costs([2, 2], n_embd=32, vocab_size=256)
-    assert costs[0] == pytest.approx(2.05)
+    assert costs[0] == pytest.approx(2.05 * 4 / 3)  # stage 0 recomputes its forward for the backward
     assert costs[1] == pytest.approx(2 + 256 / (12 * 32))
     assert min(stage_costs([0, 3, 0], n_embd=64, vocab_size=256)) > 0
+
+
+def test_joiners_of_equal_speed_balance_the_replicas_by_cost():
+    """Eight equal peers joining one by one on the tiny run (2 stages of one block): 4 and 4, not 6 and 2 (capacity is
+    announced throughput / cost, throughput is cost / time: the cost model cancels for measured peers)."""
+    costs = stage_costs([1, 1], n_embd=32, vocab_size=256)
+    snap: dict[str, PeerRecord] = {}
+    for i in range(8):
+        stage = choose_stage(snap, costs, rng=random.Random(i))
+        snap[f"p{i}"] = rec(f"p{i}", stage, thr=costs[stage] * 100.0)  # same machine: same blocks per second
+    counts = [sum(r.stage == s for r in snap.values()) for s in (0, 1)]
+    assert counts == [4, 4], counts
 
 
 def test_empty_swarm_picks_any_stage_and_empty_stage_first():
@@ -149,3 +161,28 @@ def test_rebalancing_never_moves_to_a_stage_that_does_not_fit():
     assert should_move(snap, costs, "a", fits=(0, 1)) == 1
     assert should_move(snap, costs, "a", fits=(0, 2)) is None  # stage 2 would not raise the minimum: stay
     assert should_move(snap, costs, "a", fits=(0,)) is None
+
+
+def test_announced_throughput_is_a_median_so_one_descheduled_micro_batch_does_not_move_joiners():
+    from pathlib import Path
+
+    from peer.config import PeerConfig
+    from peer.membership.routing import Router
+    from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.servicer import PipelineStage
+    from trainer.config import RunConfig
+    from trainer.worker import StageWorker
+
+    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    pipe = PipelineStage(run=run, stage=1, worker=StageWorker(run, 1), compute=None, send=None, swarm=dict,
+                         router=Router([1.0, 1.0]), metrics=PeerMetrics("b1", 1), cfg=PeerConfig(), my_id="b1",
+                         cost=1.0)
+    for mb in range(20):
+        pipe._timed(mb, 0.001, backward=True)
+    pipe._timed(99, 0.05, backward=True)  # the OS took the core away for 50 ms
+    assert pipe.throughput() == pytest.approx(1000.0)  # a moving average said ~300
+    metrics = PeerMetrics("b1", 0)
+    metrics.inc("tokens", 256)
+    metrics.stage = 1
+    metrics.inc("tokens", 512)
+    assert metrics.tokens_by_stage == {0: 256, 1: 512}  # a stage move splits the tokens a peer counted

@@ -49,7 +49,7 @@ import torch
 from torch.func import functional_call
 
 from trainer.averaging import SparseAveragingState
-from trainer.config import RunConfig
+from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from trainer.rules import rule_of
@@ -122,10 +122,13 @@ class StageWorker:
         auto_step: True (asynchronous drivers): every backward/forward_loss adds its gradient and, after
             ``optim.accumulate`` of them, the worker steps. False (synchronous drivers): call ``optimizer_step``.
         precision: 'fp32', 'bf16' (autocast, fp32 master weights) or 'auto' (bf16 on CUDA, fp32 elsewhere).
+        optim: the optimiser and schedule when they differ from the run's (the synchronous baseline's, see
+            trainer.sim.methods.fullsync_optim); the run's id, model and averaging are unchanged.
     """
 
     def __init__(self, run: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int | None = None,
-                 replica: int = 0, auto_step: bool = True, precision: str = "fp32") -> None:
+                 replica: int = 0, auto_step: bool = True, precision: str = "fp32",
+                 optim: OptimConfig | None = None) -> None:
         if not 0 <= stage < run.n_stages:
             raise ValueError(f"stage must be in [0, {run.n_stages}), got {stage}")
         self.run, self.stage, self.n_stages = run, stage, run.n_stages
@@ -139,7 +142,8 @@ class StageWorker:
         self._keep_in_subspace()
         self._names = [n for n, _ in self.model.named_parameters()]
         self._params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self._params, run.optim, stage, run.n_stages)
+        self.optim = optim if optim is not None else run.optim
+        self.optimizer = build_optimizer(self._params, self.optim, stage, run.n_stages)
         self.local_step = 0
         self.accumulated = 0  # gradient contributions summed into .grad since the last step
         self.steps_skipped = 0  # steps refused because the gradient norm was not finite
@@ -149,7 +153,7 @@ class StageWorker:
         self._epoch = 0  # advanced by every in-place change of the live weights (step, averaging, load)
         self._stash: dict[int, list[torch.Tensor]] = {}  # epoch -> weight copies of a superseded epoch
         self._refs: Counter[int] = Counter()  # epoch -> pending micro-batches forwarded at it
-        self.averaging = (SparseAveragingState(run.averaging, run.optim.total_steps, run.seed, stage, self._params)
+        self.averaging = (SparseAveragingState(run.averaging, self.optim.total_steps, run.seed, stage, self._params)
                           if rule_of(run.averaging).averages else None)
 
     # --- properties -------------------------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ class StageWorker:
     def _weights_will_change(self) -> None:
         """Called before any in-place change of the live weights: keep a copy for the pending micro-batches
         forwarded at the current ones (with stashing), and start a new epoch."""
-        if self.run.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0:
+        if self.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0:
             self._stash.setdefault(self._epoch, [p.detach().clone() for p in self._params])
         self._epoch += 1
 
@@ -257,7 +261,7 @@ class StageWorker:
         del self._pending[mb_id]
         self.last_delay = max(0, self.local_step - pend.version)  # a state load may set local_step back
         try:
-            weights = self._stash.get(pend.epoch) if self.run.optim.weight_stashing else None
+            weights = self._stash.get(pend.epoch) if self.optim.weight_stashing else None
             x = pend.x if self.is_first else pend.x.detach().requires_grad_(True)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
                                        enabled=pend.rng is not None):
@@ -332,7 +336,7 @@ class StageWorker:
 
     def _contributed(self) -> None:
         self.accumulated += 1
-        if self.auto_step and self.accumulated >= self.run.optim.accumulate:
+        if self.auto_step and self.accumulated >= self.optim.accumulate:
             self.optimizer_step()
 
     @torch.no_grad()
@@ -362,14 +366,14 @@ class StageWorker:
         """
         if self.constrained:
             self.subspace.project_grads_(self.model)
-        norm = clip_grad_norm(self._params, self.run.optim.grad_clip)
+        norm = clip_grad_norm(self._params, self.optim.grad_clip)
         self.last_grad_norm = norm
         if not torch.isfinite(torch.tensor(norm)):
             self.steps_skipped += 1
             logger.warning("stage %d replica %d: non-finite gradient norm, step skipped", self.stage, self.replica)
         else:
             self._weights_will_change()
-            set_lr(self.optimizer, lr_at(self.run.optim, self.local_step))
+            set_lr(self.optimizer, lr_at(self.optim, self.local_step))
             self.optimizer.step()
             self._keep_in_subspace()
             self.local_step += 1
@@ -490,7 +494,7 @@ class StageWorker:
         for name in ("local_step", "accumulated", "steps_skipped"):
             if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 0:
                 raise ValueError(f"state's {name} must be a non-negative int, got {d[name]!r}")
-        if d["accumulated"] >= self.run.optim.accumulate and self.auto_step:
+        if d["accumulated"] >= self.optim.accumulate and self.auto_step:
             raise ValueError(f"state's accumulated ({d['accumulated']}) must be < optim.accumulate")
         if d["grads"] is not None:
             if not isinstance(d["grads"], list) or len(d["grads"]) != len(self._params):

@@ -13,6 +13,10 @@ class NetAveragingConfig:
 
     collect_fraction: float = 0.6
     """Fraction of the period spent exchanging parts; the rest absorbs clock skew and the apply."""
+    max_window_periods: float = 4.0
+    """The exchange window follows the measured exchanges (``AveragingLoop.window_s``): twice the time recent rounds
+    took to collect every partner's part, at least collect_fraction x period_s, at most this many periods (and at
+    most the run's timeout_s). A round that missed its quorum for lack of time doubles it."""
     initiator_grace: float = 0.5
     """Fraction of the exchange window after which the larger-id peer calls a silent smaller-id peer itself."""
     call_timeout_s: float = 10.0
@@ -58,6 +62,8 @@ class NetAveragingConfig:
                 raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.collect_fraction < 1 or not 0 < self.initiator_grace < 1:
             raise ValueError("collect_fraction and initiator_grace must be in (0, 1)")
+        if self.max_window_periods < self.collect_fraction:
+            raise ValueError("max_window_periods must be at least collect_fraction")
         if self.clock_skew_s < 0 or self.max_rms_distance < 0:
             raise ValueError("clock_skew_s and max_rms_distance must be >= 0")
         if self.quorum_recent_s < 0 or not (self.lone_bound is None or self.lone_bound > 0):

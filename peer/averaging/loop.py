@@ -115,6 +115,7 @@ CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is 
 # rounding alone costs up to one period per round: ~20 % on the default run on 2 CPU cores)
 
 AVG_RPC = "avg_part"
+WINDOW_EMA = 0.2  # weight of the latest round in the exchange window's moving average
 TAKEN_MEMORY = 256  # rounds remembered as taken, so that a late part cannot open one a second time
 
 
@@ -123,9 +124,12 @@ def round_start(tick: int, period_s: float) -> float:
     return tick * period_s
 
 
-def round_deadline(tick: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float) -> float:
-    """Unix time at which the rounds of ``tick`` stop collecting parts."""
-    return round_start(tick, period_s) + min(config.collect_fraction * period_s, run_timeout_s)
+def round_deadline(tick: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float,
+                   window_s: float | None = None) -> float:
+    """Unix time at which the rounds of ``tick`` stop collecting parts (``window_s``: the measured window, see
+    ``AveragingLoop.window_s``; None: the shortest, collect_fraction x period_s)."""
+    window = config.collect_fraction * period_s if window_s is None else window_s
+    return round_start(tick, period_s) + min(window, run_timeout_s)
 
 
 def next_round(now: float, period_s: float) -> int:
@@ -134,9 +138,9 @@ def next_round(now: float, period_s: float) -> int:
 
 
 def admissible(tick: int, now: float, period_s: float, config: NetAveragingConfig,
-               run_timeout_s: float) -> str | None:
+               run_timeout_s: float, window_s: float | None = None) -> str | None:
     """None if a part for a round of ``tick`` may open it now, else why not ('stale_round' / 'future_round')."""
-    if now >= round_deadline(tick, period_s, config, run_timeout_s):
+    if now >= round_deadline(tick, period_s, config, run_timeout_s, window_s):
         return "stale_round"
     if now < round_start(tick, period_s) - config.clock_skew_s:
         return "future_round"
@@ -209,6 +213,12 @@ class AveragingLoop:
         self._drivers: dict[int, asyncio.Task] = {}
         self._taken: dict[int, None] = {}  # keys of the rounds this peer opened, oldest first (never re-opened)
         self._stopped = False
+        # the exchange window: starts at collect_fraction x period_s and follows what rounds really take
+        self._base_window = self.config.collect_fraction * self.period_s
+        self._max_window = max(self._base_window, min(self.config.max_window_periods * self.period_s,
+                                                      run.averaging.timeout_s))
+        self.window_s = min(self._base_window, run.averaging.timeout_s)
+        self._need_s: float | None = None  # EMA of the seconds a round took to collect every partner's part
 
     @property
     def enabled(self) -> bool:
@@ -275,7 +285,25 @@ class AveragingLoop:
         return key // self.per_tick
 
     def _deadline(self, key: int) -> float:
-        return round_deadline(self._tick(key), self.period_s, self.config, self.run.averaging.timeout_s)
+        return round_deadline(self._tick(key), self.period_s, self.config, self.run.averaging.timeout_s, self.window_s)
+
+    def observe_exchange(self, elapsed_s: float, *, complete: bool, starved: bool) -> None:
+        """Adapt the exchange window to a finished exchange: ``elapsed_s`` from the window's start until every partner
+        answered (``complete``); ``starved``: the window ended with the round below its quorum, so it was too short
+        (its real need is at least twice what it had). An incomplete round that reached its quorum says nothing new.
+        The window is twice the moving average of the need, within [collect_fraction x period_s, max]: it follows the
+        payload and the links (a slow link or a large part takes longer), and a fast swarm keeps the short window."""
+        if complete:
+            sample = elapsed_s
+        elif starved:
+            sample = self.window_s
+        else:
+            return
+        self._need_s = sample if self._need_s is None else (1 - WINDOW_EMA) * self._need_s + WINDOW_EMA * sample
+        if starved:  # grow at once: every round below its quorum is lost averaging
+            self._need_s = max(self._need_s, sample)
+        self.window_s = min(max(2.0 * self._need_s, self._base_window), self._max_window)
+        self.metrics.avg_window_s = self.window_s
 
     def owed(self) -> float:
         """Local steps of averaging this peer owes: steps made since its rounds last paid for them (one round pays
@@ -345,7 +373,8 @@ class AveragingLoop:
         if self.rule.groups and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, "not_in_group", f"not in our WAGMA group of round {round_no}")
         tick = self._tick(round_no)
-        reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s)
+        reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s,
+                            self.window_s)
         if reason is not None:
             current = math.floor(self.clock() / self.period_s)
             if reason == "stale_round" and tick == current:
@@ -388,6 +417,10 @@ class AveragingLoop:
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
             need = self._round_quorum(slot, peers)
+            complete = all(p in slot.contributions for p in peers)
+            starved = not complete and len(slot.contributions) + 1 < need
+            self.observe_exchange(self.clock() - round_start(self._tick(r), self.period_s), complete=complete,
+                                  starved=starved)
             if not slot.contributions or self._below_quorum(len(slot.contributions), need):
                 logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
                              len(peers))

@@ -188,18 +188,29 @@ class FlushClock:
 
     Stage 0 numbers its flushes and every training forward carries the number. Stage 0 starts flush ``f`` only when
     every gradient of flush ``f - 1`` came back, so once flush ``f`` has begun, every backward of ``f - 1`` on every
-    later stage is done. A replica of a later stage learns that flush ``f`` began in one of two ways, whichever comes
-    first: a forward of ``f`` reaches it, or another replica of its stage opens barrier ``f - 1`` with it (that
-    replica received a forward of ``f``; routing may send a whole flush to one replica). Either way it runs barrier
-    ``f - 1`` and steps before computing anything of ``f``. Every replica keys the barrier by stage 0's number, so
-    retried hops, re-routed micro-batches or missed flushes cannot shift one replica off the others, which counting
-    micro-batches per flush did (docs/performance.md, "The synchronous baseline stalled (fixed)"). A replica that
-    received nothing of a flush still joins its barrier (with a zero gradient) so that its partners do not wait for
-    it and all replicas take the same step.
+    later stage is done. A replica of a later stage closes flush ``f`` (runs barrier ``f`` and steps) at the first of:
+
+    * its share of the flush is done (``on_drained``: the M-th backward of ``f`` here; the pipeline pins each replica
+      to one of stage 0's pipelines, so a replica sees M micro-batches per flush). The last stage drains first, so its
+      barrier overlaps the earlier stages' backwards, as GPipe's per-stage all-reduces do;
+    * a forward of ``f + 1`` reaches it (``on_forward``: a drop or a refused micro-batch left it short of M);
+    * another replica of its stage opens barrier ``f`` with it (``on_remote_barrier``: routing sent the flush
+      elsewhere; it joins with whatever it accumulated, a zero gradient at worst, so that its partners do not wait
+      for it and all replicas take the same step).
+
+    Every replica keys the barrier by stage 0's number, so retried hops, re-routed micro-batches or missed flushes
+    cannot shift one replica off the others (docs/performance.md, "The synchronous baseline stalled (fixed)").
     """
 
     def __init__(self) -> None:
         self.current: int | None = None  # the flush whose gradient this replica is accumulating
+        self.closed: int | None = None  # the last flush whose barrier this replica ran or runs
+
+    def _close(self, flush: int) -> int | None:
+        if self.closed is not None and flush <= self.closed:
+            return None
+        self.closed = flush
+        return flush
 
     def on_forward(self, flush: int) -> int | None:
         """The barrier to run before computing a training forward of ``flush``, or None."""
@@ -209,11 +220,18 @@ class FlushClock:
         if flush <= self.current:  # this flush, or a retried hop of an earlier one: its gradient joins this flush
             return None
         self.current = flush
-        return flush - 1
+        return self._close(flush - 1)
+
+    def on_drained(self, flush: int) -> int | None:
+        """This replica finished its share (M backwards) of ``flush``: the barrier to run now, or None."""
+        if self.current is not None and flush < self.current:
+            return None  # a late micro-batch of a flush closed already
+        self.current = flush
+        return self._close(flush)
 
     def on_remote_barrier(self, step: int) -> int | None:
         """Another replica opened barrier ``step`` (flush ``step`` is over): the barrier to join, or None."""
         if self.current is not None and step < self.current:
             return None  # closed already, or a stale part
-        self.current = step + 1
-        return step
+        self.current = max(self.current if self.current is not None else step, step + 1)
+        return self._close(step)

@@ -272,6 +272,15 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _by_stage(peers: list[dict[str, Any]]) -> dict[str, int]:
+    """Tokens counted on each stage over the swarm (a peer that moved adds to each stage it served)."""
+    out: dict[str, int] = {}
+    for p in peers:
+        for s, n in (p.get("tokens_by_stage") or {}).items():
+            out[s] = out.get(s, 0) + int(n)
+    return dict(sorted(out.items()))
+
+
 def merge_summaries(peers: list[dict[str, Any]], *, mode: str) -> dict[str, Any]:
     """The swarm's figures: tokens/s summed over stage-0 peers (each token enters the pipeline there once).
 
@@ -288,6 +297,7 @@ def merge_summaries(peers: list[dict[str, Any]], *, mode: str) -> dict[str, Any]
         "final_loss": _mean([p.get("final_loss") for p in trained]),
         "final_val_loss": _mean([p.get("final_val_loss") for p in trained]),
         **{k: sum(int(p.get(k) or 0) for p in peers) for k in SUMMED},
+        "tokens_by_stage": _by_stage(peers),
         "per_peer": peers,
     }
 

@@ -24,20 +24,23 @@ from collections.abc import Collection, Mapping
 from peer.membership.records import PeerRecord
 
 EPS = 1e-9
+RECOMPUTE = 4.0 / 3.0  # a stage that recomputes its forward for the backward: forward x 2 + backward (x 2) over 3
 #: record states of peers that no longer count for their stage's capacity
 LEAVING = ("draining", "stopped")
 
 
 def stage_costs(n_layer_per_stage: list[int], *, n_embd: int, vocab_size: int) -> list[float]:
-    """Relative compute per micro-batch of each stage, in units of one transformer block.
+    """Relative compute per micro-batch of each stage, in units of one transformer block's forward and backward.
 
     A block costs ~24 d^2 flops per token, the LM head 2 d V, so the head weighs V / (12 d) blocks; the embedding is
-    a lookup (counted as 0.05 blocks so an empty stage is never free).
+    a lookup (counted as 0.05 blocks so an empty stage is never free). Every stage but the last runs its forward
+    twice (without autograd when the micro-batch passes, again with it for the backward: ``StageWorker.backward``),
+    a third more than the last stage's single forward with autograd and its backward (forward 1, backward 2).
     """
     k = len(n_layer_per_stage)
     costs = []
     for s, blocks in enumerate(n_layer_per_stage):
-        cost = float(blocks) + 0.05 * (s == 0)
+        cost = (float(blocks) + 0.05 * (s == 0)) * (RECOMPUTE if s < k - 1 else 1.0)
         if s == k - 1:
             cost += vocab_size / (12.0 * n_embd)
         costs.append(max(cost, 0.05))

@@ -110,6 +110,8 @@ class PeerMetrics:
         self.val_loss: float | None = None
         self.pipeline_delay = 0.0
         self.avg_tau: float | None = None
+        self.tokens_by_stage: dict[int, int] = {}
+        self.avg_window_s: float | None = None  # the averaging rounds' exchange window (it follows the exchanges)
         self.avg_group_size: int | None = None
         self._avg_base_step: int | None = None  # local step when averaging started (None: this peer does not average)
         self._avg_fraction_sum = 0.0  # sum over applied rounds of the fraction of every tensor they averaged
@@ -190,6 +192,8 @@ class PeerMetrics:
                 logger.warning("counter name %r is not registered (peer/ops/names.py); counted as %r", name, folded)
             name = folded
         self._counters[name] += n
+        if name == "tokens":  # a peer that moves counts each stage's tokens apart (stages are compared by them)
+            self.tokens_by_stage[self.stage] = self.tokens_by_stage.get(self.stage, 0) + n
         now = self._clock()
         window = self._rates.get(name)
         if window is None:
@@ -249,6 +253,7 @@ class PeerMetrics:
             "avg_fraction_per_step": (self._avg_fraction_sum / steps) if steps else None,
             "avg_delay_steps": (sum(t * c for t, c in self._avg_taus.items()) / n) if n else None,
             "avg_delay_hist": {str(t): c for t, c in sorted(self._avg_taus.items())},
+            "avg_window_s": self.avg_window_s,
             "pipeline_delay_steps": (sum(d * c for d, c in self._pipe_delays.items()) / m) if m else None,
             "pipeline_delay_hist": {str(d): c for d, c in sorted(self._pipe_delays.items())},
         }

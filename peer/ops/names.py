@@ -16,7 +16,7 @@ COUNTERS = (
     # the pipeline
     "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
     "late_backward", "busy_replies", "busy_received", "black_holes_banned", "share_bans",
-    "sync_late_forwards", "sync_average_incomplete",
+    "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier",

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 COUNTED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok",
            "averaging_rounds_failed", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "samples_refused",
-           "microbatches_refused")
+           "microbatches_refused", "stage_moves")
 """Counters copied into the summary as they are."""
 
 
@@ -40,6 +40,9 @@ def peer_summary(metrics: PeerMetrics, *, head: dict[str, Any], elapsed_s: float
         "final_val_loss_from": ("final evaluation" if final_val_loss is not None else
                                 "latest periodic evaluation" if val is not None else None),
         "val_losses": list(driver.val_losses) if driver is not None else [],
+        # the tokens counted on each stage this peer served (a stage move splits them): stage 0 counts a micro-batch
+        # when its gradient is back, a later stage when its own backward is done
+        "tokens_by_stage": {str(s): n for s, n in sorted(metrics.tokens_by_stage.items())},
         "samples_lost": ledger.lost, "samples_owed": len(ledger), "samples_handed_back": ledger.handed_back,
         **{k: int(counters.get(k, 0)) for k in COUNTED},
         **metrics.averaging_cadence(),

@@ -21,7 +21,9 @@ import dataclasses
 import functools
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
+THROUGHPUT_WINDOW = 32  # micro-batches whose compute time the announced throughput is the median of
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 
 
@@ -76,6 +79,7 @@ class Pending:
     sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
     done: asyncio.Future | None = None  # stage 0: resolved with the loss (None when dropped, REFUSED)
     started: float = field(default_factory=time.monotonic)
+    flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
 
 
 class PipelineStage:
@@ -112,10 +116,14 @@ class PipelineStage:
         """Marks a peer as known (``RpcServer.vouch``) once its work is validated and trained; set by the stage."""
         self.tasks: set[asyncio.Task] = set()
         self.last_forward = time.monotonic()
-        self.compute_s_per_mb = 0.0  # EMA of forward+backward seconds for one micro-batch
+        self.compute_s_per_mb = 0.0  # median forward+backward seconds of one micro-batch over the last few
+        self._recent_s: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
         self._fwd_s: dict[int, float] = {}
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
+        # sync mode, later stages: called with a training micro-batch's flush once its backward is done here (a
+        # replica that finished its share of a flush opens that flush's barrier while the earlier stages drain)
+        self.on_backward_done: Callable[[int], None] | None = None
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
         self.on_first_measure: Callable[[], None] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
@@ -149,8 +157,11 @@ class PipelineStage:
                 return
         total = seconds + self._fwd_s.pop(mb_id, 0.0)
         first = not self.compute_s_per_mb
-        a = 1.0 if first else 0.2
-        self.compute_s_per_mb = (1 - a) * self.compute_s_per_mb + a * total
+        # a median, not a moving average: on a shared CPU one micro-batch descheduled for 50 ms among 1-ms ones made
+        # a moving average announce a tenth of the peer's throughput, and joiners piled onto its stage (6 of 8
+        # tiny-run peers on stage 0)
+        self._recent_s.append(total)
+        self.compute_s_per_mb = statistics.median(self._recent_s)
         if first and self.on_first_measure is not None:
             self.on_first_measure()
 
@@ -214,7 +225,7 @@ class PipelineStage:
         self.last_forward = time.monotonic()
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
-                                          is_eval=msg.is_eval)
+                                          is_eval=msg.is_eval, flush=msg.flush)
         self.forward_q.put_nowait(("fwd", msg, x, targets, ids))
         self._wake.set()
         return Ack()
@@ -304,6 +315,7 @@ class PipelineStage:
             if p.prev_peer is not None:
                 self.vouch(p.prev_peer)  # its micro-batch passed the loss check and is trained
             self._count_step(float(loss), x)
+            self._backward_done(msg.flush)
             env = await self._encode_gradient(grad)
             self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
@@ -316,6 +328,10 @@ class PipelineStage:
             y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
                                      ids=ids))
+
+    def _backward_done(self, flush: int | None) -> None:
+        if self.on_backward_done is not None and flush is not None:
+            self.on_backward_done(flush)
 
     def _count_step(self, loss: float | None, x: torch.Tensor) -> None:
         if loss is not None:
@@ -355,6 +371,7 @@ class PipelineStage:
         if not self.is_first:
             self.metrics.inc("tokens", self.run.data.batch_size * self.run.model.block_size)
             self.metrics.local_step = self.worker.local_step
+            self._backward_done(p.flush)
         if p.done is not None and not p.done.done():
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
@@ -474,7 +491,11 @@ class PipelineStage:
 
     async def expire(self) -> int:
         """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""
-        for peer, held in self.router.black_holes():  # accepted work, answered none of it: banned, work re-sent
+        # accepted work, answered none of it: banned, work re-sent. Not in sync mode: there the next hop is pinned
+        # (no other route) and a later stage rightly holds a flush's micro-batches while it waits at its barrier, so
+        # a ban would stall the pipeline for ban_max_s; a flush's lost micro-batches time out and are re-sent.
+        holes = self.router.black_holes() if self.cfg.mode == "async" else []
+        for peer, held in holes:
             self.metrics.inc("black_holes_banned")
             self.metrics.warn(f"peer {peer[-8:]} accepted {len(held)} micro-batches and answered none; banned")
             logger.warning("peer %s accepted %d micro-batches and answered none; banned, dropping them", peer,

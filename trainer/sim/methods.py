@@ -28,10 +28,15 @@ schedule, the optimiser and the data-parallel rule differ. Choices the papers le
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer.config import RunConfig
+from trainer.config import OptimConfig, RunConfig
+
+#: the synchronous baseline's beta1 for each optimiser it may use: AdamW's usual 0.9 (the papers' GPipe baseline),
+#: NAdam's 0.99 (the asynchronous methods' look-ahead, for a sweep that gives the baseline every chance)
+FULLSYNC_BETA1 = {"adamw": 0.9, "nadam": 0.99}
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,27 @@ def _pipeline_only(run: RunConfig, **optim: object) -> RunConfig:
     return run.replace(optim=optim, averaging={"rule": "none"})
 
 
+def fullsync_optim(optim: OptimConfig, micro_batches: int, *, optimizer: str = "adamw",
+                   lr: float | None = None) -> OptimConfig:
+    """The synchronous baseline's optimiser from the run's: ``optimizer`` with its beta1 (FULLSYNC_BETA1), no
+    stashing, one step per flush of ``micro_batches``, so the warm-up and the schedule are the run's divided by M:
+    the same samples per replica as the asynchronous methods' (one step per micro-batch). ``lr``: the peak learning
+    rate (None: the run's). The simulator's fullsync and the daemon's ``--mode sync`` both use it."""
+    if optimizer not in FULLSYNC_BETA1:
+        raise ValueError(f"the synchronous baseline's optimizer must be one of {sorted(FULLSYNC_BETA1)}, "
+                         f"got {optimizer!r}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    m = micro_batches
+    beta1 = FULLSYNC_BETA1[optimizer]  # on every stage: without stashing the run's beta1 would depend on the stage
+    return dataclasses.replace(optim, optimizer=optimizer, beta1=beta1, nows_beta1_first=beta1, nows_beta1_last=beta1,
+                               weight_stashing=False, accumulate=1, lr=optim.lr if lr is None else lr,
+                               warmup_steps=optim.warmup_steps // m, total_steps=max(1, optim.total_steps // m))
+
+
 def _fullsync(run: RunConfig, sim) -> RunConfig:
-    m = sim.micro_batches
-    return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=False, accumulate=1,
-                          warmup_steps=run.optim.warmup_steps // m, total_steps=max(1, run.optim.total_steps // m))
+    optim = fullsync_optim(run.optim, sim.micro_batches, optimizer=sim.sync_optimizer, lr=sim.sync_lr)
+    return run.replace(optim=optim, averaging={"rule": "none"})
 
 
 def _naive(run: RunConfig, sim) -> RunConfig:

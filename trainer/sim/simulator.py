@@ -120,6 +120,10 @@ class SimConfig:
     device: str = "cpu"
     """Torch device of every worker ('cpu', 'cuda', 'cuda:1'; resolve 'auto' with trainer.worker.resolve_device).
     On CUDA, float32 matrix products use TF32 (``torch.set_float32_matmul_precision('high')``)."""
+    sync_optimizer: str = "adamw"
+    """fullsync's optimiser: 'adamw' (beta1 0.9, the papers' baseline) or 'nadam' (beta1 0.99); a sweep's knob."""
+    sync_lr: float | None = None
+    """fullsync's peak learning rate (None: the run's); a sweep's knob."""
 
     def __post_init__(self) -> None:
         if self.n_replicas < 1 or self.steps < 1 or self.micro_batches < 1 or self.accumulate < 1:
@@ -147,6 +151,9 @@ class SimConfig:
             raise ValueError(f"speeds must give one factor in (0, 1] per replica, the fastest 1, got {self.speeds}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.sync_optimizer not in ("adamw", "nadam") or not (self.sync_lr is None or self.sync_lr > 0):
+            raise ValueError(f"sync_optimizer must be 'adamw' or 'nadam' and sync_lr positive, got "
+                             f"{self.sync_optimizer!r}, {self.sync_lr}")
 
     def variants(self) -> list[tuple[str, str, int]]:
         """(result name, method, tau) for every run: tau-dependent methods once per tau when taus is set."""
