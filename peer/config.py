@@ -133,6 +133,12 @@ class PeerConfig:
     """Red-team knob, never for a real peer: send averaging parts replaced by this attack ('zeros', 'scale',
     'signflip', 'noise', 'alie'; peer/averaging/byzantine.py says how each is made); '' (the default) is an honest
     peer. Set only with --set, for measurements (tools/byzantine_swarm.py)."""
+    spot_checks: bool = True
+    """Check the next stage's replicas against each other (peer/pipeline/spotcheck.py); off only to measure cost."""
+    spot_check_fraction: float = 0.05
+    """Share of a trusted next hop's micro-batches also sent to a second replica and compared (untrusted: all)."""
+    spot_check_min_cosine: float = 0.2
+    """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
     credential_path: Path | None = None
     """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
@@ -186,6 +192,8 @@ class PeerConfig:
         if self.byzantine_attack not in ("", *ATTACKS):
             raise ValueError(f"byzantine_attack must be '' or one of {', '.join(ATTACKS)}, "
                              f"got {self.byzantine_attack!r}")
+        if not 0.0 <= self.spot_check_fraction <= 1.0 or not -1.0 <= self.spot_check_min_cosine < 1.0:
+            raise ValueError("spot_check_fraction must be in [0, 1] and spot_check_min_cosine in [-1, 1)")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 
