@@ -137,7 +137,7 @@ class PeerConfig:
     """Check the next stage's replicas against each other (peer/pipeline/spotcheck.py); off only to measure cost."""
     spot_check_fraction: float = 0.05
     """Share of a trusted next hop's micro-batches also sent to a second replica and compared (untrusted: all)."""
-    spot_check_min_cosine: float = 0.2
+    spot_check_min_cosine: float = 0.1
     """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
     credential_path: Path | None = None
     """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""

@@ -26,7 +26,8 @@ def test_agreement_and_judging():
     assert abs(agreement(g, -3 * g)[0] + 1) < 1e-6 and abs(agreement(g, -3 * g)[1] - 3) < 1e-5
     counts: list[str] = []
     t = [0.0]
-    spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=2), count=counts.append, clock=lambda: t[0])
+    spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=2, max_norm_ratio=3.0), count=counts.append,
+                       clock=lambda: t[0])
     assert spot.wants_check("old") and not spot.trusted("old")
     t[0] = 5.0
     noisy = g + 0.8 * g.norm() / 32**0.5 * torch.randn(4, 8)  # relative distance ~0.8, still aligned

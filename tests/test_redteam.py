@@ -52,3 +52,13 @@ def test_a_lying_donor_is_outvoted_by_the_joiners_witnesses(tmp_path: Path) -> N
     assert ev["liar_visible_in_dht"] and ev["liar_chunks_served"] >= 1  # the joiner did ask the liar first
     assert ev["joiner_outvoted"] == 1 and not ev["joiner_loaded_from_liar"], ev
     assert res["lying_donor"]["outcome"] == "refused"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "fake_next_stage", "--phase-s", "20", timeout=280)
+    ev = res["fake_next_stage"]["evidence"]
+    assert ev["forwards_taken"] >= 1, ev  # it did win traffic
+    assert ev["stage0_counters"]["spotcheck_banned"] >= 1 and ev["stage0_counters"]["spotcheck_passed"] == 0, ev
+    assert res["fake_next_stage"]["outcome"] == "refused"
