@@ -113,6 +113,19 @@ def test_costly_rsa_keys_are_refused_and_verified_records_are_remembered():
     assert len(calls) == 1
 
 
+def test_unexpired_records_under_the_run_key_are_bounded():
+    v = record_validator(RUN)
+    v.max_live = 3
+    exp = get_dht_time() + 30
+    signers = [Signer.generate() for _ in range(4)]
+    values = [seal(s, KEY, _rec(s.peer_id).to_value(), exp) for s in signers]
+    assert all(v.validate(_dht_record(s.peer_id, val, exp)) for s, val in zip(signers[:3], values, strict=False))
+    assert not v.validate(_dht_record(signers[3].peer_id, values[3], exp))  # a fourth owner: no room
+    assert v.validate(_dht_record(signers[0].peer_id, values[0], exp))  # a known owner's newer record still fits
+    v._live = {k: 0.0 for k in v._live}  # the first three expired
+    assert v.validate(_dht_record(signers[3].peer_id, values[3], exp))
+
+
 def test_the_credential_is_inside_the_signature():
     signer = Signer.generate()
     exp = get_dht_time() + 30

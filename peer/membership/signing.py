@@ -49,6 +49,8 @@ MAX_ENVELOPE_BYTES = 8 * 1024
 MAX_PUBLIC_KEY_BYTES = 1024
 RSA_BITS, RSA_EXPONENT = 2048, 65537
 """The only RSA keys accepted: libp2p's and hivemind's identities (a fixed verification cost)."""
+MAX_LIVE_RECORDS = 8192
+"""Unexpired records one node's validator lets its DHT hold under the run's key (x MAX_ENVELOPE_BYTES: 64 MiB)."""
 VERIFIED_CACHE = 8192
 """Signatures remembered as verified (each entry is a hash: ~100 bytes)."""
 _ID_INLINE_MAX = 42  # libp2p: public keys up to 42 bytes are inlined in the peer id (identity multihash)
@@ -216,6 +218,8 @@ class SignedRecordValidator(RecordValidatorBase):
         self.schema = schema
         # closed runs: admit(peer_id, credential, expiration) raises unless the organiser admitted the peer until then
         self.admit = admit
+        self.max_live = MAX_LIVE_RECORDS
+        self._live: dict[bytes, float] = {}  # subkey -> expiration of the records let through (in the DHT process)
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id:
@@ -230,10 +234,21 @@ class SignedRecordValidator(RecordValidatorBase):
             self.schema(subkey, body)
             if self.admit is not None:
                 self.admit(subkey, stored.get("c"), record.expiration_time)
-            return True
+            return self._room_for(record.subkey, record.expiration_time)
         except Exception as e:  # a forged or malformed record: refuse it, quietly (strangers send them at will)
             logger.debug("refusing a DHT record under the run's key: %r", e)
             return False
+
+    def _room_for(self, subkey: bytes, expiration: float) -> bool:
+        """Whether one more record (or a newer one of a known owner) fits under ``max_live`` unexpired records."""
+        if subkey not in self._live and len(self._live) >= self.max_live:
+            now = get_dht_time()
+            self._live = {k: e for k, e in self._live.items() if e > now}
+            if len(self._live) >= self.max_live:
+                logger.debug("refusing a new DHT record: %d unexpired records of the run are held", len(self._live))
+                return False
+        self._live[subkey] = max(expiration, self._live.get(subkey, expiration))
+        return True
 
     @property
     def priority(self) -> int:
