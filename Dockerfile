@@ -41,8 +41,8 @@ RUN pip install --no-cache-dir --no-deps . \
 # 3. An unprivileged user owning only the data volume (identity key and checkpoints live in $ASYNCMESH_HOME).
 RUN groupadd --gid 10001 peer \
     && useradd --no-log-init --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin peer \
-    && mkdir -p /data \
-    && chown 10001:10001 /data
+    && mkdir -p /data /address \
+    && chown 10001:10001 /data /address
 USER 10001:10001
 VOLUME ["/data"]
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peer.membership.relay import check_modes as check_relay_modes
-from trainer.attacks import ATTACKS
 
 MODES = ("async", "sync")
 MAX_RECORD_TTL_S = 60.0
@@ -134,10 +133,12 @@ class PeerConfig:
     """Full multiaddrs of the peers to reserve a relay slot at; empty uses initial_peers."""
     use_ipfs: bool = False
     """Bootstrap through the public IPFS DHT (for NAT traversal); off for private swarms and tests."""
-    byzantine_attack: str = ""
-    """Red-team knob, never for a real peer: send averaging parts replaced by this attack ('zeros', 'scale',
-    'signflip', 'noise', 'alie'; peer/averaging/byzantine.py says how each is made); '' (the default) is an honest
-    peer. Set only with --set, for measurements (tools/byzantine_swarm.py)."""
+    spot_checks: bool = True
+    """Check the next stage's replicas against each other (peer/pipeline/spotcheck.py); off only to measure cost."""
+    spot_check_fraction: float = 0.05
+    """Share of a trusted next hop's micro-batches also sent to a second replica and compared (untrusted: all)."""
+    spot_check_min_cosine: float = 0.1
+    """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
     credential_path: Path | None = None
     """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
@@ -188,12 +189,11 @@ class PeerConfig:
             raise ValueError(f"rebalance_quality must be in (0, 1], got {self.rebalance_quality}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be a TCP port (0-65535), got {self.metrics_port}")
-        if self.byzantine_attack not in ("", *ATTACKS):
-            raise ValueError(f"byzantine_attack must be '' or one of {', '.join(ATTACKS)}, "
-                             f"got {self.byzantine_attack!r}")
         if self.sync_optimizer not in ("adamw", "nadam") or self.sync_lr < 0:
             raise ValueError(f"sync_optimizer must be 'adamw' or 'nadam' and sync_lr >= 0 (0: the run's lr), got "
                              f"{self.sync_optimizer!r}, {self.sync_lr}")
+        if not 0.0 <= self.spot_check_fraction <= 1.0 or not -1.0 <= self.spot_check_min_cosine < 1.0:
+            raise ValueError("spot_check_fraction must be in [0, 1] and spot_check_min_cosine in [-1, 1)")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from hivemind import DHT
     from hivemind.p2p import P2P
 
+    from peer.averaging.behaviour import AveragingBehaviour
     from peer.pipeline.driver import Stage0Driver
     from peer.pipeline.servicer import PipelineStage
     from trainer.worker import StageWorker
@@ -80,11 +81,13 @@ class Daemon:
     the first choice), replaced as a whole on a stage move.
     """
 
-    def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None) -> None:
+    def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None,
+                 averaging_behaviour: AveragingBehaviour | None = None) -> None:
         if cfg.stage is not None and cfg.stage >= run.n_stages:
             raise UserError(f"--stage {cfg.stage} does not exist: run {run.name!r} has {run.n_stages} stages "
                              f"(0..{run.n_stages - 1}); pass one of them or 'auto'")
         self.run, self.cfg = run, cfg
+        self.averaging_behaviour = averaging_behaviour  # None: honest (peer.averaging.behaviour; tests, red team)
         self.metrics = metrics or PeerMetrics()
         self.metrics.run_id, self.metrics.n_stages, self.metrics.run_name = run.run_id, run.n_stages, run.name
         self.metrics.access = run.access.mode

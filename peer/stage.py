@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from peer.averaging.behaviour import AveragingBehaviour
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.loop import AveragingLoop
 from peer.averaging.sync import FlushClock, SyncAverager
@@ -81,6 +82,7 @@ class StageHost(Protocol):
     swarm: dict[str, PeerRecord]
     ledger: SampleLedger
     spares: SpareStore
+    averaging_behaviour: AveragingBehaviour | None
 
     async def compute(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T: ...
 
@@ -178,7 +180,7 @@ class StageService:
         if host.cfg.mode == "async":
             self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
                                           stage=stage, worker_call=self.worker_call, metrics=host.metrics,
-                                          config=NetAveragingConfig(), attack=host.cfg.byzantine_attack)
+                                          config=NetAveragingConfig(), behaviour=host.averaging_behaviour)
             await self.averager.start()
         else:
             self.sync = await SyncSchedule.start(host, self)

@@ -2,7 +2,7 @@
 
 The fast tests check what the tool computes from its swarms' records (plan, run file, ratios, control spread, table,
 JSON) without starting a peer. The slow one runs the tool's own swarm function for real: 4 replicas of the 1-stage
-tiny run, a control with all four honest, then the fourth peer sending zeros (``byzantine_attack``); it passes the
+tiny run, a control with all four honest, then the fourth peer sending zeros (tools/byzantine_peer.py); it passes the
 membership filter, so only the distance checks and the robust aggregate stand between it and the honest weights.
 """
 

@@ -225,7 +225,7 @@ async def test_a_lone_partner_is_refused_while_another_replica_answered_recently
 async def test_the_red_team_knob_makes_a_real_loop_send_attacked_parts_that_the_honest_peers_drop():
     net, names = MemTransport(), ["p0", "p1", "p2", "x"]
     workers = [FakeWorker(i) for i in range(4)]
-    # PeerConfig.byzantine_attack reaches AveragingLoop(attack=...) in peer/stage.py
+    # tools/byzantine_peer.py hands the same Attacker to the daemon (Daemon(averaging_behaviour=...))
     peers = [_make_peer(net, n, w, names, attack="zeros" if n == "x" else "")
              for n, w in zip(names, workers, strict=True)]
     await _run_rounds([lp for lp, _ in peers], 2.6)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,9 @@ from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
 from protocol.messages import AveragingPart, Error
 from trainer.config import AveragingConfig, RunConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.byzantine_peer import Attacker  # noqa: E402  (the red team's behaviour, injected through the seam)
 
 RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1, "rounds_per_tick": 1})
 SHAPES = [(3000,), (37,), (5,)]
@@ -136,7 +141,8 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
 
     loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
-                         me=name, local_step=lambda: worker.local_step, attack=attack)
+                         me=name, local_step=lambda: worker.local_step,
+                         behaviour=Attacker(attack) if attack else None)
     return loop, metrics
 
 

@@ -172,9 +172,33 @@ def test_compose_services_stop_gracefully_and_restart() -> None:
         assert "--metrics-port" in args, "the image's HEALTHCHECK asks the status endpoint"
     assert services["replica"]["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     entry = " ".join(services["replica"]["entrypoint"])
-    assert "/ip4/172.28.0.10/tcp/31337/p2p/" in entry
+    assert "/bootstrap/bootstrap.maddr" in entry
     assert services["bootstrap"]["networks"]["mesh"]["ipv4_address"] == "172.28.0.10"
     assert shlex.split(" ".join(services["bootstrap"]["command"]))[0] == "join"
+
+
+def test_compose_shares_only_the_bootstraps_address(tmp_path: Path) -> None:
+    """The bootstrap's identity key stays in its own volume; other services get a file with its multiaddr only."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, svc in services.items():
+        mounts = [str(v) for v in svc.get("volumes", [])]
+        if name != "bootstrap":
+            assert not any(m.startswith("bootstrap-data:") for m in mounts), f"{name} mounts the bootstrap's key"
+        assert not any("identity.key" in str(part) for part in svc.get("entrypoint") or []
+                       if name != "bootstrap"), f"{name} reads the bootstrap's key"
+    assert "bootstrap-address:/bootstrap:ro" in services["replica"]["volumes"]
+    # run the bootstrap's own start-up snippet against folders of this machine: it writes the address and no key
+    script = services["bootstrap"]["entrypoint"][2]
+    snippet = re.search(r"python -c '(.*)'", script).group(1)
+    data, address = tmp_path / "data", tmp_path / "address"
+    address.mkdir()
+    snippet = snippet.replace("/data/", f"{data}/").replace("/address/", f"{address}/")
+    subprocess.run([sys.executable, "-c", snippet], check=True, timeout=120, cwd=ROOT)
+    maddr = (address / "bootstrap.maddr").read_text()
+    assert re.fullmatch(r"/ip4/172\.28\.0\.10/tcp/31337/p2p/Qm\w+|/ip4/172\.28\.0\.10/tcp/31337/p2p/12D3\w+", maddr)
+    assert [p.name for p in address.iterdir()] == ["bootstrap.maddr"]
+    assert (data / "identity.key").exists()
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

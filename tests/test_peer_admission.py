@@ -59,6 +59,8 @@ def test_a_closed_runs_dht_refuses_records_without_the_owners_credential():
     assert not v.validate(record(other, own))  # another peer's credential, replayed
     expired = issue(ORGANISER, run_id=CLOSED.run_id, peer_id=peer.peer_id, valid_s=1, now=0.0)
     assert not v.validate(record(peer, expired))
+    short = issue(ORGANISER, run_id=CLOSED.run_id, peer_id=peer.peer_id, valid_s=5)
+    assert not v.validate(record(peer, short))  # the record (20 s) would outlive its credential (5 s)
     assert record_validator(CLOSED.run_id).validate(record(peer, None))  # an open run needs none
 
 

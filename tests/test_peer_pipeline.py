@@ -109,6 +109,8 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     assert last < first - 0.5, (first, last)
     assert driver.val_losses and driver.val_losses[-1] < first
     assert not net.stages["a0"].pending and not net.stages["b1"].pending
+    checks = net.stages["a0"].metrics.snapshot()["counters"]  # two honest replicas check out (peer.pipeline.spotcheck)
+    assert checks.get("spotcheck_passed", 0) >= 4 and checks.get("spotcheck_failed", 0) == 0, checks
     # stage 0 keeps 3 micro-batches in flight, so its gradients come back about 2 of its own steps late
     assert 0.5 < net.stages["a0"].metrics.pipeline_delay <= 3.0, net.stages["a0"].metrics.pipeline_delay
 

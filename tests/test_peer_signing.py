@@ -60,8 +60,82 @@ def test_validator_accepts_an_honest_record_and_refuses_forgeries():
     assert not v.validate(_dht_record(honest.peer_id, bad_body, exp))
     assert not v.validate(_dht_record(honest.peer_id, _rec(honest.peer_id).to_value(), exp))
     assert not v.validate(DHTRecord(DHTID.generate(source=KEY).to_bytes(), b"\xc1", b"\xc1\xff", exp))
-    # other keys are not this validator's business
-    assert v.validate(_dht_record("x", b"anything", exp, key="some-other-key"))
+    # nothing is stored under any other key: a peer's DHT is no free storage for strangers
+    assert not v.validate(_dht_record("x", b"anything", exp, key="some-other-key"))
+    assert not v.validate(_dht_record(honest.peer_id, seal(honest, "other", _rec(honest.peer_id).to_value(), exp),
+                                      exp, key="other"))
+
+
+def _rsa_signer(e: int) -> Signer:
+    """An RSA-2048 identity with public exponent ``e`` (libp2p's keys use 65537; a stranger may pick any)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    base = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_numbers()
+    p, q = base.p, base.q
+    phi = (p - 1) * (q - 1)
+    d = pow(e, -1, phi)
+    numbers = rsa.RSAPrivateNumbers(p, q, d, d % (p - 1), d % (q - 1), pow(q, -1, p),
+                                    rsa.RSAPublicNumbers(e, p * q))
+    return Signer(numbers.private_key())
+
+
+def test_costly_rsa_keys_are_refused_and_verified_records_are_remembered():
+    import math
+    import random
+
+    from peer.membership import signing
+
+    rng = random.Random(0)
+    cheap = _rsa_signer(65537)
+    while True:  # an exponent of ~2040 bits, coprime with phi (what the costly_keys attack uses)
+        e = rng.getrandbits(2040) | 1
+        try:
+            costly = _rsa_signer(e)
+            break
+        except ValueError:
+            continue
+    assert math.gcd(e, 65537) >= 1
+    exp = get_dht_time() + 30
+    v = record_validator(RUN)
+    for signer, ok in ((cheap, True), (costly, False)):
+        value = seal(signer, KEY, _rec(signer.peer_id).to_value(), exp)
+        assert v.validate(_dht_record(signer.peer_id, value, exp)) is ok
+    # a verified record is verified once: the second read of the same envelope costs a hash, not an RSA verification
+    value = seal(cheap, KEY, _rec(cheap.peer_id, throughput=2.0).to_value(), exp)
+    calls = []
+    real = signing._verify
+    signing._verify = lambda *a: calls.append(1) or real(*a)
+    try:
+        for _ in range(3):
+            assert open_envelope(KEY, cheap.peer_id, value, exp)
+    finally:
+        signing._verify = real
+    assert len(calls) == 1
+
+
+def test_unexpired_records_under_the_run_key_are_bounded():
+    v = record_validator(RUN)
+    v.max_live = 3
+    exp = get_dht_time() + 30
+    signers = [Signer.generate() for _ in range(4)]
+    values = [seal(s, KEY, _rec(s.peer_id).to_value(), exp) for s in signers]
+    assert all(v.validate(_dht_record(s.peer_id, val, exp)) for s, val in zip(signers[:3], values, strict=False))
+    assert not v.validate(_dht_record(signers[3].peer_id, values[3], exp))  # a fourth owner: no room
+    assert v.validate(_dht_record(signers[0].peer_id, values[0], exp))  # a known owner's newer record still fits
+    v._live = {k: 0.0 for k in v._live}  # the first three expired
+    assert v.validate(_dht_record(signers[3].peer_id, values[3], exp))
+
+
+def test_the_credential_is_inside_the_signature():
+    signer = Signer.generate()
+    exp = get_dht_time() + 30
+    value = seal(signer, KEY, _rec(signer.peer_id).to_value(), exp, b"credential-a")
+    assert open_envelope(KEY, signer.peer_id, value, exp)
+    swapped = {**value, "c": b"credential-b"}
+    with pytest.raises(Exception, match="signature"):
+        open_envelope(KEY, signer.peer_id, swapped, exp)
+    with pytest.raises(Exception, match="signature"):
+        open_envelope(KEY, signer.peer_id, {k: v for k, v in value.items() if k != "c"}, exp)
 
 
 def test_rsa_identities_sign_and_verify(tmp_path: Path):

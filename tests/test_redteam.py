@@ -52,3 +52,23 @@ def test_a_lying_donor_is_outvoted_by_the_joiners_witnesses(tmp_path: Path) -> N
     assert ev["liar_visible_in_dht"] and ev["liar_chunks_served"] >= 1  # the joiner did ask the liar first
     assert ev["joiner_outvoted"] == 1 and not ev["joiner_loaded_from_liar"], ev
     assert res["lying_donor"]["outcome"] == "refused"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "fake_next_stage", "--phase-s", "20", timeout=280)
+    ev = res["fake_next_stage"]["evidence"]
+    assert ev["forwards_taken"] >= 1, ev  # it did win traffic
+    assert ev["stage0_counters"]["spotcheck_banned"] >= 1 and ev["stage0_counters"]["spotcheck_passed"] == 0, ev
+    assert res["fake_next_stage"]["outcome"] == "refused"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "dht_flood,costly_keys", "--phase-s", "15", timeout=280)
+    flood, costly = res["dht_flood"]["evidence"], res["costly_keys"]["evidence"]
+    assert min(flood["items_offered"].values()) > 0 and not any(flood["items_stored_by_victim"].values()), flood
+    assert costly["records_offered"] > 0 and costly["stored_by_victims"] == 0, costly
+    assert costly["seen_by_honest_reader"] == 0

@@ -8,17 +8,17 @@ aggregate), real timing. The run is a 1-stage variant of ``tests/runs/tiny.toml`
 validation set every 3 s and averages with all the others.
 
 For each N of ``--grid N:B,...`` (grouped by N, in order of first appearance) it runs ``--controls`` swarms of N
-honest peers back to back, then, for every B given with that N and every attack, the same swarm with the last B
-peers started with ``--set byzantine_attack=ATTACK`` (peer/averaging/byzantine.py: how a real peer realises each
-attack). A swarm: the first peer starts it, the others join through its multiaddr at once, every peer runs with
-``--torch-threads 1``; once all N train, they train together for ``--train-s`` seconds, then all are stopped
-with SIGTERM and their ``--summary-json`` read. Per swarm it records the honest peers' mean last validation loss,
-their local steps (in the window and in all), averaging rounds ok/failed, the ``rejected:avg_*`` counters they
-kept, the start-up time, and the 1-minute load average sampled through the window. Per cell it reports the ratio
-of the honest loss to the mean of the controls of the same N, with the range against each control, and per N the
-controls' spread ((max - min) / mean): a ratio inside that spread is not an effect. Every peer is reaped by PID,
-pass or fail; a swarm that fails is recorded with its error and the tool goes on. The JSON is rewritten after every
-swarm, so an interrupted measurement keeps what it measured.
+honest peers back to back, then, for every B given with that N and every attack, the same swarm with the last B peers
+started through ``tools/byzantine_peer.py --attack ATTACK join ...`` (the same join with an attacking averaging
+behaviour handed in: how a real peer realises each attack). A swarm: the first peer starts it, the others join through
+its multiaddr at once, every peer runs with ``--torch-threads 1``; once all N train, they train together for
+``--train-s`` seconds, then all are stopped with SIGTERM and their ``--summary-json`` read. Per swarm it records the
+honest peers' mean last validation loss, their local steps (in the window and in all), averaging rounds ok/failed, the
+``rejected:avg_*`` counters they kept, the start-up time, and the 1-minute load average sampled through the window.
+Per cell it reports the ratio of the honest loss to the mean of the controls of the same N, with the range against
+each control, and per N the controls' spread ((max - min) / mean): a ratio inside that spread is not an effect. Every
+peer is reaped by PID, pass or fail; a swarm that fails is recorded with its error and the tool goes on. The JSON is
+rewritten after every swarm, so an interrupted measurement keeps what it measured.
 
     python tools/byzantine_swarm.py --grid 4:1,4:2,8:2,8:3 --attacks zeros,scale,signflip,noise,alie \\
         --aggregator trimmed --train-s 60 --json byzantine_swarm.json
@@ -131,10 +131,12 @@ def run_swarm(sw: Swarm, run: Path, workdir: Path, *, train_s: float, start_time
 
     def spawn(i: int, initial: list[str]) -> PeerProcess:
         byz = i >= sw.n - sw.byzantine
-        extra = (f"byzantine_attack={sw.attack}",) if byz else ()
         d, port = workdir / f"peer{i}", free_port()
-        cmd = join_command(d, port=port, run=run, stage=0, settings=(*FAST_SETTINGS, *settings, *extra),
+        cmd = join_command(d, port=port, run=run, stage=0, settings=(*FAST_SETTINGS, *settings),
                            initial=initial, checkpoints=False)
+        if byz:  # the same join, with the attacking averaging behaviour handed in (tools/byzantine_peer.py)
+            cmd = [sys.executable, str(REPO / "tools" / "byzantine_peer.py"), "--attack", str(sw.attack),
+                   *cmd[cmd.index("join"):]]
         p = PeerProcess.spawn(f"peer{i}", cmd, d, port, cwd=REPO, byzantine=byz)
         peers.append(p)
         return p

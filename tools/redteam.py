@@ -57,6 +57,7 @@ from protocol.limits import RpcLimits  # noqa: E402
 from protocol.messages import Ack, Error, Forward, Hello, Infer, Message, pack, unpack  # noqa: E402
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
 from tools.confine import CpuQuota  # noqa: E402
+from tools.redteam_trust import TRUST_ATTACKS  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.worker import StageWorker  # noqa: E402
 
@@ -397,6 +398,7 @@ ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[st
 from tools.redteam_state import ATTACKS as _STATE_ATTACKS  # noqa: E402 (its attacks use this module's helpers)
 
 ATTACKS.update(_STATE_ATTACKS)
+ATTACKS.update(TRUST_ATTACKS)  # tools/redteam_trust.py: the pipeline's and the DHT's trust
 FLOOD = {"ids": 16, "streams": 16}
 
 
@@ -474,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                         "cgroup v1 CPU quota: models a remote attacker whose daemons do not run on the victims' "
                         "cores (root; default: unconfined, the attacker shares the victims' cores)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--victim-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a peer setting of both victims (repeatable), e.g. spot_checks=false to measure a defence's "
+                        "absence")
     p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
     args = p.parse_args(argv)
     args.attacks = [x for x in args.attacks.split(",") if x]
@@ -485,12 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()  # SIGTERM unwinds through the finally blocks that reap the swarm
     root = Path(args.workdir or tempfile.mkdtemp(prefix="redteam-"))
     peers: list[PeerProcess] = []
+    settings = (*SETTINGS, *args.victim_set)
     try:
         a = PeerProcess.spawn("a", join_command(root / "a", port=(pa := free_port()), run=TINY, stage=0,
-                                                settings=SETTINGS), root / "a", pa, cwd=REPO)
+                                                settings=settings), root / "a", pa, cwd=REPO)
         peers.append(a)
         b = PeerProcess.spawn("b", join_command(root / "b", port=(pb := free_port()), run=TINY, stage=1,
-                                                settings=SETTINGS, initial=a.wait_maddrs()[:1]), root / "b", pb,
+                                                settings=settings, initial=a.wait_maddrs()[:1]), root / "b", pb,
                               cwd=REPO)
         peers.append(b)
         a.wait_status(lambda s: (s.get("local_step") or 0) > 3 and s.get("val_loss") is not None, 120, "training")

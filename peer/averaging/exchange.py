@@ -19,7 +19,8 @@ Own values are quantised with the run's averaging codec and then *decoded again 
 very same numbers: two peers that hold the same set of contributions compute bit-identical means.
 
 Measurements only: with ``keep_offers`` a slot keeps the raw parts that arrive before our own part is set, and
-``decode_offers`` decodes them; the red-team attack 'alie' (peer/averaging/byzantine.py) builds its part from them.
+``decode_offers`` decodes them; the red team's rushing attack (tools/byzantine_peer.py, through the behaviour seam of
+peer/averaging/behaviour.py) builds its part from them.
 An honest peer never sets it.
 """
 
@@ -134,17 +135,19 @@ class PartExchange:
             wait for its step.
         metrics: PeerMetrics (counters). clock: time source of slot deadlines (unix time).
         member: async fn(sender) -> whether the sender may take part at all (None: anyone who passes the checks).
+        keep_offers: keep the raw parts that arrive before our own part is set (``Slot.offers``); off for an honest
+            peer (peer.averaging.behaviour).
     """
 
     def __init__(self, *, transport: Transport, name: str, run_id: str, stage: int, me: str, codec: str,
                  check: Check, admit: Callable[[int, str], Slot], metrics: PeerMetrics,
                  clock: Callable[[], float] = time.time,
-                 member: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 member: Callable[[str], Awaitable[bool]] | None = None, keep_offers: bool = False) -> None:
         self.transport, self.name, self.run_id, self.stage, self.me = transport, name, run_id, stage, me
         self.codec, self.check, self.admit, self.metrics, self.clock = codec, check, admit, metrics, clock
         self.member = member
         self.slots: dict[int, Slot] = {}
-        self.keep_offers = False  # red-team knob 'alie' (peer.averaging.byzantine): keep what arrives before our part
+        self.keep_offers = keep_offers
 
     async def register(self) -> None:
         await self.transport.add_handler(self.name, self._handle)

@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.averaging.aggregate import quorum_of, robust_combine
-from peer.averaging.byzantine import Attacker
+from peer.averaging.behaviour import HONEST, AveragingBehaviour
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
@@ -179,15 +179,15 @@ class AveragingLoop:
         metrics: PeerMetrics; rounds, tau, group size and rejected parts are recorded there.
         config: NetAveragingConfig. transport, clock, fetch_peers, me, local_step: test seams (default:
             protocol.rpc over p2p, time.time, the DHT's records of this stage, p2p's peer id, metrics.local_step).
-        attack: red-team knob (PeerConfig.byzantine_attack): our parts are replaced by this attack as
-            peer.averaging.byzantine realises it, before they are published; '' (the default) for an honest peer.
+        behaviour: how this peer takes part in a round (peer.averaging.behaviour): honest unless a test or the red
+            team hands another one in.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
                  stage: int, worker_call: WorkerCall, metrics: PeerMetrics, config: NetAveragingConfig | None = None,
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
-                 local_step: Callable[[], int] | None = None, attack: str = "") -> None:
+                 local_step: Callable[[], int] | None = None, behaviour: AveragingBehaviour | None = None) -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.rule = rule_of(run.averaging)
         self.config = config or NetAveragingConfig()
@@ -199,12 +199,13 @@ class AveragingLoop:
         self.vouch: Callable[[str], None] | None = getattr(rpc_server, "vouch", None)  # parts kept: validated work
         self.me = me if me is not None else p2p.peer_id.to_base58()
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
+        self.behaviour = behaviour or HONEST
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=AVG_RPC, run_id=run.run_id, stage=stage,
             me=self.me, codec=run.compression.averaging, metrics=metrics, clock=clock, admit=self._admit,
-            check=relative_distance_check(self.config.max_rel_distance, self.config.max_rms_distance),
-            member=self._is_member)
-        self.attacker = Attacker.arm(attack, self.exchange, metrics)  # None for an honest peer
+            check=self.behaviour.check(relative_distance_check(self.config.max_rel_distance,
+                                                               self.config.max_rms_distance)),
+            member=self._is_member, keep_offers=self.behaviour.keeps_offers)
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
         self._heard: dict[str, float] = {}  # partner -> clock() of its last valid part (live partners set the quorum)
@@ -408,9 +409,8 @@ class AveragingLoop:
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
             peers = self.partners(r)
-            if self.attacker is not None:
-                values = await self.attacker.part(self.exchange, slot, values, peers,
-                                                  round_start(self._tick(r), self.period_s))
+            values = await self.behaviour.part(self.exchange, slot, values, peers,
+                                               round_start(self._tick(r), self.period_s))
             await self.exchange.publish(slot, values)
             start = max(self.clock(), round_start(self._tick(r), self.period_s))
             grace = self.config.initiator_grace * (slot.deadline - start)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from peer.errors import UserError, user_input
+
+if TYPE_CHECKING:
+    from peer.averaging.behaviour import AveragingBehaviour
 
 HELP = "Run one peer: join a swarm (or start a new one), serve a pipeline stage, train until stopped."
 EPILOG = """examples:
@@ -143,7 +147,9 @@ def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object
     return run, PeerConfig(**kw)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, averaging_behaviour: AveragingBehaviour | None = None) -> int:
+    """Start the peer; ``averaging_behaviour`` (tests, tools/byzantine_peer.py): how it takes part in averaging
+    rounds, honest when None."""
     import asyncio
     import logging
     import os
@@ -162,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     run_cfg, cfg = build_config(args)
     check_join(args, run_cfg, cfg.metrics_host)  # before anything starts: a typo costs a second, not a DHT timeout
     setup_logging(args.log_level, json=None if args.no_tui else False)
-    daemon = Daemon(run_cfg, cfg)
+    daemon = Daemon(run_cfg, cfg, averaging_behaviour=averaging_behaviour)
 
     async def main() -> int:
         dash_task = None

@@ -174,8 +174,12 @@ def record_validator(run_id: str, organiser_key: bytes | None = None) -> SignedR
     return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admit)
 
 
-def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: Any) -> None:
-    check_credential(credential, organiser_key=organiser_key, run_id=run_id, peer_id=peer_id)
+def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: Any, expiration: float) -> None:
+    """Raises unless ``credential`` admits ``peer_id`` now and at least until the record's ``expiration``: a record
+    cannot outlive its credential."""
+    c = check_credential(credential, organiser_key=organiser_key, run_id=run_id, peer_id=peer_id)
+    if c.expires_at < expiration:
+        raise ValueError("the record would outlive its credential; renew the credential")
 
 
 async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,

@@ -91,8 +91,10 @@ class Router:
         return [r for r in records if r.stage == stage and r.state == "training" and r.peer_id not in excluded
                 and self._stats(r.peer_id).banned_until <= now]
 
-    def choose(self, records: Iterable[PeerRecord], stage: int, *, exclude: Iterable[str] = ()) -> PeerRecord:
-        """Weighted random choice among unbanned training peers of ``stage``; raises NoRouteError if none."""
+    def choose(self, records: Iterable[PeerRecord], stage: int, *, exclude: Iterable[str] = (),
+               cap: Callable[[list[str], list[float]], list[float]] | None = None) -> PeerRecord:
+        """Weighted random choice among unbanned training peers of ``stage``; raises NoRouteError if none.
+        ``cap(peer_ids, weights)`` may lower weights (the share of hops not yet trusted: peer.pipeline.spotcheck)."""
         cands = self.candidates(records, stage, exclude=exclude)
         if not cands:
             raise NoRouteError(f"no reachable peer serves stage {stage}")
@@ -100,6 +102,8 @@ class Router:
         announced = statistics.median(rates) if rates else None
         measured = self._measured_median()
         weights = [self.weight(r, announced_median=announced, measured_median=measured) for r in cands]
+        if cap is not None:
+            weights = cap([r.peer_id for r in cands], weights)
         return self.rng.choices(cands, weights=weights, k=1)[0]
 
     def sent(self, peer_id: str, mb_id: int) -> None:
@@ -155,6 +159,12 @@ class Router:
         ban = min(self.ban_base_s * 2 ** (st.failures - 1), self.ban_max_s)
         st.banned_until = self.clock() + ban
         return ban
+
+    def ban(self, peer_id: str, seconds: float) -> None:
+        """Keep ``peer_id`` out of our routing for ``seconds`` (caught returning fabricated work)."""
+        st = self._stats(peer_id)
+        st.failures += 1
+        st.banned_until = max(st.banned_until, self.clock() + seconds)
 
     def busy(self, peer_id: str, retry_after_s: float) -> None:
         """A peer said Busy: skip it for the time it asked (bounded), without counting a failure."""

@@ -1,8 +1,9 @@
 """Owned DHT records: each record is signed by its peer's libp2p identity key and every node refuses the rest.
 
 A record of the run is stored under the run's key with the peer id as subkey. Its DHT value is an envelope
-``{"b": body, "k": public key, "s": signature}``: ``body`` is the msgpack-encoded record, ``k`` the peer's libp2p
-public key (protobuf, as libp2p serialises it) and ``s`` a signature over (domain, run key, peer id, expiration, body).
+``{"b": body, "k": public key, "s": signature}`` (+ ``"c"``: a closed run's credential): ``body`` is the
+msgpack-encoded record, ``k`` the peer's libp2p public key (protobuf, as libp2p serialises it) and ``s`` a signature
+over (domain, run key, peer id, expiration, body, credential): a credential cannot be swapped into another's record.
 A libp2p peer id is derived from its public key (an identity multihash for Ed25519, SHA-256 for RSA), so checking
 that ``k`` hashes to the subkey and that ``s`` verifies needs no lookup. The expiration is inside the signature, so it
 cannot be stretched, and it may not lie further ahead than ``MAX_RECORD_TTL_S`` (+ clock slack): a record for ten years
@@ -10,13 +11,20 @@ that would outlive every later announcement of its owner is refused. A replayed 
 so hivemind's storage keeps the owner's newer one.
 
 ``SignedRecordValidator`` is installed in every node's DHT (``hivemind.DHT(record_validators=...)``), so honest nodes
-refuse to store or return a forged record; readers verify again (``open_envelope``) because a DHT node may lie.
+refuse to store or return a forged record; readers verify again (``open_envelope``) because a DHT node may lie. The
+validator also refuses every value under any other key: a peer's DHT stores the run's records and nothing else.
+
+One cost per signature: keys are Ed25519 or RSA of exactly 2048 bits with the public exponent 65537 (what libp2p and
+hivemind generate); an RSA key with a huge exponent costs ~80x more per verification and is refused before any
+arithmetic. Verified signatures are remembered (``_verified``, bounded), so a reader that re-reads the swarm every
+second verifies each record once, not once per read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,11 +42,17 @@ from peer.config import MAX_RECORD_TTL_S
 
 logger = logging.getLogger(__name__)
 
-DOMAIN = "asyncmesh/record/v1"
+DOMAIN = "asyncmesh/record/v2"
 CLOCK_SLACK_S = 30.0
 """Tolerated clock difference between the signer and a validating node, on top of MAX_RECORD_TTL_S."""
-MAX_ENVELOPE_BYTES = 16 * 1024
+MAX_ENVELOPE_BYTES = 8 * 1024
 MAX_PUBLIC_KEY_BYTES = 1024
+RSA_BITS, RSA_EXPONENT = 2048, 65537
+"""The only RSA keys accepted: libp2p's and hivemind's identities (a fixed verification cost)."""
+MAX_LIVE_RECORDS = 8192
+"""Unexpired records one node's validator lets its DHT hold under the run's key (x MAX_ENVELOPE_BYTES: 64 MiB)."""
+VERIFIED_CACHE = 8192
+"""Signatures remembered as verified (each entry is a hash: ~100 bytes)."""
 _ID_INLINE_MAX = 42  # libp2p: public keys up to 42 bytes are inlined in the peer id (identity multihash)
 
 
@@ -108,17 +122,36 @@ class Signer:
 
 
 def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
-    """True when ``signature`` over ``data`` verifies with the libp2p-serialised ``public_key``; never raises."""
+    """True when ``signature`` over ``data`` verifies with the libp2p-serialised ``public_key``; never raises.
+    Only Ed25519 keys and RSA keys of ``RSA_BITS`` bits with exponent ``RSA_EXPONENT`` are accepted."""
+    if len(public_key) > MAX_PUBLIC_KEY_BYTES or len(signature) > 1024:
+        return False
+    digest = hashlib.sha256(b"%d:%d:" % (len(public_key), len(data)) + public_key + data + signature).digest()
+    if digest in _verified:
+        _verified.move_to_end(digest)
+        return True
+    if not _verify(public_key, data, signature):
+        return False
+    _verified[digest] = None
+    while len(_verified) > VERIFIED_CACHE:
+        _verified.popitem(last=False)
+    return True
+
+
+_verified: OrderedDict[bytes, None] = OrderedDict()  # sha256 of (key, data, signature) that verified, oldest first
+
+
+def _verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
     try:
-        if len(public_key) > MAX_PUBLIC_KEY_BYTES or len(signature) > 1024:
-            return False
         key = crypto_pb2.PublicKey.FromString(public_key)
         if key.key_type == crypto_pb2.Ed25519:
             ed25519.Ed25519PublicKey.from_public_bytes(key.data).verify(signature, data)
             return True
         if key.key_type == crypto_pb2.RSA:
             rsa_key = serialization.load_der_public_key(key.data)
-            if not isinstance(rsa_key, rsa.RSAPublicKey) or not 2048 <= rsa_key.key_size <= 8192:
+            if not isinstance(rsa_key, rsa.RSAPublicKey) or rsa_key.key_size != RSA_BITS:
+                return False
+            if rsa_key.public_numbers().e != RSA_EXPONENT:  # checked before any arithmetic with it
                 return False
             rsa_key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
             return True
@@ -127,16 +160,17 @@ def verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
     return False
 
 
-def _payload(key: str, peer_id: str, expiration: float, body: bytes) -> bytes:
-    return MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body])
+def _payload(key: str, peer_id: str, expiration: float, body: bytes, credential: bytes | None) -> bytes:
+    return MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body, credential])
 
 
 def seal(signer: Signer, key: str, value: Any, expiration: float,
          credential: bytes | None = None) -> dict[str, bytes]:
     """The signed envelope of ``value`` (a msgpack-able record) stored under ``key`` until ``expiration``; a closed
-    run's admission ``credential`` rides along (it carries the organiser's own signature)."""
+    run's admission ``credential`` rides along, inside the signature (and carries the organiser's own)."""
     body = MSGPackSerializer.dumps(value)
-    out = {"b": body, "k": signer.public_key, "s": signer.sign(_payload(key, signer.peer_id, expiration, body))}
+    signature = signer.sign(_payload(key, signer.peer_id, expiration, body, credential))
+    out = {"b": body, "k": signer.public_key, "s": signature}
     if credential is not None:
         out["c"] = credential
     return out
@@ -146,9 +180,11 @@ def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now
     """Check an envelope read from or offered to the DHT and return the record it carries; raises SignatureError."""
     if not isinstance(stored, dict) or set(stored) - {"c"} != {"b", "k", "s"}:
         raise SignatureError("not a signed envelope")
-    body, public_key, signature = stored["b"], stored["k"], stored["s"]
+    body, public_key, signature, credential = stored["b"], stored["k"], stored["s"], stored.get("c")
     if not all(isinstance(x, bytes) for x in (body, public_key, signature)):
         raise SignatureError("envelope fields must be bytes")
+    if credential is not None and not isinstance(credential, bytes):
+        raise SignatureError("a credential must be bytes")
     if len(body) + len(public_key) + len(signature) + len(stored.get("c") or b"") > MAX_ENVELOPE_BYTES:
         raise SignatureError("envelope too large")
     latest = (now or get_dht_time()) + MAX_RECORD_TTL_S + CLOCK_SLACK_S
@@ -160,7 +196,7 @@ def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now
         raise SignatureError(f"bad public key: {e!r}") from e
     if owner != peer_id:
         raise SignatureError("public key does not belong to the peer id it is stored under")
-    if not verify(public_key, _payload(key, peer_id, expiration, body), signature):
+    if not verify(public_key, _payload(key, peer_id, expiration, body, credential), signature):
         raise SignatureError("signature does not verify")
     try:
         return MSGPackSerializer.loads(body)
@@ -169,21 +205,26 @@ def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now
 
 
 class SignedRecordValidator(RecordValidatorBase):
-    """Every node's gate on the run's record key: signed by the subkey's owner, valid schema, bounded expiration.
+    """Every node's gate: only the run's record key, signed by the subkey's owner, valid schema, bounded expiration;
+    in a closed run a credential that admits the owner at least until the record expires.
 
-    Values under other keys are not this validator's business and pass unchanged.
+    Values under any other key are refused: a peer's DHT is no free storage for strangers.
     """
 
     def __init__(self, key: str, schema: Callable[[str, Any], Any],
-                 admit: Callable[[str, Any], Any] | None = None) -> None:
+                 admit: Callable[[str, Any, float], Any] | None = None) -> None:
         self.key = key
         self.key_id = DHTID.generate(source=key).to_bytes()
         self.schema = schema
-        self.admit = admit  # closed runs: admit(peer_id, credential) raises unless the organiser admitted the peer
+        # closed runs: admit(peer_id, credential, expiration) raises unless the organiser admitted the peer until then
+        self.admit = admit
+        self.max_live = MAX_LIVE_RECORDS
+        self._live: dict[bytes, float] = {}  # subkey -> expiration of the records let through (in the DHT process)
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id:
-            return True
+            logger.debug("refusing a DHT value under a key that is not the run's")
+            return False
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
             if not isinstance(subkey, str) or len(record.value) > MAX_ENVELOPE_BYTES:
@@ -192,11 +233,22 @@ class SignedRecordValidator(RecordValidatorBase):
             body = open_envelope(self.key, subkey, stored, record.expiration_time)
             self.schema(subkey, body)
             if self.admit is not None:
-                self.admit(subkey, stored.get("c"))
-            return True
+                self.admit(subkey, stored.get("c"), record.expiration_time)
+            return self._room_for(record.subkey, record.expiration_time)
         except Exception as e:  # a forged or malformed record: refuse it, quietly (strangers send them at will)
             logger.debug("refusing a DHT record under the run's key: %r", e)
             return False
+
+    def _room_for(self, subkey: bytes, expiration: float) -> bool:
+        """Whether one more record (or a newer one of a known owner) fits under ``max_live`` unexpired records."""
+        if subkey not in self._live and len(self._live) >= self.max_live:
+            now = get_dht_time()
+            self._live = {k: e for k, e in self._live.items() if e > now}
+            if len(self._live) >= self.max_live:
+                logger.debug("refusing a new DHT record: %d unexpired records of the run are held", len(self._live))
+                return False
+        self._live[subkey] = max(expiration, self._live.get(subkey, expiration))
+        return True
 
     @property
     def priority(self) -> int:

@@ -17,6 +17,9 @@ COUNTERS = (
     "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
     "late_backward", "busy_replies", "busy_received", "black_holes_banned", "share_bans",
     "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete",
+    # spot checks of the next stage (peer/pipeline/spotcheck.py)
+    "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_unavailable", "spotcheck_void",
+    "spotcheck_banned",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier",

@@ -197,6 +197,10 @@ class PipelineGuard:
         window.add(norm, sender)
         return True
 
+    def learning(self, kind: str) -> bool:
+        """Whether the bound of ``kind`` is still being learnt (warm-up: only the static checks apply)."""
+        return len(self._norms[kind].values) < self.config.norm_warmup
+
     def _relearn(self, kind: str, median: float, norm: float) -> None:
         """Forget the learnt bound of ``kind``: nothing within it arrived for ``norm_relearn_after`` tries. Without
         this, a stage whose neighbour restarted from its init refused that neighbour's work for good (refused norms

@@ -12,6 +12,9 @@ micro-batches stop at the last stage, whose loss goes straight back to the stage
 micro-batch whose loss is far above the last stage's recent ones is not trained on anywhere: a ``Backward`` marked
 ``refused`` travels back instead of the gradient, and every stage holds it against the peer that sent it the
 micro-batch (``PipelineGuard.share``: a sender's allowance of micro-batches held here is earned by trained work).
+
+A stage also checks the next stage (``peer.pipeline.spotcheck``): some training micro-batches, and every one sent to a
+hop not yet trusted, go to a second replica as well, and the two gradients must agree before either is trained on.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.guard import PipelineGuard
+from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
 from protocol.envelope import TensorEnvelope
@@ -78,6 +82,7 @@ class Pending:
     is_eval: bool = False
     sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
     done: asyncio.Future | None = None  # stage 0: resolved with the loss (None when dropped, REFUSED)
+    checks: dict[str, tuple[Backward, torch.Tensor] | None] | None = None  # a spot check: hop -> its answer
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
 
@@ -128,6 +133,12 @@ class PipelineStage:
         self.on_first_measure: Callable[[], None] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
+        # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
+        # flushes pin each micro-batch to one replica
+        self.spot: SpotChecker | None = None
+        if cfg.spot_checks and cfg.mode != "sync":
+            self.spot = SpotChecker(SpotCheckConfig(fraction=cfg.spot_check_fraction,
+                                                    min_cosine=cfg.spot_check_min_cosine), count=metrics.inc)
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
@@ -263,11 +274,43 @@ class PipelineStage:
         self.router.returned(peer_id, msg.mb_id)
         if msg.mb_id not in self.pending:  # dropped while we decoded
             return Ack()
+        if p.checks is not None and peer_id in p.checks:
+            checked = self._checked(p, peer_id, msg, grad)
+            if checked is None:
+                return Ack()  # held until its partner's gradient is here
+            msg, grad = checked
         self.backward_q.put_nowait(("bwd", msg, grad))
         self._wake.set()
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
         return Ack()
+
+    def _checked(self, p: Pending, peer_id: str, msg: Backward,
+                 grad: torch.Tensor | None) -> tuple[Backward, torch.Tensor | None] | None:
+        """One answer of a spot-checked micro-batch: None while its partner's is missing, else what to train on."""
+        assert p.checks is not None and self.spot is not None
+        if grad is None:  # a drop or a refusal: nothing to compare; the micro-batch goes the way of that answer
+            p.checks = None
+            self.metrics.inc("spotcheck_void")
+            return msg, None
+        p.checks[peer_id] = (msg, grad)
+        if any(v is None for v in p.checks.values()):
+            return None
+        (a, (msg_a, grad_a)), (b, (msg_b, grad_b)) = p.checks.items()  # type: ignore[misc]
+        p.checks = None
+        caught, ban = self.spot.judge(a, grad_a, b, grad_b)
+        self.metrics.spot_checks = self.spot.snapshot()
+        if caught is None:
+            return msg_a, (grad_a + grad_b) / 2
+        logger.warning("spot check of micro-batch %d: the gradients of %s and %s disagree; neither is trained on, "
+                       "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
+                       " and banned" if ban else "")
+        if ban:
+            self.router.ban(caught, self.spot.config.ban_s)
+            self.metrics.inc("spotcheck_banned")
+            self.metrics.warn(f"peer {caught[-8:]} of stage {self.stage + 1} returned gradients that other replicas "
+                              f"contradict; banned for {self.spot.config.ban_s:.0f} s", key=f"spotcheck:{caught}")
+        return msg_a, None  # dropped here and upstream (stage 0 re-sends its sample)
 
     # ----- the compute consumer --------------------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -396,18 +439,62 @@ class PipelineStage:
                 p.next_peer = peer
                 if not is_eval:
                     self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
+                    learning = self.guard.learning("gradients")
+                    if self.spot is not None and self.spot.wants_check(peer, learning=learning):
+                        await self._spot_check(p, peer, msg)
             return True
         if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample
             self.metrics.inc("microbatches_dropped")
         await self.drop(mb_id, notify=not self.is_first)
         return False
 
+    async def _spot_check(self, p: Pending, peer: str, msg: Forward) -> None:
+        """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared."""
+        assert self.spot is not None
+        stage = self.stage + 1
+        others = [r.peer_id for r in self.router.candidates(self._next_hops(stage), stage, exclude={peer})]
+        partner = self.spot.partner(peer, others)
+        if partner is None:  # a lone replica: nothing to compare with (the last stage's loss check still applies)
+            return
+        p.checks = {peer: None, partner: None}  # before sending: the primary's gradient may already be on its way
+        p.sent_to.add(partner)
+        reply: Message | None = None
+        for _ in range(3):
+            try:
+                reply = await self.send(partner, "forward", msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.router.failure(partner)
+                reply = None
+                break
+            if not isinstance(reply, Busy):
+                break
+            await asyncio.sleep(min(max(reply.retry_after_s, 0.0), 0.5))
+        if self.pending.get(msg.mb_id) is not p:
+            return
+        if isinstance(reply, Ack):
+            self.router.sent(partner, msg.mb_id)
+            self.metrics.inc("spotcheck_sent")
+            return
+        self.metrics.inc("spotcheck_unavailable")
+        held = p.checks.get(peer) if p.checks is not None else None
+        p.checks = None
+        if self.spot.trusted(peer):  # a trusted hop's gradient is applied unchecked anyway
+            if held is not None:
+                self.backward_q.put_nowait(("bwd", *held))
+                self._wake.set()
+            return
+        # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
+        await self.drop(msg.mb_id, notify=not self.is_first)
+
     async def _send_with_retries(self, name: str, msg: Message, stage: int, sent_to: set[str]) -> str | None:
         tried: set[str] = set()
         failures, waits = 0, 0
         while failures < self.cfg.hop_retries and waits < 50:
             try:
-                record = self.router.choose(self._next_hops(stage), stage, exclude=tried)
+                record = self.router.choose(self._next_hops(stage), stage, exclude=tried,
+                                            cap=self.spot.cap_weights if self.spot is not None else None)
             except NoRouteError:
                 if not self.accepting:  # draining: do not wait for a route to appear
                     break
@@ -480,8 +567,8 @@ class PipelineStage:
         self._fwd_s.pop(mb_id, None)
         if p is None:
             return
-        if p.next_peer is not None:
-            self.router.cancel(p.next_peer, mb_id)
+        for hop in {p.next_peer, *(p.checks or ())} - {None}:
+            self.router.cancel(hop, mb_id)
         if not p.is_eval:
             await self.compute(self.worker.drop, mb_id)
         if p.done is not None and not p.done.done():

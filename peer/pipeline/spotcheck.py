@@ -1,0 +1,182 @@
+"""Spot checks of the next stage: a micro-batch sent to two replicas, their gradients compared.
+
+A stage trains on whatever gradient a peer of the next stage returns; only its norm is checked. A peer that announces
+itself as a replica of the next stage and returns fabricated gradients quickly would otherwise win much of the
+traffic (routing favours measured round trips) and train everyone upstream. So a stage checks its next hops:
+
+- A micro-batch that goes to a hop is also sent, as the very same ``Forward``, to a second replica of that stage (the
+  *partner*, drawn from the trusted hops when there are any): a hop cannot tell a check from ordinary traffic. The two
+  gradients must point the same way (cosine at least ``min_cosine``) with norms within ``max_norm_ratio`` of each
+  other. Honest replicas' gradients are far from equal (their weights differ by the asynchrony and the partial
+  averaging: relative distances of 0.7 are typical, measured in docs/security.md) but clearly aligned; a fabricated
+  gradient (noise: cosine ~0; negated: below 0; zeros; scaled by more than 16x) is not.
+- A hop is *untrusted* until it has passed ``trust_after`` checks. Every training micro-batch sent to an untrusted hop
+  is checked, and its gradient is applied only once its partner's agrees: an untrusted hop's gradient is never trained
+  on unchecked while a partner exists. A trusted hop is checked on a random ``fraction`` of micro-batches.
+- While a trusted hop exists, untrusted hops together get at most ``untrusted_share`` of the micro-batches we send
+  (``cap_weights``), however fast they answer.
+- When two gradients disagree, the micro-batch is dropped (neither is trained on) and the hop with fewer passed
+  checks (on a tie, the one we first met later) takes a strike and loses its trust; ``ban_after`` strikes in a row
+  ban it for ``ban_s`` (one honest outlier bans nobody). The
+  trusted hop's gradients applied since its last passed check cannot be taken back: a trusted liar is caught after
+  ``1 / fraction`` fabricated micro-batches on average, each within the gradient norm bound.
+- While the stage's gradient norm bound is being (re)learnt, every micro-batch is checked: a relearnt bound is what
+  a liar that sent four out-of-range norms in a row would exploit.
+
+A stage whose next stage has a single replica cannot be checked this way (nothing to compare with); its gradients are
+applied as before, and the last stage's loss check is what bounds a lone liar there.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpotCheckConfig:
+    """How often and how strictly a stage checks its next hops."""
+
+    fraction: float = 0.05
+    """Share of a trusted hop's micro-batches also sent to a partner replica."""
+    trust_after: int = 4
+    """Checks a hop must pass before its gradients are applied unchecked."""
+    untrusted_share: float = 0.25
+    """Most of our micro-batches that untrusted hops together get while a trusted hop exists."""
+    min_cosine: float = 0.1
+    """Two gradients of one micro-batch whose cosine similarity is lower disagree (noise: |cosine| ~0.01 here)."""
+    max_norm_ratio: float = 16.0
+    """Two gradients of one micro-batch whose norms differ by a larger factor disagree (honest replicas differed by
+    up to 10.9x early in training; the norm bound and gradient clipping bound the magnitude anyway)."""
+    ban_after: int = 3
+    """Failed checks in a row after which a hop is banned."""
+    ban_s: float = 600.0
+    """How long a hop caught returning fabricated gradients is banned from our routing."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0 or not 0.0 < self.untrusted_share <= 1.0:
+            raise ValueError("SpotCheckConfig: fraction must be in [0, 1] and untrusted_share in (0, 1]")
+        if self.trust_after < 0 or self.ban_after < 1 or self.ban_s < 0:
+            raise ValueError("SpotCheckConfig: trust_after >= 0, ban_after >= 1 and ban_s >= 0 are required")
+        if not -1.0 <= self.min_cosine < 1.0 or self.max_norm_ratio < 1.0:
+            raise ValueError("SpotCheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
+
+
+@dataclass
+class _Hop:
+    first_seen: float
+    passed: int = 0
+    failed: int = 0
+    strikes: int = 0  # failed checks in a row
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance of two gradients: 0 equal, 1 one of them zero, 2 opposite (inf: not finite)."""
+    a, b = a.float(), b.float()
+    scale = max(float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b)))
+    if scale == 0.0:
+        return 0.0
+    d = float(torch.linalg.vector_norm(a - b)) / scale
+    return d if d == d else float("inf")
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(cosine similarity, ratio of the larger norm to the smaller) of two gradients; a zero or non-finite gradient
+    gives (-1, inf)."""
+    a, b = a.float().flatten(), b.float().flatten()
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if not (na > 0 and nb > 0 and na < float("inf") and nb < float("inf")):
+        return -1.0, float("inf")
+    return float(torch.dot(a, b)) / (na * nb), max(na, nb) / min(na, nb)
+
+
+class SpotChecker:
+    """Trust in the next stage's hops, earned by checks. ``count(name)`` is told of every check and its outcome."""
+
+    def __init__(self, config: SpotCheckConfig | None = None, *, count: Callable[[str], None] = lambda n: None,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or SpotCheckConfig()
+        self.count, self.rng, self.clock = count, rng or random.Random(), clock
+        self._hops: dict[str, _Hop] = {}
+        self.seen: deque[tuple[float, float, float]] = deque(maxlen=512)  # (cosine, norm ratio, distance): /status
+        self.extremes = [1.0, 1.0, 0.0, 0]  # since start: lowest cosine, highest norm ratio, largest distance, checks
+
+    def _hop(self, peer_id: str) -> _Hop:
+        hop = self._hops.get(peer_id)
+        if hop is None:
+            if len(self._hops) >= 4096:  # bounded: forget the hop with the least history
+                del self._hops[min(self._hops, key=lambda p: self._hops[p].passed + self._hops[p].failed)]
+            hop = self._hops[peer_id] = _Hop(first_seen=self.clock())
+        return hop
+
+    def trusted(self, peer_id: str) -> bool:
+        return self._hop(peer_id).passed >= self.config.trust_after
+
+    def wants_check(self, peer_id: str, *, learning: bool = False) -> bool:
+        """Whether a training micro-batch sent to ``peer_id`` is also sent to a partner (``learning``: the gradient
+        norm bound is being learnt, so everything is checked)."""
+        return learning or not self.trusted(peer_id) or self.rng.random() < self.config.fraction
+
+    def partner(self, primary: str, candidates: Sequence[str]) -> str | None:
+        """A second replica for a check of ``primary``: a trusted one when there is one, else any other."""
+        others = [c for c in candidates if c != primary]
+        if not others:
+            return None
+        trusted = [c for c in others if self.trusted(c)]
+        return self.rng.choice(trusted or others)
+
+    def cap_weights(self, peer_ids: Sequence[str], weights: Sequence[float]) -> list[float]:
+        """Scale untrusted hops' routing weights down so that together they get at most ``untrusted_share`` of the
+        choices while a trusted hop exists (a fast fabricator cannot win most of the traffic)."""
+        trusted = [self.trusted(p) for p in peer_ids]
+        w_t = sum(w for w, t in zip(weights, trusted, strict=True) if t)
+        w_u = sum(w for w, t in zip(weights, trusted, strict=True) if not t)
+        share = self.config.untrusted_share
+        if w_t <= 0 or w_u <= 0 or share >= 1.0 or w_u / (w_t + w_u) <= share:
+            return list(weights)
+        scale = share / (1 - share) * w_t / w_u
+        return [w if t else w * scale for w, t in zip(weights, trusted, strict=True)]
+
+    def judge(self, a: str, grad_a: torch.Tensor, b: str, grad_b: torch.Tensor) -> tuple[str | None, bool]:
+        """Compare the two gradients of one micro-batch: (the hop that takes the blame, None when they agree;
+        whether it is now to be banned)."""
+        cos, ratio = agreement(grad_a, grad_b)
+        d = distance(grad_a, grad_b)
+        self.seen.append((cos, ratio, d))
+        ext = self.extremes
+        ext[0], ext[1], ext[2], ext[3] = min(ext[0], cos), max(ext[1], ratio), max(ext[2], d), ext[3] + 1
+        ha, hb = self._hop(a), self._hop(b)
+        if cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio:
+            for hop in (ha, hb):
+                hop.passed += 1
+                hop.strikes = 0
+            self.count("spotcheck_passed")
+            return None, False
+        caught = a if (ha.passed, -ha.first_seen) < (hb.passed, -hb.first_seen) else b
+        hop = self._hops[caught]
+        hop.failed += 1
+        hop.strikes += 1
+        hop.passed = 0
+        self.count("spotcheck_failed")
+        ban = hop.strikes >= self.config.ban_after
+        if ban:
+            hop.strikes = 0
+        return caught, ban
+
+    def snapshot(self) -> dict[str, object]:
+        """Figures for /status: the last checks' cosines, norm ratios and relative distances (quantiles), and how
+        many hops are trusted."""
+        out: dict[str, object] = {"checks": self.extremes[3], "cosine_lowest": self.extremes[0],
+                                  "norm_ratio_highest": self.extremes[1], "distance_highest": self.extremes[2],
+                                  "trusted_hops": sum(1 for h in self._hops.values()
+                                                      if h.passed >= self.config.trust_after)}
+        for i, name in enumerate(("cosine", "norm_ratio", "distance")):
+            vs = sorted(v[i] for v in self.seen)
+            for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
+                out[f"{name}_{label}"] = vs[min(len(vs) - 1, int(q * len(vs)))] if vs else None
+        return out

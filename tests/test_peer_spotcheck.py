@@ -1,0 +1,120 @@
+"""Spot checks of the next stage (peer/pipeline/spotcheck.py): the checker's rules, and a fake next stage that returns
+fabricated gradients fast, in process against a real stage 0 and an honest stage-1 replica."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
+from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker, agreement, distance
+from protocol.codecs.registry import decode, encode
+from protocol.messages import Ack, Backward
+from protocol.validation import TensorSpec
+from tests.test_peer_pipeline import RUN, Net, _run_driver, build, corpus  # noqa: F401  (fixture)
+from trainer.worker import StageWorker
+
+
+def test_agreement_and_judging():
+    torch.manual_seed(0)
+    g = torch.randn(64, 128)  # as many values as the tiny run's gradients: random vectors are nearly orthogonal
+    assert distance(g, g) == 0.0 and abs(distance(g, -g) - 2.0) < 1e-6 and abs(distance(g, 0 * g) - 1.0) < 1e-6
+    assert agreement(g, 0 * g) == (-1.0, float("inf"))
+    assert abs(agreement(g, -3 * g)[0] + 1) < 1e-6 and abs(agreement(g, -3 * g)[1] - 3) < 1e-5
+    counts: list[str] = []
+    t = [0.0]
+    spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=2, max_norm_ratio=3.0), count=counts.append,
+                       clock=lambda: t[0])
+    assert spot.wants_check("old") and not spot.trusted("old")
+    t[0] = 5.0
+    noisy = g + 0.8 * torch.randn(64, 128)  # relative distance ~0.8, still aligned
+    assert spot.judge("old", g, "new", noisy) == (None, False)
+    assert spot.judge("old", g, "new", g) == (None, False) and spot.trusted("old") and spot.trusted("new")
+    assert spot.judge("old", g, "newer", -g) == ("newer", False)  # the one with fewer passed checks is blamed
+    assert spot.judge("old", g, "newer", torch.randn(64, 128)) == ("newer", True)  # its second strike in a row: banned
+    assert spot.judge("old", g, "new", 5 * g) == ("new", False)  # equal record: the one met later; norm 5x off
+    assert not spot.trusted("new") and counts.count("spotcheck_failed") == 3
+    assert spot.snapshot()["checks"] == 5
+
+
+def test_untrusted_hops_get_a_capped_share():
+    spot = SpotChecker(SpotCheckConfig(trust_after=1, untrusted_share=0.25))
+    g = torch.ones(3)
+    spot.judge("a", g, "b", g)
+    w = spot.cap_weights(["a", "b", "fast"], [1.0, 1.0, 100.0])
+    assert abs(w[2] / sum(w) - 0.25) < 1e-9 and w[:2] == [1.0, 1.0]
+    assert spot.cap_weights(["x", "y"], [1.0, 100.0]) == [1.0, 100.0]  # nobody trusted yet: no cap
+
+
+class Fabricator:
+    """A fake stage-1 replica: it acks every forward at once and returns, within a millisecond, the negation of the
+    gradient an honest replica would compute (a plausible norm, the wrong direction)."""
+
+    def __init__(self, net: Net, me: str) -> None:
+        self.send, self.me = net.sender(me), me
+        self.worker = StageWorker(RUN, 1)
+        self.sent: dict[int, torch.Tensor] = {}
+        self.tasks: set[asyncio.Task] = set()
+        b, t, d = RUN.data.batch_size, RUN.model.block_size, RUN.model.n_embd
+        self.spec = TensorSpec((b, t, d), torch.float32)
+
+    async def rpc_forward(self, msg, peer_id):
+        x = decode(msg.activations, self.spec)
+        targets = decode(msg.targets, TensorSpec(tuple(x.shape[:2]), torch.int64))
+        loss, grad = self.worker.forward_loss(msg.mb_id, x, targets)
+        fake = -grad
+        self.sent[msg.mb_id] = fake
+        reply = Backward(run_id=msg.run_id, mb_id=msg.mb_id, route=msg.route, gradient=encode(fake, "int8"),
+                         loss=float(loss), is_eval=False)
+        task = asyncio.ensure_future(self.send(peer_id, "backward", reply))
+        self.tasks.add(task)
+        return Ack()
+
+    async def rpc_backward(self, msg, peer_id):
+        return Ack()
+
+    async def serve(self) -> None:
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(150)
+def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(corpus):  # noqa: F811
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=10.0)
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    a0 = net.stages["a0"]
+    a0.router.rng = random.Random(1)
+    fab = Fabricator(net, "fake1")
+    net.stages["fake1"] = fab  # type: ignore[assignment]
+    records = a0.swarm()
+    fake = PeerRecord(peer_id="fake1", stage=1, throughput=1e9, queue=0, version=0, state="training")
+    applied: dict[int, torch.Tensor] = {}
+    backward = a0.worker.backward
+
+    def recording(mb_id, grad):
+        applied[mb_id] = grad.clone()
+        return backward(mb_id, grad)
+
+    async def arrive() -> None:
+        while a0.worker.local_step < 15:  # b1 alone first: the incumbent
+            await asyncio.sleep(0.05)
+        a0.worker.backward = recording  # type: ignore[method-assign]
+        records["fake1"] = fake
+
+    async def both() -> None:
+        arriving = asyncio.ensure_future(arrive())
+        await _run_driver(net, corpus, cfg, steps=60, run_for=100.0)
+        arriving.cancel()
+    asyncio.run(both())
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert fab.sent, "the fake stage got no traffic: the test tests nothing"
+    trained_fakes = [mb for mb, g in applied.items() if mb in fab.sent and distance(g, fab.sent[mb]) < 0.5]
+    assert trained_fakes == [], f"stage 0 trained on {len(trained_fakes)} fabricated gradients"
+    assert counters.get("spotcheck_banned", 0) >= 1 and a0.router.is_banned("fake1")
+    assert a0.worker.local_step >= 60

@@ -1,0 +1,200 @@
+"""Red-team attacks on the pipeline's and the DHT's trust, registered in ``tools/redteam.py``'s ``ATTACKS``.
+
+Each attack has the signature of the others there: ``attack(att, victims, until) -> evidence`` with ``att`` the
+red team's ``Attacker`` (its DHT node ``att.dht``, libp2p ``att.p2p``, signer ``att.signer``, run ``att.run``, the
+victims' /status readers ``att.status_a`` / ``att.status_b``), ``victims`` the peer ids of the stage-0 peer ("a")
+and the stage-1 peer ("b"), and ``until`` the end of the phase (``time.monotonic()``). The evidence holds
+``refused``: whether the victims refused what the attack needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import random
+import time
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
+from peer.membership.signing import Signer, seal
+from protocol.codecs.registry import decode, encode
+from protocol.limits import RpcLimits
+from protocol.messages import Ack, Backward, Busy, Forward, Message
+from protocol.rpc import RpcServer, call
+from protocol.validation import TensorSpec
+from trainer.worker import StageWorker
+
+SCALES = (1.0, 4.0, 0.25, 16.0, 1 / 16, 64.0, 1 / 64, 256.0, 1 / 256)
+
+
+async def _counters(status: Any) -> dict[str, float]:
+    return ((await asyncio.to_thread(status)) or {}).get("counters", {})
+
+
+async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger announces itself as a stage-1 replica with throughput 1e9, acks every training forward at once and
+    returns within milliseconds the negation of the gradient its own (untrained) stage-1 copy computes: a gradient
+    of the right shape that trains stage 0 the wrong way, with a plausible loss (the honest stage-1 peer's latest).
+    It learns the norm stage 0 accepts from its replies: a gradient refused for its norm makes it try the next scale
+    of ``SCALES`` until one passes.
+    Evaluation forwards are answered Busy (they go to the honest peer). Stage 0 must not train on its gradients."""
+    run = att.run
+    before = await _counters(att.status_a)
+    worker = StageWorker(run, 1)
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    act, tok = TensorSpec((b, t, d), torch.float32), TensorSpec((b, t), torch.int64)
+    server = RpcServer(att.p2p, RpcLimits())
+    taken = sent = 0
+    loss_seen, scale = [2.5], [0]
+    tasks: set[asyncio.Task] = set()
+
+    async def answer(peer: str, msg: Forward) -> None:
+        nonlocal sent
+        x, targets = decode(msg.activations, act), decode(msg.targets, tok)
+        _, grad = worker.forward_loss(msg.mb_id, x, targets)
+        fake = -grad * SCALES[scale[0]]
+        reply = Backward(run_id=run.run_id, mb_id=msg.mb_id, route=msg.route, gradient=encode(fake, "int8"),
+                         loss=loss_seen[0], is_eval=False)
+        try:
+            await call(att.p2p, peer, "backward", reply, timeout=5)
+            sent += 1
+        except Exception as e:  # refused: the victim's verdict is in its counters
+            if "norm" in str(e):
+                scale[0] = (scale[0] + 1) % len(SCALES)
+
+    async def take(msg: Message, peer: str) -> Message:
+        nonlocal taken
+        if not isinstance(msg, Forward) or msg.is_eval or msg.targets is None:
+            return Busy(retry_after_s=0.0)
+        taken += 1
+        task = asyncio.ensure_future(answer(peer, msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return Ack()
+
+    await server.add_handler("forward", take)
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1e9, queue=0, version=0, state="training",
+                     maddrs=[])
+    try:
+        while time.monotonic() < until:
+            await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
+            loss = ((await asyncio.to_thread(att.status_b)) or {}).get("train_loss")
+            loss_seen[0] = float(loss) if loss else loss_seen[0]
+            await asyncio.sleep(1.0)
+    finally:
+        await server.shutdown()
+        for task in list(tasks):
+            task.cancel()
+    after = await _counters(att.status_a)
+    seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
+        "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_banned", "spotcheck_unavailable",
+        "rejected:gradients_norm", "relearnt:gradients_norm")}
+    return {"refused": seen["spotcheck_banned"] >= 1, "forwards_taken": taken, "fabricated_gradients_delivered": sent,
+            "scale_used": SCALES[scale[0]], "stage0_counters": seen}
+
+
+Items = list[tuple[str, bytes | int, float, str | None]]
+"""DHT items a red-team node offers: (key, value or a size of random bytes, expiration, subkey)."""
+
+
+async def _store_at(dht: Any, node: Any, peer: str, items: Items) -> list[bool]:
+    """Inside the attacker's DHT process: ask the victim ``peer`` itself to store ``items`` (key, value or a size of
+    random bytes made here, expiration, subkey); its own answer per item (True: stored)."""
+    out: list[bool] = []
+    for key, value, exp, subkey in items:
+        data = MSGPackSerializer.dumps(os.urandom(value)) if isinstance(value, int) else value
+        got = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)], [data], exp,
+                                             subkeys=None if subkey is None else [subkey])
+        out.append(bool(got and got[0]))
+    return out
+
+
+async def _stored(att: Any, peer: str, items: Items) -> list[bool]:
+    """``_store_at`` run in the attacker's DHT process (only small items cross the pipe to it)."""
+    return await att.dht.run_coroutine(functools.partial(_store_at, peer=peer, items=items), return_future=True)
+
+
+async def dht_flood(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger asks each victim's DHT node directly to store values under keys other than the run's (4 of 256 KiB,
+    and 64 subkeys of 4 KiB under one key) and a 256-KiB value under the run's key, again and again while the phase
+    lasts. The victims must refuse them all (their own answer per item: stored or not)."""
+    rng = random.Random(0)
+    big, small = 256 * 1024, 4 * 1024
+    offered: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    rounds = 0
+    while time.monotonic() < until - 2:
+        exp = get_dht_time() + 60
+        items: Items = [
+            (f"junk-{rng.getrandbits(64)}", big, exp, None) for _ in range(4)]
+        junk_key = f"junk-dict-{rng.getrandbits(64)}"
+        items += [(junk_key, small, exp, f"sub{i}") for i in range(64)]
+        items += [(swarm_key(att.run.run_id), big, exp, att.signer.peer_id)]
+        for name, peer in victims.items():
+            try:
+                answers = await asyncio.wait_for(_stored(att, peer, items), timeout=max(1.0, until - time.monotonic()))
+            except Exception:  # a victim that stops answering is the stall figure's business
+                continue
+            offered[name] = offered.get(name, 0) + len(items)
+            stored[name] = stored.get(name, 0) + sum(answers)
+        rounds += 1
+    return {"refused": bool(offered) and not any(stored.values()), "items_offered": offered,
+            "items_stored_by_victim": stored, "rounds": rounds, "bytes_offered_per_round": 5 * big + 64 * small}
+
+
+def costly_key_signer(rng: random.Random) -> Signer:
+    """An RSA-2048 identity whose public exponent is a random ~2040-bit number (valid RSA, ~90x the verification cost
+    of e = 65537)."""
+    base = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_numbers()
+    p, q = base.p, base.q
+    phi = (p - 1) * (q - 1)
+    while True:
+        e = rng.getrandbits(2040) | 1
+        try:
+            d = pow(e, -1, phi)
+            break
+        except ValueError:  # e shares a factor with phi: draw again
+            continue
+    numbers = rsa.RSAPrivateNumbers(p, q, d, d % (p - 1), d % (q - 1), pow(q, -1, p), rsa.RSAPublicNumbers(e, p * q))
+    return Signer(numbers.private_key())
+
+
+async def costly_keys(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger makes 4 identities with RSA keys of a ~2040-bit public exponent and announces each as a training
+    peer of stage 1 (valid signatures), asking each victim's node directly to store them, every second: each would
+    cost a reader ~8 ms to verify, on its event loop, every time it reads the swarm. The victims must refuse them and
+    an honest reader must never see them."""
+    rng = random.Random(1)
+    signers = [costly_key_signer(rng) for _ in range(4)]
+    key = swarm_key(att.run.run_id)
+    offered = stored = seen = rounds = 0
+    while rounds == 0 or time.monotonic() < until - 2:  # at least one round, however long the keys took
+        rounds += 1
+        exp = get_dht_time() + 30
+        items = []
+        for signer in signers:
+            rec = PeerRecord(peer_id=signer.peer_id, stage=1, throughput=1.0, queue=0, version=0, state="training",
+                             maddrs=[])
+            items.append((key, MSGPackSerializer.dumps(seal(signer, key, rec.to_value(), exp)), exp, signer.peer_id))
+        for peer in victims.values():
+            try:
+                answers = await asyncio.wait_for(_stored(att, peer, items), timeout=10)
+            except Exception:
+                continue
+            offered += len(items)
+            stored += sum(answers)
+        view = await fetch_swarm(att.reader, att.run.run_id, timeout=5.0)
+        seen = max(seen, sum(1 for s in signers if s.peer_id in view))
+        await asyncio.sleep(1.0)
+    return {"refused": offered > 0 and stored == 0 and seen == 0, "rounds": rounds, "records_offered": offered,
+            "stored_by_victims": stored, "seen_by_honest_reader": seen}
+
+
+TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "dht_flood": dht_flood, "costly_keys": costly_keys}
