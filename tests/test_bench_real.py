@@ -75,7 +75,10 @@ def test_transformers_loss_on_the_export_equals_the_stages_loss_on_the_same_batc
     assert got["batch_losses"] == pytest.approx(ours, rel=1e-5)
     same = bench_real.compare(sum(ours) / 2, got["transformers_val_loss"])
     assert same["within_tolerance"] and same["ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert not bench_real.compare(4.0, 4.1)["within_tolerance"]  # 2.5 % apart is outside the 1 %
+    assert not bench_real.compare(4.0, 4.1)["within_tolerance"]
+    pairs = bench_real.replica_pairs(run, [tmp_path / f"peer{s}" for s in range(run.n_stages)], 2)
+    assert [p["chain"] for p in pairs] == [["peer0@0", "peer1@0"]]
+    assert pairs[0]["val_loss"] == pytest.approx(sum(ours) / 2, rel=1e-6)  # 2.5 % apart is outside the 1 %
 
 
 @pytest.mark.slow
@@ -89,6 +92,7 @@ def test_the_tool_end_to_end_on_a_llama_tiny_swarm(tmp_path):
     assert code == 0, result.get("error")
     c, tr = result["comparison"], result["training"]
     assert c["within_tolerance"] and c["tokenizer_agrees"] and c["class"] == "LlamaForCausalLM"
+    assert len(tr["replica_pairs"]) == 4  # every stage-0 replica with every stage-1 replica
     assert tr["swarm_tokens_per_s"] > 0 and len(tr["peers"]) == 4 and tr["curve"]
     assert all(p["rss_mb_max"] > 0 for p in tr["peers"])
     assert all(s["exit_code"] is not None for s in tr["summaries"])  # every peer reaped

@@ -262,6 +262,43 @@ def transformers_val_loss(hf_dir: Path, run: RunConfig, eval_batches: int) -> di
             "tokenizer_agrees": hf_tok(text)["input_ids"] == tok.encode_batch([text])[0]}
 
 
+def replica_pairs(run: RunConfig, ckpt_dirs: list[Path], eval_batches: int) -> list[dict[str, Any]]:
+    """The validation loss of every chain of one checkpoint per stage (2 stages: every stage-0 replica with every
+    stage-1 replica), computed here with the stages' own modules: the pipeline sends a micro-batch through any
+    replica of each stage, so how far these differ shows how far apart averaging left the replicas."""
+    import itertools
+
+    import torch
+    import torch.nn.functional as F
+
+    from peer.state.checkpoint import load_checkpoint
+    from trainer.stream import val_set
+    from trainer.tokenizer import load_tokenizer
+    from trainer.worker import StageWorker
+
+    val = val_set(run.data, load_tokenizer(run.data), run.model.block_size, run.data.batch_size, eval_batches)
+    per_stage: list[list[tuple[str, int, StageWorker]]] = [[] for _ in range(run.n_stages)]
+    for d in ckpt_dirs:
+        for stage in range(run.n_stages):
+            state = load_checkpoint(d, run, stage)
+            if state is not None:
+                worker = StageWorker(run, stage)
+                worker.load_state_dict(state)
+                name = d.parent.name if d.name == "ckpt" else d.name  # a swarm peer's folder holds ckpt/
+                per_stage[stage].append((name, int(state.get("local_step", -1)), worker.model.eval()))
+    out = []
+    for chain in itertools.product(*per_stage):
+        with torch.no_grad():
+            losses = []
+            for x, y in val:
+                h = x
+                for _, _, model in chain:
+                    h = model(h)
+                losses.append(F.cross_entropy(h.flatten(0, 1), y.flatten()).item())
+        out.append({"chain": [f"{name}@{step}" for name, step, _ in chain], "val_loss": sum(losses) / len(losses)})
+    return out
+
+
 def export_hf(run_file: Path, ckpt_dirs: list[str], out: Path) -> None:
     from peer.cli import main as cli
 
@@ -430,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         result["training"] = figures(trained, args.budget_s)
         result["training"]["summaries"] = trained["summaries"]
         best = best_checkpoints(trained["ckpt_dirs"], run)
+        result["training"]["replica_pairs"] = replica_pairs(run, trained["ckpt_dirs"], args.eval_batches)
         logger.info("checkpoints (stage: step): %s; the swarm evaluates at them", {s: v[1] for s, v in best.items()})
         ev = evaluate_at_checkpoints(run_file, run, best, workdir / "eval", args)
         export_hf(run_file, ev["ckpt_dirs"], workdir / "hf")
