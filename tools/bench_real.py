@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("bench_real")
 REPO = Path(__file__).resolve().parent.parent
 SKIP = ("site-packages", "dist-packages", "__pycache__")
+INTERRUPTED = 130  # what the CLI returns on Ctrl-C or SIGTERM: the tool stops too (no result file for a cut run)
 
 
 # ----- data, tokenizer, run file ----------------------------------------------------------------------------------
@@ -104,7 +105,10 @@ def train_tokenizer(source: str, vocab_size: int, out: Path) -> int:
     from peer.cli import main as cli
     from trainer.sources import tokenizer_vocab_size
 
-    if cli(["tokenizer", "--data", source, "--vocab-size", str(vocab_size), "--out", str(out)]) != 0:
+    code = cli(["tokenizer", "--data", source, "--vocab-size", str(vocab_size), "--out", str(out)])
+    if code == INTERRUPTED:
+        raise KeyboardInterrupt("asyncmesh-peer tokenizer")
+    if code != 0:
         raise RuntimeError(f"asyncmesh-peer tokenizer failed on {source}")
     return tokenizer_vocab_size(out)
 
@@ -302,8 +306,10 @@ def replica_pairs(run: RunConfig, ckpt_dirs: list[Path], eval_batches: int) -> l
 def export_hf(run_file: Path, ckpt_dirs: list[str], out: Path) -> None:
     from peer.cli import main as cli
 
-    if cli(["export", "--run", str(run_file), "--checkpoint-dir", *ckpt_dirs, "--format", "hf",
-            "--out", str(out)]) != 0:
+    code = cli(["export", "--run", str(run_file), "--checkpoint-dir", *ckpt_dirs, "--format", "hf", "--out", str(out)])
+    if code == INTERRUPTED:
+        raise KeyboardInterrupt("asyncmesh-peer export")
+    if code != 0:
         raise RuntimeError(f"asyncmesh-peer export --format hf failed ({ckpt_dirs})")
 
 
