@@ -185,12 +185,13 @@ class Swarm:
         for p in self.peers:
             s = p.status() or {}
             own, tree = tree_rss_mb(p.proc.pid)
-            mem_est = {k: v for k, v in s.items() if "memory" in k}  # the peer's own estimate, where it reports one
+            memory = s.get("memory") or {}  # the peer's own estimate (peer.budget), where its /status has one
+            est = memory.get("estimate_bytes") if isinstance(memory, dict) else None
             rows.append({"peer": p.name, "stage": p.info["stage"], "state": s.get("state"),
                          "local_step": s.get("local_step"), "tokens_total": s.get("tokens_total"),
                          "tokens_per_s": s.get("tokens_per_s"), "val_loss": s.get("val_loss"),
                          "n_val": len(s.get("val_loss_history") or []), "rss_mb": own, "tree_rss_mb": tree,
-                         **({"memory_estimate": mem_est} if mem_est else {})})
+                         "estimate_mb": est / 2**20 if isinstance(est, (int, float)) else None})
         return {"t": round(time.monotonic() - t0, 2), "loadavg": list(os.getloadavg()), "peers": rows}
 
     def close(self) -> None:
@@ -359,7 +360,7 @@ def figures(trained: dict[str, Any], budget_s: float) -> dict[str, Any]:
                       "tokens_per_s": (((row["tokens_total"] or 0) - (start["tokens_total"] or 0)) / window
                                        if window > 0 else None),
                       "rss_mb_max": max(rss), "rss_mb_last": rss[-1], "tree_rss_mb_max": max(tree),
-                      "memory_estimate": row.get("memory_estimate")})
+                      "estimate_mb": row.get("estimate_mb")})
     curve, seen = [], {}
     for s in samples:
         for r in s["peers"]:
