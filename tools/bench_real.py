@@ -174,10 +174,12 @@ class Swarm:
             self.spawn(i, initial, max_steps=max_steps.get(self.stages[i], 0))
 
     def wait_training(self, peers: list[PeerProcess]) -> None:
+        """Every peer of ``peers`` training; a stage-0 peer also with a completed micro-batch."""
         for p in peers:
-            p.wait_status(lambda s, p=p: s.get("state") == "training" and (p.info["stage"] != 0 or
-                                                                            s.get("tokens_total", 0) > 0),
-                          self.args.start_timeout_s, "training state")
+            def ready(s: dict[str, Any], p: PeerProcess = p) -> bool:
+                return s.get("state") == "training" and (p.info["stage"] != 0 or s.get("tokens_total", 0) > 0)
+
+            p.wait_status(ready, self.args.start_timeout_s, "training state")
 
     def sample(self, t0: float) -> dict[str, Any]:
         """Every peer's figures now (None for a peer that does not answer)."""
@@ -257,7 +259,8 @@ def transformers_val_loss(hf_dir: Path, run: RunConfig, eval_batches: int) -> di
 
     tok = load_tokenizer(run.data)
     val = val_set(run.data, tok, run.model.block_size, run.data.batch_size, eval_batches)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    model.eval()
     hf_tok = AutoTokenizer.from_pretrained(hf_dir)
     text = next(t for i, t in documents(run.data) if doc_role(i, run.data) == VAL)[:4000]
     with torch.no_grad():
@@ -282,7 +285,7 @@ def replica_pairs(run: RunConfig, ckpt_dirs: list[Path], eval_batches: int) -> l
     from trainer.worker import StageWorker
 
     val = val_set(run.data, load_tokenizer(run.data), run.model.block_size, run.data.batch_size, eval_batches)
-    per_stage: list[list[tuple[str, int, StageWorker]]] = [[] for _ in range(run.n_stages)]
+    per_stage: list[list[tuple[str, int, torch.nn.Module]]] = [[] for _ in range(run.n_stages)]
     for d in ckpt_dirs:
         for stage in range(run.n_stages):
             state = load_checkpoint(d, run, stage)
@@ -361,7 +364,8 @@ def figures(trained: dict[str, Any], budget_s: float) -> dict[str, Any]:
                                        if window > 0 else None),
                       "rss_mb_max": max(rss), "rss_mb_last": rss[-1], "tree_rss_mb_max": max(tree),
                       "estimate_mb": row.get("estimate_mb")})
-    curve, seen = [], {}
+    curve: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
     for s in samples:
         for r in s["peers"]:
             if r["stage"] == 0 and r["val_loss"] is not None and r["n_val"] != seen.get(r["peer"]):
