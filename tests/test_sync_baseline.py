@@ -40,7 +40,7 @@ def test_the_simulators_fullsync_and_the_daemons_sync_worker_use_the_same_optimi
     assert run.optim == fullsync_optim(RUN.optim, 4, optimizer="nadam", lr=2e-3)
     worker = StageWorker(RUN, 0, auto_step=False, optim=fullsync_optim(RUN.optim, 4))
     group = worker.optimizer.param_groups[0]
-    # beta1 0.9 on every stage: without stashing the run's stage-dependent beta1 (0.99 at stage 0) used to apply
+    # beta1 0.9 on every stage, not the run's no-stashing stage-dependent beta1 (0.99 at stage 0)
     assert type(worker.optimizer).__name__ == "AdamW" and group["betas"][0] == 0.9
     assert worker.state_dict()["run_id"] == RUN.run_id  # the run (and its id) stay the swarm's
     with pytest.raises(ValueError):
