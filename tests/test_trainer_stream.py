@@ -3,6 +3,7 @@ code, disjoint deterministic shards, a fixed held-out validation set, and a data
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -19,6 +20,7 @@ from trainer.stream import (
     documents,
     open_dataset,
     sequences,
+    shuffled,
     val_set,
 )
 from trainer.tokenizer import ByteTokenizer, MissingExtra
@@ -76,18 +78,20 @@ def test_shards_are_disjoint_cover_the_training_documents_and_hold_out_validatio
     assert val_docs and all(roles[d] == VAL for d in val_docs)
 
 
-def test_a_stream_resumed_from_its_position_continues_exactly(jsonl):
-    cfg = DataConfig(source=str(jsonl), shards=2)
+@pytest.mark.parametrize("window", [1, 7, 1024])
+@pytest.mark.parametrize("stop_after", [5, 7])
+def test_a_stream_resumed_from_its_position_continues_exactly(jsonl, window, stop_after):
+    cfg = DataConfig(source=str(jsonl), shards=2, shuffle_window=window)
     whole = ShardStream(cfg, ByteTokenizer(), 31, 3, DataPosition(shard=1))
-    batches = [whole.next() for _ in range(20)]  # more than one epoch of the shard
-    assert whole.position().epoch >= 1
+    batches = [whole.next() for _ in range(40)]  # more than one epoch of the shard (60 sequences)
+    assert whole.position().sequences == 120 and (window == 1024 or whole.position().epoch >= 1)
     first = ShardStream(cfg, ByteTokenizer(), 31, 3, DataPosition(shard=1))
-    for _ in range(5):
+    for _ in range(stop_after):  # 15 sequences: inside a window of 7; 21: at a window's end
         first.next()
     saved = DataPosition.from_dict(first.position_dict())
     first.close()
     again = ShardStream(cfg, ByteTokenizer(), 31, 3, saved)
-    for want in batches[5:]:
+    for want in batches[stop_after:]:
         x, y = again.next()
         assert torch.equal(x, want[0]) and torch.equal(y, want[1])
     for s in (whole, again):
@@ -108,7 +112,7 @@ def test_a_position_inside_a_long_document_is_a_few_integers(tmp_path):
         first.next()
     saved = first.position_dict()
     first.close()
-    assert saved["offset"] > 0 and set(saved) == {"shard", "doc", "offset", "sequences", "epoch"}
+    assert set(saved) == {"shard", "doc", "offset", "sequences", "epoch", "taken"}
     again = ShardStream(cfg, ByteTokenizer(), 63, 2, DataPosition.from_dict(saved))
     assert all(torch.equal(again.next()[0], x) for x, _ in want[7:])
     again.close()
@@ -167,3 +171,24 @@ def test_join_checks_a_streamed_source_before_starting(tmp_path, jsonl):
     check_data(run, None)
     with pytest.raises(UserError, match="does not exist"):
         check_data(run, str(tmp_path / "missing.jsonl"))
+
+
+def test_a_window_hands_out_each_of_its_sequences_once_in_a_seeded_order(tmp_path):
+    # long documents: read in order, each would fill many consecutive sequences
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc{i:03d} " * 40}) + "\n" for i in range(40)))
+    cfg = DataConfig(source=str(path), shards=1, val_fraction=0.01, shuffle_window=32)
+    in_order = [seq for seq, _ in itertools.islice(sequences(cfg, ByteTokenizer(), 31, DataPosition(shard=0), 0), 96)]
+    mixed = [seq for seq, _ in itertools.islice(shuffled(cfg, ByteTokenizer(), 31, DataPosition(shard=0), 0), 96)]
+    for w in range(3):  # each window is a permutation of the same stretch read in order
+        got, want = mixed[32 * w : 32 * (w + 1)], in_order[32 * w : 32 * (w + 1)]
+        assert sorted(got) == sorted(want) and got != want
+
+    def docs(seqs):
+        return [{w for w in bytes(t for t in s if t).decode().split() if len(w) == 6} for s in seqs]
+
+    # four consecutive sequences (one micro-batch) come from more documents than read in order
+    span = [len(set().union(*docs(seqs[i : i + 4]))) for seqs in (in_order, mixed) for i in range(0, 96, 4)]
+    assert sum(span[24:]) > 1.5 * sum(span[:24])
+    again = [seq for seq, _ in itertools.islice(shuffled(cfg, ByteTokenizer(), 31, DataPosition(shard=0), 0), 96)]
+    assert again == mixed  # deterministic

@@ -328,6 +328,10 @@ class DataConfig:
     shards: int = 16
     """Streamed sources: the training documents are dealt into this many disjoint shards; each stage-0 peer reads
     one (see trainer/stream.py)."""
+    shuffle_window: int = 1024
+    """Streamed sources: a shard's sequences are taken in windows of this many consecutive ones and handed out in a
+    seeded random order within each window, so a micro-batch mixes documents instead of walking through one long
+    file; the validation set is drawn the same way from the held-out documents. 1: in order."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -338,6 +342,8 @@ class DataConfig:
             raise ValueError("data.max_bytes and data.bin_vocab_size must be >= 0")
         if self.shards < 1:
             raise ValueError(f"data.shards must be >= 1, got {self.shards}")
+        if self.shuffle_window < 1:
+            raise ValueError(f"data.shuffle_window must be >= 1 (1 reads in order), got {self.shuffle_window}")
         if not self.text_field or not self.split:
             raise ValueError("data.text_field and data.split must not be empty")
         if self.tokenizer_sha256 and not self.tokenizer:
@@ -356,7 +362,7 @@ class DataConfig:
         return is_streamed_source(self.source) or bool(self.tokenizer)
 
 
-NEW_DATA_FIELDS = ("tokenizer_sha256", "eot_token", "hf_config", "split", "text_field", "shards")
+NEW_DATA_FIELDS = ("tokenizer_sha256", "eot_token", "hf_config", "split", "text_field", "shards", "shuffle_window")
 """DataConfig fields newer than the run ids in use: left out of the canonical form while at their defaults."""
 
 

@@ -7,11 +7,17 @@ of ``data.shards`` training shards. The validation set is the first sequences of
 every peer. A stage-0 peer reads one shard (which one: ``peer.pipeline.shards``), so two peers on different shards
 never read the same document; a shard is read in order and starts again at its end (the next epoch).
 
-**The data position** (``DataPosition``) says exactly how far a shard was read: the document and token where the next
-sequence starts, the sequences handed out and the epoch (a few integers: a document is tokenized again on resume).
-``ShardStream`` resumes from one, so a restarted peer continues its shard where its checkpoint says it stopped. A
-background thread reads and tokenizes ahead; the position returned is that of the last batch handed out, not of the
-read-ahead.
+**Shuffled windows.** Read in order, a long document fills dozens of consecutive micro-batches: the model chases
+that one file and its validation loss rises while its training loss falls. So the sequences of a shard are taken in
+windows of ``data.shuffle_window`` consecutive ones and handed out in a random order within each window, seeded by
+the window's start (``shuffled``); the validation set is the start of the held-out documents' first window, drawn
+the same way, so it spans many documents.
+
+**The data position** (``DataPosition``) says exactly how far a shard was read: the document and token where the
+current window starts, how many of its sequences were handed out, the sequences handed out in all and the epoch (a
+few integers: a window is read and tokenized again on resume). ``ShardStream`` resumes from one, so a restarted peer
+continues its shard where its checkpoint says it stopped. A background thread reads and tokenizes ahead; the
+position returned is that of the last batch handed out, not of the read-ahead.
 """
 
 from __future__ import annotations
@@ -45,12 +51,16 @@ class DataPosition:
 
     shard: int
     doc: int = 0
-    """Index in the source's order of the document holding the first token of the next sequence."""
+    """Index in the source's order of the document holding the first token of the current window (in order: of the
+    next sequence)."""
     offset: int = 0
     """That token's index in the document's tokens (its end-of-text id counted last)."""
     sequences: int = 0
     """Sequences handed out from this shard since its first epoch."""
     epoch: int = 0
+    """The epoch of the window's first sequence."""
+    taken: int = 0
+    """Sequences of the current window already handed out."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,10 +69,10 @@ class DataPosition:
     def from_dict(cls, d: dict[str, Any]) -> DataPosition:
         try:
             pos = cls(shard=int(d["shard"]), doc=int(d["doc"]), offset=int(d["offset"]),
-                      sequences=int(d["sequences"]), epoch=int(d["epoch"]))
+                      sequences=int(d["sequences"]), epoch=int(d["epoch"]), taken=int(d.get("taken", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"a saved data position is malformed ({e!r})") from e
-        if min(pos.shard, pos.doc, pos.offset, pos.sequences, pos.epoch) < 0:
+        if min(pos.shard, pos.doc, pos.offset, pos.sequences, pos.epoch, pos.taken) < 0:
             raise DataError(f"a saved data position has negative fields: {d}")
         return pos
 
@@ -132,9 +142,9 @@ def _rows(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, role: int,
               ) -> Iterator[tuple[list[int], DataPosition]]:
     """Sequences of ``seq_len + 1`` tokens of the documents of ``role`` (a shard, or VAL) joined with the end-of-text
-    id, each with the position right after it; endless for a shard (epochs), one pass for VAL. The tokens left at the
-    end of a pass (fewer than one sequence) are dropped."""
-    pos, n = DataPosition(**pos.to_dict()), seq_len + 1
+    id, in order, each with the position right after it; endless for a shard (epochs), one pass for VAL. The tokens
+    left at the end of a pass (fewer than one sequence) are dropped. ``pos.taken`` is ignored."""
+    pos, n = DataPosition(**{**pos.to_dict(), "taken": 0}), seq_len + 1
     while True:
         found, pass_start = False, (pos.doc, pos.offset)
         segments: deque[tuple[int, int, list[int]]] = deque()  # (doc, offset of its first token, tokens) not cut yet
@@ -168,12 +178,55 @@ def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, 
         pos.doc, pos.offset, pos.epoch = 0, 0, pos.epoch + 1
 
 
+def _window_order(role: int, start: DataPosition, size: int) -> np.ndarray:
+    """The order in which a window of ``size`` sequences starting at ``start`` is handed out (the same everywhere)."""
+    key = f"asyncmesh-window/{role}/{start.epoch}/{start.doc}/{start.offset}".encode()
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return np.random.default_rng(seed).permutation(size)
+
+
+def shuffled(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, role: int, window: int | None = None,
+             ) -> Iterator[tuple[list[int], DataPosition]]:
+    """``sequences`` in windows of ``window`` (default ``cfg.shuffle_window``), each handed out in its seeded order,
+    with the position after each sequence (``taken`` of the window handed out; a full window moves the start on)."""
+    size = window or cfg.shuffle_window
+    start = DataPosition(**pos.to_dict())
+    skip = start.taken
+    inner = sequences(cfg, tok, seq_len, start, role)
+    while True:
+        window: list[list[int]] = []
+        after = start  # the position after the window's last sequence
+        for seq, pos_after in inner:
+            window.append(seq)
+            after = pos_after
+            if len(window) == size:
+                break
+        if not window:
+            return
+        if skip > len(window):
+            raise DataError(f"a saved data position is past the end of its window ({skip} of {len(window)} "
+                            "sequences taken): it belongs to another source or shuffle_window; delete the peer's "
+                            "checkpoint folder's data position to start the shard afresh")
+        order = _window_order(role, start, len(window))
+        for k in range(skip, len(window)):
+            full = k + 1 == len(window)
+            here = DataPosition(shard=start.shard, doc=after.doc if full else start.doc,
+                                offset=after.offset if full else start.offset,
+                                sequences=start.sequences + k + 1, epoch=after.epoch if full else start.epoch,
+                                taken=0 if full else k + 1)
+            yield window[order[k]], here
+        if len(window) < size:  # a one-pass source (VAL) ended
+            return
+        start, skip = DataPosition(**{**after.to_dict(), "sequences": start.sequences + len(window)}), 0
+
+
 def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: int,
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed validation set: the first n batches of sequences of the held-out documents, the same everywhere."""
+    """The fixed validation set: n batches drawn (``shuffled``) from the first 16 x as many sequences of the held-out
+    documents, so from many documents; the same everywhere."""
     need = n * batch_size
     rows = []
-    for seq, _ in sequences(cfg, tok, seq_len, DataPosition(shard=VAL), VAL):
+    for seq, _ in shuffled(cfg, tok, seq_len, DataPosition(shard=VAL), VAL, min(cfg.shuffle_window, 16 * need)):
         rows.append(seq)
         if len(rows) >= need:
             break
@@ -209,7 +262,7 @@ class ShardStream:
     def _read(self) -> None:
         try:
             rows: list[list[int]] = []
-            for seq, pos in sequences(self.cfg, self.tok, self.seq_len, self._pos, self._pos.shard):
+            for seq, pos in shuffled(self.cfg, self.tok, self.seq_len, self._pos, self._pos.shard):
                 if self._stop.is_set():
                     return
                 rows.append(seq)
