@@ -27,23 +27,13 @@ from typing import Any
 import torch
 
 from trainer.config import RunConfig
+from trainer.tokenizer import import_hf
 
-HF_EXTRA = "pip install 'asyncmesh[hf]'"
 META = "asyncmesh.json"
 
 
-class MissingExtra(ImportError):
-    """transformers / tokenizers / huggingface_hub are not installed; the message says how to install them."""
-
-
 def _require(module: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise MissingExtra(f"the Hugging Face format needs the {module.split('.')[0]} package, which is not "
-                           f"installed: {HF_EXTRA}") from e
+    return import_hf(module, "the Hugging Face format")
 
 
 def quiet() -> None:

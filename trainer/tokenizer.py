@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from trainer.config import DataConfig, RunConfig
 
 BYTE_EOT_ID = 0
+HF_EXTRA = "pip install 'asyncmesh[hf]'"
 DEFAULT_EOT = "<|endoftext|>"
 
 
@@ -31,7 +32,7 @@ def import_hf(name: str, why: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise MissingExtra(f"{why} needs the '{name}' package: pip install 'asyncmesh[hf]'") from e
+        raise MissingExtra(f"{why} needs the '{name}' package: {HF_EXTRA}") from e
 
 
 class Tokenizer(Protocol):

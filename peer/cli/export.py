@@ -115,7 +115,8 @@ def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, st
     out = Path(args.out)
     with user_input(f"--out {args.out}"), atomic_folder(out) as tmp:
         if args.format == "hf":
-            from trainer.hf import MissingExtra, quiet, save_hf
+            from trainer.hf import quiet, save_hf
+            from trainer.tokenizer import MissingExtra
 
             try:
                 quiet()
@@ -149,7 +150,8 @@ def _check_format(args: argparse.Namespace, run_cfg: Any) -> None:
         return
     import importlib.util
 
-    from trainer.hf import HF_EXTRA, is_byte_level, run_tokenizer
+    from trainer.hf import is_byte_level, run_tokenizer
+    from trainer.tokenizer import HF_EXTRA
 
     if args.tokenizer is None:
         args.tokenizer = run_tokenizer(run_cfg)  # the run's own data.tokenizer, when it names one

@@ -8,20 +8,26 @@ new token, sends the context through stage 0, 1, ..., K-1 with the forward-only 
 last stage's logits (``peer.pipeline.remote``); no model is downloaded and nothing is trained. Sampling is the same
 function either way (``trainer.export.next_token``), so equal logits and an equal ``--seed`` give an equal sample.
 
-The embedded runs read text as bytes (vocabulary 256), so the prompt is encoded as UTF-8 bytes and the sample decoded
-the same way (invalid sequences shown as U+FFFD). Models trained on pre-tokenized ``.bin`` shards have no tokenizer
-in a safetensors export and are refused with a message; export them with ``--format hf --tokenizer FILE`` instead.
+Text is encoded with the model's tokenizer: a Hugging Face folder's own, the run's ``data.tokenizer`` through a live
+swarm, UTF-8 bytes for byte-level runs (invalid sequences shown as U+FFFD). Models trained on pre-tokenized ``.bin``
+shards have no tokenizer in a safetensors export and are refused with a message; export them with
+``--format hf --tokenizer FILE`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.errors import UserError, user_input
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.config import RunConfig
+    from trainer.tokenizer import Tokenizer
 
 HELP = "Sample text from an exported model, or through a live swarm's pipeline (forward only)."
 EPILOG = """examples:
@@ -65,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--prompt must not be empty")
     gen = torch.Generator(device=args.device if args.model else "cpu")
     gen.manual_seed(args.seed if args.seed is not None else torch.seed())
-    prompt = list(args.prompt.encode("utf-8"))
     if args.initial_peers:
-        return _live(args, prompt, gen)
+        return _live(args, gen)
+    prompt = list(args.prompt.encode("utf-8"))
 
     from trainer.export import CONFIG, WEIGHTS, load_model, sample
     from trainer.hf import is_hf_folder
@@ -88,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
     """Sample a Hugging Face folder through transformers, with its own tokenizer."""
     from trainer.export import sample
-    from trainer.hf import MissingExtra, load_hf, quiet
+    from trainer.hf import load_hf, quiet
+    from trainer.tokenizer import MissingExtra
 
     try:
         quiet()
@@ -105,18 +112,28 @@ def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
     return 0
 
 
-def _live(args: argparse.Namespace, prompt: list[int], gen: Any) -> int:
-    """Generate through the swarm at ``--initial-peers``, printing each byte as it comes."""
+def _live(args: argparse.Namespace, gen: Any) -> int:
+    """Generate through the swarm at ``--initial-peers``, printing the text as it comes."""
     import uvloop
 
     from peer.cli.checks import check_multiaddrs
     from trainer.config import RunConfig
+    from trainer.tokenizer import MissingExtra, load_tokenizer
 
     with user_input(f"--run {args.run}" if args.run else ""):
         run_cfg = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
-    if run_cfg.model.vocab_size != 256 or run_cfg.data.bin_vocab_size != 0:
-        raise UserError(f"run {run_cfg.name!r} reads pre-tokenized data; generate only encodes text for byte-level "
-                        "runs (vocabulary 256)")
+    if run_cfg.data.bin_vocab_size != 0:
+        raise UserError(f"run {run_cfg.name!r} reads pre-tokenized .bin shards and names no tokenizer, so a text "
+                        "prompt cannot be encoded for it: export the model with `asyncmesh-peer export --format hf "
+                        "--tokenizer FILE` and generate from that folder with --model")
+    try:
+        with user_input(f"--run {args.run}: data.tokenizer {run_cfg.data.tokenizer}"):
+            tok = load_tokenizer(run_cfg.data)
+    except MissingExtra as e:
+        raise UserError(str(e)) from None
+    prompt = tok.encode_batch([args.prompt])[0]
+    if not prompt:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no token with the run's tokenizer")
     if run_cfg.access.mode == "closed":
         raise UserError(f"run {run_cfg.name!r} is closed: its peers serve only admitted peers; export the model from "
                         "their checkpoints (asyncmesh-peer export --checkpoint-dir) and generate with --model")
@@ -127,10 +144,28 @@ def _live(args: argparse.Namespace, prompt: list[int], gen: Any) -> int:
         raise UserError(f"--codec {args.codec}: the peers reply in one of {', '.join(infer_codecs(run_cfg))}")
     if args.timeout <= 0:
         raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
-    return uvloop.run(_generate(args, run_cfg, prompt, gen))
+    return uvloop.run(_generate(args, run_cfg, tok, prompt, gen))
 
 
-async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], gen: Any) -> int:
+class _TextOut:
+    """Writes a growing token sequence as text: each call prints what the new tokens added, holding back a
+    trailing incomplete character (U+FFFD) until the tokens that complete it arrive."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids, self.shown = tok, list[int](), 0
+
+    def add(self, ids: list[int], *, final: bool = False) -> None:
+        self.ids += ids
+        text = self.tok.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        if end > self.shown:
+            sys.stdout.write(text[self.shown : end])
+            sys.stdout.flush()
+            self.shown = end
+
+
+async def _generate(args: argparse.Namespace, run_cfg: RunConfig, tok: Tokenizer, prompt: list[int],
+                    gen: torch.Generator) -> int:
     import asyncio
 
     from hivemind import DHT
@@ -148,7 +183,7 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
     except Exception as e:  # a bad multiaddr or an unreachable bootstrap peer
         raise UserError(f"could not join the DHT through {' '.join(args.initial_peers)}: {e}. Check the "
                         "multiaddrs (copy them from a running peer's log) and that the peer is reachable") from e
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = _TextOut(tok)
     written = False
     try:
         p2p = await dht.replicate_p2p()
@@ -165,15 +200,15 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
                 print(f"asyncmesh-peer generate: stage {stage}: not using {', '.join(map(short_id, excluded))}: "
                       "the stage's other replicas do not vouch for its state", file=sys.stderr)
         ids, t0 = list(prompt), time.monotonic()
-        sys.stdout.write(decoder.decode(bytes(prompt)))
+        out.add(prompt)
         written = True
         for _ in range(args.max_new_tokens):
             logits = await pipe.next_logits(ids)
             token = int(next_token(logits, temperature=args.temperature, top_k=args.top_k, generator=gen))
             ids.append(token)
-            sys.stdout.write(decoder.decode(bytes([token])))
-            sys.stdout.flush()
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+            out.add([token])
+        out.add([], final=True)
+        sys.stdout.write("\n")
         n = len(ids) - len(prompt)
         if n:
             took = time.monotonic() - t0
@@ -183,7 +218,8 @@ async def _generate(args: argparse.Namespace, run_cfg: Any, prompt: list[int], g
         return 0
     except UserError:
         if written:  # what was generated so far stays on stdout
-            sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+            out.add([], final=True)
+            sys.stdout.write("\n")
             sys.stdout.flush()
         raise
     finally:
