@@ -94,6 +94,7 @@ def test_a_stream_resumed_from_its_position_continues_exactly(jsonl, window, sto
     for want in batches[stop_after:]:
         x, y = again.next()
         assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+    assert again.position() == whole.position()  # the count of sequences handed out too
     for s in (whole, again):
         s.close()
     with pytest.raises(DataError, match="malformed"):

@@ -190,8 +190,8 @@ def shuffled(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, r
     """``sequences`` in windows of ``window`` (default ``cfg.shuffle_window``), each handed out in its seeded order,
     with the position after each sequence (``taken`` of the window handed out; a full window moves the start on)."""
     size = window or cfg.shuffle_window
-    start = DataPosition(**pos.to_dict())
-    skip = start.taken
+    skip = pos.taken
+    start = DataPosition(**{**pos.to_dict(), "sequences": pos.sequences - skip, "taken": 0})  # the window's start
     inner = sequences(cfg, tok, seq_len, start, role)
     while True:
         window: list[list[int]] = []
