@@ -8,15 +8,19 @@ import hashlib
 import json
 from pathlib import Path
 
-STREAM_SUFFIXES = (".jsonl", ".parquet")
-"""Local files always streamed as documents (.txt too once the run names a tokenizer)."""
+HUB_PREFIX = "hf:"
+"""``data.source = "hf:NAME"`` streams the Hugging Face dataset NAME."""
+DOCUMENT_FILES = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+"""Local files read as documents through ``datasets``: suffix -> the ``datasets`` builder that reads them."""
+STREAM_SUFFIXES = tuple(suffix for suffix in DOCUMENT_FILES if suffix != ".txt")
+"""Local files always streamed as documents (.txt too once the run names a tokenizer; else it is read as bytes)."""
 
 
 def is_streamed_source(source: str) -> bool:
     """A hub dataset, a glob, or .jsonl/.parquet files (a file, or a folder holding some)."""
     if source == "stdlib":
         return False
-    return source.startswith("hf:") or any(c in source for c in "*?[") or source.endswith(STREAM_SUFFIXES) or (
+    return source.startswith(HUB_PREFIX) or any(c in source for c in "*?[") or source.endswith(STREAM_SUFFIXES) or (
         Path(source).expanduser().is_dir() and any(
             p.suffix in STREAM_SUFFIXES for p in Path(source).expanduser().rglob("*")))
 

@@ -37,9 +37,9 @@ import torch
 
 from trainer.config import DataConfig
 from trainer.data import DataError
+from trainer.sources import DOCUMENT_FILES, HUB_PREFIX
 from trainer.tokenizer import Tokenizer, import_hf
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 READ_AHEAD = 8  # batches the reading thread keeps ready
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for the reading thread to notice
 VAL = -1
@@ -92,25 +92,25 @@ def local_files(source: str) -> tuple[str, list[str]]:
     if any(c in source for c in "*?["):
         files = sorted(glob.glob(str(root), recursive=True))
     elif root.is_dir():
-        files = sorted(str(p) for p in root.rglob("*") if p.suffix in BUILDERS)
+        files = sorted(str(p) for p in root.rglob("*") if p.suffix in DOCUMENT_FILES)
     elif root.is_file():
         files = [str(root)]
     else:
         raise DataError(f"data source {source} does not exist; pass a file, a folder or a glob of .txt, .jsonl or "
                         ".parquet files, or hf:NAME for a Hugging Face dataset")
     kinds = {Path(f).suffix for f in files}
-    if not files or not kinds <= set(BUILDERS):
+    if not files or not kinds <= set(DOCUMENT_FILES):
         raise DataError(f"data source {source} must hold .txt, .jsonl or .parquet files (found {sorted(kinds)})")
     if len(kinds) > 1:
         raise DataError(f"data source {source} mixes {sorted(kinds)} files; put each kind in its own folder")
-    return BUILDERS[kinds.pop()], files
+    return DOCUMENT_FILES[kinds.pop()], files
 
 
 def open_dataset(cfg: DataConfig) -> Any:
     """The source as a ``datasets`` streaming IterableDataset, in its fixed order."""
     datasets = import_hf("datasets", f"data.source {cfg.source!r}")
-    if cfg.source.startswith("hf:"):
-        name = cfg.source[3:]
+    if cfg.source.startswith(HUB_PREFIX):
+        name = cfg.source.removeprefix(HUB_PREFIX)
         try:
             return datasets.load_dataset(name, cfg.hf_config or None, split=cfg.split, streaming=True)
         except Exception as e:  # the hub client raises many types (missing dataset, no network, bad config)

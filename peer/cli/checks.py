@@ -58,12 +58,13 @@ def check_data(run: RunConfig, data_path: str | None) -> None:
     flag = "--data" if data_path is not None else f"the run's data.source {cfg.source!r}"
     try:
         if cfg.streamed:  # opened by the stage-0 driver; here: the files exist and the packages and tokenizer load
+            from trainer.sources import HUB_PREFIX
             from trainer.stream import local_files
             from trainer.tokenizer import import_hf, load_tokenizer
 
             import_hf("datasets", f"data.source {cfg.source!r}")
             load_tokenizer(cfg)
-            if not cfg.source.startswith("hf:"):
+            if not cfg.source.startswith(HUB_PREFIX):
                 local_files(cfg.source)
         else:
             load_corpus(cfg, run.model.vocab_size)
