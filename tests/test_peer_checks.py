@@ -101,13 +101,13 @@ def test_a_busy_metrics_port_is_one_line(tmp_path):
     assert r.returncode == 2 and "is in use" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_peer_of_another_run_is_refused_and_exits_non_zero(swarm, tmp_path):  # noqa: F811
     other = tmp_path / "other.toml"
     other.write_text(TINY_RUN.read_text().replace("seed = 0", "seed = 1"))
     a = swarm.start("a", stage="0")
     b = swarm.start("b", stage="1", initial=a.wait_maddrs()[:1], run=other)
-    code = b.wait_exit(60)
+    code = b.wait_exit(180)  # two peers' start-up (torch, the DHT) on a loaded machine: well under on an idle one
     mine, theirs = RunConfig.from_toml(other).run_id, RunConfig.from_toml(TINY_RUN).run_id
     log = b.log()
     assert code != 0, log[-2000:]
