@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on a uint64 array (wrapping integer arithmetic)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 _CHUNK = 1 << 22  # elements per vectorised pass: bounds the temporaries to a few tens of MiB
@@ -101,7 +103,8 @@ def _inverse_walk(ys: np.ndarray, bounds: np.ndarray, masks: np.ndarray, shifts:
         left, right = y >> sh, y & m
         for k in reversed(keys):
             left, right = right ^ (_mix64(left ^ k) & m), left
-        return (left << sh) | right
+        out: np.ndarray = (left << sh) | right
+        return out
 
     x = inverse(ys, masks, shifts, round_keys)
     walk = np.flatnonzero(x >= bounds)
@@ -334,7 +337,7 @@ class SparseAveragingState:
         then = self._copy(flat) if self.rule.drift else None  # the values returned are the caller's
         applied = part.gather(self.applied) if self.applied else None
         self.snapshots[round_no] = _Snapshot(part, then, applied)
-        return list(flat.split(part.sizes))
+        return list(torch.split(flat, part.sizes))
 
     def abort(self, round_no: int) -> None:
         """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
@@ -385,10 +388,10 @@ class SparseAveragingState:
         if new_ema is not None:
             part.scatter(self.ema, new_ema)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"ema": [e.clone() for e in self.ema]}
 
-    def load_state_dict(self, d: dict) -> None:
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         ema = d["ema"]
         if len(ema) != len(self.ema) or any(a.shape != b.shape for a, b in zip(ema, self.ema, strict=True)):
             raise ValueError("averaging state does not match this stage's parameters (different run or stage?)")

@@ -510,7 +510,7 @@ class RunConfig:
         kwargs: dict[str, Any] = {}
         for key, value in sections.items():
             current = getattr(self, key)
-            if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            if dataclasses.is_dataclass(current) and not isinstance(current, type) and isinstance(value, dict):
                 kwargs[key] = dataclasses.replace(current, **value)
             else:
                 kwargs[key] = value

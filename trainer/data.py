@@ -25,6 +25,7 @@ import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,6 +178,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int) -> Corpus:
     if cfg.streamed:
         raise DataError(f"data.source {cfg.source!r} is streamed as documents (trainer/stream.py), which only "
                         "stage-0 peers read; the simulator reads token arrays: use 'stdlib', text or .bin shards")
+    suffixes: tuple[str, ...]
     if cfg.source == "stdlib":
         root, suffixes = stdlib_root(), (".py",)
     else:
@@ -232,11 +234,11 @@ class BatchStream:
         """The stream's position: the batches drawn and the generator's state (``resume`` continues from it)."""
         return {"batches": self.batches, "rng": self.rng.bit_generator.state}
 
-    def resume(self, position: dict[str, object]) -> None:
+    def resume(self, position: dict[str, Any]) -> None:
         """Continue from a ``position_dict`` of a stream of the same key; a malformed one raises DataError."""
         try:
             self.rng.bit_generator.state = position["rng"]
-            self.batches = int(position["batches"])  # type: ignore[call-overload]
+            self.batches = int(position["batches"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"a saved data position is malformed ({e!r})") from e
 

@@ -147,7 +147,9 @@ def sample(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max
         raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
     if block_size is None or device is None:
         assert isinstance(model, torch.nn.Module)
-        block_size = model.cfg.block_size if block_size is None else block_size
+        cfg = model.cfg
+        assert isinstance(cfg, ModelConfig), "a model given without block_size is one of ours, with its ModelConfig"
+        block_size = cfg.block_size if block_size is None else block_size
         device = next(model.parameters()).device if device is None else device
     idx = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
     for _ in range(max_new_tokens):

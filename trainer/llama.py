@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.config import ModelConfig, RunConfig, stage_layer_ranges
-from trainer.model import StageModule, param_seed, shift_layer
+from trainer.model import StageBase, param_seed, shift_layer
 
 LAYERS = "model.layers"
 """Prefix of the transformer blocks' names; stage-local indices after it become global ones in the full model."""
@@ -73,7 +73,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)  # [B, nh, T, hs]
             v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)  # [B, nh, T, hs]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
+        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
+        return out
 
 
 class MLP(nn.Module):
@@ -84,7 +85,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=False)  # residual projection (scaled init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, F] -> [B, T, C]
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, F] -> [B, T, C]
+        return out
 
 
 class Block(nn.Module):
@@ -99,7 +101,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)  # [B, T, C]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, C]
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))  # [B, T, C]
+        return out
 
 
 class _Trunk(nn.Module):
@@ -129,10 +132,12 @@ def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: in
         p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
 
-class Stage(nn.Module):
-    """One pipeline stage of the Llama; the same contract as trainer.model.StageModule (forward, loss)."""
+class Stage(StageBase):
+    """One pipeline stage of the Llama; the contract of trainer.model.StageBase, as StageModule (forward, loss)."""
 
-    loss = staticmethod(StageModule.loss)
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """Rotary tables [block_size, hs], registered as non-persistent buffers."""
 
     def __init__(self, run: RunConfig, stage: int, seed: int | None = None) -> None:
         super().__init__()

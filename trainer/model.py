@@ -52,7 +52,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
-        return self.resid_dropout(self.c_proj(y))  # [B, T, C]
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))  # [B, T, C]
+        return out
 
 
 class MLP(nn.Module):
@@ -64,7 +65,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.c_fc(x))  # [B, T, 4C]
-        return self.dropout(self.c_proj(h))  # [B, T, C]
+        out: torch.Tensor = self.dropout(self.c_proj(h))  # [B, T, C]
+        return out
 
 
 class Block(nn.Module):
@@ -79,7 +81,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # [B, T, C]
-        return x + self.mlp(self.ln_2(x))  # [B, T, C]
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))  # [B, T, C]
+        return out
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -137,10 +140,21 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]
         for block in self.blocks:
             x = block(x)  # [B, T, C]
-        return self.lm_head(self.ln_f(x))  # [B, T, vocab]
+        logits: torch.Tensor = self.lm_head(self.ln_f(x))  # [B, T, vocab]
+        return logits
 
 
-class StageModule(nn.Module):
+class StageBase(nn.Module):
+    """What every architecture's stage module is (``Stage`` in its module): ``forward`` from the stage's input to its
+    output, and ``loss``, the mean token cross-entropy of the last stage's logits, shared by every architecture."""
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of logits [B, T, vocab] against targets [B, T]."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class StageModule(StageBase):
     """One pipeline stage: blocks ``stage_layer_ranges(run)[stage]``, plus embeddings (first) / norm+head (last).
 
     ``forward`` maps the stage's input to its output: tokens [B, T] (first stage) or activations [B, T, C] to
@@ -185,11 +199,6 @@ class StageModule(nn.Module):
             x = self.lm_head(self.ln_f(x[:, -1:] if last_only else x))  # [B, T or 1, vocab]
         return x
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of logits [B, T, vocab] against targets [B, T]."""
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
 
 LAYERS = "blocks"
 """Prefix of the transformer blocks' names; stage-local indices after it become global ones in the full model."""
@@ -203,14 +212,16 @@ def arch_module(arch: str) -> ModuleType:
     return importlib.import_module(ARCHITECTURES[arch])
 
 
-def build_stage(run: RunConfig, stage: int, seed: int | None = None) -> nn.Module:
+def build_stage(run: RunConfig, stage: int, seed: int | None = None) -> StageBase:
     """The stage's module of the run's architecture with the run's seeded init (``seed`` overrides ``run.seed``)."""
-    return arch_module(run.model.arch).Stage(run, stage, seed)
+    module: StageBase = arch_module(run.model.arch).Stage(run, stage, seed)
+    return module
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
     """The whole model of ``cfg.arch``: forward(tokens [B, T]) -> logits [B, T, vocab], the full model's names."""
-    return arch_module(cfg.arch).Model(cfg, seed)
+    model: nn.Module = arch_module(cfg.arch).Model(cfg, seed)
+    return model
 
 
 def build_gpt(run: RunConfig, seed: int | None = None) -> nn.Module:

@@ -50,7 +50,7 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, stage: int, n_stages: int
+    params: Iterable[torch.Tensor], cfg: OptimConfig, stage: int, n_stages: int
 ) -> torch.optim.Optimizer:
     """The stage's optimiser over all its trainable parameters; the caller sets the scheduled lr before each step."""
     params = [p for p in params if p.requires_grad]
@@ -71,11 +71,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Clip this stage's gradient norm to ``max_norm`` (0 disables); returns the norm before clipping."""
-    grads = [p for p in params if p.grad is not None]
-    if not grads:
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
         return 0.0
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in grads]))
+        return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in with_grad if p.grad is not None]))

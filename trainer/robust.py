@@ -83,7 +83,8 @@ def coordinate_median(xs: torch.Tensor) -> torch.Tensor:
 
 
 def _row_norms(z: torch.Tensor) -> torch.Tensor:
-    return z.reshape(z.shape[0], -1).norm(dim=1)
+    norms: torch.Tensor = z.reshape(z.shape[0], -1).norm(dim=1)
+    return norms
 
 
 def clip_radius(xs: torch.Tensor, start: torch.Tensor, scale: float) -> float:

@@ -61,7 +61,8 @@ def basis(seed: int, n_embd: int, rank: int) -> torch.Tensor:
     digest = hashlib.sha256(f"asyncmesh-subspace/{seed}/{n_embd}/{rank}".encode()).digest()
     gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     q, r = torch.linalg.qr(torch.randn(n_embd, rank, generator=gen, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).to(torch.float32).contiguous()  # sign-fixed: unique for the draw
+    u: torch.Tensor = q * torch.sign(torch.diagonal(r))  # sign-fixed: unique for the draw
+    return u.to(torch.float32).contiguous()
 
 
 class Subspace:

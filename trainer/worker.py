@@ -44,6 +44,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 from torch.func import functional_call
@@ -141,7 +142,7 @@ class StageWorker:
         self.subspace = Subspace(run, device=self.device) if run.compression.subspace else None
         self._keep_in_subspace()
         self._names = [n for n, _ in self.model.named_parameters()]
-        self._params = list(self.model.parameters())
+        self._params: list[torch.Tensor] = list(self.model.parameters())
         self.optim = optim if optim is not None else run.optim
         self.optimizer = build_optimizer(self._params, self.optim, stage, run.n_stages)
         self.local_step = 0
@@ -188,7 +189,7 @@ class StageWorker:
         return self.subspace is not None and not self.is_last
 
     def _keep_in_subspace(self) -> None:
-        if self.constrained:
+        if self.constrained and self.subspace is not None:
             self.subspace.project_(self.model)
 
     def _amp(self) -> torch.autocast:
@@ -241,7 +242,7 @@ class StageWorker:
         x = self._check_input(x)
         rng = self._save_rng()
         with torch.no_grad(), self._amp():
-            y = self.model(x)  # [B, T, C]
+            y: torch.Tensor = self.model(x)  # [B, T, C]
         self._pending[mb_id] = _Pending(x, self.version, self._epoch, rng)
         self._refs[self._epoch] += 1
         return y.float()
@@ -339,6 +340,11 @@ class StageWorker:
         if self.auto_step and self.accumulated >= self.optim.accumulate:
             self.optimizer_step()
 
+    @overload
+    def evaluate(self, x: torch.Tensor, targets: None = None, *, last_only: bool = False) -> torch.Tensor: ...
+    @overload
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor, *, last_only: bool = False) -> torch.Tensor | float: ...
+
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None = None, *,
                  last_only: bool = False) -> torch.Tensor | float:
@@ -350,8 +356,9 @@ class StageWorker:
         try:
             with self._amp():
                 if last_only and self.is_last:
-                    return self.model(x, last_only=True)[:, -1].float()
-                out = self.model(x).float()
+                    logits: torch.Tensor = self.model(x, last_only=True)
+                    return logits[:, -1].float()
+                out: torch.Tensor = self.model(x).float()
         finally:
             self.model.train()
         if self.is_last and targets is not None:
@@ -364,7 +371,7 @@ class StageWorker:
 
         A non-finite gradient norm skips the step (counted in ``steps_skipped``) so the weights stay intact.
         """
-        if self.constrained:
+        if self.constrained and self.subspace is not None:
             self.subspace.project_grads_(self.model)
         norm = clip_grad_norm(self._params, self.optim.grad_clip)
         self.last_grad_norm = norm
@@ -425,7 +432,7 @@ class StageWorker:
         self._avg().abort(round_no)
 
     # --- state ------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Weights, optimiser state, averaging EMA state and counters (copies; pending micro-batches excluded)."""
         return {
             "format": STATE_FORMAT,
@@ -440,7 +447,7 @@ class StageWorker:
             "steps_skipped": self.steps_skipped,
         }
 
-    def load_state_dict(self, d: dict) -> None:
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore a state_dict of the same run and stage; pending micro-batches stay pending, and with stashing
         their backward runs at the weights their forward used (stashed here), then adds into the loaded state.
 
@@ -463,7 +470,7 @@ class StageWorker:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _check_state(self, d: dict) -> None:
+    def _check_state(self, d: dict[str, Any]) -> None:
         if not isinstance(d, dict):
             raise TypeError(f"state must be a dict from StageWorker.state_dict(), got {type(d).__name__}")
         missing = {"format", "run_id", "stage", "model", "optimizer", "averaging", "local_step", "accumulated",

@@ -31,12 +31,29 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from trainer.config import OptimConfig, RunConfig
 
 #: the synchronous baseline's beta1 for each optimiser it may use: AdamW's usual 0.9 (the papers' GPipe baseline),
 #: NAdam's 0.99 (the asynchronous methods' look-ahead, for a sweep that gives the baseline every chance)
 FULLSYNC_BETA1 = {"adamw": 0.9, "nadam": 0.99}
+
+
+class SimKnobs(Protocol):
+    """The simulation knobs a method's ``configure`` reads (the simulator's SimConfig provides them; a Protocol so
+    this module need not import the simulator, which imports it)."""
+
+    @property
+    def micro_batches(self) -> int: ...
+    @property
+    def accumulate(self) -> int: ...
+    @property
+    def fraction(self) -> float: ...
+    @property
+    def sync_optimizer(self) -> str: ...
+    @property
+    def sync_lr(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,7 @@ class MethodSpec:
     name: str
     schedule: str
     combine: str
-    configure: Callable[[RunConfig, object], RunConfig]
+    configure: Callable[[RunConfig, SimKnobs], RunConfig]
     summary: str
     rule: str = "none"
     """The averaging rule of 'avg' methods (trainer/rules.py), whose flags say what the simulator does with it."""
@@ -76,35 +93,35 @@ def fullsync_optim(optim: OptimConfig, micro_batches: int, *, optimizer: str = "
                                warmup_steps=optim.warmup_steps // m, total_steps=max(1, optim.total_steps // m))
 
 
-def _fullsync(run: RunConfig, sim) -> RunConfig:
+def _fullsync(run: RunConfig, sim: SimKnobs) -> RunConfig:
     optim = fullsync_optim(run.optim, sim.micro_batches, optimizer=sim.sync_optimizer, lr=sim.sync_lr)
     return run.replace(optim=optim, averaging={"rule": "none"})
 
 
-def _naive(run: RunConfig, sim) -> RunConfig:
+def _naive(run: RunConfig, sim: SimKnobs) -> RunConfig:
     return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=False, accumulate=1,
                           nows_beta1_first=0.9, nows_beta1_last=0.9)
 
 
-def _asyncpp(run: RunConfig, sim) -> RunConfig:
+def _asyncpp(run: RunConfig, sim: SimKnobs) -> RunConfig:
     return _pipeline_only(run, optimizer="nadam", beta1=0.99, weight_stashing=True, accumulate=1)
 
 
-def _asyncpp_nows(run: RunConfig, sim) -> RunConfig:
+def _asyncpp_nows(run: RunConfig, sim: SimKnobs) -> RunConfig:
     return _pipeline_only(run, optimizer="nadam", weight_stashing=False, accumulate=1,
                           nows_beta1_first=0.99, nows_beta1_last=0.9)
 
 
-def _sparse(rule: str, *, full: bool = False) -> Callable[[RunConfig, object], RunConfig]:
-    def configure(run: RunConfig, sim) -> RunConfig:
+def _sparse(rule: str, *, full: bool = False) -> Callable[[RunConfig, SimKnobs], RunConfig]:
+    def configure(run: RunConfig, sim: SimKnobs) -> RunConfig:
         run = run.replace(optim={"optimizer": "nadam", "beta1": 0.99, "weight_stashing": True, "accumulate": 1})
         # the cadence (round_steps) is the base run's, as the daemon runs it; full-avg averages everything each step
-        avg: dict = {"rule": rule, "fraction": 1.0 if full else sim.fraction}
+        avg: dict[str, Any] = {"rule": rule, "fraction": 1.0 if full else sim.fraction}
         return run.replace(averaging=avg | ({"round_steps": 1} if full else {}))
     return configure
 
 
-def _accum(run: RunConfig, sim) -> RunConfig:
+def _accum(run: RunConfig, sim: SimKnobs) -> RunConfig:
     a = sim.accumulate
     return _pipeline_only(run, optimizer="adamw", beta1=0.9, weight_stashing=True, accumulate=a,
                           warmup_steps=run.optim.warmup_steps // a, total_steps=max(1, run.optim.total_steps // a))

@@ -77,7 +77,8 @@ def with_overrides(sim: SimConfig, *, stages: int | None = None, replicas: int |
                    byzantine: int | None = None, attack: str | None = None,
                    aggregator: str | None = None) -> SimConfig:
     """Apply command-line overrides; the schedule length follows ``steps`` and the layer count the stages."""
-    run, kw = sim.run, {}
+    run = sim.run
+    kw: dict[str, Any] = {}  # SimConfig fields to replace (the dataclass checks them)
     if stages is not None:
         run = run.replace(n_stages=stages, model={"n_layer": max(run.model.n_layer, stages)})
     if steps is not None:

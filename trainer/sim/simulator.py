@@ -55,7 +55,7 @@ import torch
 from trainer.aggregate import OUTLIER_FACTOR, OUTLIER_RMS, robust_combine
 from trainer.attacks import ATTACKS, byzantine_part
 from trainer.config import RunConfig
-from trainer.data import BatchStream, corpus_identity, load_corpus, shard_seed, val_batches
+from trainer.data import BatchStream, Corpus, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.rules import rule_of, wagma_members
 from trainer.sim.methods import METHODS, MethodSpec
 from trainer.worker import StageWorker, use_tf32_on_gpu
@@ -214,7 +214,8 @@ def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class _Run:
     """One method's simulation state: the R x K workers, the data streams and the curve."""
 
-    def __init__(self, sim: SimConfig, spec: MethodSpec, tau: int, corpus, val: list) -> None:
+    def __init__(self, sim: SimConfig, spec: MethodSpec, tau: int, corpus: Corpus,
+                 val: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.sim, self.spec, self.tau = sim, spec, tau
         self.run = spec.configure(sim.run, _Knobs(sim, tau))
         self.rule = rule_of(self.run.averaging)
@@ -235,7 +236,8 @@ class _Run:
         self.trained: list[int] = []  # async schedule: micro-batches each replica has read
         self.losses: list[float] = []
         self.curve: list[dict[str, float]] = []
-        self.fifo: list[list] = [[] for _ in range(self.K)]  # per stage: (apply at step, round, means, group sizes)
+        # per stage: (apply at step, round, each replica's means)
+        self.fifo: list[list[tuple[int, int, list[list[torch.Tensor]]]]] = [[] for _ in range(self.K)]
         self.rounds = [0] * self.K
         self.seen_steps = [0] * self.K
         self.last_begun = [0] * self.K  # local step of the stage's last round begin
@@ -321,7 +323,7 @@ class _Run:
         else:
             self.fifo[s].append((step + tau, rn, means))
 
-    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list) -> None:
+    def _finish(self, s: int, ws: list[StageWorker], rn: int, means: list[list[torch.Tensor]]) -> None:
         for w, m in zip(ws, means, strict=True):
             w.averaging_finish(rn, m)
         self.rounds_applied += 1
@@ -370,8 +372,8 @@ class _Run:
         try:
             return self._val_loss(0)
         finally:
-            for s, ps in enumerate(saved):
-                for p, v in zip(self.w[0][s].parameters(), ps, strict=True):
+            for s, copies in enumerate(saved):
+                for p, v in zip(self.w[0][s].parameters(), copies, strict=True):
                     p.copy_(v)
 
     def _val_loss(self, r: int) -> float:
@@ -406,7 +408,8 @@ class _Run:
         self.trained = [0] * self.R
         outs: list[list[Any]] = [[None] * K for _ in range(self.R)]  # stage s's output of the previous tick
         targets: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]
-        held: list[dict[int, Any]] = [{} for _ in range(self.R)]  # last stage's input gradients, held E ticks
+        # the last stage's input gradients, held E ticks
+        held: list[dict[int, torch.Tensor | None]] = [{} for _ in range(self.R)]
         T = 0
         while any(clock[r] < quota[r] + K - 1 + E for r in range(self.R)):
             for r in range(self.R):
@@ -437,6 +440,7 @@ class _Run:
                 if back >= 0:  # backward sweep of micro-batch ``back``: stage s's forward ran K - 1 - s + E ticks ago
                     grad = held[r].pop(back)
                     for s in range(K - 2, -1, -1):
+                        assert grad is not None  # stage 0, the only one to return None, is the last to run
                         grad = w[s].backward(back, self.grad(grad))
             self.after_backward_sweep()
             if T < N:
@@ -459,14 +463,15 @@ class _Run:
                     loss, grad = w[K - 1].forward_loss(mb, h, y)
                     self.losses.append(loss)
                     for s in range(K - 2, -1, -1):
+                        assert grad is not None  # stage 0, the only one to return None, is the last to run
                         grad = w[s].backward(mb, self.grad(grad))
             for s in range(K):  # flush: mean over replicas of the micro-batch mean, then one step
                 ws = [self.w[r][s] for r in range(self.R)]
                 per = [w.grads() for w in ws]
                 mean = [torch.stack(gs).sum(0) / (self.R * M) for gs in zip(*per, strict=True)]
-                for w in ws:
-                    w.set_grads(mean)
-                    w.optimizer_step()
+                for worker in ws:
+                    worker.set_grads(mean)
+                    worker.optimizer_step()
             before = self.consumed
             self.consumed += M
             if self.consumed // self.sim.eval_every > before // self.sim.eval_every and self.consumed < self.sim.steps:

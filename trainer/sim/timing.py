@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -34,7 +34,16 @@ logger = logging.getLogger(__name__)
 LATENCIES_MS = (10, 50, 100)
 DEFAULT_LATENCY_MS = 50.0
 DEFAULT_BANDWIDTH = 100e6 / 8  # 100 Mbit/s in bytes/s
-GPU_LIKE = {
+class _StatedMesh(TypedDict):
+    what: str
+    fwd_s: float
+    bwd_s: float
+    params: int
+    activation_bytes: int
+    bandwidth: float
+
+
+GPU_LIKE: _StatedMesh = {
     "what": "AsyncMesh base model (163M params, 8 x 1024 tokens per micro-batch) on A10G-class GPUs, stated",
     "fwd_s": 0.043, "bwd_s": 0.087, "params": 163_000_000, "activation_bytes": 8 * 1024 * 768,
     "bandwidth": 1e9 / 8,
@@ -83,6 +92,7 @@ def measure_stage_times(run: RunConfig, *, repeats: int = 12, warmup: int = 2,
         bwd[-1].append(max(0.0, clock() - t0 - f_last))
         for s in range(k - 2, -1, -1):
             t0 = clock()
+            assert g is not None  # stage 0, the only one to return None, is the last to run
             g = workers[s].backward(i, g)
             bwd[s].append(clock() - t0)
 

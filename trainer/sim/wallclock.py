@@ -25,6 +25,7 @@ replicas is played as its ``2 (R - 1)`` chained transfers of ``bytes / R`` on th
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -32,6 +33,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +160,7 @@ class Stage:
                 duration, on_done = (self.bwd if kind == "b" else self.fwd).popleft()
                 self.busy = True
                 self.busy_s += duration
-                self.loop.at(self.loop.now + duration, lambda d=on_done: self._finish(d))
+                self.loop.at(self.loop.now + duration, functools.partial(self._finish, on_done))
                 return
 
     def _finish(self, on_done: Callable[[], None]) -> None:
@@ -181,6 +183,13 @@ def _ring_allreduce(loop: EventLoop, link: Link, nbytes: float, n: int, on_done:
             link.send(nbytes / n, lambda: step(i + 1))
 
     step(0)
+
+
+class _StepCounts(TypedDict):
+    """One synchronous step's progress: forwards through the last stage, backwards done per stage."""
+
+    fwd_last: int
+    bwd: list[int]
 
 
 def _steady_slope(times: list[float]) -> float:
@@ -210,11 +219,11 @@ def simulate_sync(mesh: MeshTiming, *, micro_batches: int, steps: int = 4,
 
     def start_step() -> None:
         state["stages_done"] = 0
-        counts = {"fwd_last": 0, "bwd": [0] * k}
+        counts = _StepCounts(fwd_last=0, bwd=[0] * k)
         for mb in range(m):
             forward(0, mb, counts)
 
-    def forward(s: int, mb: int, counts: dict) -> None:
+    def forward(s: int, mb: int, counts: _StepCounts) -> None:
         def done() -> None:
             if s + 1 < k:
                 down[s].send(mesh.activation_bytes, lambda: forward(s + 1, mb, counts))
@@ -225,7 +234,7 @@ def simulate_sync(mesh: MeshTiming, *, micro_batches: int, steps: int = 4,
                     backward(k - 1, j, counts)
         stages[s].submit("f", mesh.fwd_s[s], done)
 
-    def backward(s: int, mb: int, counts: dict) -> None:
+    def backward(s: int, mb: int, counts: _StepCounts) -> None:
         def done() -> None:
             counts["bwd"][s] += 1
             if s > 0:
@@ -312,8 +321,9 @@ def simulate_async(mesh: MeshTiming, *, inflight: int, microbatches: int | None 
 
     def round_done(s: int) -> None:
         pending[s] -= 1
-        if blocked_since[s] is not None:
-            stall[s] += loop.now - blocked_since[s]
+        since = blocked_since[s]
+        if since is not None:
+            stall[s] += loop.now - since
             blocked_since[s] = None
         stages[s].kick()
 
