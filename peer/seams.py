@@ -8,7 +8,7 @@ hivemind's ``P2P`` and ``DHT``) or by a ``Protocol`` where a test or a second im
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from protocol.messages import Message
@@ -16,8 +16,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: run ``fn(worker)`` on the compute thread and return its result
-WorkerCall = Callable[[Callable[["StageWorker"], T]], Awaitable[T]]
+
+class WorkerCall(Protocol):
+    """Run ``fn(worker)`` on the compute thread and return its result (whatever ``fn`` returns): a Protocol, as one
+    callable serves every ``T``."""
+
+    def __call__(self, fn: Callable[[StageWorker], T], /) -> Awaitable[T]: ...
+
+
 #: run ``fn(*args)`` on the compute thread and return its result
 Compute = Callable[..., Awaitable[Any]]
 #: send ``msg`` to RPC ``name`` of peer ``peer_id`` (keyword ``timeout`` in seconds) and return the reply

@@ -399,12 +399,14 @@ class Transport(Protocol):
 class RpcTransport:
     """``Transport`` over this module: handlers on a ``HandlerTable``, calls through ``call`` with its limits."""
 
-    def __init__(self, p2p: P2P, rpc_server: HandlerTable, limits: RpcLimits | None = None) -> None:
+    def __init__(self, p2p: P2P, rpc_server: HandlerTable | None, limits: RpcLimits | None = None) -> None:
         self.p2p, self.rpc_server = p2p, rpc_server
         self.limits = limits if limits is not None else getattr(rpc_server, "limits", None) or RpcLimits()
         self.count = getattr(rpc_server, "count", None)  # the server's traffic counter counts our calls too
 
     async def add_handler(self, name: str, fn: Handler) -> None:
+        if self.rpc_server is None:
+            raise RuntimeError(f"cannot serve {name!r}: this RpcTransport was made without a HandlerTable (it calls)")
         await self.rpc_server.add_handler(name, fn)
 
     async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from peer.state.codec import (
+    StateAssembler,
     StateFormatError,
-    assemble,
     check_against_reference,
     flatten_state,
     plan_pieces,
@@ -43,7 +43,7 @@ def _same(a, b) -> bool:
 def _transfer(state, chunk_bytes=1024, limit=2**30):
     skeleton, tensors = flatten_state(state)
     plan = plan_pieces(tensors, chunk_bytes)
-    builder = assemble(skeleton, plan.piece_bytes, limit)
+    builder = StateAssembler(skeleton, plan.piece_bytes, limit)
     for chunk in plan.chunks:
         used = sum(length * tensors[i].element_size() for i, _, length in chunk)
         assert used <= chunk_bytes
@@ -65,7 +65,7 @@ def test_missing_or_repeated_or_misplaced_piece_is_refused():
     state = _state()
     skeleton, tensors = flatten_state(state)
     plan = plan_pieces(tensors, 1024)
-    builder = assemble(skeleton, plan.piece_bytes, 2**30)
+    builder = StateAssembler(skeleton, plan.piece_bytes, 2**30)
     pieces = [p for chunk in plan.chunks for p in chunk]
     for idx, offset, length in pieces[:-1]:
         builder.put(idx, offset, tensors[idx].reshape(-1)[offset:offset + length].clone())
@@ -98,15 +98,15 @@ def test_malformed_skeleton_is_refused(mutate, match):
     doc = json.loads(skeleton)
     mutate(doc)
     with pytest.raises(StateFormatError, match=match):
-        assemble(json.dumps(doc), 1024, 2**30)
+        StateAssembler(json.dumps(doc), 1024, 2**30)
 
 
 def test_deeply_nested_skeleton_and_non_json_are_refused():
     deep = '{"format":1,"specs":[],"tree":' + '{"l":[' * 100_000 + ']}' * 100_000 + "}"
     with pytest.raises(StateFormatError):
-        assemble(deep, 1024, 2**30)
+        StateAssembler(deep, 1024, 2**30)
     with pytest.raises(StateFormatError, match="JSON"):
-        assemble("{not json", 1024, 2**30)
+        StateAssembler("{not json", 1024, 2**30)
 
 
 def test_unsupported_values_are_refused_when_flattening():
@@ -131,7 +131,7 @@ def test_many_small_tensors_are_spread_so_no_chunk_exceeds_the_piece_limit():
     plan = plan_pieces(tensors, 4 * 2**20, max_pieces=1024)
     assert [len(c) for c in plan.chunks] == [1024, 1024, 452]
     skeleton, _ = flatten_state({"steps": tensors})
-    builder = assemble(skeleton, plan.piece_bytes, 2**30)
+    builder = StateAssembler(skeleton, plan.piece_bytes, 2**30)
     for chunk in plan.chunks:
         for idx, offset, length in chunk:
             builder.put(idx, offset, tensors[idx].reshape(-1)[offset:offset + length].clone())

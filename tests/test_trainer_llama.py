@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.state.codec import assemble, check_against_reference, flatten_state, plan_pieces
+from peer.state.codec import StateAssembler, check_against_reference, flatten_state, plan_pieces
 from trainer.config import ARCHITECTURES, ModelConfig, RunConfig
 from trainer.model import build_model, build_stage
 from trainer.worker import StageWorker
@@ -153,7 +153,7 @@ def test_state_codec_round_trip_loads_into_a_fresh_worker():
         state = src.state_dict()
         skeleton, tensors = flatten_state(state)
         plan = plan_pieces(tensors, 4096)
-        builder = assemble(skeleton, plan.piece_bytes, 2**30)
+        builder = StateAssembler(skeleton, plan.piece_bytes, 2**30)
         for chunk in plan.chunks:
             for idx, offset, length in chunk:
                 builder.put(idx, offset, tensors[idx].reshape(-1)[offset:offset + length].clone())

@@ -149,7 +149,8 @@ def load_checkpoint(directory: str | Path, run: RunConfig, stage: int) -> dict[s
             f"Move it back to {checkpoint_path(directory, payload['stage']).name} or delete it."
         )
     logger.info("checkpoint loaded: %s (stage %d, step %d)", path, stage, payload["step"])
-    return payload["state"]
+    state: dict[str, Any] = payload["state"]  # a dict: _read checked it
+    return state
 
 
 def checkpoint_stages(directory: str | Path, run: RunConfig) -> list[int]:

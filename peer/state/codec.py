@@ -3,17 +3,18 @@
 ``flatten_state`` turns a worker's nested ``state_dict()`` (dicts with str or int keys, lists, tuples, numbers,
 strings, None, tensors) into a JSON skeleton, in which every container is tagged (so int keys, tuples and lists survive
 the round trip exactly) and every tensor is replaced by its index, plus the list of tensors. ``plan_pieces`` cuts each
-tensor into pieces of ``piece_bytes`` and packs them into chunks. The receiving side (``assemble``) checks everything
-against the skeleton before it allocates or copies: dtypes the wire carries, sane shapes, a bounded total, every
-piece at an expected offset, received exactly once, none missing. No pickle is involved: a donor is a stranger.
+tensor into pieces of ``piece_bytes`` and packs them into chunks. The receiving side (``StateAssembler``) checks
+everything against the skeleton before it allocates or copies: dtypes the wire carries, sane shapes, a bounded total,
+every piece at an expected offset, received exactly once, none missing. No pickle is involved: a donor is a stranger.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -25,16 +26,23 @@ MAX_SKELETON_CHARS = 16 * 2**20
 MAX_PIECES_PER_CHUNK = 1024
 _PRIMITIVES = (str, int, float, bool, type(None))
 
+Json: TypeAlias = str | int | float | bool | None | list["Json"] | dict[str, "Json"]
+"""A JSON value: the skeleton as ``json`` reads and writes it."""
+StateTree: TypeAlias = (torch.Tensor | str | int | float | bool | None | list["StateTree"] | tuple["StateTree", ...]
+                        | dict[Any, "StateTree"])
+"""A nested state as the skeleton carries it: tensors, primitives, lists, tuples, and dicts whose keys are primitives
+(typed Any so that a state dict, ``dict[str, Any]``, is one)."""
+
 
 class StateFormatError(ValueError):
     """A received state (skeleton, pieces or result) is malformed or does not fit this stage."""
 
 
-def flatten_state(state: Any) -> tuple[str, list[torch.Tensor]]:
+def flatten_state(state: object) -> tuple[str, list[torch.Tensor]]:
     """(skeleton JSON, tensors in skeleton order). TypeError for values that cannot be carried."""
     tensors: list[torch.Tensor] = []
 
-    def enc(x: Any) -> Any:
+    def enc(x: object) -> Json:
         if isinstance(x, torch.Tensor):
             tensors.append(x.detach().cpu())
             return {"T": len(tensors) - 1}
@@ -89,7 +97,7 @@ def plan_pieces(tensors: list[torch.Tensor], chunk_bytes: int, max_pieces: int =
     return Plan(piece_bytes=chunk_bytes, chunks=chunks)
 
 
-class assemble:  # noqa: N801 - used like a function returning a builder
+class StateAssembler:
     """Receiving side: validates a skeleton, then accepts pieces; ``finish()`` returns the nested state."""
 
     def __init__(self, skeleton: str, piece_bytes: int, limit_bytes: int) -> None:
@@ -117,7 +125,7 @@ class assemble:  # noqa: N801 - used like a function returning a builder
             self.shapes.append(shape)
         if total > limit_bytes:
             raise StateFormatError(f"state of {total} bytes exceeds the limit of {limit_bytes}")
-        self.tree = doc.get("tree")
+        self.tree: Json = doc.get("tree")
         used: set[int] = set()
         try:
             self._check_tree(self.tree, used)
@@ -129,7 +137,7 @@ class assemble:  # noqa: N801 - used like a function returning a builder
         self.buffers: dict[int, torch.Tensor] = {}
         self.received: set[tuple[int, int]] = set()
 
-    def _check_tree(self, x: Any, used: set[int]) -> None:
+    def _check_tree(self, x: Json, used: set[int]) -> None:
         if isinstance(x, _PRIMITIVES):
             return
         if not isinstance(x, dict) or len(x) != 1:
@@ -176,9 +184,9 @@ class assemble:  # noqa: N801 - used like a function returning a builder
         buf[offset:offset + length] = piece
         self.received.add((idx, offset))
 
-    def finish(self) -> Any:
+    def finish(self) -> StateTree:
         """The nested state; StateFormatError when pieces are missing."""
-        tensors = []
+        tensors: list[torch.Tensor] = []
         for idx, shape in enumerate(self.shapes):
             numel = math.prod(shape)
             expected = math.ceil(numel / _piece_elems(self.dtypes[idx], self.piece_bytes))
@@ -190,24 +198,33 @@ class assemble:  # noqa: N801 - used like a function returning a builder
         return _decode_tree(self.tree, tensors)
 
 
-def _decode_tree(x: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(x, _PRIMITIVES):
+def _decode_tree(x: Json, tensors: list[torch.Tensor]) -> StateTree:
+    # the asserts restate what the skeleton's check established: primitives and tagged containers only
+    if not isinstance(x, dict):
+        assert not isinstance(x, list)
         return x
     (tag, value), = x.items()
     if tag == "T":
+        assert isinstance(value, int)
         return tensors[value]
+    assert isinstance(value, list)
     if tag == "d":
-        return {k: _decode_tree(v, tensors) for k, v in value}
+        entries: dict[Any, StateTree] = {}
+        for entry in value:
+            assert isinstance(entry, list)
+            k, v = entry
+            entries[k] = _decode_tree(v, tensors)
+        return entries
     items = [_decode_tree(v, tensors) for v in value]
     return items if tag == "l" else tuple(items)
 
 
-def unflatten_state(skeleton: str, tensors: list[torch.Tensor]) -> Any:
+def unflatten_state(skeleton: str, tensors: list[torch.Tensor]) -> StateTree:
     """Inverse of flatten_state for trusted, local input (tests, tools)."""
     return _decode_tree(json.loads(skeleton)["tree"], tensors)
 
 
-def check_against_reference(state: Any, reference: dict) -> None:
+def check_against_reference(state: object, reference: Mapping[str, Any]) -> None:
     """The received state must be a dict of the same run and stage with the reference's parameter names/shapes."""
     if not isinstance(state, dict):
         raise StateFormatError(f"state is a {type(state).__name__}, not a dict")

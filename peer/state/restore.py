@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from peer.membership.records import PeerRecord
     from peer.ops.metrics import PeerMetrics
+    from peer.seams import Compute
     from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Restored:
     state: dict[str, Any] | None
 
 
-def _step_of(state: Any) -> int:
+def _step_of(state: object) -> int:
     step = state.get("local_step", -1) if isinstance(state, dict) else -1
     return int(step) if isinstance(step, int) else -1
 
@@ -64,7 +65,7 @@ def _step_of(state: Any) -> int:
 async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                         refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
                         metrics: PeerMetrics, reference: dict[str, Any],
-                        checkpoint_dir: Path | None, io: Callable[..., Any], timeout_s: float,
+                        checkpoint_dir: Path | None, io: Compute, timeout_s: float,
                         donor_wait_s: float = DONOR_WAIT_S, spare: SpareStore | None = None,
                         trusted: Callable[[], list[str]] | None = None) -> Restored:
     """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
@@ -148,7 +149,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
 
 async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], p2p: P2P,
                        metrics: PeerMetrics, reference: dict[str, Any], spare: SpareStore | None,
-                       io: Callable[..., Any], floor: int, timeout_s: float,
+                       io: Compute, floor: int, timeout_s: float,
                        ahead_of_donor: bool = False, trusted: list[str] | None = None) -> Restored | None:
     """The most advanced copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's
     delivered state) that its witnesses vouch for, or None. ahead_of_donor: a donor delivered (only the log line

@@ -57,7 +57,7 @@ def spare_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"{PREFIX}{stage}.pt"
 
 
-def _step_of(state: Any) -> int:
+def _step_of(state: object) -> int:
     step = state.get("local_step", -1) if isinstance(state, dict) else -1
     return int(step) if isinstance(step, int) and not isinstance(step, bool) else -1
 
@@ -131,7 +131,8 @@ class SpareStore:
             if self.directory is None:
                 return self._state
             try:
-                return _read(spare_path(self.directory, stage), self.run, stage)["state"]
+                state: dict[str, Any] = _read(spare_path(self.directory, stage), self.run, stage)["state"]  # checked
+                return state
             except CheckpointError as e:
                 logger.warning("%s", e)
                 return None
@@ -148,7 +149,8 @@ def _read(path: Path, run: RunConfig, stage: int, *, mmap: bool = False) -> dict
           and isinstance(payload.get("taken_at"), float))
     if not ok:
         raise CheckpointError(f"{path} is not a neighbour copy of stage {stage} of this run; it is ignored")
-    return payload
+    checked: dict[str, Any] = payload
+    return checked
 
 
 def adopt_checkpoint(spares: SpareStore, directory: Path | None, run: RunConfig, stage: int) -> SpareInfo | None:

@@ -44,8 +44,8 @@ from peer.seams import WorkerCall
 from peer.state.codec import (
     MAX_SKELETON_CHARS,
     Plan,
+    StateAssembler,
     StateFormatError,
-    assemble,
     check_against_reference,
     flatten_state,
     plan_pieces,
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from peer.membership.records import PeerRecord
     from peer.ops.metrics import PeerMetrics
     from peer.state.spare import SpareStore
+    from protocol.envelope import TensorEnvelope
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class StateSyncConfig:
             raise ValueError("witnesses must be >= 0, witness_timeout_s and tensor_tolerance positive")
 
 
-Vet = Callable[[Transport, str, dict, int], Awaitable[bool]]
+Vet = Callable[[Transport, str, dict[str, Any], int], Awaitable[bool]]
 """``vet(transport, donor, state, limit)``: whether a delivered state may be loaded."""
 
 
@@ -268,7 +269,8 @@ class StateServer:
 
     async def _take(self, stage: int | None = None) -> _Snapshot | None:
         if stage is None or stage == self.stage:
-            state = await asyncio.wait_for(self.worker_call(lambda w: w.state_dict()), self.config.worker_timeout_s)
+            state: dict[str, Any] | None = await asyncio.wait_for(self.worker_call(lambda w: w.state_dict()),
+                                                                  self.config.worker_timeout_s)
         else:  # the neighbour copy (None when it was replaced by a copy of another stage meanwhile)
             assert self.spare is not None
             state = await asyncio.get_running_loop().run_in_executor(None, self.spare.read, stage)
@@ -312,7 +314,7 @@ def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[s
     return [r.peer_id for r in donors]
 
 
-def state_nbytes(state: Any) -> int:
+def state_nbytes(state: object) -> int:
     """Bytes of all tensors in a nested state (used to bound what a donor may send)."""
     _, tensors = flatten_state(state)
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -320,9 +322,9 @@ def state_nbytes(state: Any) -> int:
 
 async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, metrics: PeerMetrics,
                                 dht: DHT | None = None,
-                                reference: dict | None = None, donors: list[str] | None = None,
+                                reference: dict[str, Any] | None = None, donors: list[str] | None = None,
                                 config: StateSyncConfig | None = None,
-                                transport: Transport | None = None, vet: Vet | None = None) -> dict | None:
+                                transport: Transport | None = None, vet: Vet | None = None) -> dict[str, Any] | None:
     """Fetch ``stage``'s state from same-stage peers; None when no donor delivered a valid one (see module doc).
 
     donors: peer ids to try in order; default: read from the DHT with ``choose_donors``. reference: a state dict of
@@ -395,9 +397,9 @@ async def request_chunk(transport: Transport, donor: str, run: RunConfig, stage:
 
 
 async def open_snapshot(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
-                        limit: int) -> tuple[StateChunk, Any]:
-    """``donor``'s chunk 0 and the builder (``assemble``) of the skeleton it carries, validated; StateSyncError or
-    StateFormatError when it is not a usable start of a snapshot."""
+                        limit: int) -> tuple[StateChunk, StateAssembler]:
+    """``donor``'s chunk 0 and the builder (``StateAssembler``) of the skeleton it carries, validated;
+    StateSyncError or StateFormatError when it is not a usable start of a snapshot."""
     first = await request_chunk(transport, donor, run, stage, 0, config)
     if first.version == 0:
         raise StateSyncError("chunk 0 carries no snapshot version")
@@ -410,11 +412,11 @@ async def open_snapshot(transport: Transport, donor: str, run: RunConfig, stage:
         skeleton = raw.numpy().tobytes().decode()
     except (ProtocolError, UnicodeDecodeError) as e:
         raise StateSyncError(f"chunk 0 carries an invalid skeleton: {e}") from e
-    builder = await asyncio.get_running_loop().run_in_executor(None, assemble, skeleton, piece_bytes, limit)
+    builder = await asyncio.get_running_loop().run_in_executor(None, StateAssembler, skeleton, piece_bytes, limit)
     return first, builder
 
 
-def decode_piece(builder: Any, key: str, env: Any, donor: str) -> tuple[int, int, torch.Tensor]:
+def decode_piece(builder: StateAssembler, key: str, env: TensorEnvelope, donor: str) -> tuple[int, int, torch.Tensor]:
     """(tensor index, offset, piece) of one piece of a chunk, checked against ``builder``'s skeleton."""
     idx, offset = builder.parse_key(key)
     dtype, length = builder.expect(idx, offset)
@@ -425,7 +427,7 @@ def decode_piece(builder: Any, key: str, env: Any, donor: str) -> tuple[int, int
 
 
 async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
-                    limit: int) -> dict:
+                    limit: int) -> dict[str, Any]:
     first, builder = await open_snapshot(transport, donor, run, stage, config, limit)
     loop = asyncio.get_running_loop()
     # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
@@ -445,10 +447,13 @@ async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int
         for task in pending.values():
             task.cancel()
         await asyncio.gather(*pending.values(), return_exceptions=True)
-    return await loop.run_in_executor(None, builder.finish)
+    state = await loop.run_in_executor(None, builder.finish)
+    if not isinstance(state, dict):
+        raise StateFormatError(f"the donor's state is a {type(state).__name__}, not a stage's state dict")
+    return state
 
 
-def _add_pieces(builder: Any, reply: StateChunk, donor: str) -> None:
+def _add_pieces(builder: StateAssembler, reply: StateChunk, donor: str) -> None:
     for key, env in reply.tensors.items():
         if key == SKELETON_KEY and reply.chunk == 0:
             continue

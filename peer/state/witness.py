@@ -123,9 +123,11 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
 
     answers: dict[str, Digest | str] = dict(zip(witnesses, await asyncio.gather(*(one(w) for w in witnesses)),
                                                 strict=True))
+    def digest_of(h: dict[str, Any]) -> Digest:
+        return digest(witnessed_tensors(h), seed=seed, dims=DIMS, local_step=int(h.get("local_step", 0)))
+
     for label, held in (local or {}).items():
-        answers[label] = await loop.run_in_executor(None, lambda h=held: digest(
-            witnessed_tensors(h), seed=seed, dims=DIMS, local_step=int(h.get("local_step", 0))))
+        answers[label] = await loop.run_in_executor(None, digest_of, held)
     distances: dict[str, float] = {}
     problems: list[str] = []
     for w, answer in answers.items():
@@ -170,7 +172,7 @@ def witness_vetter(*, run: RunConfig, stage: int, config: StateSyncConfig, metri
     pending gradients dropped, ``local_step`` capped; ``state_step_capped`` when the cap lowered it)."""
     rng = rng or random.Random()
 
-    async def vet(transport: Transport, donor: str, state: dict, limit: int) -> bool:
+    async def vet(transport: Transport, donor: str, state: dict[str, Any], limit: int) -> bool:
         if config.witnesses == 0:
             return True
         asked = draw_witnesses(trusted=trusted or [], announced=announced, donor=donor, n=config.witnesses, rng=rng)
