@@ -39,7 +39,8 @@ class Credential:
 
 
 def _payload(c: Credential) -> bytes:
-    return MSGPackSerializer.dumps([DOMAIN, c.run_id, c.peer_id, float(c.expires_at)])
+    payload: bytes = MSGPackSerializer.dumps([DOMAIN, c.run_id, c.peer_id, float(c.expires_at)])
+    return payload
 
 
 def issue(organiser: Signer, *, run_id: str, peer_id: str, valid_s: float, now: float | None = None) -> bytes:
@@ -47,7 +48,8 @@ def issue(organiser: Signer, *, run_id: str, peer_id: str, valid_s: float, now: 
     if valid_s <= 0:
         raise ValueError(f"valid_s must be positive, got {valid_s}")
     c = Credential(run_id=run_id, peer_id=peer_id, expires_at=(time.time() if now is None else now) + valid_s)
-    return MSGPackSerializer.dumps([c.run_id, c.peer_id, c.expires_at, organiser.sign(_payload(c))])
+    credential: bytes = MSGPackSerializer.dumps([c.run_id, c.peer_id, c.expires_at, organiser.sign(_payload(c))])
+    return credential
 
 
 def check(credential: object, *, organiser_key: bytes, run_id: str, peer_id: str,

@@ -12,11 +12,16 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peer.errors import DaemonError
 from peer.membership.admission import AdmissionError, check, organiser_key
+
+if TYPE_CHECKING:
+    from peer.config import PeerConfig
+    from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ REFRESH_MIN_S = 1.0
 EXPIRY_WARNING_S = 24 * 3600.0
 
 
-def read_credential(path: Any) -> bytes:
+def read_credential(path: str | Path) -> bytes:
     """A credential file as `asyncmesh-peer admit` writes it (base64 text)."""
     with open(path, "rb") as f:
         return base64.b64decode(f.read().strip(), validate=True)
@@ -33,10 +38,10 @@ def read_credential(path: Any) -> bytes:
 class AdmissionGate:
     """Access control of one peer: ``closed``, its own ``credential`` and the RPC gate."""
 
-    def __init__(self, run: Any, cfg: Any) -> None:
+    def __init__(self, run: RunConfig, cfg: PeerConfig) -> None:
         self.run_id = run.run_id
         self.key = organiser_key(run)
-        self.path = getattr(cfg, "credential_path", None)
+        self.path: Path | None = getattr(cfg, "credential_path", None)
         self.credential: bytes | None = None
 
     @property
@@ -45,14 +50,15 @@ class AdmissionGate:
 
     def load_own(self, my_id: str) -> None:
         """Closed runs: read and check this peer's credential; raises DaemonError saying what to do."""
-        if not self.closed:
+        key = self.key
+        if key is None:  # an open run
             return
         if self.path is None:
             raise DaemonError(f"run {self.run_id} is closed: ask its organiser to admit peer id {my_id} "
                               "(asyncmesh-peer admit) and pass the credential with --credential FILE")
         try:
             credential = read_credential(self.path)
-            c = check(credential, organiser_key=self.key, run_id=self.run_id, peer_id=my_id)
+            c = check(credential, organiser_key=key, run_id=self.run_id, peer_id=my_id)
         except (OSError, ValueError) as e:  # AdmissionError is a ValueError
             raise DaemonError(f"--credential {self.path}: {e}; ask the organiser for a credential for peer id "
                               f"{my_id} and run {self.run_id}") from e
@@ -61,8 +67,8 @@ class AdmissionGate:
             logger.warning("this peer's credential expires in %.1f h; ask the organiser for a new one", left / 3600)
         self.credential = credential
 
-    def rpc_gate(self, swarm: Callable[[], dict[str, Any]],
-                 refresh: Callable[[], Awaitable[Any]]) -> Callable[[str], Awaitable[bool]] | None:
+    def rpc_gate(self, swarm: Callable[[], Mapping[str, object]],
+                 refresh: Callable[[], Awaitable[object]]) -> Callable[[str], Awaitable[bool]] | None:
         """The RpcServer gate of a closed run (None for an open run): admitted peers are those in ``swarm()``."""
         if not self.closed:
             return None

@@ -22,7 +22,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec
 
 import hivemind
 
@@ -32,7 +33,7 @@ PR_SET_PDEATHSIG = 1
 
 
 @functools.cache
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -46,7 +47,8 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     libc = _libc()
     if libc is None:
         return False
-    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    result: int = libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return result == 0
 
 
 def _reset_inherited_signals() -> None:
@@ -60,11 +62,15 @@ def _reset_inherited_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the peer stops us in order
 
 
-def _spawn_with_lifeline(original: Any) -> Any:
+_P = ParamSpec("_P")
+
+
+def _spawn_with_lifeline(original: Callable[_P, Coroutine[Any, Any, asyncio.subprocess.Process]]
+                         ) -> Callable[_P, Coroutine[Any, Any, asyncio.subprocess.Process]]:
     """``asyncio.create_subprocess_exec`` whose child (p2pd) is killed when the calling process dies."""
 
     @functools.wraps(original)
-    async def spawn(*args: Any, **kwargs: Any) -> Any:
+    async def spawn(*args: _P.args, **kwargs: _P.kwargs) -> asyncio.subprocess.Process:
         if "preexec_fn" not in kwargs:
             kwargs["preexec_fn"] = die_with_parent
         return await original(*args, **kwargs)

@@ -20,10 +20,16 @@ import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from peer.ids import short_id
 from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, Message
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P
+
+    from peer.seams import Send
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +67,10 @@ def swarm_is_local(maddrs: Iterable[str]) -> bool:
     return bool(hosts) and all(is_private(h) for h in hosts)
 
 
-async def observed_hosts(p2p: object, peer_id: str) -> set[str]:
+async def observed_hosts(p2p: P2P, peer_id: str) -> set[str]:
     """The IP addresses libp2p sees ``peer_id`` connected from (the remote ends of our connections to it)."""
     hosts: set[str] = set()
-    for info in await p2p.list_peers():  # type: ignore[attr-defined]
+    for info in await p2p.list_peers():
         if info.peer_id.to_base58() == peer_id:
             hosts.update(h for a in info.addrs for h, _ in tcp_targets([str(a)]))
     return hosts
@@ -92,6 +98,8 @@ class ReachabilityHelper:
         self._last[peer_id] = now
         if len(self._last) > 10_000:
             self._last.clear()
+        if not isinstance(msg, Hello):
+            return Error(code=ErrorCode.BAD_REQUEST, message="reachability: expected a Hello naming addresses to dial")
         targets = tcp_targets(list(msg.capabilities))
         if not targets:
             return Error(code=ErrorCode.BAD_REQUEST, message="no /ip4|ip6/HOST/tcp/PORT address to dial")
@@ -116,7 +124,7 @@ class ReachabilityHelper:
         return Error(code=ErrorCode.TIMEOUT, message="could not connect to " + ", ".join(failures))
 
 
-async def check_reachable(*, call: Callable[[str, str, Message, float], Awaitable[Message]], helpers: list[str],
+async def check_reachable(*, call: Send, helpers: list[str],
                           run_id: str, stage: int, my_id: str, maddrs: list[str],
                           timeout_s: float) -> tuple[bool | None, str]:
     """Ask up to two helpers to dial us back. Returns (True/False, message) or (None, why it could not be checked)."""

@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,7 @@ class PeerRecord:
         return value
 
     @classmethod
-    def from_value(cls, peer_id: str, value: Any) -> PeerRecord:
+    def from_value(cls, peer_id: str, value: object) -> PeerRecord:
         """Validate a value read from the DHT; raises RecordError naming the bad field."""
         if not isinstance(value, dict):
             raise RecordError(f"record is a {type(value).__name__}, not a dict")
@@ -134,7 +135,7 @@ class PeerRecord:
                    val_loss=None if val is None else float(val), **backup)
 
 
-def _backup(value: dict) -> dict[str, Any]:
+def _backup(value: dict[str, Any]) -> dict[str, Any]:
     """The backup fields of a record value: all three or none (None values count as absent)."""
     present = [value.get(name) is not None for name in BACKUP_FIELDS]
     if not any(present):
@@ -148,7 +149,7 @@ def _backup(value: dict) -> dict[str, Any]:
             "backup_taken_at": float(value["backup_taken_at"])}
 
 
-def _check(value: dict, name: str, types: type | tuple[type, ...], ok: Any) -> None:
+def _check(value: dict[str, Any], name: str, types: type | tuple[type, ...], ok: Callable[[Any], bool]) -> None:
     if name not in value:
         raise RecordError(f"field {name!r} is missing")
     v = value[name]
@@ -174,7 +175,7 @@ def record_validator(run_id: str, organiser_key: bytes | None = None) -> SignedR
     return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admit)
 
 
-def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: Any, expiration: float) -> None:
+def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: bytes | None, expiration: float) -> None:
     """Raises unless ``credential`` admits ``peer_id`` now and at least until the record's ``expiration``: a record
     cannot outlive its credential."""
     c = check_credential(credential, organiser_key=organiser_key, run_id=run_id, peer_id=peer_id)
@@ -225,7 +226,7 @@ async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
     return parse_swarm(found, run_id, include_stopped=include_stopped)
 
 
-def parse_swarm(found: Any, run_id: str, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
+def parse_swarm(found: object, run_id: str, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
     """Turn a raw ``DHT.get`` result into signature-checked, validated records (pure; unit-tested)."""
     records: dict[str, PeerRecord] = {}
     if found is None:

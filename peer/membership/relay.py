@@ -29,7 +29,11 @@ import asyncio
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ def relayed_maddrs(maddrs: Sequence[str]) -> list[str]:
     return [m for m in maddrs if "/p2p-circuit" in m]
 
 
-async def wait_relayed(dht: Any, timeout_s: float, poll_s: float = 0.5) -> list[Any]:
+async def wait_relayed(dht: DHT, timeout_s: float, poll_s: float = 0.5) -> list[Multiaddr]:
     """This peer's addresses once a relayed one is among them (the reservation takes a moment after p2pd starts),
     or its addresses as they are after ``timeout_s``; asks p2pd afresh each time (hivemind caches them)."""
     loop = asyncio.get_running_loop()

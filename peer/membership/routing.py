@@ -156,7 +156,8 @@ class Router:
         """Ban a peer that failed; returns the ban in seconds (doubling per consecutive failure)."""
         st = self._stats(peer_id)
         st.failures += 1
-        ban = min(self.ban_base_s * 2 ** (st.failures - 1), self.ban_max_s)
+        doubling: int = 2 ** (st.failures - 1)  # failures >= 1 here: an int
+        ban = min(self.ban_base_s * doubling, self.ban_max_s)
         st.banned_until = self.clock() + ban
         return ban
 

@@ -63,8 +63,11 @@ class SignatureError(ValueError):
 def peer_id_of(public_key: bytes) -> str:
     """The base58 libp2p peer id of a serialised libp2p public key (protobuf)."""
     if len(public_key) <= _ID_INLINE_MAX:  # multihash: code 0x00 (identity), length, the key itself
-        return PeerID(bytes([0x00, len(public_key)]) + public_key).to_base58()
-    return PeerID(bytes([0x12, 0x20]) + hashlib.sha256(public_key).digest()).to_base58()  # 0x12: sha2-256
+        multihash = bytes([0x00, len(public_key)]) + public_key
+    else:
+        multihash = bytes([0x12, 0x20]) + hashlib.sha256(public_key).digest()  # 0x12: sha2-256
+    peer_id: str = PeerID(multihash).to_base58()
+    return peer_id
 
 
 class Signer:
@@ -91,8 +94,13 @@ class Signer:
 
     @classmethod
     def from_protobuf(cls, key: crypto_pb2.PrivateKey) -> Signer:
+        private: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
         if key.key_type == crypto_pb2.RSA:
-            private = serialization.load_der_private_key(key.data, password=None)
+            loaded = serialization.load_der_private_key(key.data, password=None)
+            if not isinstance(loaded, rsa.RSAPrivateKey):
+                raise ValueError(f"the identity key says RSA but holds a {type(loaded).__name__}; use an RSA or "
+                                 "Ed25519 key")
+            private = loaded
         elif key.key_type == crypto_pb2.Ed25519:
             private = ed25519.Ed25519PrivateKey.from_private_bytes(key.data[:32])
         else:
@@ -109,11 +117,14 @@ class Signer:
         if isinstance(self._key, rsa.RSAPrivateKey):
             data = self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
                                            serialization.NoEncryption())
-            return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=data).SerializeToString()
+            rsa_file: bytes = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=data).SerializeToString()
+            return rsa_file
         seed = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                        serialization.NoEncryption())
         raw_public = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        return crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=seed + raw_public).SerializeToString()
+        key = crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=seed + raw_public)
+        key_file: bytes = key.SerializeToString()
+        return key_file
 
     def sign(self, data: bytes) -> bytes:
         if isinstance(self._key, rsa.RSAPrivateKey):
@@ -161,14 +172,15 @@ def _verify(public_key: bytes, data: bytes, signature: bytes) -> bool:
 
 
 def _payload(key: str, peer_id: str, expiration: float, body: bytes, credential: bytes | None) -> bytes:
-    return MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body, credential])
+    payload: bytes = MSGPackSerializer.dumps([DOMAIN, key, peer_id, float(expiration), body, credential])
+    return payload
 
 
-def seal(signer: Signer, key: str, value: Any, expiration: float,
+def seal(signer: Signer, key: str, value: dict[str, Any], expiration: float,
          credential: bytes | None = None) -> dict[str, bytes]:
     """The signed envelope of ``value`` (a msgpack-able record) stored under ``key`` until ``expiration``; a closed
     run's admission ``credential`` rides along, inside the signature (and carries the organiser's own)."""
-    body = MSGPackSerializer.dumps(value)
+    body: bytes = MSGPackSerializer.dumps(value)
     signature = signer.sign(_payload(key, signer.peer_id, expiration, body, credential))
     out = {"b": body, "k": signer.public_key, "s": signature}
     if credential is not None:
@@ -176,8 +188,9 @@ def seal(signer: Signer, key: str, value: Any, expiration: float,
     return out
 
 
-def open_envelope(key: str, peer_id: str, stored: Any, expiration: float, *, now: float | None = None) -> Any:
-    """Check an envelope read from or offered to the DHT and return the record it carries; raises SignatureError."""
+def open_envelope(key: str, peer_id: str, stored: object, expiration: object, *, now: float | None = None) -> object:
+    """Check an envelope read from or offered to the DHT and return the record it carries (decoded msgpack, for the
+    caller's schema to check); raises SignatureError. ``stored`` and ``expiration`` are a stranger's: checked here."""
     if not isinstance(stored, dict) or set(stored) - {"c"} != {"b", "k", "s"}:
         raise SignatureError("not a signed envelope")
     body, public_key, signature, credential = stored["b"], stored["k"], stored["s"], stored.get("c")
@@ -211,8 +224,8 @@ class SignedRecordValidator(RecordValidatorBase):
     Values under any other key are refused: a peer's DHT is no free storage for strangers.
     """
 
-    def __init__(self, key: str, schema: Callable[[str, Any], Any],
-                 admit: Callable[[str, Any, float], Any] | None = None) -> None:
+    def __init__(self, key: str, schema: Callable[[str, object], object],
+                 admit: Callable[[str, bytes | None, float], None] | None = None) -> None:
         self.key = key
         self.key_id = DHTID.generate(source=key).to_bytes()
         self.schema = schema
