@@ -32,11 +32,12 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from protocol.codecs.registry import decode, encode
+from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode, ProtocolError, RemoteError
 from protocol.messages import AveragingPart, Busy, Error, Message
 from protocol.rpc import Transport
@@ -68,7 +69,7 @@ class Slot:
 
     key: int
     deadline: float
-    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     own_part: AveragingPart | None = None
     own_values: list[torch.Tensor] | None = None
     contributions: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -182,7 +183,7 @@ class PartExchange:
             self.fail(slot, "slot_closed")
         return slot
 
-    def _quantize(self, values: list[torch.Tensor]) -> tuple[list[Any], list[torch.Tensor]]:
+    def _quantize(self, values: list[torch.Tensor]) -> tuple[list[TensorEnvelope], list[torch.Tensor]]:
         flat = [v.detach().reshape(-1).float().contiguous() for v in values]
         envelopes = [encode(v, self.codec) for v in flat]
         own = [decode(e, TensorSpec(shape=tuple(v.shape), dtype=v.dtype), peer="self") for e, v in
@@ -252,7 +253,7 @@ class PartExchange:
             slot.contributions[peer] = values
             slot.arrived.set()
 
-    def _reject(self, err: Refused, peer: str, key: Any) -> None:
+    def _reject(self, err: Refused, peer: str, key: object) -> None:
         self.metrics.inc(f"rejected:avg_{err.reason}")
         logger.debug("refused %s part from %s for key %s: %s", self.name, peer, key, err)
 
@@ -261,6 +262,7 @@ class PartExchange:
         if err is not None:
             self._reject(err, peer, getattr(msg, "round_no", "?"))
             return Error(code=err.code, message=f"{self.name}: {err}")
+        assert isinstance(msg, AveragingPart)  # _identity_error refused everything else
         try:
             if self.member is not None and not await self.member(peer):
                 raise Refused(ErrorCode.UNAUTHORIZED, "not_member")
@@ -277,13 +279,14 @@ class PartExchange:
         except Refused as e:
             if e.code != ErrorCode.NOT_READY:
                 self._reject(e, peer, msg.round_no)
-                slot = self.slots.get(msg.round_no)
-                if slot is not None and peer not in slot.contributions:
-                    slot.senders.discard(peer)
-                    slot.arrived.set()  # whoever waits for this sender's part stops waiting
+                known = self.slots.get(msg.round_no)
+                if known is not None and peer not in known.contributions:
+                    known.senders.discard(peer)
+                    known.arrived.set()  # whoever waits for this sender's part stops waiting
             return Error(code=e.code, message=f"{self.name} key {msg.round_no}: {e}")
         except TimeoutError:
             return Error(code=ErrorCode.NOT_READY, message=f"{self.name} key {msg.round_no}: not open in time")
+        assert slot.own_part is not None  # slot.ready is set by publish(), after our part
         return slot.own_part
 
     # ---- sending -----------------------------------------------------------------------------------------------
@@ -314,6 +317,7 @@ class PartExchange:
         try:
             if err is not None:
                 raise err
+            assert isinstance(reply, AveragingPart)  # _identity_error refused everything else
             await self._accept(reply, peer, slot)
         except Refused as e:
             if e.code != ErrorCode.NOT_READY:

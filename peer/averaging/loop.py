@@ -197,7 +197,11 @@ class AveragingLoop:
         self._owed_at: int | None = None  # None: no round taken yet, one is owed at once
         self.dht, self.clock = dht, clock
         self.vouch: Callable[[str], None] | None = getattr(rpc_server, "vouch", None)  # parts kept: validated work
-        self.me = me if me is not None else p2p.peer_id.to_base58()
+        if me is None:
+            if p2p is None:
+                raise ValueError("AveragingLoop needs me (this peer's id) when it has no p2p to read it from")
+            me = p2p.peer_id.to_base58()
+        self.me: str = me
         self.fetch_peers = fetch_peers or self._fetch_peers_from_dht
         self.behaviour = behaviour or HONEST
         self.exchange = PartExchange(
@@ -209,9 +213,9 @@ class AveragingLoop:
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
         self._heard: dict[str, float] = {}  # partner -> clock() of its last valid part (live partners set the quorum)
-        self._view_task: asyncio.Task | None = None
-        self._task: asyncio.Task | None = None
-        self._drivers: dict[int, asyncio.Task] = {}
+        self._view_task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._drivers: dict[int, asyncio.Task[None]] = {}
         self._taken: dict[int, None] = {}  # keys of the rounds this peer opened, oldest first (never re-opened)
         self._stopped = False
         # the exchange window: starts at collect_fraction x period_s and follows what rounds really take
@@ -398,7 +402,7 @@ class AveragingLoop:
             slot = self.exchange.open(round_no, self._deadline(round_no))
             task = asyncio.create_task(self._drive(slot), name=f"averaging-round-{round_no}")
             self._drivers[round_no] = task
-            task.add_done_callback(lambda _t, r=round_no: self._drivers.pop(r, None))
+            task.add_done_callback(lambda _t: self._drivers.pop(round_no, None))  # round_no: this call's, unchanged
         return slot
 
     async def _drive(self, slot: Slot) -> None:
@@ -488,8 +492,10 @@ class AveragingLoop:
     async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int, bool]:
         """The round's robust aggregate (peer.averaging.aggregate), the contributions it kept, ours included, and
         whether its pull on our values was clipped."""
+        own = slot.own_values
+        assert own is not None  # a round is combined only after our part was published
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: robust_combine(self.me, slot.own_values, slot.contributions, self.run.averaging,
+            None, lambda: robust_combine(self.me, own, slot.contributions, self.run.averaging,
                                          outlier_factor=self.config.outlier_factor,
                                          outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound,
                                          asked=asked, quorum=quorum))

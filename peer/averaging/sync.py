@@ -66,7 +66,11 @@ class SyncAverager:
         # the textbook baseline averages gradients exactly: outliers are dropped, the rest is the plain mean (the
         # run's aggregator, a trimmed mean by default, is for weights, whose replicas lie close together)
         self._mean = dataclasses.replace(run.averaging, aggregator="mean")
-        self.me = me if me is not None else p2p.peer_id.to_base58()
+        if me is None:
+            if p2p is None:
+                raise ValueError("SyncAverager needs me (this peer's id) when it has no p2p to read it from")
+            me = p2p.peer_id.to_base58()
+        self.me: str = me
         self.last_step = -1
         self._opened_by: dict[int, str] = {}
         self._finished: dict[int, Slot] = {}  # the last FINISHED_KEPT barriers we completed, to answer late callers
@@ -150,8 +154,10 @@ class SyncAverager:
         for peer in slot.contributions.keys() - members.keys():
             self.metrics.inc("rejected:avg_not_member")
             logger.debug("step %d: part of %s ignored: not an announced replica of this stage", step, short_id(peer))
+        own = slot.own_values
+        assert own is not None  # our part was published before the barrier could complete
         mean, dropped, _ = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: robust_combine(self.me, slot.own_values, members, self._mean,
+            None, lambda: robust_combine(self.me, own, members, self._mean,
                                          outlier_factor=self.config.outlier_factor,
                                          outlier_rms=self.config.outlier_rms))
         for peer in dropped:
