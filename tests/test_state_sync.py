@@ -249,3 +249,20 @@ def test_server_shares_a_fresh_snapshot_keeps_the_replaced_one_for_its_transfers
         assert counters["rejected:state_no_version"] == 1
 
     asyncio.run(main())
+
+
+def test_a_donor_whose_state_is_not_a_dict_is_dropped_for_the_next():
+    """Without a reference to check against, a delivered state must still be a stage's state dict at its root."""
+    class ListWorker:
+        def state_dict(self):
+            return [torch.zeros(3)]
+
+    async def main():
+        liar, honest = _server(ListWorker()), _server(_trained_worker(1, 1))
+        metrics = PeerMetrics("joiner", 0)
+        state = await load_state_from_peers(p2p=None, run=RUN, stage=0, metrics=metrics, donors=["liar", "honest"],
+                                            config=SMALL_CHUNKS, transport=Direct({"liar": liar, "honest": honest}))
+        assert state is not None and _same(state, honest.worker.state_dict())
+        assert metrics.snapshot()["counters"]["state_sync_donor_failed"] == 1
+
+    asyncio.run(main())
