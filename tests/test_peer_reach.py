@@ -7,7 +7,7 @@ import asyncio
 import socket
 
 from peer.membership.reachability import ReachabilityHelper, is_private, swarm_is_local
-from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello
+from protocol.messages import PROTOCOL_VERSION, Ack, Error, Hello, StateRequest
 
 
 def _hello(*maddrs: str) -> Hello:
@@ -58,3 +58,13 @@ def test_reach_dials_only_the_requesters_own_address():
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_request_of_the_run_that_is_not_a_hello_is_refused_not_raised():
+    async def observed(peer: str) -> set[str]:
+        return {"127.0.0.1"}
+
+    helper = ReachabilityHelper(run_id="run", timeout_s=2, observed=observed, local_swarm=lambda: True,
+                                min_interval_s=0)
+    reply = asyncio.run(helper.handle(StateRequest(run_id="run", stage=0, chunk=0, version=0), "me"))
+    assert isinstance(reply, Error) and reply.code.name == "BAD_REQUEST"
