@@ -194,30 +194,30 @@ def shuffled(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, r
     start = DataPosition(**{**pos.to_dict(), "sequences": pos.sequences - skip, "taken": 0})  # the window's start
     inner = sequences(cfg, tok, seq_len, start, role)
     while True:
-        window: list[list[int]] = []
+        seqs: list[list[int]] = []  # this window's sequences, in reading order
         after = start  # the position after the window's last sequence
         for seq, pos_after in inner:
-            window.append(seq)
+            seqs.append(seq)
             after = pos_after
-            if len(window) == size:
+            if len(seqs) == size:
                 break
-        if not window:
+        if not seqs:
             return
-        if skip > len(window):
-            raise DataError(f"a saved data position is past the end of its window ({skip} of {len(window)} "
+        if skip > len(seqs):
+            raise DataError(f"a saved data position is past the end of its window ({skip} of {len(seqs)} "
                             "sequences taken): it belongs to another source or shuffle_window; delete the peer's "
                             "checkpoint folder's data position to start the shard afresh")
-        order = _window_order(role, start, len(window))
-        for k in range(skip, len(window)):
-            full = k + 1 == len(window)
+        order = _window_order(role, start, len(seqs))
+        for k in range(skip, len(seqs)):
+            full = k + 1 == len(seqs)
             here = DataPosition(shard=start.shard, doc=after.doc if full else start.doc,
                                 offset=after.offset if full else start.offset,
                                 sequences=start.sequences + k + 1, epoch=after.epoch if full else start.epoch,
                                 taken=0 if full else k + 1)
-            yield window[order[k]], here
-        if len(window) < size:  # a one-pass source (VAL) ended
+            yield seqs[order[k]], here
+        if len(seqs) < size:  # a one-pass source (VAL) ended
             return
-        start, skip = DataPosition(**{**after.to_dict(), "sequences": start.sequences + len(window)}), 0
+        start, skip = DataPosition(**{**after.to_dict(), "sequences": start.sequences + len(seqs)}), 0
 
 
 def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: int,
