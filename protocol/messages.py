@@ -62,12 +62,13 @@ class Message:
 
     KIND: ClassVar[int]
     SCHEMA: ClassVar[dict[str, s.Check]]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # what _message's dataclass gives each subclass
     #: trailing fields (all defaulting to None) that ``pack`` leaves out when None, so that peers that predate them
     #: read the message as before
     OPTIONAL_TAIL: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             value = self.SCHEMA[f.name](getattr(self, f.name), f"{type(self).__name__}.{f.name}")
             object.__setattr__(self, f.name, value)
 
@@ -263,7 +264,7 @@ MESSAGE_KINDS: dict[int, type[Message]] = {
 def payload_bytes(msg: Message) -> int:
     """Total tensor payload bytes a message carries (to decide whether (un)packing it belongs off the event loop)."""
     total = 0
-    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+    for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else (value,)
         total += sum(len(v.data) for v in items if isinstance(v, TensorEnvelope))
@@ -274,7 +275,7 @@ def pack(msg: Message) -> bytes:
     """Serialise a message (its fields were checked when it was built)."""
     if not isinstance(msg, Message):
         raise TypeError(f"pack expects a protocol message, got {type(msg).__name__}")
-    fields = [s.to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
+    fields = [s.to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]
     for _ in range(msg.OPTIONAL_TAIL):
         if fields[-1] is not None:
             break
