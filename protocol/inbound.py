@@ -102,6 +102,8 @@ class _Inbound(asyncio.Protocol):
         self.dispatched = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio types it as the base class; a stream's transport has Transport's methods, but uvloop's is no
+        # asyncio.Transport subclass, so an isinstance check would refuse it
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
