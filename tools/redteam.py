@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -49,7 +48,7 @@ from hivemind.utils import get_dht_time  # noqa: E402
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, swarm_key  # noqa: E402
 from peer.membership.signing import Signer, seal  # noqa: E402
 from peer.ops.metrics import PeerMetrics  # noqa: E402
-from peer.ops.procs import PeerProcess, free_port, join_command, terminate, unwind_on_sigterm  # noqa: E402
+from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from peer.state.sync import StateServer  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402
@@ -57,6 +56,7 @@ from protocol.limits import RpcLimits  # noqa: E402
 from protocol.messages import Ack, Error, Forward, Hello, Infer, Message, pack, unpack  # noqa: E402
 from protocol.rpc import PROTOCOL_PREFIX, RpcServer, call  # noqa: E402
 from tools.confine import CpuQuota  # noqa: E402
+from tools.redteam_swarm import Judge, Swarm, Verdict, honest_peer, judge_now, peer_id_of, ratio  # noqa: E402
 from tools.redteam_trust import TRUST_ATTACKS  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.worker import StageWorker  # noqa: E402
@@ -68,43 +68,6 @@ SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_time
             "eval_every_s=3", "checkpoint_every_s=0", "rebalance_every_s=0", "ban_base_s=1")
 STALL_LIMIT_S, LOSS_LIMIT = 5.0, 1.05
 MiB = 2**20
-
-
-class Watch(threading.Thread):
-    """Polls the stage-0 peer's /status: (time, local_step, val_loss), and the victims' resident memory."""
-
-    def __init__(self, a: PeerProcess, victims: list[PeerProcess]) -> None:
-        super().__init__(daemon=True)
-        self.a, self.victims, self.stop = a, victims, threading.Event()
-        self.samples: list[tuple[float, int, float | None]] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            s = self.a.status()
-            if s is not None:
-                self.samples.append((time.monotonic(), int(s.get("local_step") or 0), s.get("val_loss")))
-            time.sleep(0.2)
-
-    def rss_mib(self) -> float:
-        out = 0.0
-        for v in self.victims:
-            try:
-                for line in Path(f"/proc/{v.proc.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        out = max(out, int(line.split()[1]) / 1024)
-            except OSError:
-                pass
-        return out
-
-    def window(self, t0: float, t1: float) -> tuple[float, float | None]:
-        """(longest stretch without a new stage-0 step, latest val loss) within [t0, t1]."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        steps = [t for (t, step), (_, prev) in zip(((s[0], s[1]) for s in inside[1:]),
-                                                   ((s[0], s[1]) for s in inside), strict=False) if step > prev]
-        marks = [t0, *steps, t1]
-        stall = max(b - a for a, b in zip(marks, marks[1:], strict=False))
-        vals = [s[2] for s in inside if s[2] is not None]
-        return stall, (vals[-1] if vals else None)
 
 
 class Attacker:
@@ -122,6 +85,8 @@ class Attacker:
         self.extra: list[P2P] = []
         self.status_a: Callable[[], dict[str, Any] | None] = lambda: None  # the stage-0 victim's /status
         self.status_b: Callable[[], dict[str, Any] | None] = lambda: None  # the stage-1 victim's /status
+        self.swarm: Swarm | None = None  # the attacked swarm: honest peers an attack adds join it (``extra``)
+        self.judge: Callable[[], Awaitable[None]] | None = None  # judge both swarms now (before extra peers leave)
 
     async def start(self) -> None:
         self.p2p = await self.dht.replicate_p2p()
@@ -346,7 +311,6 @@ async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> d
     state_server.ready = True
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**6, state="training",
                      maddrs=[])
-    extra: list[PeerProcess] = []
 
     async def keep_announcing() -> None:
         while True:
@@ -355,39 +319,29 @@ async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> d
 
     announcing: asyncio.Task | None = None
     try:
-        c = _spawn_honest(att, "c", 1)
-        extra.append(c)
-        await asyncio.to_thread(c.wait_status, lambda st: st.get("state") == "training", 90, "c training")
-        announcing = asyncio.ensure_future(keep_announcing())
-        await asyncio.sleep(2.0)  # the liar's record reaches the DHT before the joiner reads it
-        visible = att.signer.peer_id in await fetch_swarm(att.reader, att.run.run_id, timeout=5.0)
-        d = _spawn_honest(att, "d", 1)
-        extra.append(d)
-        status = await asyncio.to_thread(d.wait_status, lambda st: st.get("state") == "training", 90, "d training")
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
-        counters = status.get("counters", {})
-        late = await asyncio.to_thread(d.status) or {}
-        losses = {"b": (await asyncio.to_thread(att.status_b) or {}).get("train_loss"), "d": late.get("train_loss")}
-        log = d.log()
+        async with honest_peer(att, "c", 1):
+            announcing = asyncio.ensure_future(keep_announcing())
+            await asyncio.sleep(2.0)  # the liar's record reaches the DHT before the joiner reads it
+            visible = att.signer.peer_id in await fetch_swarm(att.reader, att.run.run_id, timeout=5.0)
+            async with honest_peer(att, "d", 1) as (d, status):
+                await asyncio.sleep(max(0.0, until - time.monotonic()))
+                counters = status.get("counters", {})
+                late = await asyncio.to_thread(d.status) or {}
+                losses = {"b": (await asyncio.to_thread(att.status_b) or {}).get("train_loss"),
+                          "d": late.get("train_loss")}
+                log = d.log()
+                await judge_now(att)
         loaded = next((line for line in log.splitlines() if "loaded stage 1 state from" in line), "")
         served = state_server.metrics.snapshot()["counters"].get("state_chunks_served", 0)
     finally:
         if announcing is not None:
             announcing.cancel()
-        terminate([p.proc for p in extra], 10.0)
         await server.shutdown()
     from_liar = att.signer.peer_id[:16] in loaded
     return {"refused": counters.get("state_sync_outvoted", 0) >= 1 and bool(loaded) and not from_liar,
             "degraded": from_liar, "train_loss_at_end": losses,
             "joiner_outvoted": counters.get("state_sync_outvoted", 0), "joiner_loaded_from_liar": from_liar,
             "liar_chunks_served": served, "liar_visible_in_dht": visible}
-
-
-def _spawn_honest(att: Attacker, name: str, stage: int) -> PeerProcess:
-    """An honest peer of the tiny run joining the victims' swarm (an extra replica for an attack phase)."""
-    port = free_port()
-    return PeerProcess.spawn(name, join_command(att.root / name, port=port, run=TINY, stage=stage, settings=SETTINGS,
-                                                initial=att.initial), att.root / name, port, cwd=REPO)
 
 
 ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[str, Any]]]] = {
@@ -402,8 +356,16 @@ ATTACKS.update(TRUST_ATTACKS)  # tools/redteam_trust.py: the pipeline's and the 
 FLOOD = {"ids": 16, "streams": 16}
 
 
+REPLICATED = frozenset({"lying_donor", "poisoned_backup", "poisoned_donor_state", "witness_sybils", "phantom_quorum",
+                        "vouch_sybils", "fake_next_stage"})
+"""Attacks on what replicas do together (averaging, witnesses, backups, spot checks): run against stages of
+``--replicas`` peers; the others against one peer per stage."""
+MIN_PHASE_S = {"loss_window_drift": 50.0}
+"""Attacks that cannot act within a short phase (a sender's losses count for the ceiling only after 30 s)."""
+
+
 def outcome(stall: float, ratio: float | None, refused: bool, degraded: bool = False) -> str:
-    """``degraded``: the attack's own evidence of harm that the stage-0 figures do not show (a joiner that loaded a
+    """``degraded``: the attack's own evidence of harm that the loss figures do not show (a joiner that loaded a
     liar's state)."""
     if stall > STALL_LIMIT_S:
         return "stalled"
@@ -412,14 +374,91 @@ def outcome(stall: float, ratio: float | None, refused: bool, degraded: bool = F
     return "refused" if refused else "harmless"
 
 
-async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, watch: Watch,
+class Campaign:
+    """The attacked swarm, its twin and their judges; one phase after another, both judged at each phase's end."""
+
+    def __init__(self, args: argparse.Namespace, attacked: Swarm, twin: Swarm, root: Path) -> None:
+        self.args, self.attacked, self.twin, self.root = args, attacked, twin, root
+        self.run = RunConfig.from_toml(TINY)
+        self.judges = (Judge(self.run, root / "judge-a.key", args.eval_batches),
+                       Judge(self.run, root / "judge-t.key", args.eval_batches))
+        self.verdicts: tuple[Verdict, Verdict] | None = None
+
+    async def judge(self) -> None:
+        self.verdicts = tuple(await asyncio.gather(self.judges[0].judge(self.attacked),  # type: ignore[assignment]
+                                                   self.judges[1].judge(self.twin)))
+
+    def figures(self, t0: float, t1: float) -> dict[str, Any]:
+        """The phase's figures: stalls, the judged losses of both swarms and their ratios, reported losses."""
+        stall, reported = self.attacked.window(t0, t1)
+        twin_stall, twin_reported = self.twin.window(t0, t1)
+        attacked, twin = self.verdicts or (Verdict(), Verdict())
+        layout = [n for n in attacked.losses if n in twin.losses]  # the pipelines both swarms have
+        worst = max(attacked.losses.values(), default=None)
+        twin_worst = max(twin.losses.values(), default=None)
+        mean_ratio = ratio(attacked.mean(layout), twin.mean(layout))
+        worst_ratio = ratio(worst, twin_worst)
+        reported_ratio = ratio(reported, twin_reported)
+        return {"max_stall_s": round(stall, 2), "twin_max_stall_s": round(twin_stall, 2),
+                "honest_val_loss_ratio": None if mean_ratio is None else round(mean_ratio, 3),
+                "worst_victim_loss_ratio": None if worst_ratio is None else round(worst_ratio, 3),
+                "reported_val_loss_ratio": None if reported_ratio is None else round(reported_ratio, 3),
+                "val_loss": {"attacked": attacked.to_json(), "twin": twin.to_json()},
+                "steps": {"attacked": self.attacked.steps(), "twin": self.twin.steps()}}
+
+    async def control(self, seconds: float) -> dict[str, Any]:
+        logger.info("control phase (%.0f s) starts", seconds)
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)
+        await self.judge()
+        return self.figures(t0, time.monotonic())
+
+    async def phases(self, names: list[str]) -> dict[str, Any]:
+        a, b = self.attacked.peers[0][0], self.attacked.peers[1][0]
+        att = Attacker(self.root, self.attacked.initial, self.run)
+        att.status_a, att.status_b, att.swarm, att.judge = a.status, b.status, self.attacked, self.judge
+        victims = {"a": peer_id_of(a), "b": peer_id_of(b)}
+        await att.start()
+        await self.judges[0].start(self.attacked.initial)
+        await self.judges[1].start(self.twin.initial)
+        results: dict[str, Any] = {"control": []}
+        try:
+            if {"budget_flood", "churn_flood"} & set(names):
+                await att.identities(self.args.flood_ids)  # started before any phase: starting p2pd is not the attack
+            for i, name in enumerate(names):
+                if i == 0 or self.args.control_each:
+                    results["control"].append(await self.control(self.args.phase_s))
+                seconds = max(self.args.phase_s, MIN_PHASE_S.get(name, 0.0))
+                logger.info("attack %s (%.0f s) starts", name, seconds)
+                t0, rss0, self.verdicts = time.monotonic(), self.attacked.rss_mib(), None
+                try:
+                    evidence = await ATTACKS[name](att, victims, t0 + seconds)
+                except Exception as e:  # the attack itself failed: say so, keep the campaign going
+                    logger.exception("attack %s failed", name)
+                    evidence = {"refused": False, "error": f"{type(e).__name__}: {e}"}
+                t1 = time.monotonic()
+                if self.verdicts is None:
+                    await self.judge()
+                fig = self.figures(t0, t1)
+                verdict = outcome(fig["max_stall_s"], fig["worst_victim_loss_ratio"], evidence.pop("refused"),
+                                  evidence.pop("degraded", False))
+                results[name] = {"outcome": verdict, **fig, "replicas": self.attacked.replicas,
+                                 "rss_growth_mib": round(max(0.0, self.attacked.rss_mib() - rss0), 1),
+                                 "phase_s": round(t1 - t0, 1), "evidence": evidence}
+                logger.info("%s: %s", name, {k: results[name][k] for k in (
+                    "outcome", "max_stall_s", "honest_val_loss_ratio", "worst_victim_loss_ratio")})
+                await asyncio.sleep(1.0)  # let the attack's last streams drain before the next phase
+        finally:
+            await att.close()
+            await asyncio.gather(*(j.close() for j in self.judges), return_exceptions=True)
+        return results
+
+
+async def campaign(args: argparse.Namespace, names: list[str], attacked: Swarm, twin: Swarm,
                    root: Path) -> dict[str, Any]:
-    run = RunConfig.from_toml(TINY)
-    initial = a.wait_maddrs()[:1]
-    victims = {"a": a.wait_maddrs()[0].rsplit("/p2p/", 1)[1], "b": b.wait_maddrs()[0].rsplit("/p2p/", 1)[1]}
     quota = CpuQuota(args.attacker_cpu).enter() if args.attacker_cpu else None  # before the attacker starts anything
     try:
-        results = await _phases(args, Attacker(root, initial, run), a, b, watch, victims)
+        results = await Campaign(args, attacked, twin, root).phases(names)
     finally:
         if quota is not None:
             throttled = quota.throttled_s()
@@ -429,39 +468,27 @@ async def campaign(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, wat
     return results
 
 
-async def _phases(args: argparse.Namespace, att: Attacker, a: PeerProcess, b: PeerProcess, watch: Watch,
-                  victims: dict[str, str]) -> dict[str, Any]:
-    att.status_a, att.status_b = a.status, b.status
-    await att.start()
-    results: dict[str, Any] = {}
+def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: Path) -> dict[str, Any]:
+    """Start the attacked swarm and its twin together (``replicas`` peers per stage each), let them train for
+    ``--warmup-s``, run ``names`` against the first, reap both."""
+    run = RunConfig.from_toml(TINY)
+    settings = (*SETTINGS, *args.victim_set)
+    swarms = [Swarm(name, root / f"{name}{replicas}", TINY, run.n_stages, replicas, settings, REPO)
+              for name in ("v", "t")]
     try:
-        control_loss = control_stall = None
-        if {"budget_flood", "churn_flood"} & set(args.attacks):
-            await att.identities(args.flood_ids)  # started before any phase: starting p2pd is not the attack
-        for i, name in enumerate(args.attacks):
-            if i == 0 or args.control_each:
-                logger.info("control phase (%.0f s) starts", args.phase_s)
-                t0 = time.monotonic()
-                await asyncio.sleep(args.phase_s)
-                control_stall, control_loss = watch.window(t0, time.monotonic())
-                results.setdefault("control", []).append({"max_stall_s": round(control_stall, 2),
-                                                          "val_loss": control_loss})
-            logger.info("attack %s (%.0f s) starts", name, args.phase_s)
-            t0, rss0 = time.monotonic(), watch.rss_mib()
-            evidence = await ATTACKS[name](att, victims, t0 + args.phase_s)
-            t1 = time.monotonic()
-            stall, loss = watch.window(t0, t1)
-            ratio = loss / control_loss if loss and control_loss else None
-            verdict = outcome(stall, ratio, evidence.pop("refused"), evidence.pop("degraded", False))
-            results[name] = {"outcome": verdict, "max_stall_s": round(stall, 2),
-                             "honest_val_loss_ratio": round(ratio, 3) if ratio else None,
-                             "rss_growth_mib": round(max(0.0, watch.rss_mib() - rss0), 1),
-                             "phase_s": round(t1 - t0, 1), "control_max_stall_s": round(control_stall, 2),
-                             "evidence": evidence}
-            logger.info("%s: %s", name, {k: v for k, v in results[name].items() if k != "evidence"})
-            await asyncio.sleep(1.0)  # let the attack's last streams drain before the next phase
+        for s in swarms:
+            s.start_first()
+        for s in swarms:
+            s.start_rest()
+        for s in swarms:
+            s.wait_training(180)
+            s.watch()
+        time.sleep(args.warmup_s)
+        results = asyncio.run(campaign(args, names, swarms[0], swarms[1], root))
+        results["victims_alive"], results["twin_alive"] = swarms[0].alive(), swarms[1].alive()
     finally:
-        await att.close()
+        for s in swarms:
+            s.close()
     return results
 
 
@@ -469,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help="seconds both swarms train before the first phase (default 20)")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="peers per stage for the attacks on replicas (default 2; the others: 1)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches the judge evaluates (default 4)")
     p.add_argument("--control-each", action="store_true", help="a control phase before every attack phase")
     p.add_argument("--flood-ids", type=int, default=16, help="identities of the floods (x 16 streams each)")
     p.add_argument("--attacker-cpu", type=float, default=None, metavar="CORES",
@@ -477,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cores (root; default: unconfined, the attacker shares the victims' cores)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--victim-set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a peer setting of both victims (repeatable), e.g. spot_checks=false to measure a defence's "
+                   help="a peer setting of both swarms (repeatable), e.g. spot_checks=false to measure a defence's "
                         "absence")
     p.add_argument("--workdir", default=None, help="keep the peers' folders here (default: a temporary one)")
     args = p.parse_args(argv)
@@ -486,29 +518,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attacks {sorted(unknown)}; known: {', '.join(ATTACKS)}")
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    unwind_on_sigterm()  # SIGTERM unwinds through the finally blocks that reap the swarm
+    unwind_on_sigterm()  # SIGTERM unwinds through the finally blocks that reap the swarms
     root = Path(args.workdir or tempfile.mkdtemp(prefix="redteam-"))
-    peers: list[PeerProcess] = []
-    settings = (*SETTINGS, *args.victim_set)
-    try:
-        a = PeerProcess.spawn("a", join_command(root / "a", port=(pa := free_port()), run=TINY, stage=0,
-                                                settings=settings), root / "a", pa, cwd=REPO)
-        peers.append(a)
-        b = PeerProcess.spawn("b", join_command(root / "b", port=(pb := free_port()), run=TINY, stage=1,
-                                                settings=settings, initial=a.wait_maddrs()[:1]), root / "b", pb,
-                              cwd=REPO)
-        peers.append(b)
-        a.wait_status(lambda s: (s.get("local_step") or 0) > 3 and s.get("val_loss") is not None, 120, "training")
-        watch = Watch(a, [a, b])
-        watch.start()
-        results = asyncio.run(campaign(args, a, b, watch, root))
-        watch.stop.set()
-        results["victims_alive"] = a.alive() and b.alive()
-        results["machine"] = {"nproc": os.cpu_count(), "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
-        results["command"] = " ".join(["python", "tools/redteam.py", *(argv if argv is not None else sys.argv[1:])])
-    finally:
-        terminate([p.proc for p in peers], 10.0)
+    results: dict[str, Any] = {"command": " ".join(["python", "tools/redteam.py",
+                                                    *(argv if argv is not None else sys.argv[1:])]),
+                               "machine": {"nproc": os.cpu_count(),
+                                           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]},
+                               "groups": {}}
+    groups = {1: [n for n in args.attacks if n not in REPLICATED],
+              args.replicas: [n for n in args.attacks if n in REPLICATED]}
+    if args.replicas == 1:
+        groups = {1: args.attacks}
+    for replicas, names in groups.items():
+        if names:
+            group = run_group(args, names, replicas, root)
+            results["groups"][f"{replicas}x{RunConfig.from_toml(TINY).n_stages}"] = {
+                k: group.pop(k) for k in ("control", "victims_alive", "twin_alive", "attacker_confined") if k in group}
+            results.update(group)
+    results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     text = json.dumps(results, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +20,12 @@ from hivemind.p2p import P2P
 from peer.membership.records import PeerRecord, announce
 from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
-from peer.ops.procs import PeerProcess, terminate
 from peer.state.sync import STATE_RPC, StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import RemoteError
 from protocol.limits import RpcLimits
 from protocol.messages import Ack, Busy, Error, Message, StateChunk, StateRequest
 from protocol.rpc import RpcServer, call
+from tools.redteam_swarm import honest_peer, judge_now
 from trainer.worker import StageWorker
 
 if TYPE_CHECKING:
@@ -68,12 +68,43 @@ def _zeros(att: Attacker, stage: int) -> StageWorker:
     return w
 
 
-async def _join(att: Attacker, name: str, stage: int) -> tuple[PeerProcess, dict[str, Any]]:
-    from tools.redteam import _spawn_honest
-    joiner = _spawn_honest(att, name, stage)
-    status = await asyncio.to_thread(joiner.wait_status, lambda st: st.get("state") == "training", 120,
-                                     f"{name} training")
-    return joiner, status
+@dataclasses.dataclass
+class Joined:
+    """What an honest joiner showed: its /status when it began training, at the end, and its log."""
+    status: dict[str, Any]
+    late: dict[str, Any]
+    log: str
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.status.get("counters", {})
+
+
+async def _joiner_phase(att: Attacker, name: str, stage: int, until: float,
+                        records: Sequence[tuple[Signer, PeerRecord]], servers: Sequence[RpcServer] = (),
+                        p2ps: Sequence[P2P] = ()) -> Joined:
+    """The attacks on a joiner: announce ``records`` (each signed by its signer, every second), start an honest
+    joiner of ``stage`` in the attacked swarm, let it train until ``until``, judge both swarms while it lives, then
+    stop announcing, reap it and shut the attacker's ``servers`` and ``p2ps`` down, however the attack ended."""
+    tasks: list[asyncio.Task] = []
+    try:
+        for signer, rec in records:
+            tasks.append(await _announcing(att, signer, rec))
+        async with honest_peer(att, name, stage) as (joiner, status):
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            late = await asyncio.to_thread(joiner.status) or {}
+            await judge_now(att)
+            return Joined(status=status, late=late, log=joiner.log())
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*(s.shutdown() for s in servers), return_exceptions=True)
+        await asyncio.gather(*(p.shutdown() for p in p2ps), return_exceptions=True)
+
+
+def _loaded_from(log: str, stage: int, peer_id: str) -> bool:
+    line = next((x for x in log.splitlines() if f"loaded stage {stage} state from" in x), "")
+    return peer_id[:16] in line
 
 
 async def poisoned_backup(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
@@ -85,23 +116,11 @@ async def poisoned_backup(att: Attacker, victims: dict[str, str], until: float) 
     server = await _serve_state(att, att.p2p, 1, zeros)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=1, state="training",
                      maddrs=[], backup_stage=1, backup_step=10**6, backup_taken_at=time.time())
-    task = await _announcing(att, att.signer, rec)
-    joiner: PeerProcess | None = None
-    try:
-        joiner, status = await _join(att, "pb", 1)
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
-        log = joiner.log()
-        late = await asyncio.to_thread(joiner.status) or {}
-    finally:
-        task.cancel()
-        if joiner is not None:
-            terminate([joiner.proc], 10.0)
-        await server.shutdown()
-    restored = f"backup copy held by peer {att.signer.peer_id[:16]}" in log
-    counters = status.get("counters", {})
-    return {"refused": not restored and counters.get("state_sync_outvoted", 0) >= 1, "degraded": restored,
-            "joiner_restored_attackers_copy": restored, "joiner_outvoted": counters.get("state_sync_outvoted", 0),
-            "joiner_train_loss": late.get("train_loss")}
+    seen = await _joiner_phase(att, "pb", 1, until, [(att.signer, rec)], [server])
+    restored = f"backup copy held by peer {att.signer.peer_id[:16]}" in seen.log
+    return {"refused": not restored and seen.counters.get("state_sync_outvoted", 0) >= 1, "degraded": restored,
+            "joiner_restored_attackers_copy": restored, "joiner_outvoted": seen.counters.get("state_sync_outvoted", 0),
+            "joiner_train_loss": seen.late.get("train_loss")}
 
 
 async def poisoned_donor_state(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
@@ -123,21 +142,11 @@ async def poisoned_donor_state(att: Attacker, victims: dict[str, str], until: fl
     server = await _serve_state(att, att.p2p, 1, liar)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**6,
                      state="training", maddrs=[])
-    task = await _announcing(att, att.signer, rec)
-    joiner: PeerProcess | None = None
-    try:
-        joiner, status = await _join(att, "pd", 1)
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
-        late = await asyncio.to_thread(joiner.status) or {}
-    finally:
-        task.cancel()
-        if joiner is not None:
-            terminate([joiner.proc], 10.0)
-        await server.shutdown()
-    step = int(late.get("local_step") or 0)
-    counters = status.get("counters", {})
+    seen = await _joiner_phase(att, "pd", 1, until, [(att.signer, rec)], [server])
+    step = int(seen.late.get("local_step") or 0)
     return {"refused": step < 2**40, "degraded": step >= 2**40, "joiner_local_step": step,
-            "joiner_step_capped": counters.get("state_step_capped", 0), "joiner_train_loss": late.get("train_loss")}
+            "joiner_step_capped": seen.counters.get("state_step_capped", 0),
+            "joiner_train_loss": seen.late.get("train_loss")}
 
 
 async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
@@ -148,9 +157,9 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
     zeros = _zeros(att, 1)
     zeros.local_step = 10**6
     servers = [await _serve_state(att, att.p2p, 1, zeros)]
-    tasks = [await _announcing(att, att.signer, PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0,
-                                                           queue=0, version=10**6, state="training", maddrs=[]))]
-    signers, sybils = [], []
+    records = [(att.signer, PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**6,
+                                       state="training", maddrs=[]))]
+    sybils = []
     for i in range(4):  # each sybil: its own identity, serving the zeros, with a record signed by that identity
         key = att.root / f"sybil{i}.key"
         if not key.exists():
@@ -159,28 +168,15 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         sybils.append(p2p)
         servers.append(await _serve_state(att, p2p, 1, zeros))
-        signers.append(Signer.from_identity_file(key))
-    for s in signers:
-        tasks.append(await _announcing(att, s, PeerRecord(peer_id=s.peer_id, stage=1, throughput=1.0, queue=0,
-                                                          version=10**5, state="training", maddrs=[])))
-    joiner: PeerProcess | None = None
-    try:
-        joiner, status = await _join(att, "pw", 1)
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
-        log = joiner.log()
-    finally:
-        for t in tasks:
-            t.cancel()
-        if joiner is not None:
-            terminate([joiner.proc], 10.0)
-        await asyncio.gather(*(s.shutdown() for s in servers), return_exceptions=True)
-        await asyncio.gather(*(p.shutdown() for p in sybils), return_exceptions=True)
-    loaded = next((line for line in log.splitlines() if "loaded stage 1 state from" in line), "")
-    from_liar = att.signer.peer_id[:16] in loaded
-    counters = status.get("counters", {})
-    return {"refused": not from_liar and counters.get("state_sync_outvoted", 0) >= 1, "degraded": from_liar,
-            "joiner_loaded_from_liar": from_liar, "joiner_outvoted": counters.get("state_sync_outvoted", 0),
-            "sybil_records": len(signers)}
+        signer = Signer.from_identity_file(key)
+        records.append((signer, PeerRecord(peer_id=signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**5,
+                                           state="training", maddrs=[])))
+    seen = await _joiner_phase(att, "pw", 1, until, records, servers, sybils)
+    from_liar = _loaded_from(seen.log, 1, att.signer.peer_id)
+    return {"refused": not from_liar and seen.counters.get("state_sync_outvoted", 0) >= 1, "degraded": from_liar,
+            "joiner_loaded_from_liar": from_liar, "joiner_outvoted": seen.counters.get("state_sync_outvoted", 0),
+            "joiner_started_from_init": "starting from the run's seeded init" in seen.log
+            or "seeded init" in seen.log, "sybil_records": len(records) - 1}
 
 
 async def bounds_reset(att: Attacker, victims: dict[str, str], until: float) -> Evidence:
@@ -240,22 +236,20 @@ async def phantom_quorum(att: Attacker, victims: dict[str, str], until: float) -
     Before, the rounds' full quorum counted them, so every round of a and c (2 parts) was a clipped minority round
     (avg_pull_clipped); now only partners heard from count."""
     signers = [Signer.generate() for _ in range(2)]  # records only: nobody behind them answers
-    c: PeerProcess | None = None
     tasks: list[asyncio.Task] = []
+    from tools.redteam import _counters
     try:
-        c, _ = await _join(att, "pc", 0)
-        for s in signers:
-            tasks.append(await _announcing(att, s, PeerRecord(peer_id=s.peer_id, stage=0, throughput=1.0, queue=0,
-                                                              version=1, state="training", maddrs=[])))
-        from tools.redteam import _counters
-        before = await _counters(att.status_a)
-        await asyncio.sleep(max(15.0, until - time.monotonic()))  # rounds of a and c, whenever c came
-        after = await _counters(att.status_a)
+        async with honest_peer(att, "pc", 0):
+            for s in signers:
+                tasks.append(await _announcing(att, s, PeerRecord(peer_id=s.peer_id, stage=0, throughput=1.0,
+                                                                  queue=0, version=1, state="training", maddrs=[])))
+            before = await _counters(att.status_a)
+            await asyncio.sleep(max(15.0, until - time.monotonic()))  # rounds of a and c, whenever c came
+            after = await _counters(att.status_a)
+            await judge_now(att)
     finally:
         for t in tasks:
             t.cancel()
-        if c is not None:
-            terminate([c.proc], 10.0)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("avg_pull_clipped", "averaging_rounds_ok",
                                                              "avg_below_quorum")}
     return {"refused": delta["avg_pull_clipped"] == 0 and delta["averaging_rounds_ok"] > 0,

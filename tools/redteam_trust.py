@@ -24,11 +24,15 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
 from peer.membership.signing import Signer, seal
+from peer.ops.metrics import PeerMetrics
+from peer.state.sync import load_state_from_peers
 from protocol.codecs.registry import decode, encode
 from protocol.limits import RpcLimits
 from protocol.messages import Ack, Backward, Busy, Forward, Message
 from protocol.rpc import RpcServer, call
 from protocol.validation import TensorSpec
+from trainer.data import BatchStream, load_corpus
+from trainer.model import build_stage
 from trainer.worker import StageWorker
 
 SCALES = (1.0, 4.0, 0.25, 16.0, 1 / 16, 64.0, 1 / 64, 256.0, 1 / 256)
@@ -197,4 +201,89 @@ async def costly_keys(att: Any, victims: dict[str, str], until: float) -> dict[s
             "stored_by_victims": stored, "seen_by_honest_reader": seen}
 
 
-TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "dht_flood": dht_flood, "costly_keys": costly_keys}
+
+async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger fetches stage 0's weights from a (as any joiner may), announces itself as a stage-0 peer and sends
+    the last stage forwards of real data through that honest copy, with a share of each micro-batch's targets
+    scrambled so that its loss lands just under the last stage's loss ceiling: it reads each verdict (the loss in the
+    Backward, trained or refused) and scrambles more after a trained one, less after a refused one, to drag the
+    ceiling up and have ever worse micro-batches trained. The ceiling's window takes only trained losses of senders
+    known for 30 s, at most 16 per sender: the highest loss trained late in the phase must stay near the first."""
+    run = att.run
+    state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
+                                        donors=[victims["a"]])
+    if state is None:
+        return {"refused": False, "error": "could not read a's stage-0 state"}
+    stage0 = build_stage(run, 0)
+    stage0.load_state_dict(state["model"])
+    stage0.eval()
+    corpus = load_corpus(run.data, run.model.vocab_size)
+    stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, seed=987654321)
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.monotonic()
+    sent: dict[int, float] = {}  # mb_id -> the scrambled share it carried
+    verdicts: list[tuple[float, float, bool, float]] = []  # (time since start, loss, trained, share)
+    share = [0.3]
+    before = await _counters(att.status_b)
+
+    async def verdict(msg: Message, peer: str) -> Message:
+        if isinstance(msg, Backward) and msg.mb_id in sent and msg.loss is not None:
+            f = sent.pop(msg.mb_id)
+            verdicts.append((time.monotonic() - t0, float(msg.loss), not msg.refused, f))
+            share[0] = min(1.0, share[0] + 0.02) if not msg.refused else max(0.0, share[0] - 0.06)
+        return Ack()
+
+    server = RpcServer(att.p2p, RpcLimits())
+    await server.add_handler("backward", verdict)
+    rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=0, state="training",
+                     maddrs=[])
+    await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
+    await asyncio.sleep(2.0)  # the record reaches the last stage before the first forward
+    replies: dict[str, int] = {}
+    mb, last_announce = 2**41, 0.0
+    try:
+        while time.monotonic() < until - 1.0:
+            if time.monotonic() - last_announce > 1.0:
+                await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
+                last_announce = time.monotonic()
+            x, y = stream.next()
+            mask = torch.rand(y.shape, generator=gen) < share[0]
+            y = torch.where(mask, torch.randint(0, run.model.vocab_size, y.shape, generator=gen), y)
+            with torch.no_grad():
+                h = stage0(x)
+            mb += 1
+            sent[mb] = share[0]
+            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id],
+                          activations=encode(h, run.compression.activations), targets=encode(y, "none"),
+                          is_eval=False, sent_at=time.time())
+            try:
+                reply = await call(att.p2p, victims["b"], "forward", msg, timeout=5)
+                name = type(reply).__name__
+            except Exception as e:  # a refusal
+                name = getattr(getattr(e, "code", None), "name", type(e).__name__)
+            replies[name] = replies.get(name, 0) + 1
+            if name != "Ack":
+                sent.pop(mb, None)
+                await asyncio.sleep(0.2)
+            else:
+                await asyncio.sleep(0.05)
+    finally:
+        await server.shutdown()
+    after = await _counters(att.status_b)
+    span = max(1e-9, time.monotonic() - t0)
+    trained = [(t, loss, f) for t, loss, ok, f in verdicts if ok]
+    early = [loss for t, loss, _ in trained if t < span / 3]
+    late = [loss for t, loss, _ in trained if t >= 2 * span / 3]
+    drift = (max(late) / max(early)) if early and late else None
+    return {"refused": drift is not None and drift < 1.1 or not late,
+            "forwards": replies, "verdicts": len(verdicts), "trained": len(trained),
+            "highest_trained_loss_first_third": round(max(early), 3) if early else None,
+            "highest_trained_loss_last_third": round(max(late), 3) if late else None,
+            "ceiling_drift": round(drift, 3) if drift else None,
+            "scrambled_share_at_end": round(share[0], 3),
+            "highest_scrambled_share_trained": round(max((f for _, _, f in trained), default=0.0), 3),
+            "b_refused_above_ceiling": int(after.get("rejected:loss_above_ceiling", 0)
+                                           - before.get("rejected:loss_above_ceiling", 0))}
+
+TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "dht_flood": dht_flood, "costly_keys": costly_keys,
+                 "loss_window_drift": loss_window_drift}
