@@ -1,6 +1,7 @@
-"""tools/redteam.py against a live swarm of the tiny run: a quick campaign in the default suite, every attack in the
-slow one. The assertions are on what the victims refused and on their memory; stall figures depend on the machine's
-load and are reported by the tool (docs/security.md), not asserted here, except in the slow campaign."""
+"""tools/redteam.py against live swarms of the tiny run (an attacked swarm and its twin: every test here starts
+swarms, so all are ``slow``; the judge and the ratio are tested without swarms in tests/test_redteam_judge.py). The
+assertions are on what the victims refused, on their memory and on the judged losses being there; stall figures
+depend on the machine's load and are reported by the tool (docs/security.md), not asserted here."""
 
 from __future__ import annotations
 
@@ -23,10 +24,16 @@ def _campaign(tmp_path: Path, *args: str, timeout: float) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path: Path) -> None:
-    res = _campaign(tmp_path, "--attacks", "forged_record,malformed", "--phase-s", "6", timeout=170)
-    assert res["victims_alive"]
+    res = _campaign(tmp_path, "--attacks", "forged_record,malformed", "--phase-s", "6", "--warmup-s", "3",
+                    timeout=280)
+    assert res["groups"]["1x2"]["victims_alive"] and res["groups"]["1x2"]["twin_alive"]
+    for name in ("forged_record", "malformed"):  # both swarms judged from their weights, at the same moment
+        judged = res[name]["val_loss"]
+        assert set(judged["attacked"]["losses"]) == set(judged["twin"]["losses"]) == {"r0"}, judged
+        assert res[name]["honest_val_loss_ratio"] is not None
     assert res["forged_record"]["evidence"]["forged_records_seen_by_honest_reader"] == 0
     assert res["malformed"]["evidence"]["accepted_or_internal"] == {}
     assert res["malformed"]["evidence"]["cells"] == 2 * 6 * 8  # victims x handlers x payloads
@@ -39,7 +46,7 @@ def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path
 @pytest.mark.timeout(1200)
 def test_full_campaign(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--phase-s", "20", "--control-each", timeout=1150)
-    assert res["victims_alive"]
+    assert all(g["victims_alive"] for g in res["groups"].values())
     for name in ("forged_record", "budget_flood", "stream_flood", "malformed", "lying_donor"):
         assert res[name]["outcome"] == "refused", (name, res[name])
 
@@ -72,3 +79,12 @@ def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: P
     assert min(flood["items_offered"].values()) > 0 and not any(flood["items_stored_by_victim"].values()), flood
     assert costly["records_offered"] > 0 and costly["stored_by_victims"] == 0, costly
     assert costly["seen_by_honest_reader"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sender_cannot_drag_the_loss_ceiling_up(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "loss_window_drift", "--phase-s", "10", timeout=380)
+    ev = res["loss_window_drift"]["evidence"]
+    assert ev["trained"] >= 1, ev  # it did get micro-batches trained, just under the ceiling
+    assert ev["ceiling_drift"] is None or ev["ceiling_drift"] < 1.1, ev

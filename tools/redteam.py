@@ -1,26 +1,33 @@
 #!/usr/bin/env python3
 """Red team: attack a live swarm of the tiny run from a stranger's process and measure what each attack costs.
 
-The tool starts two honest peers on loopback (stage 0 and stage 1 of ``tests/runs/tiny.toml``, through
-``peer.ops.procs``), then runs phases of ``--phase-s`` seconds each: a control phase with no attack, and one phase per
-attack (with ``--control-each``, every attack phase is preceded by its own control phase). The attacker is this
-process: a hivemind DHT node that installs no validator and raw libp2p clients that speak our protocol through
-``protocol.rpc`` or write frames by hand. Per attack it reports:
+The tool starts two swarms of ``tests/runs/tiny.toml`` on loopback at once, the same run file, seed, layout and
+settings (``tools/redteam_swarm.py``): the attacked swarm and its twin, which nobody attacks and which trains
+alongside over the same seconds. The attacks on what replicas do together (averaging, witnesses, backups, spot
+checks: ``REPLICATED``) run against a pair of swarms with ``--replicas`` peers per stage, the others against a pair
+with one peer per stage. Each pair trains ``--warmup-s``, then the tool runs phases of ``--phase-s`` seconds: a
+control phase with no attack (with ``--control-each``, one before every attack), and one phase per attack. The
+attacker is this process: a hivemind DHT node that installs no validator and raw libp2p clients that speak our
+protocol through ``protocol.rpc`` or write frames by hand. At the end of every phase a judge (a stranger's identity
+per swarm) fetches every honest peer's stage weights through the state RPC, as any joiner may, chains them into
+pipelines (replica r of every stage; a peer the attack added in place of replica 0 of its stage) and evaluates them on
+fixed validation batches in this process, both swarms at the same moment. Per attack it reports:
 
-* ``outcome``: ``stalled`` (stage 0 made no progress for more than 5 s), else ``degraded`` (the honest validation
-  loss rose by more than 5 %, or the attack's evidence shows harm those figures miss: a joiner that loaded a liar's
-  state), else ``refused`` (the victims refused what the attack needed: evidence in
-  ``evidence``), else ``harmless``;
-* ``max_stall_s``: the longest gap between two optimiser steps of the stage-0 peer during the phase;
-* ``honest_val_loss_ratio``: the stage-0 peer's latest validation loss at the end of the attack phase divided by
-  the one at the end of the control phase before it (the swarm keeps learning, so an unharmed phase gives <= 1);
+* ``outcome``: ``stalled`` (a stage-0 peer made no progress for more than 5 s), else ``degraded`` (the worst victim's
+  loss more than 5 % above the twin's, or the attack's evidence shows harm the losses miss: a joiner that loaded a
+  liar's state), else ``refused`` (the victims refused what the attack needed: ``evidence``), else ``harmless``;
+* ``max_stall_s`` (``twin_max_stall_s``): the longest gap between two optimiser steps of a stage-0 peer;
+* ``honest_val_loss_ratio``: the attacked swarm's mean judged loss over its pipelines ÷ the twin's, at the same
+  moment; ``worst_victim_loss_ratio``: its worst pipeline (a joiner's included) ÷ the twin's worst;
+  ``reported_val_loss_ratio``: the same for the losses the first stage-0 peers report on ``/status``, for contrast;
+* ``steps``: every layout peer's ``local_step`` in both swarms (a ratio above 1 with fewer steps is lost compute);
 * ``rss_growth_mib``: the largest growth of a victim's resident memory over the phase.
 
     python tools/redteam.py --json redteam.json                       # every attack
     python tools/redteam.py --attacks forged_record,malformed --phase-s 8 --json out.json
 
-The attacker shares the victims' cores; ``--attacker-cpu CORES`` confines it to a CPU quota (tools/confine.py) to
-model a remote attacker, and the floods report the stream rate it reached, so both kinds of run can be compared.
+The attacker shares the victims' cores (and the twin's); ``--attacker-cpu CORES`` confines it to a CPU quota
+(tools/confine.py) to model a remote attacker, and the floods report the stream rate it reached.
 """
 
 from __future__ import annotations
@@ -388,7 +395,7 @@ class Campaign:
         self.verdicts = tuple(await asyncio.gather(self.judges[0].judge(self.attacked),  # type: ignore[assignment]
                                                    self.judges[1].judge(self.twin)))
 
-    def figures(self, t0: float, t1: float) -> dict[str, Any]:
+    async def figures(self, t0: float, t1: float) -> dict[str, Any]:
         """The phase's figures: stalls, the judged losses of both swarms and their ratios, reported losses."""
         stall, reported = self.attacked.window(t0, t1)
         twin_stall, twin_reported = self.twin.window(t0, t1)
@@ -404,14 +411,15 @@ class Campaign:
                 "worst_victim_loss_ratio": None if worst_ratio is None else round(worst_ratio, 3),
                 "reported_val_loss_ratio": None if reported_ratio is None else round(reported_ratio, 3),
                 "val_loss": {"attacked": attacked.to_json(), "twin": twin.to_json()},
-                "steps": {"attacked": self.attacked.steps(), "twin": self.twin.steps()}}
+                "steps": {"attacked": await asyncio.to_thread(self.attacked.steps),
+                          "twin": await asyncio.to_thread(self.twin.steps)}}
 
     async def control(self, seconds: float) -> dict[str, Any]:
         logger.info("control phase (%.0f s) starts", seconds)
         t0 = time.monotonic()
         await asyncio.sleep(seconds)
         await self.judge()
-        return self.figures(t0, time.monotonic())
+        return await self.figures(t0, time.monotonic())
 
     async def phases(self, names: list[str]) -> dict[str, Any]:
         a, b = self.attacked.peers[0][0], self.attacked.peers[1][0]
@@ -439,7 +447,7 @@ class Campaign:
                 t1 = time.monotonic()
                 if self.verdicts is None:
                     await self.judge()
-                fig = self.figures(t0, t1)
+                fig = await self.figures(t0, t1)
                 verdict = outcome(fig["max_stall_s"], fig["worst_victim_loss_ratio"], evidence.pop("refused"),
                                   evidence.pop("degraded", False))
                 results[name] = {"outcome": verdict, **fig, "replicas": self.attacked.replicas,
@@ -484,7 +492,8 @@ def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: P
             s.wait_training(180)
             s.watch()
         time.sleep(args.warmup_s)
-        results = asyncio.run(campaign(args, names, swarms[0], swarms[1], root))
+        (root / f"attacker{replicas}").mkdir(parents=True, exist_ok=True)  # its identities, the judges' keys
+        results = asyncio.run(campaign(args, names, swarms[0], swarms[1], root / f"attacker{replicas}"))
         results["victims_alive"], results["twin_alive"] = swarms[0].alive(), swarms[1].alive()
     finally:
         for s in swarms:

@@ -86,7 +86,7 @@ async def _joiner_phase(att: Attacker, name: str, stage: int, until: float,
     """The attacks on a joiner: announce ``records`` (each signed by its signer, every second), start an honest
     joiner of ``stage`` in the attacked swarm, let it train until ``until``, judge both swarms while it lives, then
     stop announcing, reap it and shut the attacker's ``servers`` and ``p2ps`` down, however the attack ended."""
-    tasks: list[asyncio.Task] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
         for signer, rec in records:
             tasks.append(await _announcing(att, signer, rec))

@@ -17,7 +17,7 @@ import contextlib
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,13 +147,14 @@ def pipeline_loss(run: RunConfig, stages: Sequence[StageWeights], batches: Batch
         module = build_stage(run, s)
         module.load_state_dict(weights)
         modules.append(module.eval())
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = modules[-1].loss  # type: ignore[assignment]
     losses = []
     with torch.no_grad():
         for x, y in batches:
             h = x
             for m in modules:
                 h = m(h)
-            losses.append(float(modules[-1].loss(h.float(), y)))
+            losses.append(float(loss_of(h.float(), y)))
     return sum(losses) / len(losses)
 
 
