@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -421,7 +422,7 @@ class Campaign:
         await self.judge()
         return await self.figures(t0, time.monotonic())
 
-    async def phases(self, names: list[str]) -> dict[str, Any]:
+    async def phases(self, names: list[str], progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         a, b = self.attacked.peers[0][0], self.attacked.peers[1][0]
         att = Attacker(self.root, self.attacked.initial, self.run)
         att.status_a, att.status_b, att.swarm, att.judge = a.status, b.status, self.attacked, self.judge
@@ -436,6 +437,7 @@ class Campaign:
             for i, name in enumerate(names):
                 if i == 0 or self.args.control_each:
                     results["control"].append(await self.control(self.args.phase_s))
+                    progress(results)
                 seconds = max(self.args.phase_s, MIN_PHASE_S.get(name, 0.0))
                 logger.info("attack %s (%.0f s) starts", name, seconds)
                 t0, rss0, self.verdicts = time.monotonic(), self.attacked.rss_mib(), None
@@ -455,6 +457,7 @@ class Campaign:
                                  "phase_s": round(t1 - t0, 1), "evidence": evidence}
                 logger.info("%s: %s", name, {k: results[name][k] for k in (
                     "outcome", "max_stall_s", "honest_val_loss_ratio", "worst_victim_loss_ratio")})
+                progress(results)
                 await asyncio.sleep(1.0)  # let the attack's last streams drain before the next phase
         finally:
             await att.close()
@@ -463,10 +466,10 @@ class Campaign:
 
 
 async def campaign(args: argparse.Namespace, names: list[str], attacked: Swarm, twin: Swarm,
-                   root: Path) -> dict[str, Any]:
+                   root: Path, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     quota = CpuQuota(args.attacker_cpu).enter() if args.attacker_cpu else None  # before the attacker starts anything
     try:
-        results = await Campaign(args, attacked, twin, root).phases(names)
+        results = await Campaign(args, attacked, twin, root).phases(names, progress)
     finally:
         if quota is not None:
             throttled = quota.throttled_s()
@@ -476,7 +479,8 @@ async def campaign(args: argparse.Namespace, names: list[str], attacked: Swarm, 
     return results
 
 
-def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: Path) -> dict[str, Any]:
+def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: Path,
+              progress: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Start the attacked swarm and its twin together (``replicas`` peers per stage each), let them train for
     ``--warmup-s``, run ``names`` against the first, reap both."""
     run = RunConfig.from_toml(TINY)
@@ -493,7 +497,7 @@ def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: P
             s.watch()
         time.sleep(args.warmup_s)
         (root / f"attacker{replicas}").mkdir(parents=True, exist_ok=True)  # its identities, the judges' keys
-        results = asyncio.run(campaign(args, names, swarms[0], swarms[1], root / f"attacker{replicas}"))
+        results = asyncio.run(campaign(args, names, swarms[0], swarms[1], root / f"attacker{replicas}", progress))
         results["victims_alive"], results["twin_alive"] = swarms[0].alive(), swarms[1].alive()
     finally:
         for s in swarms:
@@ -542,17 +546,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas == 1:
         groups = {1: args.attacks}
     for replicas, names in groups.items():
-        if names:
-            group = run_group(args, names, replicas, root)
-            results["groups"][f"{replicas}x{RunConfig.from_toml(TINY).n_stages}"] = {
-                k: group.pop(k) for k in ("control", "victims_alive", "twin_alive", "attacker_confined") if k in group}
-            results.update(group)
+        if not names:
+            continue
+        key = f"{replicas}x{RunConfig.from_toml(TINY).n_stages}"
+        try:
+            group = run_group(args, names, replicas, root, functools.partial(_write, args, results, key))
+        except Exception as e:  # a swarm that would not start: say so, run the next group
+            logger.exception("the %s swarms failed", key)
+            group = {"error": f"{type(e).__name__}: {e}"}
+        _merge(results, key, group)
     results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     text = json.dumps(results, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _merge(results: dict[str, Any], key: str, group: dict[str, Any]) -> None:
+    """A group's figures into the results: its control phases and liveness under ``groups``, its attacks on top."""
+    group = dict(group)
+    results["groups"][key] = {k: group.pop(k) for k in ("control", "victims_alive", "twin_alive",
+                                                        "attacker_confined", "error") if k in group}
+    results.update(group)
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any], key: str, partial: dict[str, Any]) -> None:
+    """The results so far, written after every phase (a campaign cut short keeps what it measured)."""
+    if args.json:
+        merged = json.loads(json.dumps(results))
+        _merge(merged, key, partial)
+        merged["machine"]["loadavg_now"] = Path("/proc/loadavg").read_text().split()[:3]
+        Path(args.json).write_text(json.dumps(merged, indent=2) + "\n")
 
 
 if __name__ == "__main__":
