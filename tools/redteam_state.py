@@ -202,12 +202,17 @@ async def bounds_reset(att: Attacker, victims: dict[str, str], until: float) -> 
         except Exception as e:  # how the victim ended the call is the observation
             name = type(e).__name__
         replies[name] = replies.get(name, 0) + 1
+        if name == Busy.__name__:  # b has not seen our record yet: not a forward it judged
+            await asyncio.sleep(0.5)
+            continue
         n += 1
         await asyncio.sleep(0.05)
     task.cancel()
     after = await _counters(att.status_b)
     relearnt = after.get("relearnt:activations_norm", 0) - before.get("relearnt:activations_norm", 0)
-    return {"refused": relearnt == 0, "degraded": relearnt > 0, "b_relearnt_bound": relearnt, "replies": replies}
+    # refused only if b judged some of them (a phase in which our record never reached b shows nothing)
+    return {"refused": relearnt == 0 and n > 0, "degraded": relearnt > 0, "b_relearnt_bound": relearnt,
+            "forwards_judged": n, "replies": replies}
 
 
 async def state_flood(att: Attacker, victims: dict[str, str], until: float) -> Evidence:

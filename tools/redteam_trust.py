@@ -13,7 +13,9 @@ import asyncio
 import functools
 import os
 import random
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -208,7 +210,10 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     scrambled so that its loss lands just under the last stage's loss ceiling: it reads each verdict (the loss in the
     Backward, trained or refused) and scrambles more after a trained one, less after a refused one, to drag the
     ceiling up and have ever worse micro-batches trained. The ceiling's window takes only trained losses of senders
-    known for 30 s, at most 16 per sender: the highest loss trained late in the phase must stay near the first."""
+    known for 30 s, at most 16 per sender. The attacker also runs a copy of stage 1 (fetched from b, refreshed every
+15 s) on the same batches unscrambled: its honest losses give the ceiling honest traffic alone sets (median + max(0.5
+x median, 1.0), the guard's rule); the highest loss b trained in the last third of the phase must stay within 10 %
+of it."""
     run = att.run
     state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
                                         donors=[victims["a"]])
@@ -217,6 +222,11 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     stage0 = build_stage(run, 0)
     stage0.load_state_dict(state["model"])
     stage0.eval()
+    stage1 = build_stage(run, 1)
+    stage1.eval()
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = stage1.loss  # type: ignore[assignment]
+    honest: list[float] = []  # the copy's losses of the same batches, unscrambled
+    fetched_at = -1e9
     corpus = load_corpus(run.data, run.model.vocab_size)
     stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, seed=987654321)
     gen = torch.Generator().manual_seed(0)
@@ -246,11 +256,19 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             if time.monotonic() - last_announce > 1.0:
                 await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
                 last_announce = time.monotonic()
+            if time.monotonic() - fetched_at > 15.0:
+                fetched_at = time.monotonic()
+                copy = await load_state_from_peers(p2p=att.p2p, run=run, stage=1, donors=[victims["b"]],
+                                                   metrics=PeerMetrics("attacker", 1))
+                if copy is not None:
+                    stage1.load_state_dict(copy["model"])
             x, y = stream.next()
-            mask = torch.rand(y.shape, generator=gen) < share[0]
-            y = torch.where(mask, torch.randint(0, run.model.vocab_size, y.shape, generator=gen), y)
             with torch.no_grad():
                 h = stage0(x)
+                if fetched_at > 0:
+                    honest.append(float(loss_of(stage1(h), y)))
+            mask = torch.rand(y.shape, generator=gen) < share[0]
+            y = torch.where(mask, torch.randint(0, run.model.vocab_size, y.shape, generator=gen), y)
             mb += 1
             sent[mb] = share[0]
             msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id],
@@ -274,8 +292,11 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     trained = [(t, loss, f) for t, loss, ok, f in verdicts if ok]
     early = [loss for t, loss, _ in trained if t < span / 3]
     late = [loss for t, loss, _ in trained if t >= 2 * span / 3]
-    drift = (max(late) / max(early)) if early and late else None
+    median = statistics.median(honest) if honest else None
+    ceiling = None if median is None else median + max(0.5 * median, 1.0)
+    drift = (max(late) / ceiling) if late and ceiling else None
     return {"refused": drift is not None and drift < 1.1 or not late,
+            "honest_ceiling_estimate": round(ceiling, 3) if ceiling else None,
             "forwards": replies, "verdicts": len(verdicts), "trained": len(trained),
             "highest_trained_loss_first_third": round(max(early), 3) if early else None,
             "highest_trained_loss_last_third": round(max(late), 3) if late else None,
