@@ -60,6 +60,15 @@ async def _announcing(att: Attacker, signer: Signer, rec: PeerRecord) -> asyncio
     return task
 
 
+async def _identity(att: Attacker, name: str) -> tuple[P2P, Signer]:
+    """One more identity of the attacker (its key kept under ``name``): a libp2p node in the swarm and its signer."""
+    key = att.root / f"{name}.key"
+    if not key.exists():
+        P2P.generate_identity(str(key))
+    p2p = await P2P.create(identity_path=str(key), initial_peers=att.initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return p2p, Signer.from_identity_file(key)
+
+
 def _zeros(att: Attacker, stage: int) -> StageWorker:
     w = StageWorker(att.run, stage)
     with torch.no_grad():
@@ -161,14 +170,9 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
                                        state="training", maddrs=[]))]
     sybils = []
     for i in range(4):  # each sybil: its own identity, serving the zeros, with a record signed by that identity
-        key = att.root / f"sybil{i}.key"
-        if not key.exists():
-            P2P.generate_identity(str(key))
-        p2p = await P2P.create(identity_path=str(key), initial_peers=att.initial,
-                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        p2p, signer = await _identity(att, f"sybil{i}")
         sybils.append(p2p)
         servers.append(await _serve_state(att, p2p, 1, zeros))
-        signer = Signer.from_identity_file(key)
         records.append((signer, PeerRecord(peer_id=signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**5,
                                            state="training", maddrs=[])))
     seen = await _joiner_phase(att, "pw", 1, until, records, servers, sybils)
@@ -275,16 +279,11 @@ async def vouch_sybils(att: Attacker, victims: dict[str, str], until: float) -> 
 
     try:
         for i in range(2):
-            key = att.root / f"voucher{i}.key"
-            if not key.exists():
-                P2P.generate_identity(str(key))
-            p2p = await P2P.create(identity_path=str(key), initial_peers=att.initial,
-                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            p2p, signer = await _identity(att, f"voucher{i}")
             sybils.append(p2p)
             server = RpcServer(p2p, RpcLimits())
             await server.add_handler("avg_part", ack)
             servers.append(server)
-            signer = Signer.from_identity_file(key)
             tasks.append(await _announcing(att, signer, PeerRecord(peer_id=signer.peer_id, stage=0, throughput=1.0,
                                                                    queue=0, version=1, state="training",
                                                                    maddrs=[])))
