@@ -211,9 +211,9 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     Backward, trained or refused) and scrambles more after a trained one, less after a refused one, to drag the
     ceiling up and have ever worse micro-batches trained. The ceiling's window takes only trained losses of senders
     known for 30 s, at most 16 per sender. The attacker also runs a copy of stage 1 (fetched from b, refreshed every
-15 s) on the same batches unscrambled: its honest losses give the ceiling honest traffic alone sets (median + max(0.5
-x median, 1.0), the guard's rule); the highest loss b trained in the last third of the phase must stay within 10 %
-of it."""
+    15 s) on the same batches unscrambled: its honest losses give the ceiling honest traffic alone sets (median +
+    max(0.5 x median, 1.0), the guard's rule); the highest loss b trained in the last third of the phase must stay
+    within 10 % of it."""
     run = att.run
     state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
                                         donors=[victims["a"]])
@@ -226,7 +226,7 @@ of it."""
     stage1.eval()
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = stage1.loss  # type: ignore[assignment]
     honest: list[float] = []  # the copy's losses of the same batches, unscrambled
-    fetched_at = -1e9
+    fetched_at, have_copy = -1e9, False
     corpus = load_corpus(run.data, run.model.vocab_size)
     stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, seed=987654321)
     gen = torch.Generator().manual_seed(0)
@@ -262,10 +262,11 @@ of it."""
                                                    metrics=PeerMetrics("attacker", 1))
                 if copy is not None:
                     stage1.load_state_dict(copy["model"])
+                    have_copy = True
             x, y = stream.next()
             with torch.no_grad():
                 h = stage0(x)
-                if fetched_at > 0:
+                if have_copy:
                     honest.append(float(loss_of(stage1(h), y)))
             mask = torch.rand(y.shape, generator=gen) < share[0]
             y = torch.where(mask, torch.randint(0, run.model.vocab_size, y.shape, generator=gen), y)
