@@ -94,3 +94,15 @@ def test_the_judge_fetches_a_peers_weights_through_the_state_rpc(tmp_path: Path)
     for k, v in worker.model.state_dict().items():
         assert torch.equal(got[k], v), k
     assert math.isfinite(loss)
+
+
+def test_a_groups_control_and_liveness_go_under_groups_its_attacks_on_top() -> None:
+    from tools.redteam import _merge
+    results: dict[str, Any] = {"groups": {}}
+    _merge(results, "2x2", {"control": [{"honest_val_loss_ratio": 1.02}], "victims_alive": True, "twin_alive": True,
+                            "witness_sybils": {"outcome": "degraded"}})
+    _merge(results, "1x2", {"error": "PeerProcessError: v00 gave no training within 180 s"})
+    assert results["groups"]["2x2"] == {"control": [{"honest_val_loss_ratio": 1.02}], "victims_alive": True,
+                                        "twin_alive": True}
+    assert results["witness_sybils"] == {"outcome": "degraded"}
+    assert results["groups"]["1x2"]["error"].startswith("PeerProcessError")
