@@ -109,7 +109,7 @@ def test_moments_and_pending_gradients_are_dropped_and_the_step_is_capped_at_the
     asyncio.run(main())
 
 
-def test_a_silent_or_garbage_witness_means_do_not_load():
+def test_a_silent_or_garbage_witness_is_outvoted_by_the_donor_and_an_agreeing_one_and_vetoes_alone():
     async def main():
         class Silent:
             ready = True
@@ -120,9 +120,29 @@ def test_a_silent_or_garbage_witness_means_do_not_load():
         for bad in (Silent(), _server(_liar("zeros"))):
             servers = {"h1": _server(_trained_worker(1, 2)), "h2": _server(_trained_worker(2, 2)), "bad": bad}
             metrics = PeerMetrics("joiner", 0)
-            assert await _load(servers, ["h1"], ["h2", "bad"], metrics) is None
+            state = await _load(servers, ["h1"], ["h1", "h2", "bad"], metrics)  # 2 of 3 vouch
+            assert state is not None and _weights_of(state, servers["h1"].worker)
+            assert metrics.snapshot()["counters"]["state_witness_dissent"] == 1
+            metrics = PeerMetrics("joiner", 0)
+            assert await _load(servers, ["h1"], ["h1", "bad"], metrics) is None  # a stage of two: a tie
             text = metrics.snapshot()["warnings"][-1]["text"]
-            assert "bad" in text and "not loaded" in text
+            assert "bad" in text and "not loaded" in text and "1 of 2" in text
+
+    asyncio.run(main())
+
+
+def test_k_liars_keep_a_joiner_from_loading_only_when_as_many_as_the_honest_and_win_only_when_more():
+    async def main():
+        honest = {f"h{i}": _server(_trained_worker(i, 2)) for i in (1, 2)}
+        liars = {f"s{i}": _server(_liar("noise")) for i in (1, 2, 3)}  # identical lies: they vouch for each other
+        for k, donor, loaded in ((1, "h1", "h1"), (1, "s1", "h2"), (2, "h1", None), (2, "s1", None), (3, "s1", "s1")):
+            servers = {**honest, **{f"s{i}": liars[f"s{i}"] for i in range(1, k + 1)}}
+            metrics = PeerMetrics("joiner", 0)
+            state = await _load(servers, [donor, "h2"] if donor.startswith("s") else [donor], list(servers), metrics)
+            if loaded is None:
+                assert state is None, (k, donor)
+            else:
+                assert state is not None and _weights_of(state, servers[loaded].worker), (k, donor)
 
     asyncio.run(main())
 

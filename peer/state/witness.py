@@ -11,20 +11,25 @@ pipeline work) when any of them serves the stage; else, for a peer that has no h
 among the stage's announced training peers. Never the donor itself; none when the donor is trusted and no other
 replica is (its validated work vouches for it, and a stranger may not veto it).
 
-**The verdict** is unanimous: the state is loaded only if every witness asked answered, holds tensors of the same
-sizes, and is within ``tensor_tolerance`` of the delivered state on *every* tensor (relative distance, 0 equal, 1
-zeros against anything, 2 a sign flip; honest replicas of the tiny run are measured in docs/security.md). A witness
-that is silent, answers garbage, or disagrees means "do not load": the caller tries the next source, and in the end
-the run's seeded init with a WARNING. A liar can thus keep a joiner from loading (it then starts from the init and
-the averaging rounds pull it in), never make it load a state no witness vouches for. Only when the stage has no other
-replica than the donor at all, or the donor alone is trusted, is its state loaded unwitnessed (``allow_alone``;
-counted and logged): the stage is then that donor's, whatever we load. A backup copy is loaded unwitnessed only when
-the stage has no live replica and no other copy is announced (its only alternative is the seeded init); the
-neighbour backup loop copies an unwitnessed state only from a holder that did validated work for us.
+**The verdict** is a strict majority of the donor and the witnesses asked: the donor's word for its own state counts
+once, each witness that answered, holds tensors of the same sizes and is within ``tensor_tolerance`` of the
+delivered state on *every* tensor (relative distance, 0 equal, 1 zeros against anything, 2 a sign flip; honest
+replicas of the tiny run are measured in docs/security.md) counts for it, and each witness that is silent, answers
+garbage or disagrees counts against it; a tie means "do not load". The witnesses are every announced replica (up to
+``witnesses``), not a sample, so what the verdict rests on is a count of identities: a liar alone is outvoted by
+the honest donor and one honest witness (a unanimous rule let one record keep every joiner of a 2-replica stage at
+the seeded init, docs/security.md), k liars keep a joiner from loading only when they are at least as many as the
+stage's honest replicas, and make it load their state only when they are more. "Do not load" makes the caller try
+the next source, and in the end the run's seeded init with a WARNING. Witnesses that dissent from a loaded state are
+counted (``state_witness_dissent``) and named in the log. Only when the stage has no other replica than the donor at
+all, or the donor alone is trusted, is its state loaded unwitnessed (``allow_alone``; counted and logged): the
+stage is then that donor's, whatever we load. A backup copy is loaded unwitnessed only when the stage has no live
+replica and no other copy is announced (its only alternative is the seeded init); the neighbour backup loop copies
+an unwitnessed state only from a holder that did validated work for us.
 
-**A stage of two** (the donor and one other replica): the other replica is the only witness and must agree; if it
-does not, nothing is loaded (the joiner starts from the init, with a warning) unless the donor did validated work
-for us and the witness did not. One word against another is never settled for the stranger.
+**A stage of two** (the donor and one other replica): one word against another is a tie, never settled for the
+stranger: if the other replica disagrees, nothing is loaded (the joiner starts from the init, with a warning) unless
+the donor did validated work for us and the witness did not.
 
 **What is kept of a witnessed state**: the weights (witnessed), and ``local_step`` capped at the highest step a
 witness reports (an announced step of 2^62 would pin the learning rate schedule at its end). The optimiser moments,
@@ -60,15 +65,17 @@ DIMS = 64
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the witnesses said of a delivered state: ``loadable``, why not (``reason``), each witness's largest
-    per-tensor distance from it, the step cap (the highest step a witness reported; None without witnesses), and
-    whether no witness could be asked at all."""
+    """What the witnesses said of a delivered state: ``loadable``, the tally and each dissent (``reason``), each
+    witness's largest per-tensor distance from it, the step cap (the highest step an agreeing witness reported; None
+    without one), and whether no witness could be asked at all."""
 
     loadable: bool
     reason: str
     distances: dict[str, float] = field(default_factory=dict)
     step_cap: int | None = None
     unwitnessed: bool = False
+    dissent: int = 0
+    """Witnesses asked that did not vouch for the state (silent, garbage or disagreeing)."""
 
 
 def draw_witnesses(*, trusted: list[str], announced: list[str], donor: str, n: int,
@@ -143,10 +150,13 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
             worst = int(d.argmax())
             problems.append(f"witness {w[:16]} is {distances[w]:.3f} from it on tensor {worst} "
                             f"(tolerance {config.tensor_tolerance})")
-    steps = [a.local_step for a in answers.values() if isinstance(a, Digest)]
-    cap = max(steps) if steps else None
-    return Verdict(loadable=not problems, reason="; ".join(problems) or "every witness agrees",
-                   distances=distances, step_cap=cap)
+    agree = len(answers) - len(problems)
+    steps = [a.local_step for w, a in answers.items() if isinstance(a, Digest) and distances.get(w, 1e9)
+             <= config.tensor_tolerance]
+    loadable = agree + 1 > len(problems)  # the donor's own word and the agreeing witnesses against the rest
+    tally = f"{agree + 1} of {len(answers) + 1} (the donor and {agree} of {len(answers)} witnesses) vouch for it"
+    return Verdict(loadable=loadable, reason="; ".join([tally, *problems]), distances=distances,
+                   step_cap=max(steps) if steps else None, dissent=len(problems))
 
 
 def sanitize(state: dict[str, Any], step_cap: int | None) -> dict[str, Any]:
@@ -190,6 +200,9 @@ def witness_vetter(*, run: RunConfig, stage: int, config: StateSyncConfig, metri
             metrics.inc("state_sync_unwitnessed")
             logger.warning("stage %d: loading %s from %s unwitnessed: it is the stage's only replica", stage, what,
                            donor[:16])
+        elif verdict.dissent:
+            metrics.inc("state_witness_dissent", verdict.dissent)
+            logger.warning("stage %d: loading %s from %s: %s", stage, what, donor[:16], verdict.reason)
         else:
             logger.info("stage %d: %s from %s agrees with its witnesses (largest per-tensor distance %s)", stage,
                         what, donor[:16], figures)
