@@ -26,6 +26,7 @@ EPILOG = """examples:
   asyncmesh-peer simulate --preset paper --methods fullsync,asyncmesh --compression int8 --out /tmp/int8
   asyncmesh-peer simulate --preset smoke --stages 4 --replicas 4 --tau 2,8 --p 0.1 --steps 128 --out /tmp/x
   asyncmesh-peer simulate --preset smoke --arch llama --out /tmp/llama   (the Llama-style model, same shape)
+  asyncmesh-peer simulate --preset smoke --methods asyncmesh --subspace-rank 16 --subspace-codec int4 --out /tmp/ss
 
 methods: fullsync, naive-async, asyncpp, asyncpp-nows, asyncmesh, async-sparta, delta, full-avg, wagma, accum
 (see trainer/sim/methods.py for exactly what each one does)."""
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-compression", choices=CODECS, default=None,
                         help="codec for the gradients only (default: as --compression)")
     parser.add_argument("--avg-compression", choices=CODECS, default=None, help="codec for averaging payloads")
+    parser.add_argument("--subspace-rank", type=int, default=None, metavar="K",
+                        help="subspace compression (trainer/subspace.py): the residual stream confined to a fixed "
+                        "rank-K subspace, K coefficients per token crossing each boundary (instead of --compression)")
+    parser.add_argument("--subspace-codec", choices=CODECS, default=None,
+                        help="with --subspace-rank: the coefficients' codec (default: none, fp32)")
     parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N micro-batches per replica")
     parser.add_argument("--seed", type=int, default=None, help="run seed (init, data shards, partitions)")
     parser.add_argument("--aggregator", choices=("mean", "trimmed", "centered_clip"), default=None,
@@ -130,6 +136,15 @@ def _build_config(args: argparse.Namespace):
     )
     if args.arch is not None:
         sim = dataclasses.replace(sim, run=sim.run.replace(model={"arch": args.arch}))
+    if args.subspace_codec is not None and args.subspace_rank is None:
+        raise UserError("--subspace-codec needs --subspace-rank K (the subspace the coefficients are of)")
+    if args.subspace_rank is not None:
+        if args.compression or args.grad_compression:
+            raise UserError("--subspace-rank replaces --compression and --grad-compression: the boundary sends "
+                            "subspace coefficients (give their codec with --subspace-codec)")
+        sim = dataclasses.replace(sim, run=sim.run.replace(compression={
+            "activations": "subspace", "gradients": "subspace", "subspace_rank": args.subspace_rank,
+            "subspace_codec": args.subspace_codec or "none"}))
     if args.round_steps is not None:
         sim = dataclasses.replace(sim, run=sim.run.replace(averaging={"round_steps": args.round_steps}))
     if args.delays_from:

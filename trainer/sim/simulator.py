@@ -25,7 +25,8 @@ schedule, so what it shows about convergence holds for the daemon's code:
   (trainer/averaging.py).
 * **Compression**: activations and gradients crossing a stage boundary, and averaging payloads, go through
   ``protocol.codecs.registry.roundtrip`` with the chosen codec, so quantisation error enters training as it
-  would on the wire.
+  would on the wire. Subspace runs (trainer/subspace.py) send a boundary's coefficients through the coefficient
+  codec and rebuild the activations from them and the micro-batch's token ids, as peer/pipeline/boundary.py does.
 * **Byzantine replicas** (``byzantine``, ``attack``): the last ``byzantine`` replicas train honestly but put an
   attacked part on the wire (``trainer.attacks``: zeros, x-10, sign flip, noise, 'a little is enough' from the honest
   parts); every replica combines the parts with the run's ``averaging.aggregator`` (``trainer.robust``), so the
@@ -58,6 +59,7 @@ from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.rules import rule_of, wagma_members
 from trainer.sim.methods import METHODS, MethodSpec
+from trainer.subspace import Subspace
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
 logger = logging.getLogger(__name__)
@@ -201,9 +203,6 @@ class SimConfig:
 def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "none":
         return lambda t: t
-    if name == "subspace":
-        raise SimulationError('the simulator does not model "subspace" compression (its coefficients need the token '
-                              "ids of each micro-batch); measure it with a swarm: tools/bench_links.py")
     try:
         from protocol.codecs.registry import roundtrip
     except ImportError as e:  # pragma: no cover - the protocol package ships codecs
@@ -229,8 +228,11 @@ class _Run:
         self.val = val
         comp = self.run.compression
         self.codec_errors: dict[str, list[float]] = {"act": [], "grad": []}  # relative L2 error per hop, since record
-        self.act = self._measured(comp.activations, "act")
-        self.grad = self._measured(comp.gradients, "grad")
+        # subspace runs: the boundary's coefficients through the coefficient codec (and back), as the wire does
+        self.subspace = Subspace(self.run, device=sim.device) if comp.subspace else None
+        self.act = self._measured(comp.subspace_codec if comp.subspace else comp.activations, "act")
+        self.grad = self._measured(comp.subspace_codec if comp.subspace else comp.gradients, "grad")
+        self.ids: list[dict[int, torch.Tensor]] = [{} for _ in range(self.R)]  # micro-batch -> its input token ids
         self.avg_codec = _codec(comp.averaging)
         self.consumed = 0  # micro-batches per replica read so far (a speed-1 replica's, with speeds)
         self.trained: list[int] = []  # async schedule: micro-batches each replica has read
@@ -248,14 +250,24 @@ class _Run:
         self.honest = self.R - (sim.byzantine if spec.combine != "grad" else 0)  # replicas 0 .. honest-1
         self.attack_rng = torch.Generator().manual_seed(self.run.seed + 7)
 
-    def _measured(self, name: str, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The codec's round trip, recording ||q(t) - t|| / ||t|| of every hop (the curve reports their mean)."""
-        codec = _codec(name)
-        if name == "none":
-            return codec
+    def _measured(self, name: str, kind: str) -> Callable[..., torch.Tensor]:
+        """The codec's round trip ``(t, ids) -> t'``, recording ||q(t) - t|| / ||t|| of every hop (the curve reports
+        their mean). Subspace runs send a boundary's coefficients (activations: of ``t`` less the micro-batch
+        ``ids``' fixed embeddings) and rebuild the full tensor from what arrived (trainer/subspace.py)."""
+        codec, ss = _codec(name), self.subspace
+        if name == "none" and ss is None:
+            return lambda t, ids=None: t
 
-        def apply(t: torch.Tensor) -> torch.Tensor:
-            q = codec(t)
+        def apply(t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+            if ss is None:
+                q = codec(t)
+            elif kind == "act":
+                if ids is None:
+                    raise SimulationError("a subspace run's activations need their micro-batch's token ids")
+                q = ss.rebuild(codec(ss.coefficients(t, ids)), ids).to(t.dtype)
+            else:  # measured against U U^T g, all any upstream weight sees of g, so only the codec's error counts
+                gc = ss.grad_coefficients(t)
+                t, q = ss.grad_rebuild(gc).to(t.dtype), ss.grad_rebuild(codec(gc)).to(t.dtype)
             self.codec_errors[kind].append(float((q - t).norm() / t.norm().clamp_min(1e-30)))
             return q
         return apply
@@ -426,6 +438,7 @@ class _Run:
                         x, y = self.next_batch(r)
                     else:
                         x, y = outs[r][K - 2], targets[r].pop(mb)
+                        self.ids[r].pop(mb)
                     loss, held[r][mb] = w[K - 1].forward_loss(mb, x, y)
                     self.losses.append(loss)
                 for s in range(K - 2, -1, -1):  # forwards, deepest first so each reads the previous tick's output
@@ -433,9 +446,10 @@ class _Run:
                     if 0 <= m < n_r:
                         if s == 0:
                             inp, targets[r][m] = self.next_batch(r)
+                            self.ids[r][m] = inp
                         else:
                             inp = outs[r][s - 1]
-                        outs[r][s] = self.act(w[s].forward(m, inp))
+                        outs[r][s] = self.act(w[s].forward(m, inp), self.ids[r][m])
                 back = t - (K - 1) - E
                 if back >= 0:  # backward sweep of micro-batch ``back``: stage s's forward ran K - 1 - s + E ticks ago
                     grad = held[r].pop(back)
@@ -458,8 +472,9 @@ class _Run:
                 for i in range(M):
                     mb = step * M + i
                     h, y = self.next_batch(r)
+                    ids = h
                     for s in range(K - 1):
-                        h = self.act(w[s].forward(mb, h))
+                        h = self.act(w[s].forward(mb, h), ids)
                     loss, grad = w[K - 1].forward_loss(mb, h, y)
                     self.losses.append(loss)
                     for s in range(K - 2, -1, -1):
