@@ -36,6 +36,11 @@ def test_figures_against_int8():
     assert cases["int8"]["time_to_loss_speedup_vs_int8"] == 1.0
     assert wire_bytes_per_token(cases["subspace"], 2) == {"activations": 1000, "gradients": 10, "total": 1010}
     assert wire_bytes_per_token(cases["subspace"], 2, eval_tokens=900)["activations"] == 500
+    framed = {"tokens": 100, "budget_s": 10.0, "link_bytes": [{"stage": 0, "tx": 5000, "rx": 0, "rpc_tx": 3000},
+                                                                {"stage": 1, "tx": 4000, "rx": 0, "rpc_tx": 2000}]}
+    wire = wire_bytes_per_token(framed, 2)
+    assert wire["rpc_activations"] == 30 and wire["rpc_gradients"] == 20 and wire["rpc_total"] == 50
+    assert wire["overhead_bytes_per_s"] == 400  # (2000 + 2000) bytes beyond the messages over 10 s
     for rec in cases.values():
         rec["bytes_per_token"] = {**wire_bytes_per_token(rec, 2),
                                   "payload": {"activations": 1, "gradients": 1, "fp32_activations": 512}}

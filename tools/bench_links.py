@@ -181,7 +181,14 @@ def wire_bytes_per_token(result: dict[str, Any], n_stages: int, eval_tokens: int
         return {"activations": None, "gradients": None, "total": None}
     acts = sum(x["tx"] for x in links if x["stage"] < n_stages - 1) / (tokens + eval_tokens)
     grads = sum(x["tx"] for x in links if x["stage"] > 0) / tokens
-    return {"activations": acts, "gradients": grads, "total": acts + grads}
+    out: dict[str, float | None] = {"activations": acts, "gradients": grads, "total": acts + grads}
+    if all(x.get("rpc_tx") is not None for x in links):  # the RPC messages alone (results from before: absent)
+        out["rpc_activations"] = sum(x["rpc_tx"] for x in links if x["stage"] < n_stages - 1) / (tokens + eval_tokens)
+        out["rpc_gradients"] = sum(x["rpc_tx"] for x in links if x["stage"] > 0) / tokens
+        out["rpc_total"] = out["rpc_activations"] + out["rpc_gradients"]
+        # what the links carried beyond the messages, per second of the budget (libp2p and TCP/IP framing, the DHT)
+        out["overhead_bytes_per_s"] = sum(x["tx"] - x["rpc_tx"] for x in links) / result["budget_s"]
+    return out
 
 
 def refigure(doc: dict[str, Any]) -> None:
@@ -224,8 +231,9 @@ def compare(cases: dict[str, dict[str, Any]]) -> None:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The figures as the markdown table of docs/performance.md (``--table JSON`` prints it for a result file)."""
-    rows = ["| network | codec | act B/token | grad B/token | total (x fp32) | payload act+grad | tokens/s | "
-            "final loss | loss vs int8, equal tokens | time-to-loss vs int8 |", "|---|---|" + "---:|" * 8]
+    rows = ["| network | codec | act B/token | grad B/token | total (x fp32) | messages act+grad | payload act+grad | "
+            "other traffic B/s | tokens/s | final loss | loss vs int8, equal tokens | time-to-loss vs int8 |",
+            "|---|---|" + "---:|" * 10]
 
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
@@ -236,7 +244,9 @@ def markdown(doc: dict[str, Any]) -> str:
             fp32 = 2 * b["payload"]["fp32_activations"]
             share = f"{num(b['total'], '.0f')} ({num(b['total'] / fp32 if b['total'] else None, '.4f')})"
             rows.append(f"| {name} | {codec} | {num(b['activations'], '.0f')} | {num(b['gradients'], '.0f')} | "
-                        f"{share} | {b['payload']['activations'] + b['payload']['gradients']:.0f} | "
+                        f"{share} | {num(b.get('rpc_total'), '.0f')} | "
+                        f"{b['payload']['activations'] + b['payload']['gradients']:.0f} | "
+                        f"{num(b.get('overhead_bytes_per_s'), '.0f')} | "
                         f"{r['tokens_per_s']:.0f} | {num(r.get('final_val_loss'), '.3f')} | "
                         f"{num(r.get('equal_tokens_loss_ratio_vs_int8'), '.3f')} | "
                         f"{num(r.get('time_to_loss_speedup_vs_int8'), '.2f')} |")

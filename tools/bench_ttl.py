@@ -171,6 +171,11 @@ def measure_compute_only(args: argparse.Namespace, run: Any) -> dict[str, Any]:
 
 
 # ----- one swarm for the budget --------------------------------------------------------------------------------------
+def rpc_bytes_out(status: dict[str, Any] | None) -> int | None:
+    """The RPC message bytes a peer has sent so far (its ``bytes_out`` counter), None without a /status answer."""
+    return None if status is None else int(status.get("counters", {}).get("bytes_out", 0))
+
+
 def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: int) -> dict[str, Any]:
     """Start the case's swarm, train ``budget_s`` from the moment every peer trains, record every evaluation."""
     n = n_stages * args.replicas
@@ -194,6 +199,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
             seen[p["i"]] = int(s["counters"].get("evaluations", 0)) if s else 0
             evals[p["i"]] = []
         links0 = [net.link_bytes(p["i"]) for p in sc.peers]  # None on loopback
+        rpc0 = [rpc_bytes_out(sc.status(p)) for p in sc.peers]
         logger.info("%s: all %d peers training; %.0f s budget", case.label, n, args.budget_s)
         tokens = tokens0
         while (now := time.monotonic()) - t0 < args.budget_s:
@@ -211,9 +217,12 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
             loads.append(os.getloadavg()[0])
         elapsed = time.monotonic() - t0
         links1 = [net.link_bytes(p["i"]) for p in sc.peers]
+        rpc1 = [rpc_bytes_out(sc.status(p)) for p in sc.peers]
         summaries = sc.stop_and_collect()
-    links = [{"stage": p["stage"], "tx": b["tx"] - a["tx"], "rx": b["rx"] - a["rx"]}
-             for p, a, b in zip(sc.peers, links0, links1, strict=True) if a is not None and b is not None]
+    links = [{"stage": p["stage"], "tx": b["tx"] - a["tx"], "rx": b["rx"] - a["rx"],
+              "rpc_tx": (r1 - r0) if r0 is not None and r1 is not None else None}
+             for p, a, b, r0, r1 in zip(sc.peers, links0, links1, rpc0, rpc1, strict=True)
+             if a is not None and b is not None]
     curve = merge_replicas(evals)
     return {
         "label": case.label, "mode": case.mode, "net": case.net, "delay_ms": case.delay_ms,
@@ -221,7 +230,9 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "curve": [{"t": t, "tokens": tok, "val_loss": loss} for t, tok, loss in curve],
         "evals_per_replica": {str(k): len(v) for k, v in evals.items()},
-        "link_bytes": links or None,  # per peer, over the budget: what its emulated link sent (tx) and received
+        # per peer, over the budget: what its emulated link sent (tx) and received, and the bytes of its RPC messages
+        # (requests it sent and replies it served, before libp2p's and TCP/IP's framing; the DHT's traffic apart)
+        "link_bytes": links or None,
         "final_val_loss": final_loss([(t, loss) for t, _, loss in curve]),
         "avg_fraction_per_step": [s.get("avg_fraction_per_step") for s in summaries],
         "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],
