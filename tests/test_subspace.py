@@ -49,6 +49,10 @@ def test_config_checks_and_run_ids():
         SUB.replace(compression={"subspace_rank": 32})
     with pytest.raises(ValueError, match="dropout"):
         SUB.replace(model={"dropout": 0.1})
+    assert "subspace_table_std" not in TINY.to_dict()["compression"]
+    assert SUB.replace(compression={"subspace_table_std": 0.02}).run_id != SUB.run_id  # F is part of the model
+    with pytest.raises(ValueError, match="subspace_table_std"):
+        SUB.replace(compression={"subspace_table_std": float("nan")})
 
 
 def test_boundary_rebuilds_exactly_and_gradients_lose_nothing():
@@ -93,6 +97,7 @@ def test_invariant_kept_after_step_averaging_and_load():
     # the fixed embedding tables are the seeded init of every replica: two replicas agree without communicating
     other = StageWorker(SUB, 1).subspace
     assert torch.equal(other.u, ss.u) and torch.equal(other.tok_table, ss.tok_table)
+    assert float(ss.tok_table.std()) == pytest.approx(SUB.compression.subspace_table_std, rel=0.05)
 
 
 def test_frames_are_validated():

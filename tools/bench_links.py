@@ -58,16 +58,18 @@ _NETWORK = re.compile(r"^(?P<rate>[0-9.]+)mbit-(?P<rtt>[0-9.]+)ms$")
 
 
 # ----- the runs -----------------------------------------------------------------------------------------------------
-def codec_run(base: Any, codec: str, rank: int) -> Any:
-    """The base run with one codec's compression section (averaging payloads as they were)."""
+def codec_run(base: Any, codec: str, rank: int, table_std: float | None = None) -> Any:
+    """The base run with one codec's compression section (averaging payloads as they were); ``table_std``: the
+    subspace codecs' fixed embedding tables' std (None: the run's default)."""
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
     if not codec.startswith("subspace"):
         return base.replace(compression={"activations": codec, "gradients": codec, "subspace_rank": 0,
                                          "subspace_codec": "none"})
     coefficients = codec.partition("-")[2] or "none"
+    extra = {} if table_std is None else {"subspace_table_std": table_std}
     return base.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": rank,
-                                     "subspace_codec": coefficients})
+                                     "subspace_codec": coefficients, **extra})
 
 
 def parse_network(name: str) -> tuple[float, float]:
@@ -291,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "links.toml", help="base run TOML")
     p.add_argument("--codecs", nargs="+", choices=CODECS, default=["int8", "subspace", "subspace-int4"])
     p.add_argument("--rank", type=int, default=32, help="subspace rank k for the subspace codecs")
+    p.add_argument("--table-std", type=float, default=None,
+                   help="the subspace codecs' fixed embedding tables' std (default: the run's "
+                   "compression.subspace_table_std)")
     p.add_argument("--networks", nargs="+", default=["20mbit-101ms", "100mbit-101ms"],
                    help="emulated WANs as RATEmbit-RTTms (per-peer uplink, round trip), or 'loopback'")
     p.add_argument("--replicas", type=int, default=1, help="peers per stage")
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="asyncmesh-links-"))
     root.mkdir(parents=True, exist_ok=True)
-    runs = {c: codec_run(base, c, args.rank) for c in args.codecs}
+    runs = {c: codec_run(base, c, args.rank, args.table_std) for c in args.codecs}
     paths = {}
     for codec, run in runs.items():
         paths[codec] = root / f"run-{codec}.toml"
@@ -388,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s / %s: %.0f tokens/s, final loss %s", name, codec, rec["tokens_per_s"],
                         rec.get("final_val_loss"))
     doc = {"networks": networks, "codecs": codecs,
-           "meta": {"run": repo_path(args.run), "rank": args.rank, "n_stages": base.n_stages,
+           "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std,
+                    "n_stages": base.n_stages,
                     "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
                     "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
                     "eval_batches": args.eval_batches, "torch_threads": args.torch_threads, "device": args.device,

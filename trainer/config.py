@@ -270,6 +270,10 @@ class CompressionConfig:
     confined to (k coefficients per token cross a stage boundary instead of n_embd values); 0 otherwise."""
     subspace_codec: str = "none"
     """With "subspace": the codec of the coefficients ("none" sends them in fp32, exact; int8/int4 quantise them)."""
+    subspace_table_std: float = 0.1
+    """With "subspace": the std of the fixed embedding tables F (every token's and position's embedding outside the
+    subspace, drawn from the seed, never trained). Larger than the usual 0.02 init: F is all a boundary carries of a
+    token's identity outside the k trained dimensions, and at 0.02 the trained writes drown it."""
 
     def __post_init__(self) -> None:
         if (self.activations == SUBSPACE) != (self.gradients == SUBSPACE):
@@ -280,6 +284,8 @@ class CompressionConfig:
                              f"{self.subspace_rank}")
         if self.subspace_codec not in RUN_CODECS:
             raise ValueError(f"compression.subspace_codec must be one of {RUN_CODECS}, got {self.subspace_codec!r}")
+        if not 0.0 < self.subspace_table_std <= 10.0:  # NaN fails too
+            raise ValueError(f"compression.subspace_table_std must be in (0, 10], got {self.subspace_table_std}")
         for name in ("activations", "gradients", "averaging"):
             if self.subspace and name != "averaging":
                 continue
@@ -450,8 +456,10 @@ class RunConfig:
             if getattr(self.data, name) == getattr(default_data, name):
                 del d["data"][name]
         del d["data"]["tokenizer"]  # a path differs between machines; tokenizer_sha256 stands for the file
-        if not self.compression.subspace and self.compression.subspace_codec == "none":
-            del d["compression"]["subspace_rank"], d["compression"]["subspace_codec"]  # run ids as before subspaces
+        if not self.compression.subspace:
+            del d["compression"]["subspace_table_std"]  # unused without subspaces
+            if self.compression.subspace_codec == "none":
+                del d["compression"]["subspace_rank"], d["compression"]["subspace_codec"]  # run ids as before
         return d
 
     def canonical_json(self) -> str:

@@ -2,7 +2,8 @@
 
 Every weight that writes into the residual stream is kept in the column space of a fixed orthonormal basis U
 [n_embd, k] (GPT: each block's ``attn.c_proj`` and ``mlp.c_proj``, weights and biases), and each embedding table is a
-fixed table F (its seeded init, never trained) plus a trainable part whose rows lie in span(U). The residual stream
+fixed table F (the seeded init's draw at the std ``compression.subspace_table_std``, never trained) plus a trainable
+part whose rows lie in span(U). The residual stream
 anywhere in the model is then ``x = F_tok[ids] + F_pos[pos] + U c``: a stage boundary needs only the k coefficients
 ``c = U^T (x - F)`` and the token ids, from which the receiver rebuilds ``x`` exactly (to float rounding).
 
@@ -37,14 +38,12 @@ class Layout:
 
     writers: name suffixes of the [n_embd, *] weights and [n_embd] biases whose output is added to the residual.
     token_table / position_table: the stage-0 embedding tables whose rows are residual vectors (None: no such
-        table, e.g. rotary positions), and the names their seeded init is drawn under.
-    init_std: the std of those tables' init (their fixed part F is that init).
+        table, e.g. rotary positions), and the names their seeded init (and so F) is drawn under.
     """
 
     writers: tuple[str, ...]
     token_table: str
     position_table: str | None
-    init_std: float = 0.02
 
 
 #: per architecture (``model.arch``); a new stage model adds its own
@@ -84,7 +83,7 @@ class Subspace:
         self.n_embd, self.rank, self.vocab_size = cfg.n_embd, run.compression.subspace_rank, cfg.vocab_size
         self.device = torch.device(device)
         self.u = basis(run.seed, cfg.n_embd, self.rank).to(self.device)  # [d, k]
-        std = self.layout.init_std
+        std = run.compression.subspace_table_std  # the init's draw, scaled: F is parallel to the tables' init
         self.tok_table = seeded_normal(run.seed, self.layout.token_table, (cfg.vocab_size, cfg.n_embd),
                                        std).to(self.device)  # [V, d]
         self.pos_table = (None if self.layout.position_table is None else
