@@ -293,6 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "links.toml", help="base run TOML")
     p.add_argument("--codecs", nargs="+", choices=CODECS, default=["int8", "subspace", "subspace-int4"])
     p.add_argument("--rank", type=int, default=32, help="subspace rank k for the subspace codecs")
+    p.add_argument("--seed", type=int, default=None, help="the run's seed (init, basis, fixed tables; default: the "
+                   "run file's)")
     p.add_argument("--table-std", type=float, default=None,
                    help="the subspace codecs' fixed embedding tables' std (default: the run's "
                    "compression.subspace_table_std)")
@@ -349,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import RunConfig
 
     base = RunConfig.from_toml(args.run)
+    if args.seed is not None:
+        base = base.replace(seed=args.seed)
     args.networks = [n for n in args.networks if n != "none"]  # 'none': the in-process comparison only
     if any(n != "loopback" for n in args.networks) and (why := check_available(args.emulator)):
         print(f"bench_links: error: the emulated WAN is not available here: {why}", file=sys.stderr)
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s / %s: %.0f tokens/s, final loss %s", name, codec, rec["tokens_per_s"],
                         rec.get("final_val_loss"))
     doc = {"networks": networks, "codecs": codecs,
-           "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std,
+           "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std, "seed": base.seed,
                     "n_stages": base.n_stages,
                     "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
                     "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
