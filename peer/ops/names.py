@@ -27,9 +27,9 @@ COUNTERS = (
     "bytes_in", "bytes_out",
     # stage moves, state and backups
     "stage_moves", "stage_move_backoffs", "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted",
-    "state_witness_dissent", "state_sync_unwitnessed", "state_step_capped", "state_digests_served", "state_chunks_served", "backups_taken",
-    "backups_skipped_busy", "backups_served", "backups_failed", "backup_restores", "backup_bytes_in",
-    "backup_bytes_out",
+    "state_witness_dissent", "state_sync_unwitnessed", "state_step_capped", "state_digests_served",
+    "state_chunks_served", "backups_taken", "backups_skipped_busy", "backups_served", "backups_failed",
+    "backup_restores", "backup_bytes_in", "backup_bytes_out",
     # generation through the swarm
     "infer_served", "infer_busy", "infer_compute_ms",
     # data shards of streamed datasets (peer/pipeline/shards.py)
