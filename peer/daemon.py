@@ -31,6 +31,7 @@ from peer.budget import plan as plan_memory
 from peer.compute import ComputeThread
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
+from peer.lifecycle import Lifecycle, PeerState
 from peer.membership.dht import JoinInterrupted
 from peer.membership.gate import AdmissionGate
 from peer.membership.moves import Mover, MoveTiming
@@ -91,6 +92,7 @@ class Daemon:
         self.metrics = metrics or PeerMetrics()
         self.metrics.run_id, self.metrics.n_stages, self.metrics.run_name = run.run_id, run.n_stages, run.name
         self.metrics.access = run.access.mode
+        self.life = Lifecycle(self.metrics.observe_state)  # the peer's state: changed here only, shown by metrics
         try:
             self.metrics.device = resolve_device(cfg.device)
         except ValueError as e:  # --device cuda without a GPU: say so before anything starts
@@ -222,7 +224,7 @@ class Daemon:
                     self.run.n_stages, len(self.swarm), caps)
         return chosen
 
-    def record(self, state: str) -> PeerRecord:
+    def record(self, state: PeerState) -> PeerRecord:
         thr = self.pipe.throughput() if self.pipe else 0.0
         if thr <= 0:
             thr = estimate_throughput({k: v for k, v in self.swarm.items() if k != self.my_id})
@@ -236,8 +238,8 @@ class Daemon:
                           data_shard=self.service.data_shard if self.service is not None else None,
                           **spare_fields(self.spares.info))
 
-    async def announce(self, state: str | None = None) -> None:
-        await self.net.announce(self.record(state or self.metrics.state))
+    async def announce(self, state: PeerState | None = None) -> None:
+        await self.net.announce(self.record(state or self.life.state))
 
     # ----- timers ---------------------------------------------------------------------------------------------------
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -315,20 +317,21 @@ class Daemon:
         await self._enter_stage(target)
 
     async def _claim_move(self) -> None:
-        self.metrics.state = "draining"  # also what the periodic announcement says until the move or back-off
-        await self.announce("draining")
+        self.life.enter(PeerState.DRAINING)  # also what the periodic announcement says until the move or back-off
+        await self.announce(PeerState.DRAINING)
 
     async def _release_move(self) -> None:
         self.metrics.inc("stage_move_backoffs")
         if not self.stop.is_set():
-            self.metrics.state = "training"
-            await self.announce("training")
+            self.life.enter(PeerState.TRAINING)
+            await self.announce(PeerState.TRAINING)
 
     async def _enter_stage(self, stage: int) -> None:
         """Claim ``stage`` in the DHT at once (so that joiners see it is taken), then start serving it."""
         self.service = StageService(self, stage)
-        self.metrics.stage, self.metrics.state = stage, "loading_state"
-        await self.announce("loading_state")
+        self.metrics.stage = stage
+        self.life.enter(PeerState.LOADING_STATE, stage=stage)
+        await self.announce(PeerState.LOADING_STATE)
         await self.service.start()
         if self.service.driver is not None:
             self.driver = self.service.driver
@@ -393,7 +396,7 @@ class Daemon:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise JoinInterrupted(f"stopped while starting up (state: {self.metrics.state})")
+            raise JoinInterrupted(f"stopped while starting up (state: {self.life.state})")
         task.result()
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -426,7 +429,7 @@ class Daemon:
                 self.stop.set()
 
     async def _shutdown(self, status: StatusServer | None) -> None:
-        self.metrics.begin_drain(self.cfg.drain_timeout_s)
+        self.life.drain(self.cfg.drain_timeout_s)
         self.stop.set()
         for t in self.tasks:
             t.cancel()
@@ -434,15 +437,15 @@ class Daemon:
         try:
             if self.dht is not None and self.worker is not None:
                 with contextlib.suppress(Exception):
-                    await self.announce("draining")
+                    await self.announce(PeerState.DRAINING)
             await self._leave_stage()
             await self.checkpoint()
             await self._settle_samples()
             if self.dht is not None and self.my_id:
                 with contextlib.suppress(Exception):
-                    await self.net.withdraw(self.record("stopped"))
+                    await self.net.withdraw(self.record(PeerState.STOPPED))
         finally:
-            self.metrics.state = "stopped"
+            self.life.enter(PeerState.STOPPED)
             self.write_summary()
             if status is not None:
                 await status.stop()

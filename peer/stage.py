@@ -27,6 +27,7 @@ from peer.averaging.loop import AveragingLoop
 from peer.averaging.sync import FlushClock, SyncAverager
 from peer.errors import DaemonError
 from peer.ids import short_id
+from peer.lifecycle import Lifecycle, PeerState
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.driver import Stage0Driver
@@ -72,6 +73,7 @@ class StageHost(Protocol):
     run: RunConfig
     cfg: PeerConfig
     metrics: PeerMetrics
+    life: Lifecycle
     router: Router
     costs: list[float]
     my_id: str
@@ -88,7 +90,7 @@ class StageHost(Protocol):
 
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message: ...
 
-    async def announce(self, state: str | None = None) -> None: ...
+    async def announce(self, state: PeerState | None = None) -> None: ...
 
     async def checkpoint(self) -> None: ...
 
@@ -164,7 +166,7 @@ class StageService:
         # generation through the swarm (``infer``): forward only, at low priority, only while this stage trains
         self.infer = InferService(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                   metrics=host.metrics, queued=pipe.queued,
-                                  serving=lambda: pipe.accepting and host.metrics.state == "training")
+                                  serving=lambda: pipe.accepting and host.life.serving)
         await host.handlers.add_handler(INFER_RPC, self.infer.rpc_infer)
         # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
         # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
@@ -189,10 +191,10 @@ class StageService:
             self.tasks.append(asyncio.ensure_future(backup_loop(
                 run=host.run, stage=stage, my_id=host.my_id, period_s=host.cfg.backup_every_s, spares=host.spares,
                 metrics=host.metrics, p2p=host.p2p, swarm=lambda: host.swarm,
-                busy=lambda: host.metrics.state != "training" or pipe.queued() >= max(2, host.cfg.max_queue // 2),
+                busy=lambda: not host.life.serving or pipe.queued() >= max(2, host.cfg.max_queue // 2),
                 trusted=host.trusted_peers)))
-        host.metrics.state = "training"
-        await host.announce("training")
+        host.life.enter(PeerState.TRAINING)
+        await host.announce(PeerState.TRAINING)
         await host.refresh_swarm()
         if stage == 0:
             await self._start_driver()
@@ -315,7 +317,8 @@ class SyncSchedule:
         """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
         host, worker = self.host, self.service.worker
         assert worker is not None
-        peers = [r.peer_id for r in host.swarm.values() if r.stage == self.service.stage and r.state == "training"]
+        peers = [r.peer_id for r in host.swarm.values()
+                 if r.stage == self.service.stage and r.state == PeerState.TRAINING]
         # the mean over this flush's micro-batches, as the simulator's fullsync and GPipe take it: with the sum,
         # clipping at optim.grad_clip would act on M times larger norms
         grads = await host.compute(worker.mean_grads)
@@ -331,7 +334,7 @@ class SyncSchedule:
         host = self.host
         counts = [0] * host.run.n_stages
         for r in host.swarm.values():
-            if r.state == "training" and 0 <= r.stage < host.run.n_stages:
+            if r.state == PeerState.TRAINING and 0 <= r.stage < host.run.n_stages:
                 counts[r.stage] += 1
         return host.my_id in host.swarm and min(counts) >= 1 and len(set(counts)) == 1
 

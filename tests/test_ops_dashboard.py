@@ -9,6 +9,7 @@ import time
 import pytest
 from rich.console import Console
 
+from peer.lifecycle import PeerState
 from peer.ops.dashboard import Dashboard, human, human_bytes, short_id, sparkline, swarm_tokens_per_s
 from peer.ops.metrics import PeerMetrics
 
@@ -32,7 +33,7 @@ def render(dash: Dashboard) -> str:
 def driven_metrics(clock: FakeClock, steps: int) -> PeerMetrics:
     m = PeerMetrics("12D3KooWQxYfV9m2rN4tZk8pLbH3sJ7cA1dE5gU6wXyZ", 2, clock=clock)
     m.n_stages = 3
-    m.state = "training"
+    m.observe_state(PeerState.TRAINING)
     for i in range(steps):
         clock.t += 0.25
         m.inc("tokens", 256)
@@ -83,7 +84,7 @@ def test_draining_shows_a_countdown() -> None:
     clock = FakeClock()
     m = driven_metrics(clock, 4)
     m.inflight = 2
-    m.begin_drain(30.0)
+    m.observe_state(PeerState.DRAINING, 30.0)
     clock.t += 12
     text = render(Dashboard(m))
     assert "draining" in text and "18 s left · 2 in flight" in text
@@ -129,7 +130,7 @@ def test_run_refreshes_on_the_loop_and_stops() -> None:
 
 def test_run_keeps_drawing_the_drain_after_stop_until_the_peer_stops() -> None:
     m = PeerMetrics("12D3KooWdrain", 0)
-    m.state = "training"
+    m.observe_state(PeerState.TRAINING)
     console = Console(record=True, width=80, force_terminal=True)
     dash = Dashboard(m, console=console, refresh_hz=50, linger_s=5)
 
@@ -139,10 +140,10 @@ def test_run_keeps_drawing_the_drain_after_stop_until_the_peer_stops() -> None:
         await asyncio.sleep(0.05)
         stop.set()  # what the daemon's signal handler does first
         await asyncio.sleep(0.05)
-        m.begin_drain(10.0)  # then its shutdown
+        m.observe_state(PeerState.DRAINING, 10.0)  # then its shutdown
         await asyncio.sleep(0.2)
         assert not task.done()
-        m.state = "stopped"
+        m.observe_state(PeerState.STOPPED)
         await asyncio.wait_for(task, 2)
 
     asyncio.run(main())
@@ -152,13 +153,13 @@ def test_run_keeps_drawing_the_drain_after_stop_until_the_peer_stops() -> None:
 
 def test_run_stops_lingering_after_the_drain_deadline() -> None:
     m = PeerMetrics("p", 0)
-    m.state = "training"
+    m.observe_state(PeerState.TRAINING)
     dash = Dashboard(m, console=Console(record=True, width=80), refresh_hz=50, linger_s=0.2)
 
     async def main() -> float:
         stop = asyncio.Event()
         stop.set()
-        m.begin_drain(0.3)  # a peer stuck in its drain
+        m.observe_state(PeerState.DRAINING, 0.3)  # a peer stuck in its drain
         t0 = time.monotonic()
         await asyncio.wait_for(dash.run(stop), 3)
         return time.monotonic() - t0

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from peer.lifecycle import Lifecycle, PeerState
 from peer.ops.metrics import PeerMetrics
 
 
@@ -99,13 +100,15 @@ def test_averaging_cadence_counts_fraction_per_local_step_and_measured_delays() 
 def test_state_validation_drain_countdown_and_health() -> None:
     clock = FakeClock()
     m = PeerMetrics(stall_s=60, clock=clock)
-    with pytest.raises(ValueError, match="unknown peer state"):
-        m.state = "sleeping"
+    life = Lifecycle(m.observe_state)
+    with pytest.raises(ValueError, match="not a valid PeerState"):
+        life.enter("sleeping")  # type: ignore[arg-type]
     clock.t += 59
     assert m.snapshot()["healthy"] is True
     clock.t += 2  # joining for 61 s
     assert "still joining after 61 s" in m.snapshot()["health_reasons"][0]
-    m.state = "training"
+    life.enter(PeerState.LOADING_STATE, stage=0)
+    life.enter(PeerState.TRAINING)
     clock.t += 30
     m.local_step = 1
     clock.t += 50
@@ -115,11 +118,11 @@ def test_state_validation_drain_countdown_and_health() -> None:
     assert snap["healthy"] is False and "no training progress" in snap["health_reasons"][0]
     m.inc("tokens", 64)
     assert m.snapshot()["healthy"] is True
-    m.begin_drain(20.0)
+    life.drain(20.0)
     clock.t += 5
     snap = m.snapshot()
     assert snap["state"] == "draining" and snap["drain_remaining_s"] == pytest.approx(15.0)
-    m.state = "stopped"
+    life.enter(PeerState.STOPPED)
     assert m.snapshot()["healthy"] is False and m.snapshot()["drain_remaining_s"] is None
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from peer.cli import monitor as cmd_monitor
 from peer.cli import status as cmd_status
 from peer.errors import UserError
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord, RecordError
 from peer.ops.dashboard import render_peer, render_swarm
 from peer.ops.metrics import PeerMetrics
@@ -62,7 +63,8 @@ def test_records_carry_the_optional_progress_fields_and_read_records_without_the
 
 def _snap(step: int, tokens: int, swarm: dict | None) -> dict:
     m = PeerMetrics("12D3KooWpeerAAAAAAAA", stage=0)
-    m.state, m.local_step, m.tokens_total, m.run_name = "training", step, tokens, "tiny"
+    m.observe_state(PeerState.TRAINING)
+    m.local_step, m.tokens_total, m.run_name = step, tokens, "tiny"
     m.swarm_progress = swarm
     return m.snapshot()
 

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from peer.cli import status as cmd_status
 from peer.errors import UserError
+from peer.lifecycle import PeerState
 from peer.ops.dashboard import Dashboard, human, human_bytes
 from peer.ops.metrics import PeerMetrics
 from peer.ops.status_server import (
@@ -37,7 +38,8 @@ class FakeClock:
 
 def busy_metrics(clock: FakeClock) -> PeerMetrics:
     m = PeerMetrics("12D3KooWstatus", 1, clock=clock, stall_s=60)
-    m.run_id, m.n_stages, m.state = "abc123", 2, "training"
+    m.run_id, m.n_stages = "abc123", 2
+    m.observe_state(PeerState.TRAINING)
     for i in range(30):
         clock.t += 0.2
         m.inc("tokens", 300)

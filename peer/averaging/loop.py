@@ -94,6 +94,7 @@ from peer.averaging.exchange import (
     exchange_all,
     relative_distance_check,
 )
+from peer.lifecycle import PeerState
 from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
@@ -164,7 +165,8 @@ def wagma_partners(me: str, view: list[str], phase: int, group_size: int) -> lis
 
 def same_stage_peers(records: dict[str, PeerRecord], stage: int, me: str) -> list[str]:
     """Peer ids of the training peers of ``stage`` other than ``me``, sorted (from fetch_swarm's records)."""
-    return sorted(pid for pid, rec in records.items() if rec.stage == stage and rec.state == "training" and pid != me)
+    return sorted(pid for pid, rec in records.items()
+                  if rec.stage == stage and rec.state == PeerState.TRAINING and pid != me)
 
 
 class AveragingLoop:

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from peer.errors import UserError, user_input
+from peer.lifecycle import PeerState
 
 HELP = "Watch a whole swarm from the DHT (client only): peers per stage, coverage, bottleneck, tokens/s, loss."
 EPILOG = """examples:
@@ -59,7 +60,7 @@ def swarm_view(records: dict[str, Any], n_stages: int, run_id: str,
     stages: list[dict[str, Any]] = []
     for stage in range(n_stages):
         peers = sorted((r for r in records.values() if r.stage == stage), key=lambda r: r.peer_id)
-        training = [r for r in peers if r.state == "training"]
+        training = [r for r in peers if r.state == PeerState.TRAINING]
         losses = [r.loss for r in training if r.loss is not None]
         stages.append({
             "stage": stage,

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from peer.errors import DaemonError, UserError, user_input
+from peer.lifecycle import PeerState
 from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command, kill_tree, p2p_maddrs, terminate
-from peer.ops.startup import SHORT_PHASE, StartupWatch, phase
+from peer.ops.startup import SHORT_PHASE, Phase, StartupWatch, phase
 
 HELP = "Start N peers on this machine (loopback) training the embedded default run, and show the swarm."
 EPILOG = """examples:
@@ -132,24 +133,24 @@ class Swarm:
         for c, snap in zip(self.children, asyncio.run(all_status()), strict=True):
             i = c.info["i"]
             if i in self.failed:
-                row: dict[str, Any] = {"name": c.name, "phase": "failed"}
+                row: dict[str, Any] = {"name": c.name, "phase": Phase.FAILED}
             elif isinstance(snap, dict):
                 self.status[i] = snap
                 row = {**snap, "name": c.name}
-                if snap.get("state") in ("training", "draining", "stopped"):
+                if snap.get("state") in (PeerState.TRAINING, PeerState.DRAINING, PeerState.STOPPED):
                     self.trained.add(i)
             elif not c.alive():
-                row = {"name": c.name, "phase": "exited"}
+                row = {"name": c.name, "phase": Phase.EXITED}
             elif i in self.status:  # it answered before: busy or hung, not starting
                 row = {"name": c.name, "error": "busy or stopping"}
             else:
-                row = {"name": c.name, "phase": "starting"}
+                row = {"name": c.name, "phase": Phase.STARTING}
             if c.alive() and i not in self.trained and i in self.watches:
                 log = c.dir / "log.txt"
                 self.watches[i].observe(row, log_bytes=log.stat().st_size if log.exists() else 0,
                                         cpu_s=cpu_seconds(c.proc.pid))
             rows.append(row)
-        rows += [{"name": f"peer{i}", "phase": "waiting"} for i in range(len(self.children), self.args.peers)]
+        rows += [{"name": f"peer{i}", "phase": Phase.WAITING} for i in range(len(self.children), self.args.peers)]
         return rows
 
     # ----- start-up -------------------------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ class View:
 
 def _cell(row: dict[str, Any]) -> str:
     ph = phase(row)
-    if ph in ("training", "draining") and row.get("stage") is not None:
+    if ph in (Phase.TRAINING, Phase.DRAINING) and row.get("stage") is not None:
         return f"s{row['stage']}:{row.get('local_step', 0)}"
     return f"{row.get('name', '?')}:{SHORT_PHASE.get(ph, ph)}"
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 from peer.membership.stage_choice import may_leave, should_move
 
@@ -89,7 +90,7 @@ class Mover:
         me = snap.get(my_id)
         still = None
         if me is not None:  # judge the move as if we stayed: our own record says 'draining' now
-            still = should_move({**snap, my_id: replace(me, state="training")}, self.costs, my_id,
+            still = should_move({**snap, my_id: replace(me, state=PeerState.TRAINING)}, self.costs, my_id,
                                 quality=self.quality, fits=self.fits)
         if still is None or not may_leave(snap, my_id):
             self.backoffs += 1

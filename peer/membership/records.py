@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hivemind.utils import get_dht_time
 
+from peer.lifecycle import PeerState
 from peer.membership.admission import check as check_credential
 from peer.membership.signing import SignatureError, SignedRecordValidator, Signer, open_envelope, seal
 
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "loading_state", "training", "draining", "stopped")
 MAX_MADDRS = 8
 MAX_STR = 256
 BACKUP_FIELDS = ("backup_stage", "backup_step", "backup_taken_at")
@@ -56,8 +56,8 @@ class PeerRecord:
     """Work items waiting for its compute thread (routing prefers short queues)."""
     version: int
     """State version (local optimiser steps applied); donors with the highest version serve state."""
-    state: str
-    """One of STATES; only 'training' peers receive micro-batches."""
+    state: PeerState
+    """What it is doing (a string naming a ``PeerState`` is taken too); only TRAINING peers receive micro-batches."""
     maddrs: list[str] = field(default_factory=list)
     """Multiaddrs it can be dialled at."""
     reachable: bool = True
@@ -82,12 +82,14 @@ class PeerRecord:
     out of the value when None)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "state", PeerState(self.state))
         present = [f is not None for f in (self.backup_stage, self.backup_step, self.backup_taken_at)]
         if any(present) and not all(present):
             raise ValueError("backup_stage, backup_step and backup_taken_at are set together or not at all")
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
+        value["state"] = self.state.value  # a plain string on the wire
         if self.backup_stage is None:
             for name in BACKUP_FIELDS:
                 del value[name]
@@ -106,7 +108,7 @@ class PeerRecord:
         _check(value, "throughput", (int, float), lambda v: math.isfinite(v) and 0 <= v < 1e12)
         _check(value, "queue", int, lambda v: 0 <= v < 1_000_000_000)
         _check(value, "version", int, lambda v: 0 <= v < 2**62)
-        _check(value, "state", str, lambda v: v in STATES)
+        _check(value, "state", str, lambda v: PeerState.parse(v) is not None)
         _check(value, "maddrs", list, lambda v: len(v) <= MAX_MADDRS
                and all(isinstance(a, str) and len(a) <= MAX_STR for a in v))
         _check(value, "reachable", bool, lambda v: True)
@@ -204,7 +206,7 @@ async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: floa
 async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
                    credential: bytes | None = None) -> bool:
     """Supersede this peer's record with a 'stopped' one so readers drop it before its old record expires."""
-    return await announce(dht, run_id, replace(record, state="stopped", queue=0, throughput=0.0), expiration_s,
+    return await announce(dht, run_id, replace(record, state=PeerState.STOPPED, queue=0, throughput=0.0), expiration_s,
                           signer=signer, credential=credential)
 
 
@@ -250,6 +252,6 @@ def parse_swarm(found: object, run_id: str, *, include_stopped: bool = False) ->
             rejected["invalid"] += 1
             logger.debug("ignoring an invalid DHT record under %r: %s", str(subkey)[:64], e)
             continue
-        if record.state != "stopped" or include_stopped:
+        if record.state is not PeerState.STOPPED or include_stopped:
             records[record.peer_id] = record
     return records

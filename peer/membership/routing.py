@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 
 DEFAULT_LATENCY_S = 0.05
@@ -88,7 +89,7 @@ class Router:
     def candidates(self, records: Iterable[PeerRecord], stage: int, *,
                    exclude: Iterable[str] = ()) -> list[PeerRecord]:
         now, excluded = self.clock(), set(exclude)
-        return [r for r in records if r.stage == stage and r.state == "training" and r.peer_id not in excluded
+        return [r for r in records if r.stage == stage and r.state == PeerState.TRAINING and r.peer_id not in excluded
                 and self._stats(r.peer_id).banned_until <= now]
 
     def choose(self, records: Iterable[PeerRecord], stage: int, *, exclude: Iterable[str] = (),

@@ -21,12 +21,13 @@ import random
 import statistics
 from collections.abc import Collection, Mapping
 
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 
 EPS = 1e-9
 RECOMPUTE = 4.0 / 3.0  # a stage that recomputes its forward for the backward: forward x 2 + backward (x 2) over 3
 #: record states of peers that no longer count for their stage's capacity
-LEAVING = ("draining", "stopped")
+LEAVING = (PeerState.DRAINING, PeerState.STOPPED)
 
 
 def stage_costs(n_layer_per_stage: list[int], *, n_embd: int, vocab_size: int) -> list[float]:
@@ -60,7 +61,7 @@ def capacities(records: Mapping[str, PeerRecord], costs: list[float], *, exclude
 
 def estimate_throughput(records: Mapping[str, PeerRecord], *, default: float = 1.0) -> float:
     """A newcomer's guess at its own throughput before it has measured one: the swarm's median (or ``default``)."""
-    known = [r.throughput for r in records.values() if r.throughput > 0 and r.state != "stopped"]
+    known = [r.throughput for r in records.values() if r.throughput > 0 and r.state != PeerState.STOPPED]
     return statistics.median(known) if known else default
 
 
@@ -68,7 +69,7 @@ def best_versions(records: Mapping[str, PeerRecord], n_stages: int) -> list[int]
     """The highest state version announced on each stage (-1 for a stage nobody serves)."""
     best = [-1] * n_stages
     for r in records.values():
-        if r.state != "stopped" and 0 <= r.stage < n_stages:
+        if r.state != PeerState.STOPPED and 0 <= r.stage < n_stages:
             best[r.stage] = max(best[r.stage], r.version)
     return best
 
@@ -156,6 +157,6 @@ def may_leave(records: Mapping[str, PeerRecord], my_id: str) -> bool:
     if me is None:
         return False
     others = [r for pid, r in records.items() if pid != my_id and r.stage == me.stage]
-    if any(r.state == "draining" for r in others):
+    if any(r.state == PeerState.DRAINING for r in others):
         return False
-    return any(r.state == "training" for r in others)
+    return any(r.state == PeerState.TRAINING for r in others)

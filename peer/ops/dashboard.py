@@ -36,20 +36,22 @@ from rich.table import Table
 from rich.text import Text
 
 from peer.ids import short_id
+from peer.lifecycle import PeerState
 from peer.ops.logs import install_fork_guard
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import progress_line
-from peer.ops.startup import SHORT_PHASE, STARTING, phase
+from peer.ops.startup import SHORT_PHASE, STARTING, Phase, phase
 
 Snapshot = dict[str, Any]
 Source = PeerMetrics | Snapshot | list[Snapshot] | Callable[[], Snapshot | list[Snapshot]]
 
-SHORT_STATE = {"joining": "join", "loading_state": "load", "training": "train", "draining": "drain",
-               "stopped": "stop"}
 SPARK = "▁▂▃▄▅▆▇█"
-STATE_STYLE = {"joining": "cyan", "loading_state": "cyan", "training": "green", "draining": "yellow",
-               "stopped": "red", "unreachable": "red", "waiting": "dim", "starting": "cyan", "joining DHT": "cyan",
-               "choosing stage": "cyan", "loading state": "cyan", "exited": "red", "failed": "bold red"}
+#: the colour of a peer state (single-peer panel, ``monitor``) and of a start-up phase (``swarm``'s table)
+STATE_STYLE: dict[str, str] = {
+    PeerState.JOINING: "cyan", PeerState.LOADING_STATE: "cyan", PeerState.TRAINING: "green",
+    PeerState.DRAINING: "yellow", PeerState.STOPPED: "red", "unreachable": "red", Phase.WAITING: "dim",
+    Phase.STARTING: "cyan", Phase.JOINING_DHT: "cyan", Phase.CHOOSING_STAGE: "cyan", Phase.LOADING_STATE: "cyan",
+    Phase.EXITED: "red", Phase.FAILED: "bold red"}
 
 
 # ---- formatting helpers (pure; unit-tested) -------------------------------------------------------------------------
@@ -192,11 +194,11 @@ class Dashboard:
 
     def _finished(self, stop_seen: float) -> bool:
         src = self.source
-        if not isinstance(src, PeerMetrics) or src.state == "stopped":
+        if not isinstance(src, PeerMetrics) or src.state is PeerState.STOPPED:
             return True
         now = time.monotonic()
         limit = stop_seen + self.linger_s
-        if src.state == "draining":
+        if src.state is PeerState.DRAINING:
             remaining = src.snapshot()["drain_remaining_s"]
             if self._drain_end is None and remaining is not None:
                 self._drain_end = now + remaining  # fixed once: the clamped countdown stops moving at 0
@@ -247,7 +249,7 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
     if not s.get("healthy", True):
         state_text.append("  UNHEALTHY: " + "; ".join(s.get("health_reasons", [])), style="bold red")
     _row(grid, "state", state_text)
-    if state == "draining" and s.get("drain_remaining_s") is not None:
+    if state == PeerState.DRAINING and s.get("drain_remaining_s") is not None:
         left = s["drain_remaining_s"]
         total = max(left + s.get("state_for_s", 0.0), 1e-9)
         bar = Table.grid(padding=(0, 1))

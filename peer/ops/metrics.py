@@ -2,7 +2,8 @@
 
 One ``PeerMetrics`` per peer process, mutated on the event loop only (no locks). Writers:
 
-- the daemon sets ``state`` (or calls ``begin_drain``), ``stage``, ``local_step``, ``pipeline_delay``, ``inflight``,
+- the daemon's ``peer.lifecycle.Lifecycle`` calls ``observe_state`` on every transition (the state is shown here, not
+  decided); the daemon sets ``stage``, ``local_step``, ``pipeline_delay``, ``inflight``,
   ``queued``, calls ``inc(...)`` for counters, ``observe_loss``/``observe_val``, ``set_swarm`` and ``warn``;
 - the network averager calls ``start_averaging(local_step, round_fraction)`` once and ``observe_round(ok=...,
   group_size=..., tau=..., fraction=...)`` per round (or ``inc("averaging_rounds_ok")`` and sets ``avg_tau`` /
@@ -27,11 +28,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from peer.lifecycle import PeerState
 from peer.ops import names
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "loading_state", "training", "draining", "stopped")
 # Counters /metrics exposes from 0 (the registry of every name a peer counts under is peer/ops/names.py).
 KNOWN_COUNTERS = names.COUNTERS
 KNOWN_REJECTIONS = names.REJECTIONS
@@ -125,7 +126,7 @@ class PeerMetrics:
         self.stall_s = stall_s
         self._clock = clock
         self._started = clock()
-        self._state = "joining"
+        self._state = PeerState.JOINING
         self._state_since = self._started
         self._local_step = 0
         self._last_progress = self._started
@@ -139,17 +140,19 @@ class PeerMetrics:
 
     # ---- gauges with side effects -------------------------------------------------------------------------------
     @property
-    def state(self) -> str:
-        """'joining', 'loading_state', 'training', 'draining' or 'stopped'."""
+    def state(self) -> PeerState:
+        """The peer's state as its ``Lifecycle`` last reported it."""
         return self._state
 
-    @state.setter
-    def state(self, value: str) -> None:
-        if value not in STATES:
-            raise ValueError(f"unknown peer state {value!r}; use one of {', '.join(STATES)}")
-        if value != self._state:
-            self._state, self._state_since = value, self._clock()
-            self._last_progress = self._state_since  # a fresh state gets a fresh stall allowance
+    def observe_state(self, state: PeerState, drain_s: float | None = None) -> None:
+        """The peer entered ``state`` (a ``peer.lifecycle.StateObserver``); ``drain_s``: a shutdown's drain, shown as
+        a countdown of that many seconds. A fresh state gets a fresh stall allowance."""
+        state = PeerState(state)
+        if state is not self._state:
+            self._state, self._state_since = state, self._clock()
+            self._last_progress = self._state_since
+        if drain_s is not None:
+            self.drain_deadline = self._clock() + max(0.0, drain_s)
 
     @property
     def local_step(self) -> int:
@@ -174,11 +177,6 @@ class PeerMetrics:
     @tokens_total.setter
     def tokens_total(self, value: int) -> None:
         self.inc("tokens", int(value) - self.tokens_total)
-
-    def begin_drain(self, timeout_s: float) -> None:
-        """Enter 'draining' with a visible countdown: the views show the seconds left until ``timeout_s`` expires."""
-        self.state = "draining"
-        self.drain_deadline = self._clock() + max(0.0, timeout_s)
 
     # ---- writers ------------------------------------------------------------------------------------------------
     def inc(self, name: str, n: int = 1) -> None:
@@ -296,12 +294,12 @@ class PeerMetrics:
         joining / loading state for longer than ``stall_s``."""
         now = self._clock()
         reasons = []
-        if self._state == "stopped":
+        if self._state is PeerState.STOPPED:
             reasons.append("peer has stopped")
-        if self._state == "training" and now - self._last_progress > self.stall_s:
+        if self._state is PeerState.TRAINING and now - self._last_progress > self.stall_s:
             idle = now - self._last_progress
             reasons.append(f"no training progress for {idle:.0f} s (stall limit {self.stall_s:g} s)")
-        if self._state in ("joining", "loading_state") and now - self._state_since > self.stall_s:
+        if self._state in (PeerState.JOINING, PeerState.LOADING_STATE) and now - self._state_since > self.stall_s:
             reasons.append(f"still {self._state} after {now - self._state_since:.0f} s (limit {self.stall_s:g} s); "
                            "check --initial-peers and the network")
         return not reasons, reasons
@@ -334,11 +332,11 @@ class PeerMetrics:
             "stage": self.stage,
             "n_stages": self.n_stages,
             "maddrs": list(self.maddrs),
-            "state": self._state,
+            "state": self._state.value,
             "state_for_s": now - self._state_since,
             "uptime_s": now - self._started,
             "drain_remaining_s": (max(0.0, self.drain_deadline - now)
-                                  if self._state == "draining" and self.drain_deadline is not None else None),
+                                  if self._state is PeerState.DRAINING and self.drain_deadline is not None else None),
             "healthy": healthy,
             "health_reasons": reasons,
             "local_step": self._local_step,

@@ -16,7 +16,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-COUNTED = ("training", "draining")
+from peer.lifecycle import PeerState
+
+COUNTED = (PeerState.TRAINING, PeerState.DRAINING)
 
 
 class PeerFigures(NamedTuple):

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from peer.ops.metrics import KNOWN_COUNTERS, KNOWN_REJECTIONS, STATES
+from peer.lifecycle import PeerState
+from peer.ops.metrics import KNOWN_COUNTERS, KNOWN_REJECTIONS
 
 Snapshot = dict[str, Any]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,8 +95,8 @@ def families(snap: Snapshot, *, version: str = "", torch_version: str = "") -> I
                                   "device": snap.get("device", "")})
     state = GaugeMetricFamily("asyncmesh_state", "1 for the state the peer is in, 0 for the others.",
                               labels=["state"])
-    for s in STATES:
-        state.add_metric([s], int(snap.get("state") == s))
+    for s in PeerState:
+        state.add_metric([s.value], int(snap.get("state") == s))
     yield state
     yield GaugeMetricFamily("asyncmesh_healthy", "1 when the peer is healthy (what `asyncmesh-peer status` checks).",
                             value=int(bool(snap.get("healthy", False))))

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
-SENDER_STATES = ("training", "draining")
+SENDER_STATES = (PeerState.TRAINING, PeerState.DRAINING)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import torch
 
 from peer.errors import UserError
 from peer.ids import short_id
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
 from peer.membership.stage_choice import stage_costs
@@ -127,7 +128,7 @@ class RemotePipeline:
 
         out: dict[int, list[str]] = {}
         for stage in range(self.run.n_stages):
-            peers = [r.peer_id for r in self.records.values() if r.stage == stage and r.state == "training"]
+            peers = [r.peer_id for r in self.records.values() if r.stage == stage and r.state == PeerState.TRAINING]
             if len(peers) < 2:
                 continue
             kept = await agreeing_replicas(transport=_Transport(), run=self.run, stage=stage, peers=peers,
@@ -141,7 +142,7 @@ class RemotePipeline:
 
     def missing(self) -> list[int]:
         """Stages with no announced training peer in the current view."""
-        have = {r.stage for r in self.records.values() if r.state == "training"}
+        have = {r.stage for r in self.records.values() if r.state == PeerState.TRAINING}
         return [s for s in range(self.run.n_stages) if s not in have]
 
     async def wait_for_stages(self, wait_s: float) -> None:
@@ -223,7 +224,8 @@ class RemotePipeline:
             except NoRouteError:
                 if time.monotonic() - self.read_at >= REFRESH_MIN_S:
                     await self.refresh()
-                stage_peers = {r.peer_id for r in self.records.values() if r.stage == stage and r.state == "training"}
+                stage_peers = {r.peer_id for r in self.records.values()
+                               if r.stage == stage and r.state == PeerState.TRAINING}
                 if not stage_peers:
                     raise self._unavailable([stage]) from None
                 if stage_peers <= refused:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peer.ids import short_id
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 from peer.membership.routing import NoRouteError, Router
 from peer.pipeline.boundary import Boundary
@@ -536,7 +537,7 @@ class PipelineStage:
     def _next_hops(self, stage: int) -> list[PeerRecord]:
         """Candidates for the next hop. Sync mode pins pipeline i to the i-th replica (by peer id) of every stage, so
         each replica of a stage receives exactly the M micro-batches of one flush."""
-        records = [r for r in self.swarm().values() if r.state == "training"]
+        records = [r for r in self.swarm().values() if r.state == PeerState.TRAINING]
         if self.cfg.mode != "sync":
             return records
         mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]

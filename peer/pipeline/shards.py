@@ -17,6 +17,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
 from trainer.stream import DataPosition, ShardStream, stream_key, val_set
 from trainer.tokenizer import Tokenizer, load_tokenizer
@@ -49,7 +50,7 @@ class StageHost(Protocol):
 def taken_shards(swarm: Mapping[str, PeerRecord], my_id: str) -> dict[str, int]:
     """Peer id -> shard of the other live stage-0 peers that announce one."""
     return {pid: r.data_shard for pid, r in swarm.items()
-            if pid != my_id and r.data_shard is not None and r.stage == 0 and r.state != "stopped"}
+            if pid != my_id and r.data_shard is not None and r.stage == 0 and r.state != PeerState.STOPPED}
 
 
 def probe_start(my_id: str, n_shards: int) -> int:

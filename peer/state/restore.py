@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from peer.lifecycle import PeerState
 from peer.state.checkpoint import checkpoint_steps, load_checkpoint
 from peer.state.progress import StateSource, most_advanced, rank
 from peer.state.spare import SpareStore
@@ -154,7 +155,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
     """The most advanced copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's
     delivered state) that its witnesses vouch for, or None. ahead_of_donor: a donor delivered (only the log line
     differs)."""
-    holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == "training"
+    holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == PeerState.TRAINING
                and r.peer_id != my_id and r.backup_step is not None and r.backup_step > floor}
     held = spare.info if spare is not None else None
     copies = [StateSource(kind="spare", step=int(r.backup_step or 0), label=r.peer_id) for r in holders.values()]
@@ -166,7 +167,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
                 ", ".join(f"{c.label[:16]} step {c.step}" for c in rank(copies)))
     deadline = time.monotonic() + timeout_s
     replicas = choose_donors(records, stage, my_id)
-    holding = [r.peer_id for r in records.values() if r.backup_stage == stage and r.state == "training"
+    holding = [r.peer_id for r in records.values() if r.backup_stage == stage and r.state == PeerState.TRAINING
                and r.peer_id != my_id]
     own = await io(spare.read, stage) if held is not None and held.stage == stage and spare is not None else None
     for copy in rank(copies):

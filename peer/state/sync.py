@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.lifecycle import PeerState
 from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from peer.state.codec import (
@@ -309,7 +310,7 @@ def _chunk_bytes(snap: _Snapshot, chunk: int) -> int:
 
 def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[str]:
     """Training peers of ``stage`` other than ``me``: highest state version first, then highest throughput."""
-    donors = [r for r in records.values() if r.stage == stage and r.state == "training" and r.peer_id != me]
+    donors = [r for r in records.values() if r.stage == stage and r.state == PeerState.TRAINING and r.peer_id != me]
     donors.sort(key=lambda r: (-r.version, -r.throughput, r.peer_id))
     return [r.peer_id for r in donors]
 
