@@ -9,15 +9,61 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
+from peer.membership.relay import RelayMode
 from peer.membership.relay import check_modes as check_relay_modes
 
-MODES = ("async", "sync")
+E = TypeVar("E", bound=StrEnum)
+
+
+class Mode(StrEnum):
+    """How a swarm trains: every peer of one swarm runs the same mode."""
+
+    ASYNC = "async"
+    """No barrier anywhere (the product)."""
+    SYNC = "sync"
+    """GPipe flush and a full gradient average every step (the baseline it is compared with)."""
+
+
+class Device(StrEnum):
+    """Where a peer computes (``trainer.worker.resolve_device`` resolves AUTO)."""
+
+    AUTO = "auto"
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class Precision(StrEnum):
+    """How a peer computes (``trainer.worker.PRECISIONS``, kept torch-free here)."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class SyncOptimizer(StrEnum):
+    """The sync baseline's optimiser."""
+
+    ADAMW = "adamw"
+    NADAM = "nadam"
+
+
+MODES = tuple(m.value for m in Mode)
 MAX_RECORD_TTL_S = 60.0
 """The furthest ahead a DHT record may expire: every node refuses later expirations (membership/signing.py)."""
-DEVICES = ("auto", "cuda", "cpu")
-PRECISIONS = ("auto", "fp32", "bf16")  # trainer.worker.PRECISIONS, kept torch-free here
+DEVICES = tuple(d.value for d in Device)
+PRECISIONS = tuple(p.value for p in Precision)
+
+
+def _member(kind: type[E], value: object, flag: str) -> E:
+    """``value`` (a member, or the string a config file or the command line gives) as a member of ``kind``."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{flag} must be one of {tuple(m.value for m in kind)}, got {value!r}") from None
 
 
 def default_home() -> Path:
@@ -43,15 +89,15 @@ class PeerConfig:
     """Directory for periodic and final checkpoints; None disables checkpoints."""
     data_path: str | None = None
     """Overrides the run's data source (text files, a folder, or .bin shards)."""
-    device: str = "auto"
+    device: Device = Device.AUTO
     """'auto' (cuda when available), 'cuda' or 'cpu'."""
-    precision: str = "auto"
+    precision: Precision = Precision.AUTO
     """'auto' (bf16 autocast on CUDA, fp32 on the CPU), 'fp32', or 'bf16' (autocast; fp32 master weights and
     optimiser state). Peers of one swarm may differ: what crosses the wire is the same."""
     memory_gb: float = 0.0
     """Memory this peer may use for its stage, in GiB; 0 detects it (the GPU's free memory on CUDA, the machine's
     available memory on the CPU). Stages that do not fit are never chosen (peer/budget.py)."""
-    mode: str = "async"
+    mode: Mode = Mode.ASYNC
     """'async' (no barrier anywhere) or 'sync' (GPipe flush and full gradient average every step, for comparison)."""
     max_steps: int = 0
     """Stop after this many local optimiser steps (0: run until stopped)."""
@@ -59,7 +105,7 @@ class PeerConfig:
     """Stage 0: micro-batches in flight at once; 0 uses n_stages + 1."""
     sync_microbatches: int = 4
     """Sync mode: micro-batches per flush (GPipe M)."""
-    sync_optimizer: str = "adamw"
+    sync_optimizer: SyncOptimizer = SyncOptimizer.ADAMW
     """Sync mode: the baseline's optimiser, 'adamw' (beta1 0.9, the papers' GPipe baseline) or 'nadam' (beta1 0.99).
     Its warm-up and schedule are the run's divided by sync_microbatches (the same samples as the async mode's)."""
     sync_lr: float = 0.0
@@ -124,9 +170,9 @@ class PeerConfig:
     ASYNCMESH_METRICS_HOST) so that its published port can be scraped."""
     torch_threads: int = 0
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
-    relay: str = "auto"
+    relay: RelayMode = RelayMode.AUTO
     """Listen through a circuit relay: 'auto' (when the reachability check finds us unreachable), 'on', 'off'."""
-    relay_service: str = "auto"
+    relay_service: RelayMode = RelayMode.AUTO
     """Relay for peers behind NAT: 'auto' (when libp2p's AutoNAT finds us public), 'on' (a public organiser's peer),
     'off'."""
     relays: tuple[str, ...] = ()
@@ -147,7 +193,9 @@ class PeerConfig:
         object.__setattr__(self, "host_maddrs", tuple(self.host_maddrs))
         object.__setattr__(self, "announce_maddrs", tuple(self.announce_maddrs))
         object.__setattr__(self, "relays", tuple(self.relays))
-        check_relay_modes(self.relay, self.relay_service)
+        relay, relay_service = check_relay_modes(self.relay, self.relay_service)
+        object.__setattr__(self, "relay", relay)
+        object.__setattr__(self, "relay_service", relay_service)
         object.__setattr__(self, "identity_path", Path(self.identity_path))
         if self.checkpoint_dir is not None:
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
@@ -156,14 +204,11 @@ class PeerConfig:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"--stage must be 'auto' or a non-negative integer, got {self.stage}")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        object.__setattr__(self, "device", _member(Device, self.device, "--device"))
+        object.__setattr__(self, "precision", _member(Precision, self.precision, "--precision"))
         if not self.memory_gb >= 0:
             raise ValueError(f"--memory-gb must be >= 0 (0 detects it), got {self.memory_gb}")
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", _member(Mode, self.mode, "--mode"))
         for name in ("max_steps", "max_inflight", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -189,9 +234,10 @@ class PeerConfig:
             raise ValueError(f"rebalance_quality must be in (0, 1], got {self.rebalance_quality}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be a TCP port (0-65535), got {self.metrics_port}")
-        if self.sync_optimizer not in ("adamw", "nadam") or self.sync_lr < 0:
+        if self.sync_optimizer not in tuple(o.value for o in SyncOptimizer) or self.sync_lr < 0:
             raise ValueError(f"sync_optimizer must be 'adamw' or 'nadam' and sync_lr >= 0 (0: the run's lr), got "
                              f"{self.sync_optimizer!r}, {self.sync_lr}")
+        object.__setattr__(self, "sync_optimizer", SyncOptimizer(self.sync_optimizer))
         if not 0.0 <= self.spot_check_fraction <= 1.0 or not -1.0 <= self.spot_check_min_cosine < 1.0:
             raise ValueError("spot_check_fraction must be in [0, 1] and spot_check_min_cosine in [-1, 1)")
         if self.ban_max_s < self.ban_base_s:

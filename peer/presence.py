@@ -21,7 +21,7 @@ from peer.membership.dht import start_dht, stop_dht
 from peer.membership.gate import AdmissionGate
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
-from peer.membership.relay import wait_relayed
+from peer.membership.relay import RelayMode, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
@@ -58,7 +58,7 @@ class Presence:
         self.maddrs: list[str] = []
         self.swarm: dict[str, PeerRecord] = {}
         self.reachable = True
-        self.through_relay = cfg.relay == "on"  # p2pd listens through a relay (peer.membership.relay)
+        self.through_relay = cfg.relay == RelayMode.ON  # p2pd listens through a relay (peer.membership.relay)
         self.run_guard = RunGuard(run.run_id, run.name)
         self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
 

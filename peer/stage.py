@@ -25,6 +25,7 @@ from peer.averaging.behaviour import AveragingBehaviour
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.loop import AveragingLoop
 from peer.averaging.sync import FlushClock, SyncAverager
+from peer.config import Mode
 from peer.errors import DaemonError
 from peer.ids import short_id
 from peer.lifecycle import Lifecycle, PeerState
@@ -146,7 +147,7 @@ class StageService:
         host, stage = self.host, self.stage
         device = _device(host.cfg.device)
         precision = resolve_precision(host.cfg.precision, device)
-        sync = host.cfg.mode == "sync"  # the papers' GPipe baseline: its own optimiser, schedule in samples
+        sync = host.cfg.mode == Mode.SYNC  # the papers' GPipe baseline: its own optimiser, schedule in samples
         optim = (fullsync_optim(host.run.optim, host.cfg.sync_microbatches, optimizer=host.cfg.sync_optimizer,
                                 lr=host.cfg.sync_lr or None) if sync else None)
         self.worker = await host.compute(lambda: StageWorker(host.run, stage, device=device, precision=precision,
@@ -179,7 +180,7 @@ class StageService:
                                         spare=host.spares)
         await self.state_server.start()
         self.state_server.ready = True
-        if host.cfg.mode == "async":
+        if host.cfg.mode == Mode.ASYNC:
             self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
                                           stage=stage, worker_call=self.worker_call, metrics=host.metrics,
                                           config=NetAveragingConfig(), behaviour=host.averaging_behaviour)
@@ -214,7 +215,7 @@ class StageService:
         self.driver = Stage0Driver(pipe=self.pipe, stream=stream, val=val, inflight=cfg.inflight_for(run.n_stages),
                                    stop=host.stop, max_steps=cfg.max_steps, metrics=host.metrics, ledger=host.ledger,
                                    samples_log=cfg.samples_log)
-        if cfg.mode == "async":
+        if cfg.mode == Mode.ASYNC:
             self.driver_task = asyncio.ensure_future(self.driver.run_async())
         else:
             assert self.sync is not None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from peer.config import DEVICES, MODES, PRECISIONS, Device, Mode, Precision
 from peer.errors import UserError, user_input
+from peer.membership.relay import RELAY_MODES, RelayMode
 
 if TYPE_CHECKING:
     from peer.averaging.behaviour import AveragingBehaviour
@@ -44,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="multiaddrs of running peers; none starts a new swarm")
     p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
     p.add_argument("--data", default=None, metavar="PATH", help="override the run's data source (stage 0 reads it)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="compute device")
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+    p.add_argument("--device", default=Device.AUTO.value, choices=DEVICES, help="compute device")
+    p.add_argument("--precision", default=Precision.AUTO.value, choices=PRECISIONS,
                    help="bf16 autocast with fp32 master weights and optimiser state, or fp32; auto (default): bf16 on "
                         "CUDA, fp32 on the CPU")
     p.add_argument("--memory-gb", type=float, default=0.0, metavar="GIB",
@@ -55,10 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="addresses to listen on (default /ip4/0.0.0.0/tcp/0)")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                    help="addresses others should dial (public IP / forwarded port)")
-    p.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--relay", default=RelayMode.AUTO.value, choices=RELAY_MODES,
                    help="behind NAT without port forwarding: listen through a circuit relay at the initial peers "
                         "(or --relays); auto (default) when the reachability check finds this peer unreachable")
-    p.add_argument("--relay-service", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--relay-service", default=RelayMode.AUTO.value, choices=RELAY_MODES,
                    help="relay for peers behind NAT: auto (default) when libp2p finds this peer public; on for an "
                         "organiser's public peer (needed when its address is not confirmed public)")
     p.add_argument("--relays", nargs="*", default=[], metavar="MADDR",
@@ -71,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tui", action="store_true", help="log lines instead of the live dashboard")
     p.add_argument("--max-steps", type=int, default=0, metavar="N", help="stop after N local optimiser steps")
     p.add_argument("--summary-json", default=None, metavar="PATH", help="write tokens/s, losses, counters on exit")
-    p.add_argument("--mode", default="async", choices=("async", "sync"),
+    p.add_argument("--mode", default=Mode.ASYNC.value, choices=MODES,
                    help="async (default) or sync (GPipe flush + full gradient average per step, for comparison)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve /status and /metrics on PORT (0 picks a free port)")

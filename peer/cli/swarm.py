@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.config import MODES, Mode
 from peer.errors import DaemonError, UserError, user_input
 from peer.lifecycle import PeerState
 from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command, kill_tree, p2p_maddrs, terminate
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "peer exits and leaves a stage with no live peer)")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: log a status line every few seconds")
     p.add_argument("--summary-json", default=None, metavar="PATH", help="write the swarm's figures here on exit")
-    p.add_argument("--mode", default="async", choices=("async", "sync"), help="async (default) or sync baseline")
+    p.add_argument("--mode", default=Mode.ASYNC.value, choices=MODES, help="async (default) or sync baseline")
     p.add_argument("--workdir", default=None, metavar="DIR",
                    help="identities, checkpoints, logs and summaries of the children (default: a temp folder)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",

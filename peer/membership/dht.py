@@ -16,7 +16,7 @@ from peer.config import PeerConfig
 from peer.errors import DaemonError
 from peer.membership.identity import IdentityError, check_permissions, ensure_identity
 from peer.membership.lifeline import LifelineDHT
-from peer.membership.relay import p2p_relay_kwargs, relay_targets
+from peer.membership.relay import RelayMode, p2p_relay_kwargs, relay_targets
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
     """Start this peer's DHT node (a child process running p2pd), joining ``cfg.initial_peers``.
 
     ``validators`` gate every record this node stores or reads (``records.record_validator``: owner-signed records).
-    ``through_relay`` (default: ``cfg.relay == "on"``) listens through the relays of ``peer.membership.relay``;
+    ``through_relay`` (default: ``cfg.relay == RelayMode.ON``) listens through the relays of ``peer.membership.relay``;
     ``rejoin`` skips hivemind's "is this identity already in use" probe (this peer's own previous DHT just left).
 
     A joiner retries with backoff (1, 2, 4, 8 s) because the bootstrap peer may be busy starting up itself; a new swarm
@@ -47,7 +47,7 @@ async def start_dht(cfg: PeerConfig, stop: asyncio.Event | None = None,
     except IdentityError as e:
         raise DaemonError(str(e)) from e
 
-    through_relay = cfg.relay == "on" if through_relay is None else through_relay
+    through_relay = cfg.relay == RelayMode.ON if through_relay is None else through_relay
     if through_relay and not relay_targets(cfg.relays, cfg.initial_peers):
         raise DaemonError("--relay on needs a relay to listen through: pass --relays or --initial-peers with full "
                           "multiaddrs (/ip4/HOST/tcp/PORT/p2p/PEER_ID)")

@@ -29,6 +29,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,7 +38,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RELAY_MODES = ("auto", "on", "off")
+
+
+class RelayMode(StrEnum):
+    """``--relay`` and ``--relay-service``: when to listen through a relay, and when to relay for others."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+RELAY_MODES = tuple(m.value for m in RelayMode)
 STATIC_RELAYS = "asyncmesh-private-static-relays"
 """hivemind ``force_reachability`` value of our own: private reachability (so autorelay reserves a slot at once) and
 the fixed relay list only (``-relayDiscovery=0``)."""
@@ -50,15 +61,17 @@ def _register_static_relays() -> None:
     P2P.FORCE_REACHABILITY_MAPPING.setdefault(STATIC_RELAYS, {"forceReachabilityPrivate": 1, "relayDiscovery": 0})
 
 
-def check_modes(relay: str, relay_service: str) -> None:
-    """ValueError for an unknown mode or a peer that would both listen through a relay and relay for others."""
+def check_modes(relay: str, relay_service: str) -> tuple[RelayMode, RelayMode]:
+    """The two modes; ValueError for an unknown one or a peer that would both listen through a relay and relay for
+    others."""
     if relay not in RELAY_MODES:
         raise ValueError(f"--relay must be one of {RELAY_MODES}, got {relay!r}")
     if relay_service not in RELAY_MODES:
         raise ValueError(f"--relay-service must be one of {RELAY_MODES}, got {relay_service!r}")
-    if relay == "on" and relay_service == "on":
+    if relay == RelayMode.ON and relay_service == RelayMode.ON:
         raise ValueError("--relay on and --relay-service on contradict each other: a peer reached through a relay "
                          "cannot relay for others; give the relay service to a public peer")
+    return RelayMode(relay), RelayMode(relay_service)
 
 
 def relay_targets(relays: Sequence[str], initial_peers: Sequence[str]) -> list[str]:
@@ -66,7 +79,7 @@ def relay_targets(relays: Sequence[str], initial_peers: Sequence[str]) -> list[s
     return [m for m in (list(relays) or list(initial_peers)) if "/p2p/" in m]
 
 
-def p2p_relay_kwargs(*, through_relay: bool, relay_service: str, relays: Sequence[str]) -> dict[str, Any]:
+def p2p_relay_kwargs(*, through_relay: bool, relay_service: RelayMode, relays: Sequence[str]) -> dict[str, Any]:
     """Keyword arguments for ``hivemind.DHT`` (passed on to ``P2P.create``).
 
     ``through_relay``: reserve a slot at ``relays`` and announce the relayed address (the peer is unreachable or
@@ -80,13 +93,13 @@ def p2p_relay_kwargs(*, through_relay: bool, relay_service: str, relays: Sequenc
         _register_static_relays()  # before the DHT process forks: the child inherits the table
         return dict(use_relay=True, use_auto_relay=True, force_reachability=STATIC_RELAYS,
                     trusted_relays=list(relays))
-    force = {"auto": None, "on": "public", "off": "private"}[relay_service]
+    force = {RelayMode.AUTO: None, RelayMode.ON: "public", RelayMode.OFF: "private"}[RelayMode(relay_service)]
     return dict(use_relay=True, use_auto_relay=False, force_reachability=force)
 
 
-def needs_relay_restart(relay: str, reachable: bool | None, through_relay: bool) -> bool:
+def needs_relay_restart(relay: RelayMode, reachable: bool | None, through_relay: bool) -> bool:
     """--relay auto: the self-check found us unreachable and p2pd is not listening through a relay yet."""
-    return relay == "auto" and reachable is False and not through_relay
+    return relay == RelayMode.AUTO and reachable is False and not through_relay
 
 
 def relayed_maddrs(maddrs: Sequence[str]) -> list[str]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.config import Mode
 from peer.ids import short_id
 from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
@@ -137,7 +138,7 @@ class PipelineStage:
         # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
         # flushes pin each micro-batch to one replica
         self.spot: SpotChecker | None = None
-        if cfg.spot_checks and cfg.mode != "sync":
+        if cfg.spot_checks and cfg.mode != Mode.SYNC:
             self.spot = SpotChecker(SpotCheckConfig(fraction=cfg.spot_check_fraction,
                                                     min_cosine=cfg.spot_check_min_cosine), count=metrics.inc)
 
@@ -212,7 +213,7 @@ class PipelineStage:
             return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
         if not self.guard.share.admits(peer_id, sum(1 for q in self.pending.values() if q.prev_peer == peer_id)):
             return Busy(retry_after_s=0.5)  # it holds all the work its trained work has earned it so far
-        if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == "sync"):
+        if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == Mode.SYNC):
             return self._reject("mode_mismatch", ErrorCode.BAD_REQUEST,
                                 f"this peer runs --mode {self.cfg.mode}; peers of one swarm must share the mode")
         if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
@@ -538,7 +539,7 @@ class PipelineStage:
         """Candidates for the next hop. Sync mode pins pipeline i to the i-th replica (by peer id) of every stage, so
         each replica of a stage receives exactly the M micro-batches of one flush."""
         records = [r for r in self.swarm().values() if r.state == PeerState.TRAINING]
-        if self.cfg.mode != "sync":
+        if self.cfg.mode != Mode.SYNC:
             return records
         mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]
         rank = mine.index(self.my_id) if self.my_id in mine else 0
@@ -582,7 +583,7 @@ class PipelineStage:
         # accepted work, answered none of it: banned, work re-sent. Not in sync mode: there the next hop is pinned
         # (no other route) and a later stage rightly holds a flush's micro-batches while it waits at its barrier, so
         # a ban would stall the pipeline for ban_max_s; a flush's lost micro-batches time out and are re-sent.
-        holes = self.router.black_holes() if self.cfg.mode == "async" else []
+        holes = self.router.black_holes() if self.cfg.mode == Mode.ASYNC else []
         for peer, held in holes:
             self.metrics.inc("black_holes_banned")
             self.metrics.warn(f"peer {peer[-8:]} accepted {len(held)} micro-batches and answered none; banned")
