@@ -60,10 +60,10 @@ PRECISIONS = tuple(p.value for p in Precision)
 
 def _member(kind: type[E], value: object, flag: str) -> E:
     """``value`` (a member, or the string a config file or the command line gives) as a member of ``kind``."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{flag} must be one of {tuple(m.value for m in kind)}, got {value!r}") from None
+    names = tuple(m.value for m in kind)
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{flag} must be one of {names}, got {value!r}")
+    return kind(value)
 
 
 def default_home() -> Path:
