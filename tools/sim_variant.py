@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.sim.methods import METHODS, MethodSpec  # noqa: E402
+from trainer.sim.methods import METHODS, Combine, MethodSpec  # noqa: E402
 from trainer.sim.presets import PRESETS, preset, with_overrides  # noqa: E402
 from trainer.sim.simulator import run_method  # noqa: E402
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             return run.replace(averaging={"rule": "none"})
         return run.replace(averaging={"rule": args.rule, "fraction": args.fraction, "round_steps": 1})
 
-    combine = "grad" if args.rule == "grad" else "avg"
+    combine = Combine.GRADIENTS if args.rule == "grad" else Combine.PARAMETERS
     METHODS[NAME] = MethodSpec(NAME, "async", combine, configure, "ad-hoc variant (tools/sim_variant.py)")
     sim = with_overrides(preset(args.preset), steps=args.steps, eval_every=args.eval_every, tau=args.tau,
                          stages=args.stages)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from trainer.config import OptimConfig, RunConfig
@@ -56,19 +57,27 @@ class SimKnobs(Protocol):
     def sync_lr(self) -> float | None: ...
 
 
+class Combine(StrEnum):
+    """How a method's replicas are brought together (not to be read as an averaging rule: ``rule`` names that)."""
+
+    GRADIENTS = "gradients"
+    """Synchronous gradient averaging at every applied step."""
+    PARAMETERS = "parameters"
+    """Parameter averaging by the method's averaging ``rule`` (trainer/rules.py)."""
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """How one method trains: schedule ('sync' GPipe or 'async' 1F1B) and replica combination ('grad': gradient
-    averaging, 'avg': parameter averaging by ``rule``); ``configure(run, sim)`` returns the method's run config from
-    the simulation's base run."""
+    """How one method trains: schedule ('sync' GPipe or 'async' 1F1B) and replica combination (``Combine``);
+    ``configure(run, sim)`` returns the method's run config from the simulation's base run."""
 
     name: str
     schedule: str
-    combine: str
+    combine: Combine
     configure: Callable[[RunConfig, SimKnobs], RunConfig]
     summary: str
     rule: str = "none"
-    """The averaging rule of 'avg' methods (trainer/rules.py), whose flags say what the simulator does with it."""
+    """The averaging rule of PARAMETERS methods (trainer/rules.py), whose flags say what the simulator does with it."""
 
 
 def _pipeline_only(run: RunConfig, **optim: object) -> RunConfig:
@@ -127,20 +136,24 @@ def _accum(run: RunConfig, sim: SimKnobs) -> RunConfig:
                           warmup_steps=run.optim.warmup_steps // a, total_steps=max(1, run.optim.total_steps // a))
 
 
+GRADIENTS, PARAMETERS = Combine.GRADIENTS, Combine.PARAMETERS
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec("fullsync", "sync", "grad", _fullsync, "GPipe M micro-batches + flush, gradient all-reduce, AdamW 0.9"),
-    MethodSpec("naive-async", "async", "grad", _naive, "async 1F1B, AdamW 0.9, no stashing, no look-ahead"),
-    MethodSpec("asyncpp", "async", "grad", _asyncpp, "async 1F1B, NAdam 0.99 + weight stashing"),
-    MethodSpec("asyncpp-nows", "async", "grad", _asyncpp_nows, "async 1F1B, NAdam, no stashing, beta1 0.99->0.9"),
-    MethodSpec("asyncmesh", "async", "avg", _sparse("ema"), "asyncpp + sparse averaging, EMA drift correction",
+    MethodSpec("fullsync", "sync", GRADIENTS, _fullsync,
+               "GPipe M micro-batches + flush, gradient all-reduce, AdamW 0.9"),
+    MethodSpec("naive-async", "async", GRADIENTS, _naive, "async 1F1B, AdamW 0.9, no stashing, no look-ahead"),
+    MethodSpec("asyncpp", "async", GRADIENTS, _asyncpp, "async 1F1B, NAdam 0.99 + weight stashing"),
+    MethodSpec("asyncpp-nows", "async", GRADIENTS, _asyncpp_nows, "async 1F1B, NAdam, no stashing, beta1 0.99->0.9"),
+    MethodSpec("asyncmesh", "async", PARAMETERS, _sparse("ema"), "asyncpp + sparse averaging, EMA drift correction",
                "ema"),
-    MethodSpec("async-sparta", "async", "avg", _sparse("avg"), "asyncpp + sparse averaging, stale overwrite", "avg"),
-    MethodSpec("delta", "async", "avg", _sparse("delta"), "asyncpp + sparse averaging, a + lambda * drift", "delta"),
-    MethodSpec("full-avg", "async", "avg", _sparse("full", full=True), "asyncpp + full averaging every step, tau 0",
-               "full"),
-    MethodSpec("wagma", "async", "avg", _sparse("wagma"), "asyncpp + WAGMA group averaging, global every 11",
+    MethodSpec("async-sparta", "async", PARAMETERS, _sparse("avg"), "asyncpp + sparse averaging, stale overwrite",
+               "avg"),
+    MethodSpec("delta", "async", PARAMETERS, _sparse("delta"), "asyncpp + sparse averaging, a + lambda * drift",
+               "delta"),
+    MethodSpec("full-avg", "async", PARAMETERS, _sparse("full", full=True),
+               "asyncpp + full averaging every step, tau 0", "full"),
+    MethodSpec("wagma", "async", PARAMETERS, _sparse("wagma"), "asyncpp + WAGMA group averaging, global every 11",
                "wagma"),
-    MethodSpec("accum", "async", "grad", _accum, "async 1F1B, AdamW 0.9 + stashing, sum A gradients per step"),
+    MethodSpec("accum", "async", GRADIENTS, _accum, "async 1F1B, AdamW 0.9 + stashing, sum A gradients per step"),
 )}
 
 

@@ -58,7 +58,7 @@ from trainer.attacks import ATTACKS, byzantine_part
 from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus, corpus_identity, load_corpus, shard_seed, val_batches
 from trainer.rules import rule_of, wagma_members
-from trainer.sim.methods import METHODS, MethodSpec
+from trainer.sim.methods import METHODS, Combine, MethodSpec
 from trainer.subspace import Subspace
 from trainer.worker import StageWorker, use_tf32_on_gpu
 
@@ -163,7 +163,7 @@ class SimConfig:
         for m in self.methods:
             if m == "full-avg":  # no delay by definition
                 out.append((m, m, 0))
-            elif self.taus and METHODS[m].combine == "avg":
+            elif self.taus and METHODS[m].combine == Combine.PARAMETERS:
                 out.extend((f"{m}@tau{t}", m, t) for t in self.taus)
             else:
                 out.append((m, m, self.tau))
@@ -219,7 +219,7 @@ class _Run:
         self.run = spec.configure(sim.run, _Knobs(sim, tau))
         self.rule = rule_of(self.run.averaging)
         self.K, self.R = self.run.n_stages, sim.n_replicas
-        auto = spec.combine != "grad"
+        auto = spec.combine != Combine.GRADIENTS
         self.w = [[StageWorker(self.run, s, device=sim.device, replica=r, auto_step=auto) for s in range(self.K)]
                   for r in range(self.R)]
         b, t = self.run.data.batch_size, self.run.model.block_size
@@ -247,7 +247,7 @@ class _Run:
         self.fraction_applied = 0.0  # sum over applied rounds (of replica 0, stage 0) of the fraction they averaged
         self.delays: list[int] = []  # tau of every round begun (stage 0)
         self._tau_rng = random.Random(self.run.seed)
-        self.honest = self.R - (sim.byzantine if spec.combine != "grad" else 0)  # replicas 0 .. honest-1
+        self.honest = self.R - (sim.byzantine if spec.combine != Combine.GRADIENTS else 0)  # replicas 0 .. honest-1
         self.attack_rng = torch.Generator().manual_seed(self.run.seed + 7)
 
     def _measured(self, name: str, kind: str) -> Callable[..., torch.Tensor]:
@@ -361,7 +361,7 @@ class _Run:
 
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
-            if self.spec.combine == "grad":
+            if self.spec.combine == Combine.GRADIENTS:
                 self.combine_grads(s)
             else:
                 self.average(s)
@@ -373,7 +373,7 @@ class _Run:
         replicas when replicas may differ, or the mean over honest replicas of each one's own."""
         if self.sim.eval_replicas == "each" and self.R > 1:
             return sum(self._val_loss(r) for r in range(self.honest)) / self.honest
-        swap = self.R > 1 and self.spec.combine != "grad"
+        swap = self.R > 1 and self.spec.combine != Combine.GRADIENTS
         saved: list[list[torch.Tensor]] = []
         if swap:
             for s in range(self.K):
@@ -519,14 +519,14 @@ def run_method(sim: SimConfig, name: str, method: str, tau: int) -> dict[str, An
     final = state.curve[-1]
     first = state.curve[0]
     return {
-        "name": name, "method": method, "tau": tau if spec.combine == "avg" else None,
+        "name": name, "method": method, "tau": tau if spec.combine == Combine.PARAMETERS else None,
         "summary": spec.summary,
         "final_val_loss": final["val_loss"], "first_val_loss": first["val_loss"],
         "final_train_loss": final["train_loss"],
         "samples": final["samples"], "updates": state.w[0][0].local_step,
         "averaging_rounds_applied": state.rounds_applied,
         "avg_fraction_per_step": (state.fraction_applied / state.w[0][0].local_step
-                                  if spec.combine == "avg" and state.w[0][0].local_step else None),
+                                  if spec.combine == Combine.PARAMETERS and state.w[0][0].local_step else None),
         "avg_delay_steps": (sum(state.delays) / len(state.delays)) if state.delays else None,
         "steps_skipped": sum(w.steps_skipped for row in state.w for w in row),
         "compute_s": round(time.perf_counter() - t0, 2),

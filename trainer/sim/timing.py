@@ -26,7 +26,7 @@ import torch
 
 from trainer.config import RunConfig
 from trainer.rules import RULES
-from trainer.sim.methods import METHODS
+from trainer.sim.methods import METHODS, Combine
 from trainer.sim.wallclock import MeshTiming, simulate_async, simulate_sync
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class WallclockReport:
         spec, k = METHODS[method], mesh.n_stages
         if spec.schedule == "sync":
             return simulate_sync(mesh, micro_batches=self.sim.micro_batches).seconds_per_microbatch
-        if spec.combine == "grad":
+        if spec.combine == Combine.GRADIENTS:
             every = self.sim.accumulate if method == "accum" else 1
             return simulate_async(mesh, inflight=k, avg_fraction=1.0, avg_bytes_per_param=4.0 / every,
                                   max_pending_rounds=0).seconds_per_microbatch
