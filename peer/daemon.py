@@ -31,6 +31,7 @@ from peer.budget import plan as plan_memory
 from peer.compute import ComputeThread
 from peer.config import PeerConfig
 from peer.errors import DaemonError, UserError
+from peer.host import StageContext
 from peer.lifecycle import Lifecycle, PeerState
 from peer.membership.dht import JoinInterrupted
 from peer.membership.gate import AdmissionGate
@@ -50,16 +51,14 @@ from peer.ops.status_server import StatusServer, StatusServerError
 from peer.ops.summary import peer_summary, write_summary
 from peer.pipeline.ledger import SampleLedger
 from peer.presence import Presence
-from peer.stage import StageHandlers, StageService, not_ready_error
+from peer.stage import StageService
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, newest_checkpoint_stage, save_checkpoint
 from peer.state.spare import SpareStore, spare_fields
-from protocol.messages import Error, Message
 from trainer.config import RunConfig, stage_layer_ranges
 from trainer.worker import resolve_device, resolve_precision
 
 if TYPE_CHECKING:
     from hivemind import DHT
-    from hivemind.p2p import P2P
 
     from peer.averaging.behaviour import AveragingBehaviour
     from peer.pipeline.driver import Stage0Driver
@@ -78,8 +77,8 @@ __all__ = ["Daemon", "DaemonError"]
 class Daemon:
     """One peer process. ``await Daemon(run, cfg).main()`` returns the exit code.
 
-    It is the ``StageHost`` of the ``StageService`` it runs: ``self.service`` is the stage served now (None before
-    the first choice), replaced as a whole on a stage move.
+    ``self.service`` is the stage served now (None before the first choice), replaced as a whole on a stage move;
+    every stage gets the same ``StageContext`` (``self.context``), what it uses of this peer.
     """
 
     def __init__(self, run: RunConfig, cfg: PeerConfig, *, metrics: PeerMetrics | None = None,
@@ -112,20 +111,22 @@ class Daemon:
         self.stop = asyncio.Event()
         self.service: StageService | None = None
         self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
-        self.net = Presence(run, cfg, self.metrics, gate=self.gate, stop=self.stop, router=self.router,
-                            forward=self._rpc_forward, backward=self._rpc_backward)
-        self.send, self.refresh_swarm = self.net.send, self.net.refresh_swarm
-        self.handlers: StageHandlers | None = None
+        self.net = Presence(run, cfg, self.metrics, gate=self.gate, stop=self.stop, router=self.router)
+        self.refresh_swarm = self.net.refresh_swarm
         self.started = time.monotonic()
         self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task[None]] = []
         self.spares = SpareStore(run, cfg.checkpoint_dir)  # the copy of a neighbour stage kept (peer.state.spare)
         self.ledger = SampleLedger()  # training samples drawn and not trained yet, across stage moves and restarts
         self.mover = Mover(self.costs, quality=cfg.rebalance_quality, timing=MoveTiming(
             jitter_s=cfg.join_jitter_s, settle_s=cfg.rebalance_settle_s, cooldown_s=cfg.rebalance_cooldown_s),
             fits=self.budget.fitting)
+        self.context = StageContext(  # what every stage served uses of this peer
+            run=run, cfg=cfg, metrics=self.metrics, life=self.life, net=self.net, router=self.router, costs=self.costs,
+            compute=self.compute, announce=self.announce, checkpoint=self.checkpoint, ledger=self.ledger,
+            spares=self.spares, stop=self.stop, averaging_behaviour=averaging_behaviour)
 
     # ----- the stage served now --------------------------------------------------------------------------------------
     @property
@@ -141,14 +142,14 @@ class Daemon:
         return self.service.pipe if self.service is not None else None
 
     @property
-    def driver_task(self) -> asyncio.Task | None:
+    def driver_task(self) -> asyncio.Task[None] | None:
         return self.service.driver_task if self.service is not None else None
 
     # ----- compute thread -------------------------------------------------------------------------------------------
     async def compute(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
         return await self.executor.run(fn, *args, urgent=urgent)
 
-    # ----- the network side (peer.presence): what a stage reads of it ------------------------------------------------
+    # ----- the network side (peer.presence) ------------------------------------------------------------------------
     @property
     def my_id(self) -> str:
         return self.net.my_id
@@ -158,32 +159,8 @@ class Daemon:
         return self.net.dht
 
     @property
-    def p2p(self) -> P2P | None:
-        return self.net.p2p
-
-    @property
     def swarm(self) -> dict[str, PeerRecord]:
         return self.net.swarm
-
-    def vouch(self, peer_id: str) -> None:
-        self.net.vouch(peer_id)
-
-    def trusted_peers(self) -> list[str]:
-        """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
-        rpc = self.net.rpc
-        return rpc.known_peers() if rpc is not None else []
-
-    async def _rpc_forward(self, msg: Message, peer_id: str) -> Message:
-        pipe = self.pipe
-        return await pipe.rpc_forward(msg, peer_id) if pipe is not None else self._not_ready()
-
-    async def _rpc_backward(self, msg: Message, peer_id: str) -> Message:
-        pipe = self.pipe
-        return await pipe.rpc_backward(msg, peer_id) if pipe is not None else self._not_ready()
-
-    def _not_ready(self) -> Error:
-        self.metrics.inc("rejected:not_ready")
-        return not_ready_error()
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def _start_network(self, *, rejoin: bool = False) -> None:
@@ -191,8 +168,6 @@ class Daemon:
             await self.net.rejoin_through_relay()
         else:
             await self.net.start()
-        assert self.net.rpc is not None
-        self.handlers = StageHandlers(self.net.rpc, self._not_ready)
 
     async def _choose_stage(self) -> int:
         if self.cfg.stage is not None:
@@ -258,7 +233,7 @@ class Daemon:
     async def _tick_announce(self) -> None:
         pipe, worker = self.pipe, self.worker
         if pipe is not None and worker is not None:
-            self.metrics.inflight, self.metrics.queued = len(pipe.pending), pipe.queued()
+            self.metrics.inflight, self.metrics.queued = pipe.inflight(), pipe.queued()
             self.metrics.local_step = worker.local_step
             if worker.device.type == "cuda" and self.metrics.memory is not None:  # the estimate against the real peak
                 self.metrics.memory["peak_bytes"] = torch.cuda.max_memory_allocated(worker.device)
@@ -283,8 +258,8 @@ class Daemon:
         await self.checkpoint()
 
     async def checkpoint(self) -> None:
-        worker = self.worker
-        if self.cfg.checkpoint_dir is None or worker is None or not self.service.loaded:
+        worker, service = self.worker, self.service
+        if self.cfg.checkpoint_dir is None or worker is None or service is None or not service.loaded:
             return  # (a start-up interrupted before the state was loaded has nothing worth keeping)
         state = await self.compute(worker.state_dict)
         try:
@@ -328,7 +303,7 @@ class Daemon:
 
     async def _enter_stage(self, stage: int) -> None:
         """Claim ``stage`` in the DHT at once (so that joiners see it is taken), then start serving it."""
-        self.service = StageService(self, stage)
+        self.service = StageService(self.context, stage)
         self.metrics.stage = stage
         self.life.enter(PeerState.LOADING_STATE, stage=stage)
         await self.announce(PeerState.LOADING_STATE)

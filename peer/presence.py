@@ -2,11 +2,11 @@
 of the swarm.
 
 ``Presence`` is one object per process, owned by ``peer.daemon.Daemon``: it joins the DHT (``start``), registers
-the handlers every peer serves whatever its stage (``forward``, ``backward``, ``reach``), checks that others can
-dial it, joins again through a relay when they cannot (``--relay auto``), reads the run's records
-(``refresh_swarm``), writes this peer's own (``announce``, ``withdraw``) and sends RPCs to others (``send``). What a
-stage registers on top of that goes through the daemon's ``StageHandlers``; the records' content (step, throughput,
-spare copy) is the daemon's to say.
+its RPC server and the one handler table everything registers through (``handlers``: ``reach`` for the life of the
+server, ``forward`` and ``backward`` reserved until a stage binds them), checks that others can dial it, joins
+again through a relay when they cannot (``--relay auto``), reads the run's records (``refresh_swarm``), writes this
+peer's own (``announce``, ``withdraw``) and sends RPCs to others (``send``). The records' content (step,
+throughput, spare copy) is the daemon's to say.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from peer.config import PeerConfig
+from peer.handlers.sizes import restrict_handlers
+from peer.handlers.table import Handlers
 from peer.membership.admission import organiser_key
 from peer.membership.dht import start_dht, stop_dht
 from peer.membership.gate import AdmissionGate
@@ -27,9 +29,9 @@ from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
-from peer.pipeline.sizes import restrict_handlers
+from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
 from protocol.messages import Message
-from protocol.rpc import Handler, RpcLimits, RpcServer, call
+from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig
 
 if TYPE_CHECKING:
@@ -45,13 +47,13 @@ class Presence:
     """``await Presence(...).start()``; then ``send``, ``refresh_swarm``, ``announce``; ``await close()`` at exit."""
 
     def __init__(self, run: RunConfig, cfg: PeerConfig, metrics: PeerMetrics, *, gate: AdmissionGate,
-                 stop: asyncio.Event, router: Router, forward: Handler, backward: Handler) -> None:
+                 stop: asyncio.Event, router: Router) -> None:
         self.run, self.cfg, self.metrics = run, cfg, metrics
         self.gate, self.stop, self.router = gate, stop, router
-        self._forward, self._backward = forward, backward
         self.dht: DHT | None = None
         self.p2p: P2P | None = None
         self.rpc: RpcServer | None = None
+        self.handlers: Handlers | None = None  # the handler table of ``rpc`` (a new one with a new server)
         self.signer: Signer | None = None
         self.limits = RpcLimits()
         self.my_id = ""
@@ -88,14 +90,14 @@ class Presence:
         self.rpc = RpcServer(self.p2p, self.limits, count=self.metrics.inc)
         restrict_handlers(self.rpc, self.run)  # message kinds, and request sizes from the run's shapes
         self.rpc.gate = self.gate.rpc_gate(lambda: self.swarm, self.refresh_swarm)
-        await self.rpc.add_handler("forward", self._forward)
-        await self.rpc.add_handler("backward", self._backward)
+        self.handlers = Handlers(self.rpc, count=self.metrics.inc)
+        await self.handlers.reserve(FORWARD_RPC, BACKWARD_RPC)  # NOT_READY until a stage binds them
         p2p = self.p2p
         helper = ReachabilityHelper(  # dials back only the requester's own observed address (local swarms: any)
             run_id=self.run.run_id, timeout_s=self.cfg.reachability_timeout_s,
             observed=lambda pid: observed_hosts(p2p, pid),
             local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
-        await self.rpc.add_handler(REACH_RPC, helper.handle)
+        await self.handlers.serve(REACH_RPC, helper.handle)
 
     async def check_reachability(self) -> None:
         """Ask the initial peers to dial us back; unreachable is a warning (and, with --relay auto, a relay).
@@ -155,6 +157,10 @@ class Presence:
         if self.rpc is not None:
             self.rpc.vouch(peer_id)
 
+    def trusted_peers(self) -> list[str]:
+        """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
+        return self.rpc.known_peers() if self.rpc is not None else []
+
     async def refresh_swarm(self) -> dict[str, PeerRecord]:
         """Read the run's records (the last good view is kept when a read comes back empty)."""
         records = await fetch_swarm(self.dht, self.run.run_id, timeout=self.cfg.dht_timeout_s)
@@ -180,7 +186,7 @@ class Presence:
     async def close(self) -> None:
         """Stop taking streams, then stop the DHT and its p2pd."""
         rpc, dht = self.rpc, self.dht
-        self.rpc = self.dht = self.p2p = None
+        self.rpc = self.dht = self.p2p = self.handlers = None
         if rpc is not None:  # before the P2P daemon goes away under the streams
             try:
                 await rpc.shutdown()

@@ -2,7 +2,7 @@
 
 Objects that cross modules are typed by their own classes (``PeerMetrics``, ``StageWorker``, ``PipelineStage``,
 hivemind's ``P2P`` and ``DHT``) or by a ``Protocol`` where a test or a second implementation stands in
-(``protocol.rpc.Transport`` and ``HandlerTable``, ``peer.stage.StageHost``). This module holds the function types.
+(``protocol.rpc.Transport`` and ``HandlerTable``, ``peer.host.StageNetwork``). This module holds the function types.
 """
 
 from __future__ import annotations

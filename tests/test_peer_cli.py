@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import pytest
 
@@ -13,8 +12,6 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.membership.reachability import is_public_unroutable, tcp_targets
 from peer.ops.procs import PeerProcess
-from peer.stage import StageHandlers
-from protocol.rpc import RpcLimits
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -112,33 +109,3 @@ def test_reachability_targets():
     assert tcp_targets(maddrs) == [("1.2.3.4", 31337), ("127.0.0.1", 5)]
     assert is_public_unroutable("127.0.0.1") and is_public_unroutable("0.0.0.0")
     assert not is_public_unroutable("1.2.3.4")
-
-
-def test_stage_handlers_register_once_and_rebind_on_a_stage_move():
-    class FakeRpc:  # a protocol.rpc.HandlerTable
-        limits, count = RpcLimits(), None
-
-        def __init__(self) -> None:
-            self.handlers = {}
-
-        async def add_handler(self, name, fn):
-            assert name not in self.handlers, "registered twice"
-            self.handlers[name] = fn
-
-    async def go():
-        rpc = FakeRpc()
-        table = StageHandlers(rpc, lambda: "not ready")
-
-        async def stage0(msg, peer):
-            return ("s0", msg)
-
-        async def stage1(msg, peer):
-            return ("s1", msg)
-        await table.add_handler("state", stage0)
-        first = await rpc.handlers["state"]("m", "p")
-        table.clear()
-        between = await rpc.handlers["state"]("m", "p")
-        await table.add_handler("state", stage1)
-        return first, between, await rpc.handlers["state"]("m", "p")
-
-    assert asyncio.run(go()) == (("s0", "m"), "not ready", ("s1", "m"))

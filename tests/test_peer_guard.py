@@ -151,11 +151,11 @@ def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier
         assert isinstance(huge, Error) and "norm" in huge.message
         # stage 0: gradients and losses coming back from stage 1
         for i in range(20):
-            stage0.pending[i] = _pending(["b1"])
+            stage0.expect(i, _pending(["b1"]))
             bwd = Backward(run_id=RUN.run_id, mb_id=i, route=["a0"], gradient=encode(torch.randn(8, 32, 32), "int8"),
                            loss=2.0 + 0.01 * i, is_eval=False)
             assert isinstance(await stage0.rpc_backward(bwd, "b1"), Ack)
-        stage0.pending[98] = held = _pending(["b1"])
+        stage0.expect(98, held := _pending(["b1"]))
         held.done = asyncio.get_running_loop().create_future()
         stage0.router.sent("b1", 98)
         big = Backward(run_id=RUN.run_id, mb_id=98, route=["a0"], gradient=encode(1e5 * torch.randn(8, 32, 32),
@@ -165,11 +165,11 @@ def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier
         # b1 owes nothing for it, so the router cannot take b1 for a black hole
         assert await asyncio.wait_for(held.done, 5) is None and 98 not in stage0.pending
         assert not stage0.router.stats["b1"].outstanding
-        stage0.pending[99] = _pending(["b1"])
+        stage0.expect(99, _pending(["b1"]))
         grad = encode(torch.randn(8, 32, 32), "int8")
         zero_loss = Backward(run_id=RUN.run_id, mb_id=99, route=["a0"], gradient=grad, loss=0.0, is_eval=False)
         assert isinstance(await stage0.rpc_backward(zero_loss, "b1"), Ack)
-        queued = [item[1] for item in list(stage0.backward_q._queue)]
+        queued = [item.msg for item in list(stage0.backward_q._queue)]
         assert queued[-1].mb_id == 99 and queued[-1].loss is None  # accepted, but the loss is not reported
 
     asyncio.run(go())

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.handlers.sizes import HANDLER_KINDS, infer_message_bytes, pipeline_request_bytes
 from peer.membership.records import PeerRecord
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.infer import INFER_RPC, InferLimits, InferService
 from peer.pipeline.remote import RemotePipeline, RunMismatch, SwarmUnavailable
-from peer.pipeline.sizes import HANDLER_KINDS, infer_message_bytes, pipeline_request_bytes
 from protocol.codecs.registry import encode
 from protocol.errors import ErrorCode, PeerUnreachable, RateLimited, RemoteError, ValidationError
 from protocol.messages import Busy, Error, Infer, InferResult, Message, pack, unpack

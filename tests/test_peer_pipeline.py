@@ -128,7 +128,7 @@ def test_dead_hop_is_retried_elsewhere_and_broken_route_requeues(corpus):
     assert m0.get("microbatches_dropped", 0) == 0
     # now the whole stage is gone: micro-batches are dropped and their samples re-queued, nothing is lost
     net.dead.add("b1")
-    net.stages["a0"].accepting = True  # the first run's drain at max_steps closed it (a stage-0 driver stops then)
+    net.stages["a0"]._accepting = True  # the first run's drain at max_steps closed it (a stage-0 driver stops then)
     driver2 = asyncio.run(_run_driver(net, corpus, cfg, steps=10_000, run_for=3.0))
     pool.shutdown()
     m0 = net.stages["a0"].metrics.snapshot()["counters"]

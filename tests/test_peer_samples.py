@@ -100,7 +100,7 @@ def test_leaving_stage_0_hands_samples_back_and_the_next_driver_trains_them_firs
                               stop=stop, max_steps=0, metrics=pipe.metrics, ledger=ledger)
         task = asyncio.ensure_future(driver.run_async())
         await asyncio.sleep(1.0)  # three micro-batches wait for a route to stage 1
-        pipe.accepting = False  # the peer leaves stage 0 (StageService.leave), then cancels the driver
+        pipe.stop_accepting()  # the peer leaves stage 0 (StageService.leave), then cancels the driver
         await asyncio.sleep(0.5)
         assert not task.done()  # a driver that returned by itself would read as "max_steps reached" to the daemon
         task.cancel()

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from peer.config import PeerConfig
+from peer.handlers.sizes import pipeline_request_bytes
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.servicer import PipelineStage
-from peer.pipeline.sizes import pipeline_request_bytes
 from protocol.codecs.registry import encode
 from protocol.errors import ValidationError
 from protocol.messages import Forward, pack, unpack

@@ -31,7 +31,7 @@ def test_an_answer_to_our_call_does_not_make_a_peer_known(monkeypatch):
 
 def test_every_handler_has_a_request_size_limit_that_its_largest_honest_request_fits():
 
-    from peer.pipeline.sizes import HANDLER_KINDS, pipeline_request_bytes
+    from peer.handlers.sizes import HANDLER_KINDS, pipeline_request_bytes
     from protocol.codecs.registry import encode
     from protocol.messages import AveragingPart, pack
     from trainer.config import RunConfig

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 
+from peer.handlers.sizes import infer_message_bytes  # noqa: E402
 from peer.membership.records import fetch_swarm, record_validator  # noqa: E402
 from peer.ops.procs import (  # noqa: E402
     PeerProcess,
@@ -56,7 +57,6 @@ from peer.ops.procs import (  # noqa: E402
 )
 from peer.pipeline.infer import INFER_RPC  # noqa: E402
 from peer.pipeline.remote import RemotePipeline, rpc_call  # noqa: E402
-from peer.pipeline.sizes import infer_message_bytes  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.errors import RemoteError  # noqa: E402
 from protocol.messages import Forward, Infer  # noqa: E402

@@ -170,11 +170,11 @@ async def _generate(args: argparse.Namespace, run_cfg: RunConfig, tok: Tokenizer
 
     from hivemind import DHT
 
+    from peer.handlers.sizes import infer_message_bytes
     from peer.ids import short_id
     from peer.membership.admission import organiser_key
     from peer.membership.records import fetch_swarm, record_validator
     from peer.pipeline.remote import RemotePipeline, rpc_call
-    from peer.pipeline.sizes import infer_message_bytes
     from trainer.export import next_token
 
     try:

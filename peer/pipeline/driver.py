@@ -97,9 +97,9 @@ class Stage0Driver:
         loop = asyncio.get_running_loop()
         p = Pending(prev_peer=None, next_peer=None, route=[], is_eval=is_eval, done=loop.create_future(),
                     deadline=time.monotonic() + pipe.cfg.microbatch_timeout_s)
-        pipe.pending[mb_id] = p
+        pipe.expect(mb_id, p)
         if pipe.is_last:  # a one-stage run: the whole model is here
-            pipe.pending.pop(mb_id, None)
+            pipe.forget(mb_id)
             if is_eval:
                 return float(await pipe.compute(pipe.worker.evaluate, x, y))
             loss, _ = await pipe.timed(mb_id, True, pipe.worker.forward_loss, mb_id, x, y)
@@ -114,7 +114,7 @@ class Stage0Driver:
                                     ids=x)
             return await p.done  # set by the backward, a drop, or the expiry timer
         except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
-            if pipe.pending.pop(mb_id, None) is not None and not is_eval:
+            if pipe.forget(mb_id) and not is_eval:
                 pipe.spawn(pipe.compute(pipe.worker.drop, mb_id))
             raise
 
@@ -204,7 +204,7 @@ class Stage0Driver:
                 # the samples go back to the ledger below. Returning now would read as "max_steps reached".
                 await asyncio.Future()
             if running:
-                self.pipe.accepting = False  # stage 0 takes no forwards; this only stops waiting for routes
+                self.pipe.stop_accepting()  # stage 0 takes no forwards; this only stops waiting for routes
                 await asyncio.wait(running, timeout=self.pipe.cfg.drain_timeout_s)
         finally:
             for t in running:

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,10 @@ MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
 THROUGHPUT_WINDOW = 32  # micro-batches whose compute time the announced throughput is the median of
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
+FORWARD_RPC = "forward"
+"""The handler that takes a ``Forward`` (activations for this stage)."""
+BACKWARD_RPC = "backward"
+"""The handler that takes a ``Backward`` (the gradient of a micro-batch this stage sent on)."""
 
 
 class Refused:
@@ -89,6 +93,22 @@ class Pending:
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
 
 
+class ForwardWork(NamedTuple):
+    """A validated forward waiting for the compute thread."""
+
+    msg: Forward
+    x: torch.Tensor
+    targets: torch.Tensor | None
+    ids: torch.Tensor | None
+
+
+class BackwardWork(NamedTuple):
+    """A validated backward waiting for the compute thread (``grad`` None: a drop or a refusal travelling back)."""
+
+    msg: Backward
+    grad: torch.Tensor | None
+
+
 class PipelineStage:
     """Serves one stage. The daemon owns it; ``rpc_forward``/``rpc_backward`` are registered with the RpcServer.
 
@@ -115,13 +135,13 @@ class PipelineStage:
         self.boundary = Boundary(run, getattr(worker, "subspace", None))
         self.tok_spec = TensorSpec((b, t), self.boundary.targets_dtype)
         self.pending: dict[int, Pending] = {}
-        self.backward_q: asyncio.Queue = asyncio.Queue()
-        self.forward_q: asyncio.Queue = asyncio.Queue(maxsize=cfg.max_queue)
+        self.backward_q: asyncio.Queue[BackwardWork] = asyncio.Queue()
+        self.forward_q: asyncio.Queue[ForwardWork] = asyncio.Queue(maxsize=cfg.max_queue)
         self._wake = asyncio.Event()
-        self.accepting = True
+        self._accepting = True
         self.vouch: Callable[[str], None] = lambda peer: None
         """Marks a peer as known (``RpcServer.vouch``) once its work is validated and trained; set by the stage."""
-        self.tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.last_forward = time.monotonic()
         self.compute_s_per_mb = 0.0  # median forward+backward seconds of one micro-batch over the last few
         self._recent_s: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
@@ -132,7 +152,7 @@ class PipelineStage:
         # replica that finished its share of a flush opens that flush's barrier while the earlier stages drain)
         self.on_backward_done: Callable[[int], None] | None = None
         # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
-        self.on_first_measure: Callable[[], None] | None = None
+        self.on_first_measure: Callable[[], object] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
         # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
@@ -143,11 +163,57 @@ class PipelineStage:
                                                     min_cosine=cfg.spot_check_min_cosine), count=metrics.inc)
 
     # ----- helpers ------------------------------------------------------------------------------------------------
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return task
+
+    # ----- the micro-batches held here (the driver, the stage service and the sync schedule use these) ---------------
+    @property
+    def accepting(self) -> bool:
+        """Whether this stage takes work (False once the peer leaves it)."""
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        """Take no more forwards (and, draining, stop waiting for routes that may never come)."""
+        self._accepting = False
+
+    def inflight(self) -> int:
+        """Micro-batches held here: this stage waits for their gradient (or, queued, their compute)."""
+        return len(self.pending)
+
+    def expect(self, mb_id: int, pending: Pending) -> None:
+        """Stage 0: a micro-batch of its own is on its way; its gradient is awaited under ``mb_id``."""
+        self.pending[mb_id] = pending
+
+    def forget(self, mb_id: int) -> bool:
+        """Forget ``mb_id`` without telling anyone (stage 0's own micro-batch finished or abandoned); whether it was
+        held."""
+        return self.pending.pop(mb_id, None) is not None
+
+    def holds_flush(self, flush: int) -> bool:
+        """Sync mode: training micro-batches of ``flush`` or an earlier one are still held here."""
+        return any(p.flush is not None and p.flush <= flush and not p.is_eval for p in self.pending.values())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking work, wait up to ``timeout_s`` for the micro-batches held here, then drop the rest (upstream is
+        told, stage 0 re-trains their samples); returns how many were dropped."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout_s
+        while self.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.pending)
+        for mb in left:
+            await self.drop(mb, notify=True)
+        return len(left)
+
+    async def close(self) -> None:
+        """Cancel the sends and jobs this stage started, and wait for them to end."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def throughput(self) -> float:
         """Announced work units per second: micro-batches/s of compute times this stage's cost."""
@@ -207,7 +273,7 @@ class PipelineStage:
             return Busy(retry_after_s=1.0)
         if self.guard.seen(msg.mb_id):
             return Error(code=ErrorCode.BAD_REQUEST, message=f"micro-batch {msg.mb_id} was already taken here")
-        if not self.accepting:
+        if not self._accepting:
             return self._reject("not_ready", ErrorCode.NOT_READY, "this peer is not taking work (joining/draining)")
         if msg.mb_id in self.pending:
             return self._reject("duplicate", ErrorCode.BAD_REQUEST, f"micro-batch {msg.mb_id} is already here")
@@ -239,7 +305,7 @@ class PipelineStage:
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
                                           is_eval=msg.is_eval, flush=msg.flush)
-        self.forward_q.put_nowait(("fwd", msg, x, targets, ids))
+        self.forward_q.put_nowait(ForwardWork(msg, x, targets, ids))
         self._wake.set()
         return Ack()
 
@@ -281,7 +347,7 @@ class PipelineStage:
             if checked is None:
                 return Ack()  # held until its partner's gradient is here
             msg, grad = checked
-        self.backward_q.put_nowait(("bwd", msg, grad))
+        self.backward_q.put_nowait(BackwardWork(msg, grad))
         self._wake.set()
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
@@ -322,16 +388,17 @@ class PipelineStage:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            item = self.backward_q.get_nowait() if not self.backward_q.empty() else self.forward_q.get_nowait()
+            item: ForwardWork | BackwardWork = (self.backward_q.get_nowait() if not self.backward_q.empty()
+                                                else self.forward_q.get_nowait())
             try:
-                if item[0] == "fwd":
-                    await self._process_forward(*item[1:])
+                if isinstance(item, ForwardWork):
+                    await self._process_forward(*item)
                 else:
-                    await self._process_backward(*item[1:])
+                    await self._process_backward(*item)
             except Exception:  # a bad item must not stop the stage; the micro-batch times out upstream
-                logger.exception("processing micro-batch %d failed; dropping it", item[1].mb_id)
+                logger.exception("processing micro-batch %d failed; dropping it", item.msg.mb_id)
                 self.metrics.inc("compute_errors")
-                await self.drop(item[1].mb_id, notify=True)
+                await self.drop(item.msg.mb_id, notify=True)
 
     async def _process_forward(self, msg: Forward, x: torch.Tensor, targets: torch.Tensor | None,
                                ids: torch.Tensor | None = None) -> None:
@@ -435,7 +502,7 @@ class PipelineStage:
         msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
                       is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
-        peer = await self._send_with_retries("forward", msg, self.stage + 1, p.sent_to if p else set())
+        peer = await self._send_with_retries(FORWARD_RPC, msg, self.stage + 1, p.sent_to if p else set())
         if peer is not None:
             if p is not None:
                 p.next_peer = peer
@@ -463,7 +530,7 @@ class PipelineStage:
         reply: Message | None = None
         for _ in range(3):
             try:
-                reply = await self.send(partner, "forward", msg)
+                reply = await self.send(partner, FORWARD_RPC, msg)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -484,7 +551,7 @@ class PipelineStage:
         p.checks = None
         if self.spot.trusted(peer):  # a trusted hop's gradient is applied unchecked anyway
             if held is not None:
-                self.backward_q.put_nowait(("bwd", *held))
+                self.backward_q.put_nowait(BackwardWork(*held))
                 self._wake.set()
             return
         # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
@@ -498,7 +565,7 @@ class PipelineStage:
                 record = self.router.choose(self._next_hops(stage), stage, exclude=tried,
                                             cap=self.spot.cap_weights if self.spot is not None else None)
             except NoRouteError:
-                if not self.accepting:  # draining: do not wait for a route to appear
+                if not self._accepting:  # draining: do not wait for a route to appear
                     break
                 waits += 1
                 if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
@@ -554,7 +621,7 @@ class PipelineStage:
                        refused=refused)
         for attempt in range(2):
             try:
-                await self.send(peer, "backward", msg)
+                await self.send(peer, BACKWARD_RPC, msg)
                 return
             except asyncio.CancelledError:
                 raise

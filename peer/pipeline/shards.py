@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
@@ -25,26 +25,11 @@ from trainer.tokenizer import Tokenizer, load_tokenizer
 if TYPE_CHECKING:
     import torch
 
-    from peer.config import PeerConfig
-    from peer.ops.metrics import PeerMetrics
+    from peer.host import StageContext
     from peer.pipeline.driver import Stage0Driver
-    from peer.pipeline.ledger import SampleLedger
-    from trainer.config import DataConfig, RunConfig
+    from trainer.config import DataConfig
 
 logger = logging.getLogger(__name__)
-
-
-class StageHost(Protocol):
-    """What choosing and opening a shard uses of the peer (``peer.stage.StageHost`` has it all)."""
-
-    run: RunConfig
-    cfg: PeerConfig
-    metrics: PeerMetrics
-    my_id: str
-    swarm: dict[str, PeerRecord]
-    ledger: SampleLedger
-
-    async def refresh_swarm(self) -> dict[str, PeerRecord]: ...
 
 
 def taken_shards(swarm: Mapping[str, PeerRecord], my_id: str) -> dict[str, int]:
@@ -75,7 +60,7 @@ def shard_conflict(my_id: str, shard: int, taken: Mapping[str, int]) -> bool:
     return any(s == shard and pid < my_id for pid, s in taken.items())
 
 
-def _previous_shard(host: StageHost, data_cfg: DataConfig) -> int | None:
+def _previous_shard(host: StageContext, data_cfg: DataConfig) -> int | None:
     """The shard this peer read last in this data, from its ledger (restored from the checkpoint folder)."""
     key = host.ledger.last_key
     last = host.ledger.position(key) if key is not None else None
@@ -84,13 +69,13 @@ def _previous_shard(host: StageHost, data_cfg: DataConfig) -> int | None:
     return int(last["shard"])
 
 
-async def open_shard(host: StageHost, data_cfg: DataConfig,
+async def open_shard(host: StageContext, data_cfg: DataConfig,
                      ) -> tuple[ShardStream, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Stage 0 on a streamed dataset: a shard no other live stage-0 peer reads, resumed from the ledger's position for
     it, and the fixed held-out validation set (DataError or MissingExtra when the data cannot be used)."""
     run = host.run
-    await host.refresh_swarm()
-    shard, shared = choose_shard(host.my_id, data_cfg.shards, taken_shards(host.swarm, host.my_id),
+    await host.net.refresh_swarm()
+    shard, shared = choose_shard(host.net.my_id, data_cfg.shards, taken_shards(host.net.swarm, host.net.my_id),
                                  _previous_shard(host, data_cfg))
     if shared:
         host.metrics.inc("data_shard_shared")
@@ -109,7 +94,7 @@ async def open_shard(host: StageHost, data_cfg: DataConfig,
     return stream, val
 
 
-def shard_stream(host: StageHost, data_cfg: DataConfig, tok: Tokenizer, shard: int) -> ShardStream:
+def shard_stream(host: StageContext, data_cfg: DataConfig, tok: Tokenizer, shard: int) -> ShardStream:
     """The stream of ``shard`` from the position this peer's ledger holds for it (else its beginning)."""
     saved = host.ledger.position(stream_key(data_cfg, shard))
     start = DataPosition.from_dict(saved) if saved is not None else DataPosition(shard=shard)
@@ -124,16 +109,16 @@ def reading_shard(driver: Stage0Driver | None) -> int | None:
     return stream.shard if isinstance(stream, ShardStream) else None
 
 
-def move_if_shared(host: StageHost, driver: Stage0Driver) -> None:
+def move_if_shared(host: StageContext, driver: Stage0Driver) -> None:
     """A peer with a smaller id announces our shard (we chose within one announcement of each other): continue on a
     free shard; the ledger keeps the old shard's position."""
     stream = driver.stream
     if not isinstance(stream, ShardStream):
         return
-    taken = taken_shards(host.swarm, host.my_id)
-    if not shard_conflict(host.my_id, stream.shard, taken):
+    taken = taken_shards(host.net.swarm, host.net.my_id)
+    if not shard_conflict(host.net.my_id, stream.shard, taken):
         return
-    shard, shared = choose_shard(host.my_id, stream.cfg.shards, taken, None)
+    shard, shared = choose_shard(host.net.my_id, stream.cfg.shards, taken, None)
     if shared:
         return  # every shard is read: nowhere better to go
     host.ledger.detach(stream)

@@ -22,6 +22,7 @@ from peer.averaging.sync import SYNC_RPC
 from peer.membership.reachability import REACH_RPC
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.infer import INFER_RPC
+from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
 from protocol.messages import (
@@ -80,8 +81,8 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     state = max(len(pack(StateRequest(run_id=run.run_id, stage=1023, chunk=2**20, version=2**63 - 1))),
                 len(pack(StateDigestRequest(run_id=run.run_id, stage=1023, seed=2**63 - 1, dims=256))))
     averaging = averaging_request_bytes(run)
-    return {"forward": len(pack(forward)) + SLACK_BYTES, "backward": len(pack(backward)) + SLACK_BYTES,
-            "reach": max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
+    return {FORWARD_RPC: len(pack(forward)) + SLACK_BYTES, BACKWARD_RPC: len(pack(backward)) + SLACK_BYTES,
+            REACH_RPC: max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
             INFER_RPC: infer_message_bytes(run)["request"], STATE_RPC: state + SLACK_BYTES, AVG_RPC: averaging,
             SYNC_RPC: averaging}
 
@@ -100,7 +101,7 @@ def infer_message_bytes(run: RunConfig) -> dict[str, int]:
 
 
 #: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
-HANDLER_KINDS = {"forward": (Forward,), "backward": (Backward,), REACH_RPC: (Hello,),
+HANDLER_KINDS = {FORWARD_RPC: (Forward,), BACKWARD_RPC: (Backward,), REACH_RPC: (Hello,),
                  STATE_RPC: (StateRequest, StateDigestRequest), AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,),
                  INFER_RPC: (Infer,)}
 

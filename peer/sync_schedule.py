@@ -1,0 +1,151 @@
+"""``--mode sync`` on one stage (the baseline the asynchronous mode is compared with): a gradient barrier among the
+stage's replicas before every optimiser step, scheduled around the pipeline's flushes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from peer.averaging.sync import FlushClock, SyncAverager
+from peer.ids import short_id
+from peer.lifecycle import PeerState
+
+if TYPE_CHECKING:
+    from peer.host import StageContext
+    from peer.pipeline.servicer import PipelineStage
+    from trainer.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+# a replica that a partner's barrier finds with nothing of the flush waits this long for its share before joining
+# with a zero gradient (the pinned route delivers it a moment later; routing that sent the whole flush to the partner
+# does not)
+EMPTY_FLUSH_WAIT_S = 3.0
+
+__all__ = ["SyncSchedule"]
+
+
+class SyncSchedule:
+    """``--mode sync`` on one stage: a gradient barrier among the stage's replicas, then one optimiser step.
+
+    Stage 0 closes a flush when every gradient of it is back (``flush``); a later stage closes flush f when its share
+    of f is done, on the first forward of flush f + 1, or when a replica of its stage opens the barrier with it
+    (``FlushClock``). Barriers run one at a time, in the background of the servicer: a forward of a later flush waits
+    for the barriers before it (``forward_flush``), nothing else does.
+    """
+
+    def __init__(self, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineStage,
+                 averager: SyncAverager) -> None:
+        self.host, self.stage, self.worker, self.pipe, self.averager = host, stage, worker, pipe, averager
+        self.step = worker.local_step
+        self.clock: FlushClock = FlushClock()
+        self.lock = asyncio.Lock()
+        self.drained: dict[int, int] = {}  # flush -> backwards done here
+        self.opened: set[int] = set()  # flushes whose barrier a replica of our stage opened with us
+        self.running: asyncio.Task[None] | None = None  # the latest barrier (they run in order, under the lock)
+
+    @classmethod
+    async def start(cls, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineStage) -> SyncSchedule:
+        averager = SyncAverager(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
+                                metrics=host.metrics)
+        await averager.start()
+        self = cls(host, stage, worker, pipe, averager)
+        if stage > 0:
+            pipe.on_flush = self.forward_flush
+            pipe.on_backward_done = self.backward_done
+            averager.on_remote_open = self.remote_barrier
+        return self
+
+    async def average_and_step(self, step: int) -> None:
+        """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
+        host, worker = self.host, self.worker
+        peers = [r.peer_id for r in host.net.swarm.values() if r.stage == self.stage and r.state == PeerState.TRAINING]
+        # the mean over this flush's micro-batches, as the simulator's fullsync and GPipe take it: with the sum,
+        # clipping at optim.grad_clip would act on M times larger norms
+        grads = await host.compute(worker.mean_grads)
+        mean, n = await self.averager.all_average(step, grads, peers)
+        await host.compute(worker.set_grads, mean)
+        await host.compute(worker.optimizer_step)
+        self.step = self.averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
+        host.metrics.local_step = worker.local_step
+        host.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
+
+    def full_mesh(self) -> bool:
+        """Every stage has the same number (>= 1) of training replicas and we are one of them."""
+        host = self.host
+        counts = [0] * host.run.n_stages
+        for r in host.net.swarm.values():
+            if r.state == PeerState.TRAINING and 0 <= r.stage < host.run.n_stages:
+                counts[r.stage] += 1
+        return host.net.my_id in host.net.swarm and min(counts) >= 1 and len(set(counts)) == 1
+
+    async def flush(self) -> None:
+        """Stage 0: every gradient of the flush is back; average and step (the barrier is the flush number)."""
+        await self.average_and_step(self.step)
+
+    def _run(self, barrier: int, why: str) -> None:
+        logger.debug("closing flush %d: %s", barrier, why)
+        self.running = self.pipe.spawn(self._barrier(barrier))
+
+    async def _barrier(self, barrier: int) -> None:
+        async with self.lock:
+            try:
+                await self.average_and_step(barrier)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the replicas resynchronise at the next barrier (its step is adopted)
+                logger.warning("sync barrier %d failed: %r; the flush's gradient is dropped", barrier, e)
+                self.host.metrics.inc("sync_barrier_failed")
+
+    def _working_on(self, flush: int) -> bool:
+        """Micro-batches of ``flush`` (or earlier) are still in this stage: their gradient belongs to its barrier."""
+        return self.pipe.holds_flush(flush)
+
+    def backward_done(self, flush: int) -> None:
+        """A later stage: a backward of ``flush`` is done here; the M-th closes the flush at once (the drain), as
+        does the last one here of a flush a replica already waits for."""
+        self.drained[flush] = self.drained.get(flush, 0) + 1
+        for old in [f for f in self.drained if f < flush - 2]:
+            del self.drained[old]
+        self.opened = {f for f in self.opened if f >= flush - 2}
+        if self.drained[flush] >= self.host.cfg.sync_microbatches:
+            barrier = self.clock.on_drained(flush)
+            if barrier is not None:
+                self._run(barrier, "its micro-batches are done here")
+        elif flush in self.opened and not self._working_on(flush):
+            barrier = self.clock.on_remote_barrier(flush)
+            if barrier is not None:
+                self._run(barrier, "a replica waits and our part of the flush is done")
+
+    async def forward_flush(self, flush: int) -> None:
+        """A later stage: a training forward of ``flush`` arrived; the flushes before it are closed first."""
+        if self.clock.current is not None and flush < self.clock.current:
+            self.host.metrics.inc("sync_late_forwards")  # a retry of an earlier flush: its gradient joins this one
+        barrier = self.clock.on_forward(flush)
+        if barrier is not None:
+            self._run(barrier, f"a forward of flush {flush} arrived")
+        if self.running is not None and not self.running.done():
+            await asyncio.shield(self.running)
+
+    def remote_barrier(self, step: int, peer: str) -> None:
+        """A later stage: a replica of our stage waits at barrier ``step``; join it unless we did already."""
+        stage = self.stage
+        if any(r.peer_id == peer and r.stage == stage for r in self.host.net.swarm.values()):
+            self.opened.add(step)
+            if self._working_on(step):  # joining now would leave those micro-batches' gradient out of the step;
+                return  # the last of them closes the flush (backward_done)
+            if self.drained.get(step, 0) == 0:  # our share may still be on its way from stage 0: wait a little
+                asyncio.get_running_loop().call_later(EMPTY_FLUSH_WAIT_S, self._join_empty, step)
+                return
+            self._join_empty(step)
+        else:
+            logger.debug("barrier %d opened by %s, not a replica of stage %d in our view", step, short_id(peer), stage)
+
+    def _join_empty(self, step: int) -> None:
+        """Join barrier ``step`` a replica opened, with what we hold of the flush (nothing at worst), unless our
+        share arrived meanwhile (then its last backward closes it)."""
+        if self._working_on(step):
+            return
+        barrier = self.clock.on_remote_barrier(step)
+        if barrier is not None:
+            self._run(barrier, "a replica opened its barrier")
