@@ -4,7 +4,7 @@
 ``python tools/bench_swarm.py --time-to-loss`` (or this file directly; as root for the emulated WAN). For each network
 (by default the emulated WAN of tools/wan.py at 0 and 50 ms one-way delay, 100 Mbit/s per peer; ``--loopback`` adds
 loopback) and each mode, it starts a fresh ``n_stages x replicas`` swarm of ``asyncmesh-peer join`` processes on the
-same run and data (tools/bench_swarm.py's ``SwarmCase``), and from the moment every peer trains lets it run for
+same run and data (tools/swarm_case.py's ``SwarmCase``), and from the moment every peer trains lets it run for
 ``--budget-s`` seconds. Every stage-0 replica evaluates the run's fixed validation batches through the pipeline every
 ``--eval-every-s`` seconds; the tool polls every peer's ``/status`` each ``--poll-s`` and records, per evaluation, the
 wall-clock time since the start, the swarm's training tokens (stage 0, summed over replicas) and the loss. A case's
@@ -45,8 +45,8 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
-from tools.bench_swarm import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
-from tools.bench_swarm import plan as swarm_plan  # noqa: E402
+from tools.swarm_case import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
+from tools.swarm_case import plan as swarm_plan  # noqa: E402
 from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig  # noqa: E402
 
 logger = logging.getLogger("bench_ttl")
