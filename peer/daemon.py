@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from peer.averaging.behaviour import AveragingBehaviour
     from peer.pipeline.driver import Stage0Driver
-    from peer.pipeline.servicer import PipelineStage
+    from peer.pipeline.servicer import PipelineServicer
     from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class Daemon:
         return self.service.worker if self.service is not None else None
 
     @property
-    def pipe(self) -> PipelineStage | None:
+    def pipe(self) -> PipelineServicer | None:
         return self.service.pipe if self.service is not None else None
 
     @property

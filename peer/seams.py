@@ -1,6 +1,6 @@
 """The callables the daemon hands to its services, typed once so that every module reads the same shape.
 
-Objects that cross modules are typed by their own classes (``PeerMetrics``, ``StageWorker``, ``PipelineStage``,
+Objects that cross modules are typed by their own classes (``PeerMetrics``, ``StageWorker``, ``PipelineServicer``,
 hivemind's ``P2P`` and ``DHT``) or by a ``Protocol`` where a test or a second implementation stands in
 (``protocol.rpc.Transport`` and ``HandlerTable``, ``peer.host.StageNetwork``). This module holds the function types.
 """

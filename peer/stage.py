@@ -26,7 +26,7 @@ from peer.host import StageContext
 from peer.lifecycle import PeerState
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.infer import INFER_RPC, InferService
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC, PipelineStage
+from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC, PipelineServicer
 from peer.pipeline.shards import move_if_shared, open_shard, reading_shard
 from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
@@ -57,7 +57,7 @@ class StageService:
     def __init__(self, host: StageContext, stage: int) -> None:
         self.host, self.stage = host, stage
         self.worker: StageWorker | None = None
-        self.pipe: PipelineStage | None = None
+        self.pipe: PipelineServicer | None = None
         self.infer: InferService | None = None
         self.state_server: StateServer | None = None
         self.averager: AveragingLoop | None = None
@@ -109,7 +109,7 @@ class StageService:
         await asyncio.get_running_loop().run_in_executor(  # a former stage's checkpoint, offered to the swarm
             None, adopt_checkpoint, host.spares, host.cfg.checkpoint_dir, host.run, stage)
         host.metrics.local_step = self.worker.local_step
-        self.pipe = pipe = PipelineStage(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
+        self.pipe = pipe = PipelineServicer(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                          send=host.net.send, swarm=lambda: host.net.swarm, router=host.router,
                                          metrics=host.metrics, cfg=host.cfg, my_id=host.net.my_id,
                                          cost=host.costs[stage])

@@ -13,7 +13,7 @@ from peer.lifecycle import PeerState
 
 if TYPE_CHECKING:
     from peer.host import StageContext
-    from peer.pipeline.servicer import PipelineStage
+    from peer.pipeline.servicer import PipelineServicer
     from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class SyncSchedule:
     for the barriers before it (``forward_flush``), nothing else does.
     """
 
-    def __init__(self, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineStage,
+    def __init__(self, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineServicer,
                  averager: SyncAverager) -> None:
         self.host, self.stage, self.worker, self.pipe, self.averager = host, stage, worker, pipe, averager
         self.step = worker.local_step
@@ -45,7 +45,7 @@ class SyncSchedule:
         self.running: asyncio.Task[None] | None = None  # the latest barrier (they run in order, under the lock)
 
     @classmethod
-    async def start(cls, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineStage) -> SyncSchedule:
+    async def start(cls, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineServicer) -> SyncSchedule:
         averager = SyncAverager(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
                                 metrics=host.metrics)
         await averager.start()

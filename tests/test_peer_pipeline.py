@@ -1,4 +1,4 @@
-"""In-process pipeline: two PipelineStage objects wired by a fake transport that packs and unpacks every message.
+"""In-process pipeline: two PipelineServicer objects wired by a fake transport that packs and unpacks every message.
 
 Exercises the daemon's forward/backward handlers, the compute queue, retries, drops and re-queues, and evaluation
 with real StageWorkers, without processes or sockets (those are the swarm tests).
@@ -19,7 +19,7 @@ from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.driver import Stage0Driver
-from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.servicer import PipelineServicer
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Error, Forward, pack, unpack
 from trainer.config import RunConfig
@@ -33,7 +33,7 @@ class Net:
     """Delivers messages between in-process stages, through pack/unpack, with optional failures."""
 
     def __init__(self) -> None:
-        self.stages: dict[str, PipelineStage] = {}
+        self.stages: dict[str, PipelineServicer] = {}
         self.dead: set[str] = set()
 
     def sender(self, me: str):
@@ -57,7 +57,7 @@ def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig):
     for s, ids in enumerate(ids_by_stage):
         for pid in ids:
             worker = StageWorker(RUN, s)
-            net.stages[pid] = PipelineStage(run=RUN, stage=s, worker=worker, compute=compute, send=net.sender(pid),
+            net.stages[pid] = PipelineServicer(run=RUN, stage=s, worker=worker, compute=compute, send=net.sender(pid),
                                             swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
                                             metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
     return pool

@@ -18,7 +18,7 @@ from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.ledger import SAMPLES_FILE, SampleLedger
-from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.servicer import PipelineServicer
 from trainer.config import RunConfig
 from trainer.data import BatchStream, load_corpus
 from trainer.worker import StageWorker
@@ -37,14 +37,14 @@ class CountingStream(BatchStream):
         return s
 
 
-def _stage0(records: dict[str, PeerRecord], send) -> tuple[PipelineStage, ThreadPoolExecutor]:
+def _stage0(records: dict[str, PeerRecord], send) -> tuple[PipelineServicer, ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(max_workers=1)
 
     async def compute(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     cfg = PeerConfig(microbatch_timeout_s=30.0, rpc_timeout_s=1.0)
-    pipe = PipelineStage(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=compute, send=send,
+    pipe = PipelineServicer(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=compute, send=send,
                          swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0), ban_base_s=0.01,
                                                               ban_max_s=0.02),
                          metrics=PeerMetrics("a0", 0), cfg=cfg, my_id="a0", cost=1.0)

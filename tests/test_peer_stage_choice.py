@@ -169,12 +169,12 @@ def test_announced_throughput_is_a_median_so_one_descheduled_micro_batch_does_no
     from peer.config import PeerConfig
     from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
-    from peer.pipeline.servicer import PipelineStage
+    from peer.pipeline.servicer import PipelineServicer
     from trainer.config import RunConfig
     from trainer.worker import StageWorker
 
     run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
-    pipe = PipelineStage(run=run, stage=1, worker=StageWorker(run, 1), compute=None, send=None, swarm=dict,
+    pipe = PipelineServicer(run=run, stage=1, worker=StageWorker(run, 1), compute=None, send=None, swarm=dict,
                          router=Router([1.0, 1.0]), metrics=PeerMetrics("b1", 1), cfg=PeerConfig(), my_id="b1",
                          cost=1.0)
     for mb in range(20):

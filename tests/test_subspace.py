@@ -18,7 +18,7 @@ from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.driver import Stage0Driver
-from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.servicer import PipelineServicer
 from protocol.codecs.registry import encode
 from protocol.errors import ValidationError
 from protocol.messages import Forward, pack, unpack
@@ -158,7 +158,7 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
     run = SUB.replace(compression={"subspace_codec": "int8"})
     corpus = load_corpus(run.data, run.model.vocab_size)
     pool = ThreadPoolExecutor(max_workers=1)
-    stages: dict[str, PipelineStage] = {}
+    stages: dict[str, PipelineServicer] = {}
 
     def sender(me: str):
         async def send(peer: str, name: str, msg):
@@ -174,7 +174,7 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
                for s, pid in enumerate(["a0", "b1"])}
     cfg = PeerConfig(microbatch_timeout_s=30.0)
     for s, pid in enumerate(["a0", "b1"]):
-        stages[pid] = PipelineStage(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
+        stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
                                     swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
                                     metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
 

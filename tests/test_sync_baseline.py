@@ -11,7 +11,7 @@ import pytest
 from peer.config import PeerConfig
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline.servicer import PipelineStage
+from peer.pipeline.servicer import PipelineServicer
 from trainer.config import RunConfig
 from trainer.optim import lr_at
 from trainer.sim.methods import METHODS, fullsync_optim
@@ -55,7 +55,7 @@ def test_a_hop_that_holds_a_flush_is_not_banned_as_a_black_hole_in_sync_mode(mod
     next hop is the only route, so a black-hole ban stalled the pipeline for ban_max_s (3 replicas per stage)."""
     clock = [1.0]
     router = Router([1.0, 1.0], rng=random.Random(0), clock=lambda: clock[0])
-    pipe = PipelineStage(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=None, send=None, swarm=dict,
+    pipe = PipelineServicer(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=None, send=None, swarm=dict,
                          router=router, metrics=PeerMetrics("a0", 0), cfg=PeerConfig(mode=mode), my_id="a0", cost=1.0)
     for mb in range(4):
         router.sent("b1", mb)

@@ -37,13 +37,6 @@ def from_records(records: Iterable[Any]) -> list[PeerFigures]:
             for r in records if r.state in COUNTED]
 
 
-def from_snapshots(snaps: Iterable[dict[str, Any]]) -> list[PeerFigures]:
-    """Figures of the training (or draining) peers among ``/status`` snapshots."""
-    return [PeerFigures(s.get("peer_id", ""), s["stage"], int(s.get("local_step") or 0),
-                        int(s.get("tokens_total") or 0), s.get("val_loss")) for s in snaps
-            if s.get("state") in COUNTED and s.get("stage") is not None]
-
-
 def trend(values: list[float], n: int = 3) -> str | None:
     """'falling', 'rising' or 'flat' (within 0.5 %) from the mean of the last ``n`` against the ``n`` before."""
     if len(values) < 2 * n:

@@ -11,7 +11,7 @@ Evaluation sends the fixed validation batches forward only; the last stage answe
 In ``sync`` mode the driver runs GPipe: it sends M micro-batches, waits until all their gradients are back (re-sending
 dropped ones), then the flush ends with ``on_flush`` (gradient average across replicas and one optimiser step). Every
 training forward carries the flush number, so later stages step when the next flush reaches them instead of counting
-micro-batches (a count drifts with every retried hop; see PipelineStage.on_flush).
+micro-batches (a count drifts with every retried hop; see PipelineServicer.on_flush).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.pipeline.ledger import Sample, SampleLedger
-from peer.pipeline.servicer import REFUSED, Pending, PipelineStage, Refused
+from peer.pipeline.servicer import REFUSED, Pending, PipelineServicer, Refused
 from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class Stage0Driver:
     """Drives the pipeline from stage 0.
 
     Args:
-        pipe: this peer's PipelineStage (stage 0).
+        pipe: this peer's PipelineServicer (stage 0).
         stream: the training BatchStream of this peer's shard.
         val: the fixed validation batches, identical on every peer.
         inflight: micro-batches kept in flight (async mode).
@@ -59,7 +59,7 @@ class Stage0Driver:
         samples_log: append a digest of every trained micro-batch's tokens here (audits across restarts).
     """
 
-    def __init__(self, *, pipe: PipelineStage, stream: BatchStream | ShardStream,
+    def __init__(self, *, pipe: PipelineServicer, stream: BatchStream | ShardStream,
                  val: list[tuple[torch.Tensor, torch.Tensor]], inflight: int, stop: asyncio.Event, max_steps: int,
                  metrics: PeerMetrics, ledger: SampleLedger | None = None, samples_log: Path | None = None) -> None:
         self.pipe, self.stream, self.val, self.inflight = pipe, stream, val, inflight

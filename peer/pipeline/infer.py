@@ -112,7 +112,7 @@ class InferService:
         run, stage, worker: the run, the stage served and its worker (touched only through ``compute``).
         compute: runs a function on the compute thread.
         metrics: counters of served and refused requests.
-        queued: training items waiting for the compute thread now (``PipelineStage.queued``).
+        queued: training items waiting for the compute thread now (``PipelineServicer.queued``).
         serving: whether the stage trains now (not joining, loading or draining).
     """
 

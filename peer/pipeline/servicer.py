@@ -109,7 +109,7 @@ class BackwardWork(NamedTuple):
     grad: torch.Tensor | None
 
 
-class PipelineStage:
+class PipelineServicer:
     """Serves one stage. The daemon owns it; ``rpc_forward``/``rpc_backward`` are registered with the RpcServer.
 
     Args:
