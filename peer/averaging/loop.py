@@ -1,76 +1,18 @@
-"""Data-parallel averaging over the network: AsyncMesh sparse rounds in the background, or a blocking full average.
+"""Data-parallel averaging over the network: AsyncMesh sparse rounds in the background (``AveragingLoop``).
 
-**The cadence is the run's.** ``run.averaging`` says how many weights a replica averages per local step
-(``fraction`` = p) and how many local steps one network round stands for (``round_steps`` = S): a round averages a
-partition of p * S of every tensor. **Rounds come from a shared clock** with the run's ``period_s``: tick ``t`` is
-unix time ``t * period_s``, and its rounds stop collecting at ``start + min(collect_fraction * period_s,
-run.averaging.timeout_s)``. A tick has ``rounds_per_tick`` (J) slots; slot j of tick t is round ``k = t * J + j``.
-Peers of a stage must agree on ``k`` because ``k`` picks the partition (``worker.averaging_begin(k)`` derives it from
-the run seed and ``k``, nothing on the wire); local step counts cannot give that agreement in an asynchronous swarm
-(replicas step at different speeds), wall time can, to within NTP skew.
-**A replica owes one round per S local steps** (``owed``: steps made since the last round, in units of S; every
-round it takes part in, its own or a partner's, pays S). At each tick it opens the first ``floor(owed / S)`` slots
-(at most J) and the remainder carries over, so over a run a replica averages exactly p per local step as long as it
-makes at most J * S steps per tick; a round that fails is owed again. What is owed is capped at (J + 1) * S (after a
-time alone a replica catches up one tick's worth, not everything) and bounded below by -S (a slower replica pulled
-into a faster partner's rounds averages more than p per step; it then opens none of its own). The summary reports
-what a replica really got:
-``avg_fraction_per_step`` (fractions of the rounds applied over local steps made) and ``avg_delay_steps`` (tau, local
-steps between begin and finish, with their histogram).
-Parts for the next tick are accepted up to ``clock_skew_s`` early; anything else says which round we are in, so an
-operator with a wrong clock sees why.
-
-**A round** (``AveragingLoop``): the peer knows its stage's peers from the DHT (``records.fetch_swarm``, re-read in the
-background every ``view_refresh_s``), asks the compute thread for the partition's values (``averaging_begin``),
-quantises them with the run's averaging codec, and exchanges them pairwise with every same-stage peer it knows
-(``averaging.exchange``: one call per pair carries both parts). At the deadline, or as soon as every known peer has
-answered, it combines its own part and every *validated* part that arrived (``peer.averaging.aggregate``: outliers from
-the robust centre dropped, then the run's aggregator, one equal weight per peer id), and hands the result to
-``averaging_finish`` on the compute thread, which applies the run's rule (EMA correction by default) with the drift
-since ``begin``. tau, the local steps that really elapsed between begin and finish, goes to ``PeerMetrics.avg_tau``. A
-round with no valid partner part is aborted (``averaging_abort``): weights untouched. With a robust aggregator, so is
-a round below its **quorum** (``avg_below_quorum``): the aggregate tolerates b liars among the m live replicas (us
-and the partners that sent a valid part in the last ``quorum_recent_s``; ``trimmed_count``: 1 of 3-4, 2 of 5-8),
-which holds only in rounds of 2b + 1 contributions or more, because liars that always answer make a larger share of
-a round that the honest parts did not all reach (between two parts nothing tells the liar at all). Announced peers
-that never answer do not count, so they cannot stop a stage's averaging; a round that passes with fewer contributions
-than the stage's full quorum (of the partners asked that sent a valid part lately: a record alone is no partner)
-moves our values by at most half ``lone_bound`` (5 %) of their norm (``peer.averaging.aggregate``: liars that
-always answer may be most of such a round). A peer that is asked for a round it has not begun yet begins it on
-demand, so a joiner that the others already see takes part at once.
-
-**Who takes part.** Only announced peers of the stage: a part from a peer id that is not in our view of the DHT
-(same stage, state 'training') is refused (UNAUTHORIZED, ``rejected:avg_not_member``) after at most one re-read of the
-view per ``member_refresh_s`` (a joiner's record may be newer than our view). A sybil must therefore announce a
-record first, and even then it is one equal-weight contribution among the stage's, which the robust aggregate bounds.
-
-**Why not hivemind's DecentralizedAverager.** Its butterfly all-reduce makes each peer the reducer of one slice of
-every other peer's vector, so each sender's numbers reach the others only through a reducer, which 1.1.12 does not
-validate: it accepts broadcastable shapes, float64/int64, NaN/Inf and any sender-chosen weight (-0.999 turned an
-average into -3995), and a peer killed mid-reduce leaves survivors "successful" with a mix of averaged and
-un-averaged slices. It also runs in a separate process with its own matchmaking over DHT keys, a poor fit for rounds
-that must follow the run seed. For a 5 % int8 slice (0.05 byte per parameter) and groups of a few replicas,
-all-to-all costs (n-1) slices per peer instead of butterfly's 2(n-1)/n, i.e. the same for n = 2 and 1.5x for n = 3,
-and buys: every contribution is validated by the peer that uses it (exact shape, finite, bounded distance from its
-own values; weights chosen by the receiver), there is no reducer to trust, and a peer that vanishes removes exactly
-its own contribution: survivors average whole, validated parts, bit-identically when they hold the same set. They can
-hold different sets only if the peer vanished between answering one survivor and another; each then applies a valid
-mean of a subset, and the next rounds mix the difference away, as in gossip averaging. For many replicas the 'wagma'
-rule bounds the group: each round averages with a rotating group of the reachable peers (``wagma_partners``), and
-every ``wagma_global_every``-th round with all of them.
-
-**Blocking full average** (``peer.averaging.sync.SyncAverager``, for ``--mode sync``): a barrier among
-the stage's replicas per step, keyed by the step number, over the same exchange with an exact codec by default; used
-on gradients before ``optimizer_step()`` (p = 1, tau = 0). A replica that is behind (a joiner) adopts the others' step.
+Rounds follow a shared wall clock (tick t is unix time ``t * period_s``, ``rounds_per_tick`` slots a tick, and the
+round number picks the partition, so replicas stepping at different speeds agree on it without a message); a replica
+opens one round per ``round_steps`` local steps it owes. A round exchanges the partition's values pairwise with the
+stage's announced peers (``peer.averaging.exchange``), combines the validated parts robustly under a quorum
+(``peer.averaging.aggregate``) and applies the run's rule on the compute thread. docs/design.md ("Data-parallel
+axis") gives the cadence, the quorum, who may take part and why not hivemind's averager; ``--mode sync``'s blocking
+average is ``peer.averaging.sync``.
 
 Interface for the daemon::
 
     loop = AveragingLoop(p2p=p2p, rpc_server=rpc_server, dht=dht, run=run, stage=stage,
                          worker_call=worker_call, metrics=metrics, config=NetAveragingConfig())
     await loop.start(); ...; await loop.stop()        # worker_call(fn) runs fn(worker) on the compute thread
-    sync = SyncAverager(p2p=p2p, rpc_server=rpc_server, run=run, stage=stage, metrics=metrics, config=...)
-    await sync.start(); mean, n = await sync.all_average(step, worker_grads, peer_ids)
-    step = sync.last_step + 1                          # the barrier may have adopted a later step
 """
 
 from __future__ import annotations
