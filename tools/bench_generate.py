@@ -57,6 +57,7 @@ from peer.ops.procs import (  # noqa: E402
 )
 from peer.pipeline.infer import INFER_RPC  # noqa: E402
 from peer.pipeline.remote import RemotePipeline, rpc_call  # noqa: E402
+from peer.pipeline.servicer import FORWARD_RPC  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.errors import RemoteError  # noqa: E402
 from protocol.messages import Forward, Infer  # noqa: E402
@@ -206,7 +207,7 @@ async def phases(args: argparse.Namespace, a: PeerProcess, b: PeerProcess, watch
         out["flood"].update(identities=args.flood_ids, streams_per_stage=args.flood_streams)
         t0 = time.monotonic()
         cpu.start()
-        replies = await flood(run, extra, args.flood_streams, targets, t0 + args.phase_s, handler="forward")
+        replies = await flood(run, extra, args.flood_streams, targets, t0 + args.phase_s, handler=FORWARD_RPC)
         out["flood_forward"] = {**watch.window(t0, time.monotonic()), **cpu.cores(), "flood_replies": replies}
         return out
     finally:
