@@ -236,9 +236,7 @@ class PipelineServicer:
                 return
         total = seconds + self._fwd_s.pop(mb_id, 0.0)
         first = not self.compute_s_per_mb
-        # a median, not a moving average: on a shared CPU one micro-batch descheduled for 50 ms among 1-ms ones made
-        # a moving average announce a tenth of the peer's throughput, and joiners piled onto its stage (6 of 8
-        # tiny-run peers on stage 0)
+        # a median: one descheduled micro-batch must not move the announced throughput (docs/design.md, step 3)
         self._recent_s.append(total)
         self.compute_s_per_mb = statistics.median(self._recent_s)
         if first and self.on_first_measure is not None:
@@ -330,9 +328,9 @@ class PipelineServicer:
             except ProtocolError as e:
                 return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if grad is not None and not self.guard.norm_ok("gradients", grad, peer_id):
-            # the micro-batch cannot finish here: dropped now (stage 0 re-sends its sample at once) rather than held
-            # until microbatch_timeout_s, which stalled stage 0 while the learnt bound caught up with early
-            # training's growing gradients (and left the gradient owed to the router's black-hole count).
+            # the micro-batch cannot finish here: dropped now, so stage 0 re-sends its sample at once and the hop owes
+            # no gradient (held until microbatch_timeout_s, it would stall stage 0 while the bound adapts to early
+            # training's growing gradients, and count against the hop as a black hole)
             self.spawn(self.drop(msg.mb_id, notify=not self.is_first))
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):
