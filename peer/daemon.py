@@ -377,7 +377,7 @@ class Daemon:
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
             logger.warning("second %s: skipping the drain", sig.name)
-            self.cfg = _replace(self.cfg, drain_timeout_s=0.01)
+            self.cfg = self.context.cfg = _replace(self.cfg, drain_timeout_s=0.01)  # the stage's drain too
             return
         logger.info("%s received: stopping (drain up to %.0f s, final checkpoint, withdraw)", sig.name,
                     self.cfg.drain_timeout_s)

@@ -67,12 +67,13 @@ class StageNetwork(Protocol):
     def trusted_peers(self) -> list[str]: ...
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class StageContext:
     """Everything a stage uses of its peer; built once by ``peer.daemon.Daemon``."""
 
     run: RunConfig
     cfg: PeerConfig
+    """The peer's settings (the daemon replaces them on a second SIGINT: the drain is skipped)."""
     metrics: PeerMetrics
     life: Lifecycle
     """The peer's state: a stage enters TRAINING once it serves, and serves only while the peer trains."""
