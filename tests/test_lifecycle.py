@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,22 @@ def test_the_start_up_view_names_the_peer_states_in_words() -> None:
     assert {p: SHORT_PHASE[p] for p in ("loading state", "training", "draining", "stopped")} == {
         "loading state": "load", "training": "train", "draining": "drain", "stopped": "stop"}
     assert [s.short for s in PeerState] == ["join", "load", "train", "drain", "stop"]
+
+
+def test_the_daemon_owns_the_life_and_a_second_signal_skips_the_stage_drain(tmp_path: Path) -> None:
+    from peer.config import PeerConfig
+    from peer.daemon import Daemon
+    from trainer.config import RunConfig
+
+    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    d = Daemon(run, PeerConfig(device="cpu", identity_path=tmp_path / "id.key", drain_timeout_s=30.0))
+    try:
+        assert d.life.state is PeerState.JOINING and d.metrics.state is PeerState.JOINING
+        d.life.enter(PeerState.LOADING_STATE, stage=0)
+        assert d.metrics.snapshot()["state"] == "loading_state"  # the metrics show what the lifecycle says
+        d._on_signal(signal.SIGINT)
+        assert d.stop.is_set() and d.context.cfg.drain_timeout_s == 30.0
+        d._on_signal(signal.SIGINT)  # a second Ctrl-C: no drain, in the daemon and in the stage it serves
+        assert d.cfg.drain_timeout_s == d.context.cfg.drain_timeout_s == 0.01
+    finally:
+        d.executor.shutdown(wait=True)
