@@ -15,7 +15,7 @@ from peer.membership.records import PeerRecord
 from peer.membership.routing import BLACKHOLE_MIN_S, Router
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.guard import GuardConfig, PipelineGuard, WorkShare
-from peer.pipeline.servicer import REFUSED
+from peer.pipeline.work import REFUSED
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Backward, Busy, Error, Forward
 from tests.test_peer_pipeline import RUN, Net, build, corpus  # noqa: F401 (a fixture)
@@ -183,7 +183,7 @@ def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier
 def _pending(sent_to: list[str]):
     import time
 
-    from peer.pipeline.servicer import Pending
+    from peer.pipeline.work import Pending
     return Pending(prev_peer=None, next_peer=sent_to[0], route=["a0"], deadline=time.monotonic() + 60,
                    sent_to=set(sent_to))
 

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.pipeline.ledger import Sample, SampleLedger
-from peer.pipeline.servicer import REFUSED, Pending, PipelineServicer, Refused
+from peer.pipeline.servicer import PipelineServicer
+from peer.pipeline.work import REFUSED, Pending, Refused
 from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:

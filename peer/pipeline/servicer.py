@@ -28,8 +28,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +40,7 @@ from peer.membership.routing import NoRouteError, Router
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
+from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, Pending
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
 from protocol.envelope import TensorEnvelope
@@ -65,48 +65,6 @@ FORWARD_RPC = "forward"
 """The handler that takes a ``Forward`` (activations for this stage)."""
 BACKWARD_RPC = "backward"
 """The handler that takes a ``Backward`` (the gradient of a micro-batch this stage sent on)."""
-
-
-class Refused:
-    """What stage 0's ``Pending.done`` resolves to when the last stage refused to train on the micro-batch."""
-
-    def __repr__(self) -> str:
-        return "REFUSED"
-
-
-REFUSED = Refused()
-
-
-@dataclass
-class Pending:
-    """A micro-batch whose gradient this stage still waits for."""
-
-    prev_peer: str | None
-    next_peer: str | None
-    route: list[str]
-    deadline: float
-    is_eval: bool = False
-    sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
-    done: asyncio.Future | None = None  # stage 0: resolved with the loss (None when dropped, REFUSED)
-    checks: dict[str, tuple[Backward, torch.Tensor] | None] | None = None  # a spot check: hop -> its answer
-    started: float = field(default_factory=time.monotonic)
-    flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
-
-
-class ForwardWork(NamedTuple):
-    """A validated forward waiting for the compute thread."""
-
-    msg: Forward
-    x: torch.Tensor
-    targets: torch.Tensor | None
-    ids: torch.Tensor | None
-
-
-class BackwardWork(NamedTuple):
-    """A validated backward waiting for the compute thread (``grad`` None: a drop or a refusal travelling back)."""
-
-    msg: Backward
-    grad: torch.Tensor | None
 
 
 class PipelineServicer:
