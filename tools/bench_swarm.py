@@ -46,6 +46,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools.wan` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peer.config import MODES  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.bench_report import (  # noqa: F401 - re-exported: the figures belong to this tool
     active_rate,
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "default.toml", help="run TOML")
     p.add_argument("--replicas", type=int, default=2, help="peers per stage")
-    p.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--loopback", action=argparse.BooleanOptionalAction, default=True, help="measure on loopback")
     p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto",
                    help="namespaces + tools/netem.py: auto runs them when root and the emulator are available")

@@ -44,6 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peer.config import MODES  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.swarm_case import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
 from tools.swarm_case import plan as swarm_plan  # noqa: E402
@@ -368,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[Case]:
     """bench_swarm's cases for both modes, at exactly the delays asked for."""
-    return swarm_plan(argparse.Namespace(**{**vars(args), "modes": ("async", "sync")}), zero_delay=False)
+    return swarm_plan(argparse.Namespace(**{**vars(args), "modes": MODES}), zero_delay=False)
 
 
 def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from peer.config import DEVICES, Device
 from peer.errors import UserError, user_input
 
 HELP = "Print the memory each stage of a run needs (weights, optimiser, stash, averaging, activations), fp32 and bf16."
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, metavar="FILE", help="run TOML (default: the embedded default run)")
     p.add_argument("--inflight", type=int, default=0, metavar="N",
                    help="micro-batches in flight (default n_stages + 1, as join's max_inflight)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+    p.add_argument("--device", default=Device.AUTO.value, choices=DEVICES,
                    help="the device whose memory to check the stages against (default: cuda when available)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                    help="precision join would use (default: bf16 on CUDA, fp32 on the CPU)")
