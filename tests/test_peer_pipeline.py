@@ -58,8 +58,8 @@ def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig):
         for pid in ids:
             worker = StageWorker(RUN, s)
             net.stages[pid] = PipelineServicer(run=RUN, stage=s, worker=worker, compute=compute, send=net.sender(pid),
-                                            swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
-                                            metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+                                               swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+                                               metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
     return pool
 
 

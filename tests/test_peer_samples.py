@@ -45,9 +45,9 @@ def _stage0(records: dict[str, PeerRecord], send) -> tuple[PipelineServicer, Thr
 
     cfg = PeerConfig(microbatch_timeout_s=30.0, rpc_timeout_s=1.0)
     pipe = PipelineServicer(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=compute, send=send,
-                         swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0), ban_base_s=0.01,
-                                                              ban_max_s=0.02),
-                         metrics=PeerMetrics("a0", 0), cfg=cfg, my_id="a0", cost=1.0)
+                            swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0), ban_base_s=0.01,
+                                                                 ban_max_s=0.02),
+                            metrics=PeerMetrics("a0", 0), cfg=cfg, my_id="a0", cost=1.0)
     return pipe, pool
 
 

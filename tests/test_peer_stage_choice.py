@@ -175,8 +175,8 @@ def test_announced_throughput_is_a_median_so_one_descheduled_micro_batch_does_no
 
     run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
     pipe = PipelineServicer(run=run, stage=1, worker=StageWorker(run, 1), compute=None, send=None, swarm=dict,
-                         router=Router([1.0, 1.0]), metrics=PeerMetrics("b1", 1), cfg=PeerConfig(), my_id="b1",
-                         cost=1.0)
+                            router=Router([1.0, 1.0]), metrics=PeerMetrics("b1", 1), cfg=PeerConfig(), my_id="b1",
+                            cost=1.0)
     for mb in range(20):
         pipe._timed(mb, 0.001, backward=True)
     pipe._timed(99, 0.05, backward=True)  # the OS took the core away for 50 ms

@@ -175,8 +175,8 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
     cfg = PeerConfig(microbatch_timeout_s=30.0)
     for s, pid in enumerate(["a0", "b1"]):
         stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
-                                    swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
-                                    metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+                                       swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+                                       metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
 
     async def drive() -> Stage0Driver:
         stop = asyncio.Event()

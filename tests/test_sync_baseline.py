@@ -56,7 +56,8 @@ def test_a_hop_that_holds_a_flush_is_not_banned_as_a_black_hole_in_sync_mode(mod
     clock = [1.0]
     router = Router([1.0, 1.0], rng=random.Random(0), clock=lambda: clock[0])
     pipe = PipelineServicer(run=RUN, stage=0, worker=StageWorker(RUN, 0), compute=None, send=None, swarm=dict,
-                         router=router, metrics=PeerMetrics("a0", 0), cfg=PeerConfig(mode=mode), my_id="a0", cost=1.0)
+                            router=router, metrics=PeerMetrics("a0", 0), cfg=PeerConfig(mode=mode), my_id="a0",
+                            cost=1.0)
     for mb in range(4):
         router.sent("b1", mb)
     clock[0] += 30.0  # far past any black-hole wait, well within microbatch_timeout_s
