@@ -68,7 +68,8 @@ BACKWARD_RPC = "backward"
 
 
 class PipelineServicer:
-    """Serves one stage. The daemon owns it; ``rpc_forward``/``rpc_backward`` are registered with the RpcServer.
+    """Serves one stage. Its ``StageService`` owns it and binds ``rpc_forward``/``rpc_backward`` in the peer's handler
+    table; the driver and the stage service use the methods below for the micro-batches held here.
 
     Args:
         run: the run config (specs of every received tensor derive from it).
