@@ -114,7 +114,6 @@ class Daemon:
         self.net = Presence(run, cfg, self.metrics, gate=self.gate, stop=self.stop, router=self.router)
         self.refresh_swarm = self.net.refresh_swarm
         self.started = time.monotonic()
-        self.initial_loss: float | None = None
         self.final_val_loss: float | None = None
         self.exit_reason = "running"
         self.tasks: list[asyncio.Task[None]] = []
