@@ -53,11 +53,15 @@ from hivemind import DHT  # noqa: E402
 from hivemind.p2p import P2P, PeerID  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 
+from peer.averaging.loop import AVG_RPC  # noqa: E402
+from peer.membership.reachability import REACH_RPC  # noqa: E402
 from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, swarm_key  # noqa: E402
 from peer.membership.signing import Signer, seal  # noqa: E402
 from peer.ops.metrics import PeerMetrics  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
-from peer.state.sync import StateServer  # noqa: E402
+from peer.pipeline.infer import INFER_RPC  # noqa: E402
+from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC  # noqa: E402
+from peer.state.sync import STATE_RPC, StateServer  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402
 from protocol.limits import RpcLimits  # noqa: E402
@@ -167,7 +171,7 @@ async def _flood(att: Attacker, victims: dict[str, str], until: float, abandon_s
     async def hit_and_run(p2p: P2P) -> str:
         try:
             async with asyncio.timeout(max(0.5, until - time.monotonic())):
-                _, _, writer = await p2p.call_binary_stream_handler(victim, PROTOCOL_PREFIX + "forward")
+                _, _, writer = await p2p.call_binary_stream_handler(victim, PROTOCOL_PREFIX + FORWARD_RPC)
                 writer.write(header)
                 await asyncio.sleep(abandon_s or 0.0)
                 writer.close()
@@ -177,7 +181,7 @@ async def _flood(att: Attacker, victims: dict[str, str], until: float, abandon_s
 
     async def one(p2p: P2P) -> None:
         while time.monotonic() < until:
-            r = await (att.raw(p2p, victims["b"], "forward", header, timeout=max(0.5, until - time.monotonic()))
+            r = await (att.raw(p2p, victims["b"], FORWARD_RPC, header, timeout=max(0.5, until - time.monotonic()))
                        if abandon_s is None else hit_and_run(p2p))
             replies[r] = replies.get(r, 0) + 1
     t0 = time.monotonic()
@@ -202,7 +206,7 @@ async def churn_flood(att: Attacker, victims: dict[str, str], until: float) -> d
 async def stream_flood(att: Attacker, victims: dict[str, str], until: float, n: int = 1000) -> dict[str, Any]:
     """``n`` streams from one id that never write, kept open until the end of the phase."""
     target = PeerID.from_base58(victims["b"])
-    opened = await asyncio.gather(*(att.p2p.call_binary_stream_handler(target, PROTOCOL_PREFIX + "forward")
+    opened = await asyncio.gather(*(att.p2p.call_binary_stream_handler(target, PROTOCOL_PREFIX + FORWARD_RPC)
                                     for _ in range(n)), return_exceptions=True)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
     ok = [o for o in opened if not isinstance(o, BaseException)]
@@ -225,7 +229,7 @@ async def malformed(att: Attacker, victims: dict[str, str], until: float) -> dic
                 + pack(hello), "nan": _frame(nan), "wrong_shape": _frame(shape), "infer_nan": _frame(infer_nan),
                 "infer_floats": _frame(infer_floats)}
     for victim, pid in victims.items():
-        for handler in ("forward", "backward", "reach", "state", "avg_part", "infer"):
+        for handler in (FORWARD_RPC, BACKWARD_RPC, REACH_RPC, STATE_RPC, AVG_RPC, INFER_RPC):
             for name, data in payloads.items():
                 cells[f"{victim}.{handler}.{name}"] = await att.raw(att.p2p, pid, handler, data, timeout=10)
     await asyncio.sleep(max(0.0, until - time.monotonic()))
@@ -256,14 +260,14 @@ async def stranger_forwards(att: Attacker, victims: dict[str, str], until: float
     replay_acks = 0
     for _ in range(50):
         try:
-            replay_acks += isinstance(await call(att.p2p, victims["b"], "forward", replay, timeout=5), Ack)
+            replay_acks += isinstance(await call(att.p2p, victims["b"], FORWARD_RPC, replay, timeout=5), Ack)
         except Exception:  # refusals raise RemoteError
             pass
     mb = 1000
     while time.monotonic() < until:
         mb += 1
         try:
-            r = await call(att.p2p, victims["b"], "forward", _forward(run, mb, [att.signer.peer_id],
+            r = await call(att.p2p, victims["b"], FORWARD_RPC, _forward(run, mb, [att.signer.peer_id],
                                                                     torch.randn(b, t, d)), timeout=5)
             name = type(r).__name__
         except Exception as e:  # a refusal
@@ -289,7 +293,7 @@ async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> di
         nonlocal taken
         taken += 1
         return Ack()
-    await server.add_handler("forward", swallow)
+    await server.add_handler(FORWARD_RPC, swallow)
     while time.monotonic() < until:
         await _own_record(att, 1, 1e9)
         await asyncio.sleep(1.0)

@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 from peer.membership.records import PeerRecord, announce
 from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
+from peer.pipeline.servicer import FORWARD_RPC
 from peer.state.sync import STATE_RPC, StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import RemoteError
 from protocol.limits import RpcLimits
@@ -198,7 +199,7 @@ async def bounds_reset(att: Attacker, victims: dict[str, str], until: float) -> 
     while time.monotonic() < until - 1.0 and n < 64:
         x = 1000 * torch.randn(b_, t, att.run.model.n_embd)
         try:
-            reply = await call(att.p2p, b, "forward", _forward(att.run, 2**40 + n, [att.signer.peer_id], x),
+            reply = await call(att.p2p, b, FORWARD_RPC, _forward(att.run, 2**40 + n, [att.signer.peer_id], x),
                                timeout=5.0)
             name = reply.code.name if isinstance(reply, Error) else type(reply).__name__
         except RemoteError as e:
@@ -290,7 +291,7 @@ async def vouch_sybils(att: Attacker, victims: dict[str, str], until: float) -> 
         await asyncio.sleep(8.0)  # a few averaging rounds of a call them
         answered: dict[str, int] = {}
         for p2p in sybils:
-            got = await asyncio.gather(*(att.raw(p2p, victims["a"], "forward", b"\x00garbage" * 8, timeout=4.0)
+            got = await asyncio.gather(*(att.raw(p2p, victims["a"], FORWARD_RPC, b"\x00garbage" * 8, timeout=4.0)
                                          for _ in range(150)))
             for name in got:
                 answered[name] = answered.get(name, 0) + 1

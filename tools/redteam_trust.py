@@ -27,6 +27,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
 from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
+from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
 from peer.state.sync import load_state_from_peers
 from protocol.codecs.registry import decode, encode
 from protocol.limits import RpcLimits
@@ -69,7 +70,7 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> di
         reply = Backward(run_id=run.run_id, mb_id=msg.mb_id, route=msg.route, gradient=encode(fake, "int8"),
                          loss=loss_seen[0], is_eval=False)
         try:
-            await call(att.p2p, peer, "backward", reply, timeout=5)
+            await call(att.p2p, peer, BACKWARD_RPC, reply, timeout=5)
             sent += 1
         except Exception as e:  # refused: the victim's verdict is in its counters
             if "norm" in str(e):
@@ -85,7 +86,7 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> di
         task.add_done_callback(tasks.discard)
         return Ack()
 
-    await server.add_handler("forward", take)
+    await server.add_handler(FORWARD_RPC, take)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1e9, queue=0, version=0, state="training",
                      maddrs=[])
     try:
@@ -244,7 +245,7 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
         return Ack()
 
     server = RpcServer(att.p2p, RpcLimits())
-    await server.add_handler("backward", verdict)
+    await server.add_handler(BACKWARD_RPC, verdict)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=0, state="training",
                      maddrs=[])
     await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
@@ -276,7 +277,7 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
                           activations=encode(h, run.compression.activations), targets=encode(y, "none"),
                           is_eval=False, sent_at=time.time())
             try:
-                reply = await call(att.p2p, victims["b"], "forward", msg, timeout=5)
+                reply = await call(att.p2p, victims["b"], FORWARD_RPC, msg, timeout=5)
                 name = type(reply).__name__
             except Exception as e:  # a refusal
                 name = getattr(getattr(e, "code", None), "name", type(e).__name__)
