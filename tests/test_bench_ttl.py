@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.bench_ttl import (  # noqa: E402
+    baseline_record,
     compute_only_tokens_per_s,
     final_loss,
     interpolate,
@@ -23,6 +24,18 @@ from tools.bench_ttl import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_baseline_record_is_fullsync_as_the_sync_peers_build_it():
+    from trainer.config import RunConfig
+
+    run = RunConfig.default()
+    rec = baseline_record(run, ["eval_batches=2"])
+    assert (rec["optimizer"], rec["beta1"], rec["lr"]) == ("adamw", 0.9, run.optim.lr)
+    assert rec["warmup_tokens_per_replica"] == rec["async_warmup_tokens_per_replica"]  # counted in samples
+    tuned = baseline_record(run, ["sync_optimizer=nadam", "sync_lr=0.006", "sync_microbatches=8"])
+    assert (tuned["optimizer"], tuned["beta1"], tuned["lr"], tuned["micro_batches"]) == ("nadam", 0.99, 0.006, 8)
+    assert tuned["warmup_steps"] == run.optim.warmup_steps // 8
 
 
 def test_time_to_reach_interpolates_the_first_crossing():
@@ -80,4 +93,5 @@ def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     assert doc["sim_agreement"] is not None and 0.5 < doc["sim_agreement"] < 2.0
     assert doc["simulator"]["delays_drawn_from"] > 0  # the async peers measured their rounds' taus
     assert doc["compute_only"]["tokens_per_s"] > 0 and doc["meta"]["data"]["corpus_sha256"]
+    assert doc["baseline"]["optimizer"] == "adamw" and doc["baseline"]["beta1"] == 0.9
     assert png.stat().st_size > 1000

@@ -30,6 +30,7 @@ Figures (``--json OUT``; a plot with ``--plot PNG``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -44,11 +45,14 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.config import MODES  # noqa: E402
+from peer.cli.join import parse_overrides  # noqa: E402
+from peer.config import MODES, PeerConfig  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.swarm_case import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
 from tools.swarm_case import plan as swarm_plan  # noqa: E402
 from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig  # noqa: E402
+from trainer.config import RunConfig  # noqa: E402
+from trainer.sim.methods import fullsync_optim  # noqa: E402
 
 logger = logging.getLogger("bench_ttl")
 
@@ -372,6 +376,23 @@ def plan(args: argparse.Namespace) -> list[Case]:
     return swarm_plan(argparse.Namespace(**{**vars(args), "modes": MODES}), zero_delay=False)
 
 
+def baseline_record(run: RunConfig, overrides: list[str]) -> dict[str, Any]:
+    """What the synchronous swarm trained with: the papers' FullSync as ``--mode sync`` builds it from the run and the
+    peers' settings (``sync_optimizer``, ``sync_lr``, ``sync_microbatches``), so a reader of the JSON can check that
+    the baseline had its best shot (docs/convergence.md has the sweep that picked them)."""
+    cfg = dataclasses.replace(PeerConfig(), **parse_overrides(overrides))
+    m = cfg.sync_microbatches
+    o = fullsync_optim(run.optim, m, optimizer=cfg.sync_optimizer, lr=cfg.sync_lr or None)
+    batch = run.data.batch_size * run.model.block_size
+    return {"method": "FullSync: GPipe flush of M micro-batches per step, gradients averaged over every replica",
+            "optimizer": str(o.optimizer), "beta1": o.beta1, "beta2": o.beta2, "weight_decay": o.weight_decay,
+            "lr": o.lr, "micro_batches": m, "warmup_steps": o.warmup_steps, "total_steps": o.total_steps,
+            "warmup_tokens_per_replica": o.warmup_steps * m * batch,
+            "async_warmup_tokens_per_replica": run.optim.warmup_steps * batch,
+            "schedule": "linear warm-up, then cosine to the run's floor, counted in samples like the async mode's",
+            "barriers": "every stage's barrier overlapped with the drain"}
+
+
 def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> dict[str, Any]:
     """Per network: time-to-loss speedup, final losses, loss at equal tokens, utilisation."""
     out: dict[str, Any] = {}
@@ -469,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     headline_net = max((n for n in figs if "speedup" in figs[n]), key=_delay_of, default=None)
     if args.json:  # the swarms' figures first: the simulator may take a while on a busy machine
         _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figs, "compute_only": compute,
-                           "failed": failed, "partial": "written before the simulator ran"})
+                           "baseline": baseline_record(run, args.overrides), "failed": failed,
+                           "partial": "written before the simulator ran"})
     sim = None
     asyncs = [r for r in results if r["mode"] == "async" and r["curve"]]
     if not args.no_sim and asyncs:
@@ -486,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_val_loss": head.get("final_val_loss", {}),
         "headline_network": headline_net,
         "figures": figs, "compute_only": compute, "simulator": sim, "failed": failed,
+        "baseline": baseline_record(run, args.overrides),
         "meta": {"command": " ".join(["python tools/bench_swarm.py --time-to-loss",
                                       *(argv if argv is not None else sys.argv[1:])]),
                  "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages,
