@@ -26,9 +26,12 @@ def test_plan_runs_each_n_s_controls_right_before_its_attacks():
     assert [s.label for s in swarms] == [
         "4:0 control 1", "4:0 control 2", "4:1 zeros", "4:1 alie", "4:2 zeros", "4:2 alie",
         "8:0 control 1", "8:0 control 2", "8:2 zeros", "8:2 alie"]
-    for bad in ("4:0", "4:4", "1:1", "4"):
+    for bad in ("4:-1", "4:4", "1:1", "4"):
         with pytest.raises(ValueError):
             parse_grid(bad)
+    # N:0 asks for the N's honest controls only (averaging measured at N replicas, no attack)
+    assert [s.label for s in plan(parse_grid("2:0,4:0,4:1"), ["zeros"], 1)] == [
+        "2:0 control 1", "4:0 control 1", "4:1 zeros"]
 
 
 def test_one_stage_run_sets_the_stage_count_aggregator_and_its_own_name(tmp_path):

@@ -23,6 +23,7 @@ from peer.averaging.loop import (
     admissible,
     next_round,
     round_deadline,
+    round_start,
     same_stage_peers,
     wagma_partners,
 )
@@ -187,6 +188,40 @@ def test_round_clock_and_admission():
         NetAveragingConfig(collect_fraction=1.0)
     assert round_deadline(10, 10.0, cfg, 30.0, window_s=12.0) == 112.0  # the measured window, across ticks
     assert admissible(10, 111.0, 10.0, cfg, 30.0, window_s=12.0) is None
+    # rounds_per_tick 4: slot j of tick t (key 4t + j) starts j quarter-periods after the tick, its window from there
+    assert round_start(41, 10.0, 4) == 102.5 and next_round(100.1, 10.0, 4) == 41 and next_round(102.5, 10.0, 4) == 41
+    assert round_deadline(41, 10.0, cfg, 30.0, per_tick=4) == 107.5
+    assert admissible(41, 101.6, 10.0, cfg, 30.0, per_tick=4) is None
+    assert admissible(43, 105.0, 10.0, cfg, 30.0, per_tick=4) == "future_round"
+    assert admissible(41, 107.5, 10.0, cfg, 30.0, per_tick=4) == "stale_round"
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_ticks_rounds_begin_at_their_own_slots_spread_over_the_tick():
+    """rounds_per_tick 4, replicas owing a round at every slot: each round begins at its slot's start (a quarter
+    period apart), not every round of a tick at the tick's start. Begun together, a tick's rounds on a stage of
+    whole-tensor rounds (p x round_steps = 1) all averaged the same values, each counted as a new round."""
+    run = RUN.replace(averaging={"period_s": 1.0, "rounds_per_tick": 4, "round_steps": 1, "fraction": 0.05})
+    net, names = MemTransport(), ["p0", "p1"]
+    begun_at: dict[int, float] = {}
+    loops = []
+    for n in names:
+        worker = FakeWorker(len(loops))
+        plain_begin = worker.averaging_begin
+
+        def begin(r: int, plain_begin=plain_begin) -> list[torch.Tensor]:
+            begun_at.setdefault(r, time.time())
+            return plain_begin(r)
+
+        worker.averaging_begin = begin
+        loop, _ = _make_peer(net, n, worker, names, run=run)
+        loop.local_step = lambda: int(time.time() * 100)  # ~25 steps a slot: a round owed at every slot
+        loops.append(loop)
+    await _run_rounds(loops, 2.3)
+    assert len(begun_at) >= 6
+    for r, t in begun_at.items():
+        assert 0.0 <= t - round_start(r, 1.0, 4) < 0.2, (r, t - round_start(r, 1.0, 4))
 
 
 def test_the_exchange_window_follows_the_exchanges_not_a_constant():

@@ -78,12 +78,13 @@ class Swarm:
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
-    """'4:1,8:2' -> [(4, 1), (8, 2)]; N >= 2 and 1 <= B < N (the first peer, which starts the swarm, is honest)."""
+    """'4:1,8:2' -> [(4, 1), (8, 2)]; N >= 2 and 0 <= B < N (the first peer, which starts the swarm, is honest;
+    B = 0: the N's controls only, e.g. to measure honest averaging at N replicas)."""
     out = []
     for item in text.split(","):
         n, b = (int(x) for x in item.strip().split(":"))
-        if n < 2 or not 1 <= b < n:
-            raise ValueError(f"grid item {item!r}: need N >= 2 and 1 <= B < N")
+        if n < 2 or not 0 <= b < n:
+            raise ValueError(f"grid item {item!r}: need N >= 2 and 0 <= B < N")
         out.append((n, b))
     return out
 
@@ -93,7 +94,7 @@ def plan(grid: list[tuple[int, int]], attacks: list[str], controls: int) -> list
     out: list[Swarm] = []
     for n in dict.fromkeys(n for n, _ in grid):
         out += [Swarm(n, control_no=i + 1) for i in range(controls)]
-        out += [Swarm(n, b, a) for nn, b in grid if nn == n for a in attacks]
+        out += [Swarm(n, b, a) for nn, b in grid if nn == n and b > 0 for a in attacks]
     return out
 
 
@@ -205,6 +206,7 @@ def _figures(peers: list[PeerProcess], at_start: list[dict[str, Any]]) -> dict[s
         "honest_rounds_ok": sum(q["rounds_ok"] or 0 for q in honest),
         "honest_rounds_failed": sum(q["rounds_failed"] or 0 for q in honest),
         "honest_avg_fraction_per_step": statistics.mean(q["avg_fraction_per_step"] or 0.0 for q in honest),
+        "honest_avg_fraction_per_step_min": min(q["avg_fraction_per_step"] or 0.0 for q in honest),
         "honest_rejected": dict(sorted(rejected.items())),
         "peers": per_peer,
     }
@@ -222,7 +224,8 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = statistics.mean(ctl) if ctl else None
         row = {k: r.get(k) for k in ("label", "n", "byzantine", "attack", "honest_val_loss",
                                      "honest_window_steps_mean", "honest_rounds_ok", "honest_rounds_failed",
-                                     "honest_avg_fraction_per_step", "honest_rejected", "attackers",
+                                     "honest_avg_fraction_per_step", "honest_avg_fraction_per_step_min",
+                                     "honest_rejected", "attackers",
                                      "loadavg_1min", "error")}
         row["control_mean"] = base
         row["control_spread"] = (max(ctl) - min(ctl)) / base if len(ctl) > 1 and base else None
@@ -260,10 +263,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         rej = ", ".join(f"{k.removeprefix('rejected:avg_')} {v}" for k, v in (r["honest_rejected"] or {}).items())
         lines.append(f"| {r['n']}:{r['byzantine']} | {what} | {r['honest_val_loss']:.3f} | {ratio} | "
                      f"{r['honest_window_steps_mean']:.0f} | {r['honest_rounds_ok'] / honest:.0f} / "
-                     f"{r['honest_rounds_failed'] / honest:.0f} | {r.get('honest_avg_fraction_per_step') or 0:.4f} | "
+                     f"{r['honest_rounds_failed'] / honest:.0f} | {_fraction(r)} | "
                      f"{rej or 'none'} | {_attackers(r.get('attackers') or [])} | "
                      f"{load.get('min', 0):.1f}-{load.get('max', 0):.1f} |")
     return "\n".join(lines)
+
+
+def _fraction(r: dict[str, Any]) -> str:
+    """The honest peers' mean fraction averaged per local step, and the least of them when recorded."""
+    text = f"{r.get('honest_avg_fraction_per_step') or 0:.4f}"
+    low = r.get("honest_avg_fraction_per_step_min")
+    return text if low is None else f"{text} (min {low:.4f})"
 
 
 def _attackers(attackers: list[dict[str, int]]) -> str:

@@ -1,8 +1,8 @@
 """Data-parallel averaging over the network: AsyncMesh sparse rounds in the background (``AveragingLoop``).
 
-Rounds follow a shared wall clock (tick t is unix time ``t * period_s``, ``rounds_per_tick`` slots a tick, and the
-round number picks the partition, so replicas stepping at different speeds agree on it without a message); a replica
-opens one round per ``round_steps`` local steps it owes. A round exchanges the partition's values pairwise with the
+Rounds follow a shared wall clock (tick t is unix time ``t * period_s``, ``rounds_per_tick`` (J) slots a tick, slot j
+starting j / J of a period after it, and the round number picks the partition, so replicas stepping at different
+speeds agree on it without a message); a replica opens one round per ``round_steps`` local steps it owes. A round exchanges the partition's values pairwise with the
 stage's announced peers (``peer.averaging.exchange``), combines the validated parts robustly under a quorum
 (``peer.averaging.aggregate``) and applies the run's rule on the compute thread. docs/design.md ("Data-parallel
 axis") gives the cadence, the quorum, who may take part and why not hivemind's averager; ``--mode sync``'s blocking
@@ -62,30 +62,31 @@ WINDOW_EMA = 0.2  # weight of the latest round in the exchange window's moving a
 TAKEN_MEMORY = 256  # rounds remembered as taken, so that a late part cannot open one a second time
 
 
-def round_start(tick: int, period_s: float) -> float:
-    """Unix time at which ``tick`` starts."""
-    return tick * period_s
+def round_start(key: int, period_s: float, per_tick: int = 1) -> float:
+    """Unix time at which round ``key`` starts: slot j of tick t (key t x per_tick + j) starts j / per_tick of a period
+    after the tick, so a tick's rounds are spread over it (with per_tick = 1, key and tick are one)."""
+    return key * period_s / per_tick
 
 
-def round_deadline(tick: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float,
-                   window_s: float | None = None) -> float:
-    """Unix time at which the rounds of ``tick`` stop collecting parts (``window_s``: the measured window, see
+def round_deadline(key: int, period_s: float, config: NetAveragingConfig, run_timeout_s: float,
+                   window_s: float | None = None, per_tick: int = 1) -> float:
+    """Unix time at which round ``key`` stops collecting parts (``window_s``: the measured window, see
     ``AveragingLoop.window_s``; None: the shortest, collect_fraction x period_s)."""
     window = config.collect_fraction * period_s if window_s is None else window_s
-    return round_start(tick, period_s) + min(window, run_timeout_s)
+    return round_start(key, period_s, per_tick) + min(window, run_timeout_s)
 
 
-def next_round(now: float, period_s: float) -> int:
-    """The first tick that starts at or after ``now``."""
-    return math.ceil(now / period_s - 1e-9)
+def next_round(now: float, period_s: float, per_tick: int = 1) -> int:
+    """The first round key that starts at or after ``now``."""
+    return math.ceil(now * per_tick / period_s - 1e-9)
 
 
-def admissible(tick: int, now: float, period_s: float, config: NetAveragingConfig,
-               run_timeout_s: float, window_s: float | None = None) -> str | None:
-    """None if a part for a round of ``tick`` may open it now, else why not ('stale_round' / 'future_round')."""
-    if now >= round_deadline(tick, period_s, config, run_timeout_s, window_s):
+def admissible(key: int, now: float, period_s: float, config: NetAveragingConfig,
+               run_timeout_s: float, window_s: float | None = None, per_tick: int = 1) -> str | None:
+    """None if a part for round ``key`` may open it now, else why not ('stale_round' / 'future_round')."""
+    if now >= round_deadline(key, period_s, config, run_timeout_s, window_s, per_tick):
         return "stale_round"
-    if now < round_start(tick, period_s) - config.clock_skew_s:
+    if now < round_start(key, period_s, per_tick) - config.clock_skew_s:
         return "future_round"
     return None
 
@@ -233,8 +234,12 @@ class AveragingLoop:
     def _tick(self, key: int) -> int:
         return key // self.per_tick
 
+    def _start(self, key: int) -> float:
+        return round_start(key, self.period_s, self.per_tick)
+
     def _deadline(self, key: int) -> float:
-        return round_deadline(self._tick(key), self.period_s, self.config, self.run.averaging.timeout_s, self.window_s)
+        return round_deadline(key, self.period_s, self.config, self.run.averaging.timeout_s, self.window_s,
+                              self.per_tick)
 
     def observe_exchange(self, elapsed_s: float, *, complete: bool, starved: bool) -> None:
         """Adapt the exchange window to a finished exchange: ``elapsed_s`` from the window's start until every partner
@@ -277,9 +282,9 @@ class AveragingLoop:
         views = asyncio.create_task(self._read_views(), name=f"averaging-view-stage{self.stage}")
         try:
             while not self._stopped:
-                t = next_round(self.clock(), self.period_s)
-                await asyncio.sleep(max(0.0, round_start(t, self.period_s) - self.clock()))
-                self.open_due(t)
+                key = next_round(self.clock(), self.period_s, self.per_tick)
+                await asyncio.sleep(max(0.0, self._start(key) - self.clock()))
+                self.open_slot(key)
         finally:
             views.cancel()
 
@@ -293,16 +298,29 @@ class AveragingLoop:
                 logger.debug("reading the stage's peers failed: %r", e)
             await asyncio.sleep(max(0.0, self.config.view_refresh_s - (time.monotonic() - started)))
 
+    def open_slot(self, key: int) -> bool:
+        """At the start of round ``key``: open it if this peer owes a round and has partners; whether it did.
+
+        The loop calls this once per slot, at the slot's own start (``round_start``), so a tick's rounds are spread
+        over the tick as its steps are: rounds opened together at the tick's start would begin from the same weights
+        and, on a stage cut in fewer partitions than rounds_per_tick (whole-tensor rounds), average the same values
+        several times over while counting each as new."""
+        if key in self._taken:  # a partner's early part opened it already
+            return False
+        if not self.due() or not self.partners(key):
+            return False
+        self._ensure_round(key)
+        return True
+
     def open_due(self, tick: int) -> list[int]:
-        """Open the rounds this peer owes at ``tick`` (slots 0, 1, ... of the tick, at most rounds_per_tick);
-        returns their keys."""
+        """Open the rounds this peer owes among the slots of ``tick`` at once (slots 0, 1, ..., at most
+        rounds_per_tick); returns their keys. The loop opens each slot at its own start (``open_slot``)."""
         opened = []
         for key in range(tick * self.per_tick, (tick + 1) * self.per_tick):
-            if key in self._taken:  # a partner's early part opened it already
+            if key in self._taken:
                 continue
-            if not self.due() or not self.partners(key):
+            if not self.open_slot(key):
                 break
-            self._ensure_round(key)
             opened.append(key)
         return opened
 
@@ -322,8 +340,8 @@ class AveragingLoop:
         if self.rule.groups and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, "not_in_group", f"not in our WAGMA group of round {round_no}")
         tick = self._tick(round_no)
-        reason = admissible(tick, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s,
-                            self.window_s)
+        reason = admissible(round_no, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s,
+                            self.window_s, self.per_tick)
         if reason is not None:
             current = math.floor(self.clock() / self.period_s)
             if reason == "stale_round" and tick == current:
@@ -358,16 +376,16 @@ class AveragingLoop:
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
             peers = self.partners(r)
             values = await self.behaviour.part(self.exchange, slot, values, peers,
-                                               round_start(self._tick(r), self.period_s))
+                                               self._start(r))
             await self.exchange.publish(slot, values)
-            start = max(self.clock(), round_start(self._tick(r), self.period_s))
+            start = max(self.clock(), self._start(r))
             grace = self.config.initiator_grace * (slot.deadline - start)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
             need = self._round_quorum(slot, peers)
             complete = all(p in slot.contributions for p in peers)
             starved = not complete and len(slot.contributions) + 1 < need
-            self.observe_exchange(self.clock() - round_start(self._tick(r), self.period_s), complete=complete,
+            self.observe_exchange(self.clock() - self._start(r), complete=complete,
                                   starved=starved)
             if not slot.contributions or self._below_quorum(len(slot.contributions), need):
                 logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
