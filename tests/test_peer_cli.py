@@ -61,7 +61,7 @@ def test_inflight_fills_the_pipeline_unless_set():
 
 def test_swarm_summary_sums_stage0_throughput_and_counters():
     peers = [dict(stage=0, tokens_per_s=100.0, steps=10, initial_loss=5.0, final_loss=3.0, final_val_loss=3.1,
-                  microbatches_dropped=1, microbatches_requeued=1, averaging_rounds_ok=2),
+                  microbatches_dropped=1, microbatches_requeued=1, averaging_rounds_ok=2, spotcheck_sent=5),
              dict(stage=0, tokens_per_s=50.0, steps=12, initial_loss=5.2, final_loss=3.2, final_val_loss=None,
                   microbatches_dropped=0, microbatches_requeued=0, averaging_rounds_ok=3),
              dict(stage=1, tokens_per_s=999.0, steps=30, final_loss=3.0, averaging_rounds_failed=1),
@@ -70,6 +70,7 @@ def test_swarm_summary_sums_stage0_throughput_and_counters():
     assert s["tokens_per_s"] == 150.0 and s["steps"] == 10 and len(s["per_peer"]) == 4
     assert s["initial_loss"] == pytest.approx(5.1) and s["final_val_loss"] == pytest.approx(3.1)
     assert s["averaging_rounds_ok"] == 5 and s["averaging_rounds_failed"] == 1 and s["microbatches_dropped"] == 1
+    assert s["spotcheck_sent"] == 5  # micro-batches stage 1 trained twice: its tokens exceed stage 0's by them
 
 
 def test_swarm_refuses_fewer_peers_than_stages():

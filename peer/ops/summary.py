@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 
 COUNTED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok",
            "averaging_rounds_failed", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "samples_refused",
-           "microbatches_refused", "stage_moves")
-"""Counters copied into the summary as they are."""
+           "microbatches_refused", "stage_moves", "spotcheck_sent")
+"""Counters copied into the summary as they are (``spotcheck_sent``: micro-batches this stage also sent to a second
+replica of the next stage, which trains them too, so that stage counts their tokens twice)."""
 
 
 def peer_summary(metrics: PeerMetrics, *, head: dict[str, Any], elapsed_s: float, steps: int,
