@@ -390,6 +390,30 @@ async def test_a_round_is_opened_once_however_late_its_parts_come():
 
 @pytest.mark.timeout(30)
 @aio
+async def test_a_round_with_a_grown_window_pulls_in_partners_whose_windows_are_short():
+    """Only the largest id owes rounds, and its window has grown to 2 periods while its partners' are at the run's
+    short window (each peer measures its own). Its rounds must still reach both: it waits for smaller ids' calls only
+    the short window's grace (not half its own grown window, which let every round it opened start late), and a
+    partner admits a part as long as any peer's window may still be open, collecting from then on. Before, its
+    partners refused such parts as stale: rounds failed with no part, and each failure doubled its window further."""
+    run = RUN.replace(averaging={"period_s": 1.0, "rounds_per_tick": 1, "round_steps": 1, "fraction": 0.05})
+    net, names = MemTransport(), ["p0", "p1", "p2"]
+    workers = [FakeWorker(i, drift=0.02) for i in range(3)]
+    peers = [_make_peer(net, n, w, names, run=run) for n, w in zip(names, workers, strict=True)]
+    for loop, _ in peers[:2]:
+        loop.local_step = lambda: 0  # never step: they open only their first round, then are pulled in
+    fast = peers[2][0]
+    fast.local_step = lambda: int(time.time() * 10)
+    fast.window_s = 2.0 * run.averaging.period_s
+    fast.observe_exchange = lambda *a, **k: None  # it stays grown (in a loaded swarm, rounds kept it at its bound)
+    await _run_rounds([lp for lp, _ in peers], 4.5)
+    late = [k for k in workers[2].finished if k not in workers[0].finished or k not in workers[1].finished]
+    assert len(workers[2].finished) >= 3 and len(late) <= 1, (sorted(workers[2].finished), late)
+    assert peers[2][1].snapshot()["counters"].get("averaging_rounds_failed", 0) <= 1
+
+
+@pytest.mark.timeout(30)
+@aio
 async def test_malicious_parts_are_rejected_counted_and_do_not_reach_honest_weights():
     net, names = MemTransport(), ["p0", "p1"]
     workers = [FakeWorker(0, drift=0.02), FakeWorker(1, drift=0.02)]

@@ -340,8 +340,10 @@ class AveragingLoop:
         if self.rule.groups and peer in self.peers and peer not in self.partners(round_no):
             raise Refused(ErrorCode.NOT_READY, "not_in_group", f"not in our WAGMA group of round {round_no}")
         tick = self._tick(round_no)
+        # each peer measures its own window: a part is admitted while any peer's may still be open (its bound), and
+        # the round it opens here collects from now on (_ensure_round)
         reason = admissible(round_no, self.clock(), self.period_s, self.config, self.run.averaging.timeout_s,
-                            self.window_s, self.per_tick)
+                            self._max_window, self.per_tick)
         if reason is not None:
             current = math.floor(self.clock() / self.period_s)
             if reason == "stale_round" and tick == current:
@@ -361,7 +363,10 @@ class AveragingLoop:
             while len(self._taken) > TAKEN_MEMORY:
                 del self._taken[next(iter(self._taken))]
             self._pay()
-            slot = self.exchange.open(round_no, self._deadline(round_no))
+            # a round opened late (a partner's part, from a peer whose window is longer than ours) still collects
+            # for a short window from now, within the longest window any peer may use
+            late = min(self.clock() + self._base_window, self._start(round_no) + self._max_window)
+            slot = self.exchange.open(round_no, max(self._deadline(round_no), late))
             task = asyncio.create_task(self._drive(slot), name=f"averaging-round-{round_no}")
             self._drivers[round_no] = task
             task.add_done_callback(lambda _t: self._drivers.pop(round_no, None))  # round_no: this call's, unchanged
@@ -379,7 +384,9 @@ class AveragingLoop:
                                                self._start(r))
             await self.exchange.publish(slot, values)
             start = max(self.clock(), self._start(r))
-            grace = self.config.initiator_grace * (slot.deadline - start)
+            # smaller ids are waited for only a share of the run's short window: partners that did not open this
+            # round call only once our part pulls them in, so waiting on a grown window would only delay it
+            grace = self.config.initiator_grace * min(slot.deadline - start, self._base_window)
             await exchange_all(self.exchange, slot, self.me, peers, start, grace, self.config.call_timeout_s)
             self.exchange.close(r)
             need = self._round_quorum(slot, peers)
