@@ -189,6 +189,8 @@ def _figures(peers: list[PeerProcess], at_start: list[dict[str, Any]]) -> dict[s
                          "steps": s.get("steps"), "val_losses": (s.get("val_losses") or [])[-5:],
                          "rounds_ok": s.get("averaging_rounds_ok"), "rounds_failed": s.get("averaging_rounds_failed"),
                          "avg_fraction_per_step": s.get("avg_fraction_per_step"),
+                         "avg_window_s": s.get("avg_window_s"), "avg_delay_steps": s.get("avg_delay_steps"),
+                         "exchanges_refused_failed": [s.get("avg_exchange_refused"), s.get("avg_exchange_failed")],
                          "round_rules": {k: s.get(k) for k in ("avg_below_quorum", "avg_pull_clipped",
                                                                "avg_self_outlier")},
                          "rejected_avg": s.get("rejected_avg", {}), "error": s.get("error")})
