@@ -16,7 +16,7 @@ real peer holds only its own values and what reaches it in the round, so each at
   generator (the peer's global random state, which its data and model use, is left alone).
 * ``alie`` ("a little is enough", Baruch et al. 2019) by *rushing*: the peer holds its own part back and reads the
   parts the others send it first (in the exchange the smaller id calls at once, and a larger id calls a silent peer
-  after ``initiator_grace`` (0.5) of the window), until every partner has offered one or ``ALIE_WAIT`` (0.6) of
+  after ``initiator_grace`` (0.5) of the short window), until every partner has offered one or ``ALIE_WAIT`` (0.6) of
   the round's exchange window has passed. It then sends, per coordinate, the mean minus ``z`` = 1 population
   standard deviations of its own honestly trained values and the parts it read. A part that arrives later is not
   read. Colluders do not coordinate: two alie peers each wait
