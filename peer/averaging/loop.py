@@ -281,10 +281,16 @@ class AveragingLoop:
         # the view is read in the background: a slow DHT must neither delay a tick nor eat a round's exchange window
         views = asyncio.create_task(self._read_views(), name=f"averaging-view-stage{self.stage}")
         try:
+            last: int | None = None
             while not self._stopped:
                 key = next_round(self.clock(), self.period_s, self.per_tick)
+                if last is not None and key > last + 1:
+                    # the event loop woke too late for these slots: their rounds are not opened (a burst of rounds
+                    # begun together would take the same weights), counted so that a lost cadence is seen
+                    self.metrics.inc("avg_slots_missed", key - last - 1)
                 await asyncio.sleep(max(0.0, self._start(key) - self.clock()))
                 self.open_slot(key)
+                last = key
         finally:
             views.cancel()
 

@@ -22,7 +22,7 @@ COUNTERS = (
     "spotcheck_banned",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
-    "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier",
+    "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "avg_slots_missed",
     # traffic
     "bytes_in", "bytes_out",
     # stage moves, state and backups
