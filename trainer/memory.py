@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map_only
 
 from trainer.config import RunConfig
 from trainer.optim import build_optimizer
+from trainer.rules import rule_of
 
 PRECISIONS = ("fp32", "bf16")
 HEADROOM = 1.15
@@ -125,8 +126,11 @@ def estimate_stage(run: RunConfig, stage: int, *, precision: str = "fp32", infli
         # kept per round in flight: int64 indices and, for the drift, the values at its start; for the round being
         # exchanged: the values sent and the mean received
         part = math.ceil(fraction * params)
-        averaging = ((shape.weight_bytes if avg.rule == "ema" else 0) + avg.rounds_per_tick * part * (8 + 4 * drift)
-                     + part * 8)
+        # the EMA drift buffer ('ema'), and the corrections applied so far (rules that re-apply their own progress
+        # only: trainer/rules.py own_progress), each the size of the weights
+        own = rule_of(avg).own_progress
+        averaging = ((shape.weight_bytes if avg.rule == "ema" else 0) + (shape.weight_bytes if own else 0)
+                     + avg.rounds_per_tick * part * (8 + 4 * drift) + part * 8)
         n_parts = 1 if fraction >= 1.0 else math.ceil(1.0 / fraction - 1e-9)
         host = 0 if n_parts == 1 else 2 * params * (2 if n_parts <= 65535 else 4)
     return StageMemory(

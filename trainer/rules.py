@@ -9,7 +9,10 @@ simulator and the daemon's averaging loop ask it instead of comparing names:
 * ``ema``: the rule keeps a per-coordinate drift estimate e, saved with the weights;
 * ``groups``: a round averages with a rotating group of partners, every ``wagma_global_every``-th with everybody;
 * ``own_progress``: the drift re-applied is our own training progress since the begin only, without the corrections
-  that other rounds finishing in between applied (needed when every round covers every coordinate, see WAGMA).
+  that other rounds finishing in between applied. Needed whenever rounds in flight share coordinates (every WAGMA
+  round, and the 'ema' and 'delta' rounds of a run with p x tau > 1, e.g. whole-tensor rounds with tau > round_steps):
+  re-applied, the others' corrections make the replicas' difference follow d(t+1) = d(t) - d(t - tau), which grows
+  for tau >= 2 rounds. Where rounds in flight are disjoint it changes nothing.
 
 ``apply`` takes one round's flat tensors over the round's slice (the aggregate a of the replicas' published values,
 our current values W_now, W_then and e where the rule needs them) and returns the new values (and the new e). It may
@@ -119,8 +122,8 @@ class _Wagma(AveragingRule):
 
 
 RULES: dict[str, AveragingRule] = {rule.name: rule for rule in (
-    _Ema("ema", drift=True, ema=True),
-    _Delta("delta", drift=True),
+    _Ema("ema", drift=True, ema=True, own_progress=True),
+    _Delta("delta", drift=True, own_progress=True),
     _Overwrite("avg"),
     _Overwrite("full", whole=True),
     _Wagma("wagma", whole=True, drift=True, groups=True, own_progress=True),
