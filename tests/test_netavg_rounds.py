@@ -343,6 +343,29 @@ def test_rounds_follow_local_steps_however_they_fall_on_the_ticks(steps_per_tick
     assert len(set(keys)) == len(keys)
 
 
+def test_steps_made_alone_leave_the_per_step_fraction():
+    """A stage's first replica trains alone until a second one joins: the steps it makes at slots that find nobody to
+    average with are not counted in avg_fraction_per_step (a 2-replica swarm's first peers looked 30 % short of p
+    for the minute they trained alone)."""
+    run = RUN.replace(averaging={"round_steps": 10, "fraction": 0.05, "rounds_per_tick": 1})
+    loop, metrics = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"], run=run)
+    metrics.start_averaging(0)
+    steps = 0
+    loop.local_step = lambda: steps
+    loop._ensure_round = lambda key: loop._pay()
+    loop.peers = []
+    for key in range(10):  # alone: 10 slots, 100 steps
+        steps += 10
+        assert not loop.open_slot(key)
+    loop.peers = ["p1"]
+    for key in range(10, 20):  # with a partner: a round per slot
+        steps += 10
+        assert loop.open_slot(key)
+        metrics.observe_round(ok=True, group_size=2, tau=1, fraction=0.5)
+    metrics.local_step = steps
+    assert metrics.averaging_cadence()["avg_fraction_per_step"] == pytest.approx(10 * 0.5 / 110)  # 90 alone
+
+
 def test_owed_rounds_are_capped_and_a_failed_round_is_owed_again():
     run = RUN.replace(averaging={"round_steps": 10, "fraction": 0.05, "rounds_per_tick": 2})
     loop, _ = _make_peer(MemTransport(), "p0", FakeWorker(0), ["p0", "p1"], run=run)

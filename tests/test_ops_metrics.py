@@ -94,6 +94,8 @@ def test_averaging_cadence_counts_fraction_per_local_step_and_measured_delays() 
     m.local_step = 130
     snap = m.snapshot()
     assert snap["avg_fraction_per_step"] == pytest.approx(1.5 / 30)
+    m.averaging_alone(10)  # ten of those steps had no partner: they are left out
+    assert m.snapshot()["avg_fraction_per_step"] == pytest.approx(1.5 / 20)
     assert snap["avg_delay_steps"] == pytest.approx(3.0) and snap["avg_delay_hist"] == {"2": 2, "5": 1}
 
 

@@ -162,6 +162,7 @@ class AveragingLoop:
         self._task: asyncio.Task[None] | None = None
         self._drivers: dict[int, asyncio.Task[None]] = {}
         self._taken: dict[int, None] = {}  # keys of the rounds this peer opened, oldest first (never re-opened)
+        self._alone_at: int | None = None  # local step at the last slot that found no other replica in the view
         self._stopped = False
         # the exchange window: starts at collect_fraction x period_s and follows what rounds really take
         self._base_window = self.config.collect_fraction * self.period_s
@@ -313,6 +314,13 @@ class AveragingLoop:
         several times over while counting each as new."""
         if key in self._taken:  # a partner's early part opened it already
             return False
+        step = self.local_step()
+        if not [p for p in self.peers if p != self.me]:  # alone: these steps leave the per-step fraction
+            if self._alone_at is not None:
+                self.metrics.averaging_alone(step - self._alone_at)
+            self._alone_at = step
+            return False
+        self._alone_at = None
         if not self.due() or not self.partners(key):
             return False
         self._ensure_round(key)

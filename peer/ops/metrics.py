@@ -117,6 +117,7 @@ class PeerMetrics:
         self.avg_group_size: int | None = None
         self._avg_base_step: int | None = None  # local step when averaging started (None: this peer does not average)
         self._avg_fraction_sum = 0.0  # sum over applied rounds of the fraction of every tensor they averaged
+        self._avg_alone_steps = 0  # local steps made with no partner to average with (not in the per-step fraction)
         self._avg_taus: Counter[int] = Counter()  # tau (local steps) -> applied rounds
         self._pipe_delays: Counter[int] = Counter()  # pipeline staleness (local steps) -> backwards
         self.inflight = 0
@@ -221,6 +222,13 @@ class PeerMetrics:
     def start_averaging(self, local_step: int) -> None:
         """Averaging starts now, at ``local_step``: avg_fraction_per_step counts steps from here."""
         self._avg_base_step = int(local_step)
+        self._avg_alone_steps = 0
+
+    def averaging_alone(self, steps: int) -> None:
+        """``steps`` local steps were made with no other replica of the stage to average with: avg_fraction_per_step
+        leaves them out (a stage's first replica trains alone until a second one joins; nothing can hold p then)."""
+        if steps > 0:
+            self._avg_alone_steps += int(steps)
 
     def observe_round(self, *, ok: bool, group_size: int | None = None, tau: float | None = None,
                       fraction: float | None = None) -> None:
@@ -246,7 +254,8 @@ class PeerMetrics:
     def averaging_cadence(self) -> dict[str, Any]:
         """avg_fraction_per_step, avg_delay_steps (mean measured tau) and avg_delay_hist (tau -> rounds); and the
         pipeline's staleness over the run: pipeline_delay_steps (mean) and pipeline_delay_hist (delay -> backwards)."""
-        steps = None if self._avg_base_step is None else self._local_step - self._avg_base_step
+        steps = (None if self._avg_base_step is None
+                 else self._local_step - self._avg_base_step - self._avg_alone_steps)
         n, m = sum(self._avg_taus.values()), sum(self._pipe_delays.values())
         return {
             "avg_fraction_per_step": (self._avg_fraction_sum / steps) if steps else None,
