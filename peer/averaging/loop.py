@@ -388,6 +388,9 @@ class AveragingLoop:
 
     async def _drive(self, slot: Slot) -> None:
         r, begun = slot.key, False
+        # what the round took is measured from its start here: a round a partner's part opened late (its window is
+        # longer than ours) must not lengthen ours by its lateness
+        opened = max(self.clock(), self._start(r))
         try:
             timeout = max(0.1, min(self.config.worker_timeout_s, slot.deadline - self.clock()))
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
@@ -406,7 +409,7 @@ class AveragingLoop:
             need = self._round_quorum(slot, peers)
             complete = all(p in slot.contributions for p in peers)
             starved = not complete and len(slot.contributions) + 1 < need
-            self.observe_exchange(self.clock() - self._start(r), complete=complete,
+            self.observe_exchange(self.clock() - opened, complete=complete,
                                   starved=starved)
             if not slot.contributions or self._below_quorum(len(slot.contributions), need):
                 logger.debug("round %d: %d of %d partners' parts arrived; aborted", r, len(slot.contributions),
