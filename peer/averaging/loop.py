@@ -2,11 +2,11 @@
 
 Rounds follow a shared wall clock (tick t is unix time ``t * period_s``, ``rounds_per_tick`` (J) slots a tick, slot j
 starting j / J of a period after it, and the round number picks the partition, so replicas stepping at different
-speeds agree on it without a message); a replica opens one round per ``round_steps`` local steps it owes. A round exchanges the partition's values pairwise with the
-stage's announced peers (``peer.averaging.exchange``), combines the validated parts robustly under a quorum
-(``peer.averaging.aggregate``) and applies the run's rule on the compute thread. docs/design.md ("Data-parallel
-axis") gives the cadence, the quorum, who may take part and why not hivemind's averager; ``--mode sync``'s blocking
-average is ``peer.averaging.sync``.
+speeds agree on it without a message); a replica opens one round per ``round_steps`` local steps it owes. A round
+exchanges the partition's values pairwise with the stage's announced peers (``peer.averaging.exchange``), combines
+the validated parts robustly under a quorum (``peer.averaging.aggregate``) and applies the run's rule on the compute
+thread. docs/design.md ("Data-parallel axis") gives the cadence, the quorum, who may take part and why not
+hivemind's averager; ``--mode sync``'s blocking average is ``peer.averaging.sync``.
 
 Interface for the daemon::
 
