@@ -205,13 +205,15 @@ async def _main(args: argparse.Namespace, run_config: Any) -> int:
             return EXIT_OK if records else EXIT_EMPTY
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, `docker stop`: leave the DHT before exiting
+        before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in before:  # Ctrl-C, `docker stop`: leave the DHT before exiting
             loop.add_signal_handler(sig, stop.set)
         try:
             return await _watch(dht, args, run_config, stop)
-        finally:  # the process's own handlers again (a caller in the same process keeps its Ctrl-C)
-            for sig in (signal.SIGINT, signal.SIGTERM):
+        finally:  # the process's own handlers again, as they were (asyncio would put Python's defaults back)
+            for sig, handler in before.items():
                 loop.remove_signal_handler(sig)
+                signal.signal(sig, handler)
     finally:
         await asyncio.to_thread(dht.shutdown)
 
