@@ -292,11 +292,18 @@ def test_whole_tensor_rounds_in_flight_keep_the_replicas_together(rule, tau):
     own progress since its begin, not the corrections of the rounds that finished in between. Re-applied, those made
     the replicas' difference follow d(t+1) = d(t) - d(t - tau): with the EMA rule it had grown to 91 at tau 3 and to
     5722 at tau 8 after 80 rounds (a real 4-replica tiny_cadence stage, tau 40-116 steps, diverged the same way)."""
-    cfg = AveragingConfig(rule=rule, fraction=1.0, mu_warmup_steps=1000)
+    _rounds_in_flight_keep_the_replicas_together(AveragingConfig(rule=rule, fraction=1.0, mu_warmup_steps=1000),
+                                                 10_000, tau, 80)
+
+
+def _rounds_in_flight_keep_the_replicas_together(cfg: AveragingConfig, n_steps: int, tau: int, rounds: int) -> None:
+    """Two replicas average the whole tensor every step, each round finishing ``tau`` steps after its begin, while
+    one trains twice as fast as the other: only the progress since the last begin may set them apart, and the
+    mean keeps all of it."""
     w = [[torch.tensor([0.0, 10.0])], [torch.tensor([4.0, -10.0])]]
-    states = [SparseAveragingState(cfg, 10_000, 0, 0, ws) for ws in w]
+    states = [SparseAveragingState(cfg, n_steps, 0, 0, ws) for ws in w]
     published = {}
-    for t in range(80):
+    for t in range(rounds):
         published[t] = [s.begin(t, ws)[0] for s, ws in zip(states, w, strict=True)]
         for i, ws in enumerate(w):
             ws[0] += torch.tensor([0.1, 0.1]) * (1 + i)  # training progress: replica 1 twice as fast
@@ -307,26 +314,12 @@ def test_whole_tensor_rounds_in_flight_keep_the_replicas_together(rule, tau):
     gap = float((w[0][0] - w[1][0]).abs().max())
     assert gap == pytest.approx(0.1 * (tau + 1), abs=1e-4)  # only the progress since the last begin differs
     mean = (w[0][0] + w[1][0]) / 2
-    assert mean.tolist() == pytest.approx([2.0 + 0.15 * 80, 0.15 * 80], abs=1e-4)  # no progress lost
+    assert mean.tolist() == pytest.approx([2.0 + 0.15 * rounds, 0.15 * rounds], abs=1e-4)  # no progress lost
 
 
 def test_wagma_overlapping_rounds_re_apply_only_own_progress():
     """Rounds every step, tau 3 in flight: each finish sets W to the group's mean at its begin plus our own training
     progress since, not the corrections of the rounds that finished in between (which made the difference between
     replicas grow)."""
-    cfg = AveragingConfig(rule="wagma", fraction=1.0, wagma_global_every=1000)
-    w = [[torch.tensor([0.0, 10.0])], [torch.tensor([4.0, -10.0])]]
-    states = [SparseAveragingState(cfg, 100, 0, 0, ws) for ws in w]
-    tau, published = 3, {}
-    for t in range(40):
-        published[t] = [s.begin(t, ws)[0] for s, ws in zip(states, w, strict=True)]
-        for i, ws in enumerate(w):
-            ws[0] += torch.tensor([0.1, 0.1]) * (1 + i)  # training progress: replica 1 twice as fast
-        if t >= tau:
-            a = (published[t - tau][0] + published[t - tau][1]) / 2
-            for s, ws in zip(states, w, strict=True):
-                s.finish(t - tau, [a], ws, 0)
-    gap = (w[0][0] - w[1][0]).abs().max()
-    assert gap == pytest.approx(0.1 * (tau + 1), abs=1e-4)  # only the progress since the last begin differs
-    mean = (w[0][0] + w[1][0]) / 2
-    assert mean.tolist() == pytest.approx([2.0 + 0.15 * 40, 0.15 * 40], abs=1e-4)  # no progress lost
+    _rounds_in_flight_keep_the_replicas_together(AveragingConfig(rule="wagma", fraction=1.0, wagma_global_every=1000),
+                                                 100, 3, 40)
