@@ -23,6 +23,7 @@ The rules are written out in docs/design.md ("Data-parallel axis", "WAGMA group 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class RoundInputs:
 
 
 @dataclass(frozen=True)
-class AveragingRule:
+class AveragingRule(abc.ABC):
     """One averaging rule; see the module docstring for the flags."""
 
     name: str
@@ -76,9 +77,16 @@ class AveragingRule:
             return r.now.sub_(r.then).add_(r.mean), None
         return self.apply(r)
 
+    @abc.abstractmethod
     def apply(self, r: RoundInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new values, new drift estimate or None)."""
-        raise NotImplementedError(f"averaging.rule {self.name!r} does not average; set a rule to use averaging")
+
+
+class _NoAveraging(AveragingRule):
+    """'none': replicas never mix; callers check ``averages`` before asking for a round."""
+
+    def apply(self, r: RoundInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise ValueError(f"averaging.rule {self.name!r} does not average; set a rule to use averaging")
 
 
 class _Overwrite(AveragingRule):
@@ -127,7 +135,7 @@ RULES: dict[str, AveragingRule] = {rule.name: rule for rule in (
     _Overwrite("avg"),
     _Overwrite("full", whole=True),
     _Wagma("wagma", whole=True, drift=True, groups=True, own_progress=True),
-    AveragingRule("none", averages=False),
+    _NoAveraging("none", averages=False),
 )}
 
 

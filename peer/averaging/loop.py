@@ -419,8 +419,8 @@ class AveragingLoop:
                 self.metrics.observe_round(ok=False)
                 self._pay(-1)
                 return
-            # the full quorum counts partners we measured (a valid part lately), never bare records: phantom
-            # records would make every honest round a clipped minority round
+            # the full quorum counts partners we measured (a valid part lately), never bare records, so records
+            # that never answer cannot turn an honest round into a clipped minority one
             measured = sum(1 for p in peers if p in self._heard)
             mean, group, clipped = await self._combine(slot, asked=measured, quorum=need)
             finish = self._finisher(r, mean, clipped)
