@@ -5,9 +5,9 @@ and gather the slice; ``averaging_finish``: apply the run's rule to it) between 
 A round that costs a sizeable share of a step slows training down, and one that costs more than the round's window
 (docs/design.md, "When rounds happen") makes rounds time out. This tool times both halves (median over several
 consecutive rounds, so cycle boundaries are included; interleaved with the steps, so that both see the same load)
-and one training step of the same stage (forward, backward
-with its recompute, optimiser step; stage 0 of two, on the CPU, at the run's micro-batch size) at stages of about
-0.4 M, 4 M and 40 M parameters, with the embedded default run's averaging (rule, p, round_steps).
+and one training step of the same stage (forward, backward with its recompute, optimiser step; stage 0 of two, on
+the CPU or ``--device cuda``, at the run's micro-batch size) at stages of about 0.4 M, 4 M and 40 M parameters, with
+the embedded default run's averaging (rule, p, round_steps).
 
     python tools/bench_averaging.py --json docs/bench/averaging_cost.json
 """
@@ -35,21 +35,28 @@ SIZES = {  # name -> model overrides (n_layer over 2 stages: stage 0 holds 2 blo
 }
 
 
-def _ms(fn) -> float:
-    """CPU milliseconds of this thread (torch runs on it with --threads 1): on a shared machine wall time mostly
-    measures the neighbours."""
+def _ms(fn, device: str = "cpu") -> float:
+    """Milliseconds the compute thread spends in ``fn``. On the CPU: this thread's CPU time (torch runs on it with
+    --threads 1; on a shared machine wall time mostly measures the neighbours). On a GPU: wall time with the device
+    synchronised before and after, so the kernels ``fn`` queued are counted."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
     t0 = time.thread_time()
     fn()
     return (time.thread_time() - t0) * 1e3
 
 
-def measure(run: RunConfig, *, rounds: int, steps: int) -> dict:
-    """Round and step times (ms) of stage 0 of ``run``."""
-    w = StageWorker(run, 0)
+def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> dict:
+    """Round and step times (ms) of stage 0 of ``run`` on ``device``."""
+    w = StageWorker(run, 0, device=device)
     params = sum(p.numel() for p in w.parameters())
     b, t = run.data.batch_size, run.model.block_size
-    x = torch.randint(0, run.model.vocab_size, (b, t))
-    grad_y = torch.randn(b, t, run.model.n_embd) * 1e-3
+    x = torch.randint(0, run.model.vocab_size, (b, t), device=device)
+    grad_y = torch.randn(b, t, run.model.n_embd, device=device) * 1e-3
 
     def step(i: int) -> None:
         w.forward(i, x)
@@ -57,10 +64,10 @@ def measure(run: RunConfig, *, rounds: int, steps: int) -> dict:
 
     def round_(r: int) -> tuple[float, float, int]:
         box: list[list[torch.Tensor]] = []
-        b_ms = _ms(lambda: box.append(w.averaging_begin(r)))
-        mean = [v + 1e-3 * torch.randn(v.shape, generator=gen) for v in box[0]]
+        b_ms = _ms(lambda: box.append(w.averaging_begin(r)), device)
+        mean = [v + 1e-3 * torch.randn(v.shape, generator=gen).to(v.device) for v in box[0]]
         w.local_step += 1  # a step between begin and finish, as in a real round
-        f_ms = _ms(lambda: w.averaging_finish(r, mean))
+        f_ms = _ms(lambda: w.averaging_finish(r, mean), device)
         return b_ms, f_ms, sum(v.numel() for v in box[0])
 
     gen = torch.Generator().manual_seed(0)
@@ -69,7 +76,7 @@ def measure(run: RunConfig, *, rounds: int, steps: int) -> dict:
     step_ms, begin_ms, finish_ms, slice_sizes = [], [], [], []
     for i in range(max(rounds, steps)):  # interleaved, so that both see the same load on a shared machine
         if i < steps:
-            step_ms.append(_ms(lambda i=i: step(i)))
+            step_ms.append(_ms(lambda i=i: step(i), device))
         if i < rounds:
             b_ms, f_ms, n = round_(i + 1)
             begin_ms.append(b_ms)
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="training steps timed per size (median)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: the thread's CPU time is all the work; more would run on other threads)")
+    ap.add_argument("--device", default="cpu", help="torch device of the stage ('cpu', 'cuda', 'cuda:1')")
     ap.add_argument("--json", type=Path, help="write the result here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -98,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = []
     for name in args.sizes:
         run = base.replace(model=SIZES[name])
-        res = {"size": name, **measure(run, rounds=args.rounds, steps=args.steps)}
+        res = {"size": name, **measure(run, rounds=args.rounds, steps=args.steps, device=args.device)}
         print(json.dumps(res), flush=True)
         sizes.append(res)
     out = {
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         "averaging": {"rule": base.averaging.rule, "fraction": base.averaging.fraction,
                       "round_steps": base.averaging.round_steps, "round_fraction": base.averaging.round_fraction},
         "batch": [base.data.batch_size, base.model.block_size],
-        "clock": "CPU time of the calling thread (time.thread_time), torch on that one thread",
+        "clock": ("wall time with the GPU synchronised before and after" if args.device.startswith("cuda") else
+                  "CPU time of the calling thread (time.thread_time), torch on that one thread"),
+        "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(args.device),
         "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version(), "loadavg_before": load_before,
                     "loadavg_after": os.getloadavg()},

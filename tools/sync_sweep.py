@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="peak learning rates (default: run's x 1/3..3)")
     p.add_argument("--optimizers", nargs="+", default=["adamw", "nadam"], choices=["adamw", "nadam"])
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
+    p.add_argument("--device", default="cpu", help="torch device of every simulated worker ('cpu', 'cuda')")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -51,14 +52,16 @@ def main(argv: list[str] | None = None) -> int:
             sim = SimConfig(preset="sync-sweep", run=run, n_replicas=args.replicas, steps=steps,
                             micro_batches=args.micro_batches, accumulate=args.micro_batches,
                             eval_every=max(args.micro_batches, steps // 8 // args.micro_batches * args.micro_batches),
-                            eval_batches=args.eval_batches, methods=("fullsync",), sync_optimizer=opt, sync_lr=lr)
+                            eval_batches=args.eval_batches, methods=("fullsync",), sync_optimizer=opt, sync_lr=lr,
+                            device=args.device)
             rec = run_method(sim, "fullsync", "fullsync", 0)
             results.append({"optimizer": opt, "lr": lr, "final_val_loss": rec["final_val_loss"],
                             "curve": [(p["samples"], p["val_loss"]) for p in rec["curve"]],
                             "compute_s": rec["compute_s"]})
             print(f"fullsync {opt:5s} lr {lr:.2e}: final val loss {rec['final_val_loss']:.4f}", flush=True)
     best = min(results, key=lambda r: r["final_val_loss"])
-    doc = {"run": str(args.run), "run_id": run.run_id, "replicas": args.replicas, "steps_per_replica": steps,
+    doc = {"run": str(args.run), "run_id": run.run_id, "replicas": args.replicas, "n_stages": run.n_stages,
+           "steps_per_replica": steps, "device": args.device,
            "micro_batches": args.micro_batches, "results": results,
            "best": {k: best[k] for k in ("optimizer", "lr", "final_val_loss")},
            "meta": {"command": " ".join(["python tools/sync_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
