@@ -112,10 +112,15 @@ class FakeWorker:
         self.values = [torch.randn(s, generator=base) + drift * torch.randn(s, generator=g) for s in SHAPES]
         self.local_step = 0
         self.begun: set[int] = set()
+        self.prepared: set[int] = set()
         self.finished: dict[int, list[torch.Tensor]] = {}
         self.aborted: list[int] = []
 
+    def averaging_prepare(self, r: int) -> None:
+        self.prepared.add(r)
+
     def averaging_begin(self, r: int) -> list[torch.Tensor]:
+        assert r in self.prepared, "the loop draws a round's partition off the compute thread before its begin"
         self.begun.add(r)
         return [v.clone() for v in self.values]
 
@@ -143,7 +148,7 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
     loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
                          me=name, local_step=lambda: worker.local_step,
-                         behaviour=Attacker(attack) if attack else None)
+                         behaviour=Attacker(attack) if attack else None, prepare=worker.averaging_prepare)
     return loop, metrics
 
 

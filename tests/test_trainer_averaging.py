@@ -46,6 +46,30 @@ def test_partitions_disjoint_cover_and_agree():
     assert Partitioner(0, 0, [(2, 2)], 1.0).indices(5)[0].tolist() == [0, 1, 2, 3]
 
 
+def test_partitions_drawn_ahead_on_another_thread_are_the_same_draws():
+    """The daemon draws a round's partition on a worker thread while the compute thread may draw another: prepared
+    or not, concurrent or not, every round's partition is the one a lone replica draws."""
+    import threading
+
+    from trainer.averaging import READY_MAX
+
+    shapes = [(300, 70), (90,), (1,), (4000,)]
+    ref = Partitioner(0, 1, shapes, 0.25)
+    want = {r: ref.indices(r) for r in range(40)}
+    ahead = Partitioner(0, 1, shapes, 0.25)
+    worker = threading.Thread(target=lambda: [ahead.prepare(r) for r in range(0, 40, 2)])
+    worker.start()
+    got = {r: ahead.indices(r) for r in range(1, 40, 2)}  # drawn here, meanwhile
+    worker.join()
+    got.update({r: ahead.indices(r) for r in range(0, 40, 2)})  # the newest READY_MAX prepared, the rest redrawn
+    for r in range(40):
+        assert all(torch.equal(x, y) for x, y in zip(want[r], got[r], strict=True)), r
+    assert not ahead._ready  # each prepared partition is handed out once
+    for r in range(READY_MAX + 3):
+        ahead.prepare(100 + r)
+    assert sorted(ahead._ready) == [100 + r for r in range(3, READY_MAX + 3)]  # rounds never begun do not pile up
+
+
 def _state(rule: str, **kw) -> tuple[SparseAveragingState, list[torch.Tensor]]:
     cfg = AveragingConfig(rule=rule, fraction=1.0, **kw)
     w = [torch.tensor([1.0, 2.0, 3.0, 4.0])]

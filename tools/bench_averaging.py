@@ -1,7 +1,8 @@
 """What one averaging round costs the compute thread, against one training step, at several stage sizes.
 
-The compute thread of a peer runs a round's two halves (``StageWorker.averaging_begin``: draw the round's partition
-and gather the slice; ``averaging_finish``: apply the run's rule to it) between the micro-batches it trains on.
+The compute thread of a peer runs a round's two halves (``StageWorker.averaging_begin``: gather the slice of the
+round's partition; ``averaging_finish``: apply the run's rule to it) between the micro-batches it trains on; the
+partition itself is drawn ahead on another thread (``averaging_prepare``, timed apart as ``prepare_ms_off_thread``).
 A round that costs a sizeable share of a step slows training down, and one that costs more than the round's window
 (docs/design.md, "When rounds happen") makes rounds time out. This tool times both halves (median over several
 consecutive rounds, so cycle boundaries are included; interleaved with the steps, so that both see the same load)
@@ -64,28 +65,31 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
 
     def round_(r: int) -> tuple[float, float, int]:
         box: list[list[torch.Tensor]] = []
+        p_ms = _ms(lambda: w.averaging_prepare(r), device)  # the daemon draws it on another thread than the compute's
         b_ms = _ms(lambda: box.append(w.averaging_begin(r)), device)
         mean = [v + 1e-3 * torch.randn(v.shape, generator=gen).to(v.device) for v in box[0]]
         w.local_step += 1  # a step between begin and finish, as in a real round
         f_ms = _ms(lambda: w.averaging_finish(r, mean), device)
-        return b_ms, f_ms, sum(v.numel() for v in box[0])
+        return p_ms, b_ms, f_ms, sum(v.numel() for v in box[0])
 
     gen = torch.Generator().manual_seed(0)
     step(-1)  # warm-up: allocations, optimiser state
     round_(0)
-    step_ms, begin_ms, finish_ms, slice_sizes = [], [], [], []
+    step_ms, prepare_ms, begin_ms, finish_ms, slice_sizes = [], [], [], [], []
     for i in range(max(rounds, steps)):  # interleaved, so that both see the same load on a shared machine
         if i < steps:
             step_ms.append(_ms(lambda i=i: step(i), device))
         if i < rounds:
-            b_ms, f_ms, n = round_(i + 1)
+            p_ms, b_ms, f_ms, n = round_(i + 1)
+            prepare_ms.append(p_ms)
             begin_ms.append(b_ms)
             finish_ms.append(f_ms)
             slice_sizes.append(n)
     begin, finish = statistics.median(begin_ms), statistics.median(finish_ms)
     step_med = statistics.median(step_ms)
     return {"params": params, "slice": int(statistics.median(slice_sizes)), "round_ms": round(begin + finish, 2),
-            "begin_ms": round(begin, 2), "finish_ms": round(finish, 2), "round_ms_max": round(
+            "begin_ms": round(begin, 2), "finish_ms": round(finish, 2),
+            "prepare_ms_off_thread": round(statistics.median(prepare_ms), 2), "round_ms_max": round(
                 max(a + b for a, b in zip(begin_ms, finish_ms, strict=True)), 2),
             "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4)}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,8 @@ PART_MIN_BLOCKS = 1024
 """Blocks get shorter until a partition holds about this many of the stage's, so partitions stay balanced and mixed."""
 MAX_BLOCKS = 1 << 18
 """...and longer (past BLOCK_MAX) until the stage holds at most this many, so drawing a partition stays cheap."""
+READY_MAX = 8
+"""Partitions drawn ahead (``Partitioner.prepare``) kept for their round; older ones are dropped."""
 
 
 def block_size(total: int, n: int) -> int:
@@ -159,6 +162,18 @@ class Slice:
         self.sizes = [len(r) * block + (numel % block if t else 0)
                       for r, numel, t in zip(self.rows, numels, self.tail, strict=True)]
         self.total = sum(self.sizes)
+        self._on: dict[torch.device, list[torch.Tensor]] = {}  # the rows on an accelerator, moved once
+
+    def rows_on(self, device: torch.device) -> list[torch.Tensor]:
+        """The block ids per tensor on ``device``: one host-to-device copy for the whole slice, made once (a copy per
+        tensor per gather would cost a synchronised transfer each, several times a round)."""
+        if device.type == "cpu":
+            return self.rows
+        got = self._on.get(device)
+        if got is None:
+            flat = torch.cat(self.rows).to(device) if self.rows else torch.empty(0, dtype=torch.long, device=device)
+            got = self._on[device] = list(torch.split(flat, [len(r) for r in self.rows]))
+        return got
 
     def indices(self) -> list[torch.Tensor]:
         """Flat coordinate indices (ascending), one LongTensor per tensor."""
@@ -179,11 +194,12 @@ class Slice:
         if out is None:
             out = torch.empty(self.total, dtype=tensors[0].dtype, device=tensors[0].device)
         out = out[: self.total]
+        rows = self.rows_on(tensors[0].device)
         at = 0
         for j, t in enumerate(tensors):
             flat, head = t.detach().reshape(-1), len(self.rows[j]) * self.block
             if head:
-                torch.index_select(self._rows_view(j, flat), 0, self.rows[j].to(flat.device),
+                torch.index_select(self._rows_view(j, flat), 0, rows[j],
                                    out=out[at: at + head].view(-1, self.block))
             if self.tail[j]:
                 out[at + head: at + self.sizes[j]] = flat[self.full[j] * self.block:]
@@ -192,12 +208,12 @@ class Slice:
 
     def scatter(self, tensors: Sequence[torch.Tensor], values: torch.Tensor) -> None:
         """Write ``values`` (a flat slice as ``gather`` returns it) into ``tensors`` in place."""
+        rows = self.rows_on(tensors[0].device) if len(tensors) else []
         at = 0
         for j, t in enumerate(tensors):
             flat, head = t.data.view(-1), len(self.rows[j]) * self.block
             if head:
-                self._rows_view(j, flat).index_copy_(0, self.rows[j].to(flat.device),
-                                                     values[at: at + head].view(-1, self.block))
+                self._rows_view(j, flat).index_copy_(0, rows[j], values[at: at + head].view(-1, self.block))
             if self.tail[j]:
                 flat[self.full[j] * self.block:] = values[at + head: at + self.sizes[j]]
             at += self.sizes[j]
@@ -234,6 +250,20 @@ class Partitioner:
         self._offsets = np.concatenate([[0], np.cumsum(self.n_blocks)]).astype(np.int64)
         self._layouts: dict[int, tuple[np.ndarray, ...]] = {}
         self._keys: tuple[int, list[np.ndarray]] | None = None  # (cycle, per-round per-tensor keys)
+        # rounds drawn ahead by ``prepare`` on another thread than the compute thread; the lock guards the caches
+        self._ready: dict[int, Slice] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, round_no: int, device: torch.device | str = "cpu") -> None:
+        """Draw round ``round_no``'s partition ahead, with its rows on ``device``, so that ``slice`` finds it: the
+        draw is numpy work that any thread can do, and the compute thread then only gathers (the daemon's averaging
+        loop calls this from a worker thread before it asks the compute thread for the round's values)."""
+        part = self._draw(round_no)
+        part.rows_on(torch.device(device))
+        with self._lock:
+            self._ready[round_no] = part
+            while len(self._ready) > READY_MAX:  # rounds prepared and never begun (aborted before the begin)
+                del self._ready[min(self._ready)]
 
     def _cycle_keys(self, cycle: int) -> list[np.ndarray]:
         if self._keys is None or self._keys[0] != cycle:
@@ -242,14 +272,21 @@ class Partitioner:
         return self._keys[1]
 
     def slice(self, round_no: int) -> Slice:
-        """Round ``round_no``'s partition: partition round_no % n of cycle round_no // n."""
+        """Round ``round_no``'s partition: partition round_no % n of cycle round_no // n (the one ``prepare`` drew,
+        if it did)."""
+        with self._lock:
+            got = self._ready.pop(round_no, None)
+        return got if got is not None else self._draw(round_no)
+
+    def _draw(self, round_no: int) -> Slice:
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
         if self.n == 1:
             return Slice([np.arange(nb) for nb in self.n_blocks], self.block, self.numels)
         cycle, k = divmod(round_no, self.n)
-        owner, ys, bounds, masks, shifts = self._layout(k)
-        keys = [key[owner] for key in self._cycle_keys(cycle)]
+        with self._lock:
+            owner, ys, bounds, masks, shifts = self._layout(k)
+            keys = [key[owner] for key in self._cycle_keys(cycle)]
         blocks = _inverse_walk(ys, bounds, masks, shifts, keys)
         glob = np.sort(blocks.astype(np.int64) + self._offsets[owner])
         cuts = np.searchsorted(glob, self._offsets)
@@ -339,6 +376,10 @@ class SparseAveragingState:
         self.snapshots[round_no] = _Snapshot(part, then, applied)
         return list(torch.split(flat, part.sizes))
 
+    def prepare(self, round_no: int, device: torch.device | str) -> None:
+        """Draw round ``round_no``'s partition ahead, off the compute thread (``Partitioner.prepare``)."""
+        self.partitioner.prepare(round_no, device)
+
     def abort(self, round_no: int) -> None:
         """Forget the snapshot of a failed round; weights untouched. Unknown rounds are ignored."""
         self.snapshots.pop(round_no, None)
@@ -365,7 +406,11 @@ class SparseAveragingState:
                                      f"expected ({size},)")
         dtype, device = params[0].dtype, params[0].device
         scratch = self._buffers(sum(sizes), params[0])
-        a = torch.cat([m.to(device=device, dtype=dtype) for m in mean], out=scratch[2][: sum(sizes)])
+        a = scratch[2][: sum(sizes)]
+        if all(m.device == device for m in mean):
+            torch.cat([m.to(dtype=dtype) for m in mean], out=a)
+        else:  # parts decoded on the host: one transfer for the whole slice, not one per tensor
+            a.copy_(torch.cat([m.to(dtype=dtype) for m in mean]))
         if not torch.isfinite(a.sum()):  # one pass: NaN and Inf propagate into the sum
             raise AveragingError(f"round {round_no}: the mean holds NaN or Inf; round rejected")
         del self.snapshots[round_no]

@@ -413,6 +413,11 @@ class StageWorker:
             raise ValueError("averaging.rule is 'none': this run does not average replicas")
         return self.averaging
 
+    def averaging_prepare(self, round_no: int) -> None:
+        """Draw round ``round_no``'s partition ahead; safe on any thread (it reads no weight), so the daemon does it
+        off the compute thread and ``averaging_begin`` only gathers."""
+        self._avg().prepare(round_no, self.device)
+
     def averaging_begin(self, round_no: int) -> list[torch.Tensor]:
         """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""
         return self._avg().begin(round_no, self._params)

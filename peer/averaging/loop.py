@@ -126,14 +126,18 @@ class AveragingLoop:
             protocol.rpc over p2p, time.time, the DHT's records of this stage, p2p's peer id, metrics.local_step).
         behaviour: how this peer takes part in a round (peer.averaging.behaviour): honest unless a test or the red
             team hands another one in.
+        prepare: fn(round_no) drawing a round's partition ahead on a worker thread (StageWorker.averaging_prepare),
+            so that the compute thread's part of the begin is only the gather.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
                  stage: int, worker_call: WorkerCall, metrics: PeerMetrics, config: NetAveragingConfig | None = None,
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
-                 local_step: Callable[[], int] | None = None, behaviour: AveragingBehaviour | None = None) -> None:
+                 local_step: Callable[[], int] | None = None, behaviour: AveragingBehaviour | None = None,
+                 prepare: Callable[[int], None] | None = None) -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
+        self.prepare = prepare
         self.rule = rule_of(run.averaging)
         self.config = config or NetAveragingConfig()
         self.period_s, self.per_tick = run.averaging.period_s, run.averaging.rounds_per_tick
@@ -393,6 +397,8 @@ class AveragingLoop:
         opened = max(self.clock(), self._start(r))
         try:
             timeout = max(0.1, min(self.config.worker_timeout_s, slot.deadline - self.clock()))
+            if self.prepare is not None:
+                await asyncio.wait_for(asyncio.to_thread(self.prepare, r), timeout)
             begun = True  # from here an abort is due whatever happens: the begin may still run on the compute thread
             values, step0 = await asyncio.wait_for(
                 self.worker_call(lambda w: (w.averaging_begin(r), w.local_step)), timeout)
