@@ -122,6 +122,9 @@ class PeerConfig:
     """A DHT record expires this long after its announcement (a dead peer vanishes from routing after it)."""
     dht_timeout_s: float = 5.0
     """Hard timeout on one DHT read."""
+    gossip_every_s: float = 10.0
+    """Ask one peer for the swarm's signed records this often (peer/membership/gossip.py: a DHT that withholds
+    records cannot hide the swarm); 0 disables."""
     rpc_timeout_s: float = 10.0
     """Timeout of one forward/backward RPC."""
     microbatch_timeout_s: float = 60.0
@@ -221,7 +224,7 @@ class PeerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)}")
         for name in ("eval_every_s", "rebalance_every_s", "join_jitter_s", "checkpoint_every_s", "rebalance_settle_s",
-                     "rebalance_cooldown_s", "backup_every_s"):
+                     "rebalance_cooldown_s", "backup_every_s", "gossip_every_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds; 0 disables), got {getattr(self, name)}")
         if self.record_ttl_s > MAX_RECORD_TTL_S:

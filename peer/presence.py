@@ -4,7 +4,8 @@ of the swarm.
 ``Presence`` is one object per process, owned by ``peer.daemon.Daemon``: it joins the DHT (``start``), registers
 its RPC server and the one handler table everything registers through (``handlers``: ``reach`` for the life of the
 server, ``forward`` and ``backward`` reserved until a stage binds them), checks that others can dial it, joins
-again through a relay when they cannot (``--relay auto``), reads the run's records (``refresh_swarm``), writes this
+again through a relay when they cannot (``--relay auto``), reads the run's records (``refresh_swarm``: the DHT's and
+those peers gossip, ``peer.membership.gossip``), writes this
 peer's own (``announce``, ``withdraw``) and sends RPCs to others (``send``). The records' content (step,
 throughput, spare copy) is the daemon's to say.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 from typing import TYPE_CHECKING
 
 from peer.config import PeerConfig
@@ -21,8 +24,16 @@ from peer.handlers.table import Handlers
 from peer.membership.admission import organiser_key
 from peer.membership.dht import start_dht, stop_dht
 from peer.membership.gate import AdmissionGate
+from peer.membership.gossip import RECORDS_RPC, RecordBook, ask_records, serve_records
 from peer.membership.reachability import REACH_RPC, ReachabilityHelper, check_reachable, observed_hosts, swarm_is_local
-from peer.membership.records import PeerRecord, announce, fetch_swarm, record_validator, withdraw
+from peer.membership.records import (
+    PeerRecord,
+    admission_check,
+    announce,
+    fetch_swarm,
+    record_validator,
+    withdraw,
+)
 from peer.membership.relay import RelayMode, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
@@ -63,6 +74,10 @@ class Presence:
         self.through_relay = cfg.relay == RelayMode.ON  # p2pd listens through a relay (peer.membership.relay)
         self.run_guard = RunGuard(run.run_id, run.name)
         self.progress = SwarmProgress(run_name=run.name, total_steps=run.optim.total_steps)
+        # every signed record accepted, from DHT reads and from gossip (the swarm as we know it)
+        self.book = RecordBook(run.run_id, admission_check(run.run_id, organiser_key(run)))
+        self._gossiped_at = -float("inf")
+        self._gossip: asyncio.Task[int] | None = None
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def start(self, *, rejoin: bool = False) -> None:
@@ -98,6 +113,7 @@ class Presence:
             observed=lambda pid: observed_hosts(p2p, pid),
             local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
         await self.handlers.serve(REACH_RPC, helper.handle)
+        await self.handlers.serve(RECORDS_RPC, serve_records(self.book, self.run.run_id, self.metrics.inc))
 
     async def check_reachability(self) -> None:
         """Ask the initial peers to dial us back; unreachable is a warning (and, with --relay auto, a relay).
@@ -162,8 +178,12 @@ class Presence:
         return self.rpc.known_peers() if self.rpc is not None else []
 
     async def refresh_swarm(self) -> dict[str, PeerRecord]:
-        """Read the run's records (the last good view is kept when a read comes back empty)."""
-        records = await fetch_swarm(self.dht, self.run.run_id, timeout=self.cfg.dht_timeout_s)
+        """Read the run's records from the DHT, with those gossip brought (the last good view is kept when both come
+        back empty)."""
+        assert self.dht is not None
+        await fetch_swarm(self.dht, self.run.run_id, timeout=self.cfg.dht_timeout_s, keep=self.book.take)
+        records = self.book.records()
+        self._maybe_gossip(records)
         if records or not self.swarm:
             self.swarm = records
         per_stage: dict[int, int] = {s: 0 for s in range(self.run.n_stages)}
@@ -174,17 +194,38 @@ class Presence:
         self.router.forget(self.swarm)
         return self.swarm
 
+    def _maybe_gossip(self, records: dict[str, PeerRecord]) -> None:
+        """Every ``gossip_every_s``, ask one peer of our view (before we have one, an initial peer) for its records,
+        in the background; what it brings shows in the next refresh."""
+        now = time.monotonic()
+        if (self.cfg.gossip_every_s <= 0 or now - self._gossiped_at < self.cfg.gossip_every_s
+                or (self._gossip is not None and not self._gossip.done())):
+            return
+        others = [p for p in records if p != self.my_id] or [
+            m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m and not m.endswith(self.my_id)]
+        if not others:
+            return
+        self._gossiped_at = now
+        peer = random.choice(others)
+        self._gossip = asyncio.create_task(ask_records(
+            self.book, self.run.run_id, peer,
+            lambda pid, name, msg: self.send(pid, name, msg, timeout=self.cfg.dht_timeout_s), self.metrics.inc))
+
     async def announce(self, record: PeerRecord) -> None:
+        assert self.dht is not None and self.signer is not None
         await announce(self.dht, self.run.run_id, record, self.cfg.record_ttl_s, signer=self.signer,
-                       credential=self.gate.credential)
+                       credential=self.gate.credential, keep=self.book.take)
 
     async def withdraw(self, record: PeerRecord) -> None:
+        assert self.dht is not None and self.signer is not None
         await withdraw(self.dht, self.run.run_id, record, self.cfg.record_ttl_s, signer=self.signer,
-                       credential=self.gate.credential)
+                       credential=self.gate.credential, keep=self.book.take)
 
     # ----- exit ------------------------------------------------------------------------------------------------------
     async def close(self) -> None:
         """Stop taking streams, then stop the DHT and its p2pd."""
+        if self._gossip is not None:
+            self._gossip.cancel()
         rpc, dht = self.rpc, self.dht
         self.rpc = self.dht = self.p2p = self.handlers = None
         if rpc is not None:  # before the P2P daemon goes away under the streams

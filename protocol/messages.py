@@ -36,6 +36,9 @@ __all__ = [
     "AveragingPart",
     "StateRequest",
     "StateChunk",
+    "RecordsRequest",
+    "Records",
+    "MAX_GOSSIP_RECORDS",
     "StateDigestRequest",
     "Infer",
     "InferResult",
@@ -45,11 +48,12 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 6  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 7  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
-# of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number
-SUPPORTED_VERSIONS: tuple[int, ...] = (6,)
+# of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
+# 7: RecordsRequest and Records (membership gossip, peer/membership/gossip.py)
+SUPPORTED_VERSIONS: tuple[int, ...] = (7,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -255,9 +259,42 @@ class InferResult(Message):
     outputs: TensorEnvelope
 
 
+@_message(13, run_id=s.text())
+class RecordsRequest(Message):
+    """Ask a peer for the signed swarm records of run `run_id` it holds (membership gossip: a DHT that withholds
+    records cannot hide the swarm from a peer that reaches any honest member). The reply is `Records`."""
+
+    run_id: str
+
+
+#: records one `Records` reply carries at most, and the largest signed envelope field (as the DHT's own bound)
+MAX_GOSSIP_RECORDS = 256
+MAX_RECORD_FIELD = 8 * 1024
+
+
+def _signed_record(v: Any, where: str) -> dict[str, Any]:
+    """One record as the DHT stores it: the owner's peer id `p`, its expiration `e` and the signed envelope (`b`
+    body, `k` public key, `s` signature, optional `c` credential); the signature is the receiver's to check."""
+    if type(v) is not dict or not {"p", "e", "b", "k", "s"} <= set(v) <= {"p", "e", "b", "k", "s", "c"}:
+        raise s.SchemaError(f"{where} must be a signed record {{p, e, b, k, s[, c]}}")
+    out: dict[str, Any] = {"p": s.text()(v["p"], f"{where}.p"), "e": s.real(0, 1e12)(v["e"], f"{where}.e")}
+    for k in ("b", "k", "s", "c"):
+        if k in v:
+            out[k] = s.blob(MAX_RECORD_FIELD)(v[k], f"{where}.{k}")
+    return out
+
+
+@_message(14, run_id=s.text(), records=s.sequence(_signed_record, MAX_GOSSIP_RECORDS))
+class Records(Message):
+    """The reply to `RecordsRequest`: signed records, newest first; each is checked like a DHT read's."""
+
+    run_id: str
+    records: list[dict[str, Any]]
+
+
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
-                              Infer, InferResult, StateDigestRequest)
+                              Infer, InferResult, StateDigestRequest, RecordsRequest, Records)
 }
 
 

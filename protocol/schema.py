@@ -102,6 +102,17 @@ def scalar(v: Any, where: str) -> int | float | str | bool:
     return str(text(MAX_TEXT)(v, where))
 
 
+def blob(max_len: int) -> Check:
+    """Bytes of at most ``max_len``."""
+    def check(v: Any, where: str) -> bytes:
+        if type(v) is not bytes:
+            raise _fail(where, "bytes", type(v).__name__)
+        if len(v) > max_len:
+            raise _fail(where, f"at most {max_len} bytes", f"{len(v)} bytes")
+        return v
+    return check
+
+
 _dim = integer(0, 2**40 - 1)
 
 

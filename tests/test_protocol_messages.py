@@ -24,6 +24,8 @@ from protocol.messages import (
     Hello,
     Infer,
     InferResult,
+    Records,
+    RecordsRequest,
     StateChunk,
     StateDigestRequest,
     StateRequest,
@@ -50,6 +52,9 @@ SAMPLES = [
     StateChunk("run", 1, 1234, 0, 2, {"step": 5, "lr": 1e-3, "name": "x", "stash": True}, {"w.0": ENV}),
     Infer("run", 0, encode(torch.arange(6).view(1, 6), "none"), "int8"),
     InferResult(1, 250, ENV),
+    RecordsRequest("run"),
+    Records("run", [{"p": "QmA", "e": 1e9, "b": b"body", "k": b"key", "s": b"sig"},
+                    {"p": "QmB", "e": 2e9, "b": b"", "k": b"k", "s": b"s", "c": b"credential"}]),
 ]
 
 
@@ -117,10 +122,10 @@ def test_unpack_rejects_malformed(data: bytes) -> None:
 
 
 def test_version_mismatch_says_which_versions() -> None:
-    with pytest.raises(VersionMismatch, match=rf"version 7.*speaks version\(s\) {PROTOCOL_VERSION}"):
-        unpack(_raw(7, 4, []))
+    with pytest.raises(VersionMismatch, match=rf"version 99.*speaks version\(s\) {PROTOCOL_VERSION}"):
+        unpack(_raw(99, 4, []))
     with pytest.raises(VersionMismatch):
-        unpack(_raw(7, "garbage", "fields"))  # the version is checked first
+        unpack(_raw(99, "garbage", "fields"))  # the version is checked first
 
 
 def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
@@ -235,3 +240,16 @@ def test_peer_budgets_refill() -> None:
 def test_limits_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="RpcLimits"):
         RpcLimits(**kwargs)
+
+
+def test_a_records_reply_is_bounded_and_shaped() -> None:
+    from protocol.messages import MAX_GOSSIP_RECORDS
+    from protocol.schema import SchemaError
+
+    rec = {"p": "QmA", "e": 1e9, "b": b"b", "k": b"k", "s": b"s"}
+    with pytest.raises(SchemaError):
+        Records("run", [rec] * (MAX_GOSSIP_RECORDS + 1))
+    for bad in ({**rec, "x": b""}, {k: v for k, v in rec.items() if k != "s"}, {**rec, "b": "text"},
+                {**rec, "k": b"k" * 9000}, {**rec, "e": -1.0}, [rec]):
+        with pytest.raises(SchemaError):
+            Records("run", [bad])

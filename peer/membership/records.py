@@ -173,8 +173,12 @@ rejected: Counter[str] = Counter()
 def record_validator(run_id: str, organiser_key: bytes | None = None) -> SignedRecordValidator:
     """The validator every node of the run installs in its DHT: owner-signed, schema-valid, bounded expiration; in a
     closed run (``organiser_key``) also carrying a credential that admits its owner."""
-    admit = None if organiser_key is None else functools.partial(_admitted, organiser_key, run_id)
-    return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admit)
+    return SignedRecordValidator(swarm_key(run_id), PeerRecord.from_value, admission_check(run_id, organiser_key))
+
+
+def admission_check(run_id: str, organiser_key: bytes | None) -> Callable[[str, bytes | None, float], None] | None:
+    """A closed run's check that a record's credential admits its owner until the record expires (None: open run)."""
+    return None if organiser_key is None else functools.partial(_admitted, organiser_key, run_id)
 
 
 def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: bytes | None, expiration: float) -> None:
@@ -185,14 +189,20 @@ def _admitted(organiser_key: bytes, run_id: str, peer_id: str, credential: bytes
         raise ValueError("the record would outlive its credential; renew the credential")
 
 
+Keep = Callable[[str, object, float, PeerRecord], None]
+"""keep(peer_id, stored envelope, expiration, record): told of every valid record read or announced (gossip's book)."""
+
+
 async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
-                   credential: bytes | None = None) -> bool:
+                   credential: bytes | None = None, keep: Keep | None = None) -> bool:
     """Store (or refresh) this peer's signed record, expiring ``expiration_s`` from now. False if no node took it.
     ``credential``: this peer's admission to a closed run (carried in the record)."""
     if record.peer_id != signer.peer_id:
         raise ValueError("a peer can only announce its own record (the signer's peer id)")
     expiration = get_dht_time() + expiration_s
     value = seal(signer, swarm_key(run_id), record.to_value(), expiration, credential)
+    if keep is not None:
+        keep(record.peer_id, value, expiration, record)
     future = dht.store(swarm_key(run_id), value, expiration, subkey=record.peer_id, return_future=True)
     try:
         return bool(await asyncio.wait_for(future, timeout=expiration_s))
@@ -204,14 +214,14 @@ async def announce(dht: DHT, run_id: str, record: PeerRecord, expiration_s: floa
 
 
 async def withdraw(dht: DHT, run_id: str, record: PeerRecord, expiration_s: float, *, signer: Signer,
-                   credential: bytes | None = None) -> bool:
+                   credential: bytes | None = None, keep: Keep | None = None) -> bool:
     """Supersede this peer's record with a 'stopped' one so readers drop it before its old record expires."""
     return await announce(dht, run_id, replace(record, state=PeerState.STOPPED, queue=0, throughput=0.0), expiration_s,
-                          signer=signer, credential=credential)
+                          signer=signer, credential=credential, keep=keep)
 
 
-async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
-                      include_stopped: bool = False) -> dict[str, PeerRecord]:
+async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float, include_stopped: bool = False,
+                      keep: Keep | None = None) -> dict[str, PeerRecord]:
     """All valid, unexpired records of the run, keyed by peer id. Never raises on bad data; {} on timeout."""
     future = dht.get(swarm_key(run_id), latest=True, return_future=True)
     try:
@@ -225,10 +235,11 @@ async def fetch_swarm(dht: DHT, run_id: str, *, timeout: float,
         rejected["dht_error"] += 1
         logger.debug("reading the swarm's records failed: %r", e)
         return {}
-    return parse_swarm(found, run_id, include_stopped=include_stopped)
+    return parse_swarm(found, run_id, include_stopped=include_stopped, keep=keep)
 
 
-def parse_swarm(found: object, run_id: str, *, include_stopped: bool = False) -> dict[str, PeerRecord]:
+def parse_swarm(found: object, run_id: str, *, include_stopped: bool = False,
+                keep: Keep | None = None) -> dict[str, PeerRecord]:
     """Turn a raw ``DHT.get`` result into signature-checked, validated records (pure; unit-tested)."""
     records: dict[str, PeerRecord] = {}
     if found is None:
@@ -252,6 +263,8 @@ def parse_swarm(found: object, run_id: str, *, include_stopped: bool = False) ->
             rejected["invalid"] += 1
             logger.debug("ignoring an invalid DHT record under %r: %s", str(subkey)[:64], e)
             continue
+        if keep is not None:
+            keep(record.peer_id, value, float(getattr(item, "expiration_time", 0.0) or 0.0), record)
         if record.state is not PeerState.STOPPED or include_stopped:
             records[record.peer_id] = record
     return records

@@ -30,6 +30,8 @@ COUNTERS = (
     "state_witness_dissent", "state_sync_unwitnessed", "state_step_capped", "state_digests_served",
     "state_chunks_served", "backups_taken", "backups_skipped_busy", "backups_served", "backups_failed",
     "backup_restores", "backup_bytes_in", "backup_bytes_out",
+    # membership gossip (peer/membership/gossip.py)
+    "records_served", "records_learnt", "gossip_failed",
     # generation through the swarm
     "infer_served", "infer_busy", "infer_compute_ms",
     # data shards of streamed datasets (peer/pipeline/shards.py)
@@ -56,6 +58,8 @@ REJECTIONS = (
     "share_exceeded", "share_banned",
     # neighbour backups
     "backup_shape",
+    # membership gossip
+    "records_rate_limited", "gossiped_record",
     *(f"avg_{r}" for r in _AVG_REASONS),
     *(f"state_{r}" for r in _STATE_REASONS),
     *(f"infer_{r}" for r in _INFER_REASONS),
