@@ -312,3 +312,28 @@ def test_the_loss_ceiling_learns_only_from_trained_losses_of_long_known_senders_
     for _ in range(64):  # refused losses never enter the window, and one sender's refusals never reset it
         g.loss_verdict("x", 9.0, refused=refused)
     assert g.loss_ceiling() == before
+
+
+def test_norms_that_grow_early_in_training_stay_within_the_bound_and_a_jump_does_not():
+    """Early in training a stage's outputs grow several-fold within a few dozen micro-batches (a 2-stage run on a
+    100 Mbit/s link: 131 -> 1,460 within 20 s, which the median of the whole 128-norm window refused, stalling the
+    swarm). The median of the recent norms follows honest growth; a sudden jump is still refused."""
+    counts: Counter[str] = Counter()
+    g = PipelineGuard(stage=1, swarm=dict, count=lambda k: counts.update([k]), config=GuardConfig())
+    torch.manual_seed(0)
+    unit = torch.randn(8, 32, 32)
+    unit /= unit.norm()
+    norm = 65.0
+    for _ in range(100):  # x1.1 per accepted micro-batch: 65 -> 900,000 over 100 micro-batches
+        assert g.norm_ok("activations", norm * unit), norm
+        norm *= 1.1
+    assert counts["rejected:activations_norm"] == 0
+    assert not g.norm_ok("activations", 50 * norm * unit)  # a jump of 50x at once
+    assert not g.norm_ok("activations", norm / 50 * unit)
+    assert counts["rejected:activations_norm"] == 2
+    old = PipelineGuard(stage=1, swarm=dict, count=lambda k: None, config=GuardConfig(norm_recent=128))
+    norm, refused = 65.0, 0
+    for _ in range(100):  # the whole window's median: the same honest growth is refused
+        refused += not old.norm_ok("activations", norm * unit)
+        norm *= 1.1
+    assert refused > 0

@@ -4,12 +4,12 @@
   stage; one not (yet) in our view gets Busy, not an error, so an honest newcomer is retried, not banned.
 - A micro-batch id is trained once: ids of accepted forwards are remembered (bounded), so a replayed or retried
   forward is refused (and a retry is idempotent).
-- Activation and gradient norms must lie within ``norm_factor`` of the median of recently accepted ones (after a
-  warm-up); what falls outside is refused and counted, and never enters the window (an attacker cannot drag it).
-  After ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, from at least two distinct
-  senders (or from every announced peer of the neighbour stage, when it has one), the bound is forgotten and learnt
-  again: every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from its init,
-  whose activations are an order of magnitude smaller than trained ones), not an attack to hold out; one sender alone
+- Activation and gradient norms must lie within ``norm_factor`` of the median of the last ``norm_recent`` accepted
+  ones (after a warm-up); what falls outside is refused and counted, and never enters the window. After
+  ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, from at least two distinct senders
+  (or from every announced peer of the neighbour stage, when it has one), the bound is forgotten and learnt again:
+  every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from its init, whose
+  activations are an order of magnitude smaller than trained ones), not an attack to hold out; one sender alone
   cannot reset it while others are announced.
 - A loss reported by the last stage is compared with the recent losses of its kind (median of a window); an outlier
   is flagged, counted and not reported as this peer's loss (the gradient, if within bounds, still counts).
@@ -61,6 +61,9 @@ class GuardConfig:
     """Norms accepted on the static checks alone before the learnt bounds apply."""
     norm_factor: float = 8.0
     """A norm above median x factor or below median / factor is refused."""
+    norm_recent: int = 32
+    """The median is of the last this many accepted norms: early in training activations grow several-fold in a few
+    dozen micro-batches, and a median over the whole window lags far enough behind for honest ones to fall out."""
     norm_relearn_after: int = 4
     """Refusals of one kind in a row, none accepted meanwhile, after which its learnt norm bound is relearnt."""
     loss_window: int = 64
@@ -87,7 +90,7 @@ class GuardConfig:
     """How long such a sender's forwards are answered Busy (doubles per repeat, up to 16x)."""
 
     def __post_init__(self) -> None:
-        for name in ("remember_ids", "norm_window", "loss_window", "norm_relearn_after"):
+        for name in ("remember_ids", "norm_window", "norm_recent", "loss_window", "norm_relearn_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GuardConfig.{name} must be >= 1")
         if self.norm_factor <= 1.0 or self.loss_tolerance <= 0 or self.loss_abs_tolerance < 0:
@@ -103,8 +106,12 @@ class _Window:
         self.refused_in_a_row = 0
         self.refusers: Counter[str | None] = Counter()
 
-    def median(self) -> float | None:
-        return statistics.median(self.values) if self.values else None
+    def median(self, last: int | None = None) -> float | None:
+        """The median of the last ``last`` values (all of them when None)."""
+        if not self.values:
+            return None
+        values = list(self.values)
+        return statistics.median(values[-last:] if last else values)
 
     def add(self, value: float, sender: str | None = None, cap: int | None = None) -> None:
         """Append ``value``; with ``cap``, first drop ``sender``'s oldest value when it already holds ``cap``."""
@@ -181,7 +188,7 @@ class PipelineGuard:
         'gradients'); learn from it when accepted."""
         norm = float(torch.linalg.vector_norm(t.float()))
         window = self._norms[kind]
-        median = window.median()
+        median = window.median(self.config.norm_recent)
         if len(window.values) >= self.config.norm_warmup and median is not None and median > 0:
             f = self.config.norm_factor
             if not (median / f <= norm <= median * f) or not math.isfinite(norm):
