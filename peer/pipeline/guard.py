@@ -61,7 +61,7 @@ class GuardConfig:
     """Norms accepted on the static checks alone before the learnt bounds apply."""
     norm_factor: float = 8.0
     """A norm above median x factor or below median / factor is refused."""
-    norm_recent: int = 32
+    norm_recent: int = 16
     """The median is of the last this many accepted norms: early in training activations grow several-fold in a few
     dozen micro-batches, and a median over the whole window lags far enough behind for honest ones to fall out."""
     norm_relearn_after: int = 4
