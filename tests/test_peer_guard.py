@@ -12,7 +12,7 @@ import torch
 
 from peer.config import PeerConfig
 from peer.membership.records import PeerRecord
-from peer.membership.routing import BLACKHOLE_MIN_S, Router
+from peer.membership.routing import BLACKHOLE_MIN_S, BLACKHOLE_UNMEASURED_S, Router
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.guard import GuardConfig, PipelineGuard, WorkShare
 from peer.pipeline.work import REFUSED
@@ -115,13 +115,22 @@ def test_a_black_hole_is_found_within_a_few_round_trips_and_banned():
     for i in range(100, 104):
         router.sent("hole", i)
         router.sent("honest", i + 1000)
-    clock.t += BLACKHOLE_MIN_S / 2
+    clock.t += BLACKHOLE_MIN_S * 2  # 12 of the others' round trips: a peer that never answered is not judged by them
     assert router.black_holes() == []
-    clock.t += BLACKHOLE_MIN_S  # > 3 expected round trips (and the floor) without a single answer
+    clock.t += BLACKHOLE_UNMEASURED_S  # a peer's first round trips may be slow, but not this slow
     router.returned("honest", 1000)
     found = router.black_holes()
     assert [p for p, _ in found] == ["hole"] and sorted(found[0][1]) == [100, 101, 102, 103]
     assert router.is_banned("hole") and not router.is_banned("honest")
+    clock.t += 61.0  # its ban is over; once it answered, it is judged by its own round trips
+    router.sent("hole", 200)
+    clock.t += 0.5
+    router.returned("hole", 200)
+    clock.t += 0.1
+    for i in range(201, 205):
+        router.sent("hole", i)
+    clock.t += BLACKHOLE_MIN_S + 0.1  # > 3 of its 0.5-s round trips and the floor
+    assert [p for p, _ in router.black_holes()] == ["hole"]
 
 
 def _fwd(mb_id: int, x: torch.Tensor, route: list[str]) -> Forward:

@@ -11,8 +11,8 @@ proportion to measured capacity, and a slow or far peer still gets some traffic 
 
 A peer that fails is banned with exponential backoff; a peer that answers Busy is skipped for the time it asked for.
 A peer that accepts micro-batches and returns nothing (a black hole) is found by ``black_holes``: at least
-``BLACKHOLE_MIN_ITEMS`` unanswered for longer than ``BLACKHOLE_RTTS`` expected round trips, and banned for the
-longest ban.
+``BLACKHOLE_MIN_ITEMS`` unanswered for longer than ``BLACKHOLE_RTTS`` of its own measured round trips (a peer
+that never answered yet: ``BLACKHOLE_UNMEASURED_S``), and banned for the longest ban.
 """
 
 from __future__ import annotations
@@ -137,8 +137,11 @@ class Router:
         for pid, st in self.stats.items():
             if len(st.outstanding) < BLACKHOLE_MIN_ITEMS:
                 continue
-            rtt = st.service_s if st.service_s is not None else measured
-            wait = max(BLACKHOLE_RTTS * rtt, BLACKHOLE_MIN_S) if rtt is not None else BLACKHOLE_UNMEASURED_S
+            if st.service_s is not None:
+                wait = max(BLACKHOLE_RTTS * st.service_s, BLACKHOLE_MIN_S)
+            else:  # never answered yet: its first round trips are slow (a deep pipeline warming up on a busy host),
+                # so it is not judged by how fast the others answer
+                wait = max(BLACKHOLE_RTTS * (measured or 0.0), BLACKHOLE_UNMEASURED_S)
             overdue = [mb for mb, t in st.outstanding.items() if now - t > wait and t > st.last_return]
             if len(overdue) >= BLACKHOLE_MIN_ITEMS:
                 st.failures += 1
