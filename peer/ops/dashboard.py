@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich import box, get_console
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -107,7 +107,8 @@ def _loss(x: float | None) -> str:
 def swarm_tokens_per_s(snaps: Sequence[Snapshot]) -> float:
     """Swarm throughput: the tokens/s of the stage-0 peers. Every stage counts each token it processes, so summing
     all peers would count a token once per stage; stage 0 counts it when its backward pass has come back."""
-    return sum(s.get("tokens_per_s", 0.0) for s in snaps if "error" not in s and s.get("stage") == 0)
+    total: float = sum(s.get("tokens_per_s", 0.0) for s in snaps if "error" not in s and s.get("stage") == 0)
+    return total
 
 
 # ---- the dashboard --------------------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def _row(grid: Table, label: str, value: RenderableType) -> None:
     grid.add_row(Text(label, style="bold cyan"), value)
 
 
-def memory_text(m: dict) -> Text:
+def memory_text(m: dict[str, Any]) -> Text:
     """This stage's memory estimate against the limit, e.g. 'needs 37.0 MB (bf16) of 9.8 GB free GPU memory · fits
     stages 0,1 · peak 32.5 MB' (peak: the GPU's peak allocation); red when the stage served does not fit."""
     est, limit, fits = m.get("estimate_bytes"), m.get("limit_bytes"), m.get("fits")
@@ -325,13 +326,14 @@ def render_peer(s: Snapshot, title: str = "asyncmesh") -> RenderableType:
 def render_swarm(snaps: Sequence[Snapshot], title: str = "asyncmesh") -> RenderableType:
     """The compact multi-peer table of a local swarm."""
     table = Table(box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)
-    for name, justify, width in (("peer", "left", 9), ("st", "right", 2), ("state", "left", 6),
-                                 ("step", "right", 6), ("tok/s", "right", 5), ("loss", "right", 5),
-                                 ("val", "right", 5), ("fly/q", "right", 5), ("drop", "right", 4),
-                                 ("avg", "right", 5), ("B/s i/o", "right", 9)):
+    columns: tuple[tuple[str, JustifyMethod, int], ...] = (
+        ("peer", "left", 9), ("st", "right", 2), ("state", "left", 6), ("step", "right", 6), ("tok/s", "right", 5),
+        ("loss", "right", 5), ("val", "right", 5), ("fly/q", "right", 5), ("drop", "right", 4), ("avg", "right", 5),
+        ("B/s i/o", "right", 9))
+    for name, justify, width in columns:
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis", min_width=width)
 
-    def key(s: Snapshot) -> tuple:
+    def key(s: Snapshot) -> tuple[bool, int, str]:
         staged = s.get("stage") is not None  # rows without a stage keep their order (peer0, peer1, ...)
         return (not staged, s.get("stage") or 0, s.get("peer_id", "") if staged else "")
 

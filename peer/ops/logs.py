@@ -52,7 +52,7 @@ def _after_fork_in_child() -> None:
     for old in list(root.handlers):
         if getattr(old, "_asyncmesh", False) and not isinstance(old.formatter, JsonLinesFormatter):
             root.removeHandler(old)
-            plain = logging.StreamHandler(sys.__stderr__)
+            plain: logging.Handler = logging.StreamHandler(sys.__stderr__)
             plain.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [pid %(process)d] %(name)s: %(message)s"))
             plain.setLevel(logging.WARNING)
             plain._asyncmesh = True  # type: ignore[attr-defined]

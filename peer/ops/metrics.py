@@ -192,7 +192,8 @@ class PeerMetrics:
                 logger.warning("counter name %r is not registered (peer/ops/names.py); counted as %r", name, folded)
             name = folded
         self._counters[name] += n
-        if name == "tokens":  # a peer that moves counts each stage's tokens apart (stages are compared by them)
+        # a peer that moves counts each stage's tokens apart (stages are compared by them); none before it has one
+        if name == "tokens" and self.stage is not None:
             self.tokens_by_stage[self.stage] = self.tokens_by_stage.get(self.stage, 0) + n
         now = self._clock()
         window = self._rates.get(name)

@@ -28,9 +28,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from peer.ops.status_server import fetch_status
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host`` (the child binds it soon after)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def descendants(root: int) -> list[int]:
@@ -104,7 +107,7 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
 
 
-def terminate(procs: Sequence[subprocess.Popen], stop_timeout_s: float) -> None:
+def terminate(procs: Sequence[subprocess.Popen[bytes]], stop_timeout_s: float) -> None:
     """SIGTERM every live process, wait up to ``stop_timeout_s`` in all, then SIGKILL what is left with its
     descendants. Every process is reaped; a child that led its own session also has its process group killed, so
     nothing it started outlives it."""
@@ -181,14 +184,14 @@ class PeerProcess:
         fetch: how to read its ``/status`` (default: HTTP on 127.0.0.1; a namespace needs its own).
     """
 
-    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path, port: int, *,
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], workdir: Path, port: int, *,
                  fetch: StatusFetch = fetch_status_http, **info: Any) -> None:
         self.name, self.proc, self.dir, self.port, self._fetch = name, proc, workdir, port, fetch
         self.info = info  # caller's labels (index, planned stage, ...)
 
     @classmethod
     def spawn(cls, name: str, cmd: list[str], workdir: Path, port: int, *, cwd: Path | None = None,
-              popen: Callable[..., subprocess.Popen] = subprocess.Popen, **info: Any) -> PeerProcess:
+              popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen, **info: Any) -> PeerProcess:
         """Start ``cmd`` in its own session (so its group can be killed), output appended to ``workdir/log.txt``."""
         workdir.mkdir(parents=True, exist_ok=True)
         with open(workdir / "log.txt", "ab") as log:
@@ -226,7 +229,7 @@ class PeerProcess:
         return PeerProcessError(f"{self.name} {what}; {self.dir / 'log.txt'} ends:\n{self.log()[-3000:]}")
 
     # ----- waiting --------------------------------------------------------------------------------------------------
-    def wait_for(self, fn: Callable[[], Any], timeout: float, what: str, every_s: float = 0.2) -> Any:
+    def wait_for(self, fn: Callable[[], T | None], timeout: float, what: str, every_s: float = 0.2) -> T:
         """Poll ``fn()`` until it returns something truthy; fail at once if the child exits."""
         deadline = time.monotonic() + timeout
         while True:
@@ -240,7 +243,10 @@ class PeerProcess:
             time.sleep(every_s)
 
     def wait_status(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        return self.wait_for(lambda: (s := self.status()) is not None and pred(s) and s, timeout, what, 0.3)
+        def ready() -> dict[str, Any] | None:
+            s = self.status()
+            return s if s is not None and pred(s) else None
+        return self.wait_for(ready, timeout, what, 0.3)
 
     def wait_maddrs(self, timeout: float = 60.0) -> list[str]:
         return self.wait_for(lambda: self.maddrs, timeout, "multiaddrs", 0.1)

@@ -164,4 +164,5 @@ async def fetch_status(host: str, port: int, *, timeout: float = 2.0, path: str 
     status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
     if " 200 " not in status_line + " ":
         raise ValueError(f"{host}:{port}{path} answered {status_line!r}")
-    return json.loads(body)
+    status: dict[str, Any] = json.loads(body)
+    return status
