@@ -17,9 +17,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from peer.errors import UserError, user_input
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.config import RunConfig
+
+Stages = dict[int, tuple[int, str, "dict[str, torch.Tensor]"]]
+"""Each stage's weights to export: ``{stage: (its step, where they came from, its model state dict)}``."""
 
 LIVE_DONORS = 3  # peers of a stage tried in turn by a live export
 
@@ -75,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     _check_format(args, run_cfg)
     if args.initial_peers:
         return _write(args, run_cfg, _fetch_live(args, run_cfg))
-    best: dict[int, tuple[int, str, dict]] = {}
+    best: Stages = {}
     for folder in map(Path, args.checkpoint_dir):
         if not folder.is_dir():
             raise UserError(f"--checkpoint-dir {folder} is not a folder")
@@ -101,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     return _write(args, run_cfg, best, source="checkpoint")
 
 
-def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, str, dict]], *,
+def _write(args: argparse.Namespace, run_cfg: RunConfig, best: Stages, *,
            source: str = "peer") -> int:
     """Assemble the stages' weights ``{stage: (step, where from, model state)}`` and write the model."""
     from peer.state.checkpoint import CheckpointError
@@ -142,7 +150,7 @@ def _write(args: argparse.Namespace, run_cfg: Any, best: dict[int, tuple[int, st
     return 0
 
 
-def _check_format(args: argparse.Namespace, run_cfg: Any) -> None:
+def _check_format(args: argparse.Namespace, run_cfg: RunConfig) -> None:
     """Refuse flag combinations and a missing [hf] extra before any state is read or fetched."""
     if args.format != "hf":
         if args.tokenizer or args.push_to_hub or args.private:
@@ -167,7 +175,7 @@ def _check_format(args: argparse.Namespace, run_cfg: Any) -> None:
         raise UserError(f"--tokenizer {args.tokenizer} is not a file")
 
 
-def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, str, dict]]:
+def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
     """Every stage's state from its most advanced training peers (tried in turn), as a DHT client."""
     import asyncio
 
@@ -179,7 +187,7 @@ def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, 
     if args.timeout <= 0:
         raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
 
-    async def fetch() -> dict[int, tuple[int, str, dict]]:
+    async def fetch() -> Stages:
         from hivemind import DHT
 
         from peer.membership.admission import organiser_key
@@ -198,7 +206,7 @@ def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, 
         try:
             p2p = await dht.replicate_p2p()
             records = await fetch_swarm(dht, run_cfg.run_id, timeout=10.0)
-            best: dict[int, tuple[int, str, dict]] = {}
+            best: Stages = {}
             for stage in range(run_cfg.n_stages):
                 donors = choose_donors(records, stage, p2p.peer_id.to_base58())
                 if not donors:
@@ -223,7 +231,7 @@ def _fetch_live(args: argparse.Namespace, run_cfg: Any) -> dict[int, tuple[int, 
         finally:
             await asyncio.to_thread(dht.shutdown)
 
-    async def bounded() -> dict[int, tuple[int, str, dict]]:
+    async def bounded() -> Stages:
         try:
             return await asyncio.wait_for(fetch(), args.timeout)
         except TimeoutError:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from peer.errors import UserError, user_input
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
+def _generate_hf(args: argparse.Namespace, gen: torch.Generator) -> int:
     """Sample a Hugging Face folder through transformers, with its own tokenizer."""
     from trainer.export import sample
     from trainer.hf import load_hf, quiet
@@ -112,7 +112,7 @@ def _generate_hf(args: argparse.Namespace, gen: Any) -> int:
     return 0
 
 
-def _live(args: argparse.Namespace, gen: Any) -> int:
+def _live(args: argparse.Namespace, gen: torch.Generator) -> int:
     """Generate through the swarm at ``--initial-peers``, printing the text as it comes."""
     import uvloop
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from peer.config import DEVICES, MODES, PRECISIONS, Device, Mode, Precision
 from peer.errors import UserError, user_input
@@ -11,6 +11,8 @@ from peer.membership.relay import RELAY_MODES, RelayMode
 
 if TYPE_CHECKING:
     from peer.averaging.behaviour import AveragingBehaviour
+    from peer.config import PeerConfig
+    from trainer.config import RunConfig
 
 HELP = "Run one peer: join a swarm (or start a new one), serve a pipeline stage, train until stopped."
 EPILOG = """examples:
@@ -88,15 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
-def parse_overrides(items: list[str]) -> dict[str, object]:
-    """``FIELD=VALUE`` strings typed after PeerConfig's defaults; ValueError names an unknown field or bad value."""
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` strings typed after PeerConfig's defaults (PeerConfig converts and checks them further);
+    ValueError names an unknown field or bad value."""
     import dataclasses
 
     from peer.config import PeerConfig
 
     fields = {f.name: f for f in dataclasses.fields(PeerConfig)}
     defaults = PeerConfig()
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or name not in fields:
@@ -117,18 +120,18 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     return out
 
 
-def build_config(args: argparse.Namespace, **overrides: object) -> tuple[object, object]:
+def build_config(args: argparse.Namespace, **overrides: object) -> tuple[RunConfig, PeerConfig]:
     """(RunConfig, PeerConfig) from parsed arguments; raises UserError with what to fix."""
     with user_input():
         return _build_config(args, **overrides)
 
 
-def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[object, object]:
+def _build_config(args: argparse.Namespace, **overrides: object) -> tuple[RunConfig, PeerConfig]:
     from peer.config import PeerConfig
     from trainer.config import RunConfig
 
     run = RunConfig.from_toml(args.run) if args.run else RunConfig.default()
-    kw: dict[str, object] = dict(
+    kw: dict[str, Any] = dict(  # argparse's values; PeerConfig converts and checks them
         stage=parse_stage(args.stage), initial_peers=tuple(args.initial_peers),
         announce_maddrs=tuple(args.announce_maddrs), checkpoint_dir=args.checkpoint_dir, data_path=args.data,
         device=args.device, precision=args.precision, memory_gb=args.memory_gb, mode=args.mode, relay=args.relay,

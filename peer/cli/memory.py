@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from peer.config import DEVICES, Device
 from peer.errors import UserError, user_input
+
+if TYPE_CHECKING:
+    from trainer.memory import StageMemory
 
 HELP = "Print the memory each stage of a run needs (weights, optimiser, stash, averaging, activations), fp32 and bf16."
 EPILOG = """examples:
@@ -45,7 +49,7 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2f}"
 
 
-def table(estimates: list) -> str:
+def table(estimates: list[StageMemory]) -> str:
     """The estimates as a text table, one row per stage and precision, in MiB."""
     head = ["stage", "prec", "params"] + [label for _, label in COLUMNS]
     rows = [head]

@@ -20,10 +20,22 @@ import json
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from peer.errors import UserError, user_input
 from peer.lifecycle import PeerState
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from hivemind import DHT
+    from rich.console import JustifyMethod, RenderableType
+    from torch.utils.tensorboard import SummaryWriter
+
+    from peer.membership.records import PeerRecord
+    from peer.ops.progress import SwarmProgress
+    from trainer.config import RunConfig
 
 HELP = "Watch a whole swarm from the DHT (client only): peers per stage, coverage, bottleneck, tokens/s, loss."
 EPILOG = """examples:
@@ -53,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "TensorBoard (needs the 'tensorboard' extra)")
 
 
-def swarm_view(records: dict[str, Any], n_stages: int, run_id: str,
+def swarm_view(records: Mapping[str, PeerRecord], n_stages: int, run_id: str,
                progress: dict[str, Any] | None = None) -> dict[str, Any]:
     """Summarise PeerRecords (keyed by peer id) into the JSON document monitor prints. Pure; unit-tested.
     ``progress`` is the ``SwarmProgress`` view after this read (None: not computed)."""
@@ -92,13 +104,13 @@ def swarm_view(records: dict[str, Any], n_stages: int, run_id: str,
     }
 
 
-def _record_dict(r: Any) -> dict[str, Any]:
+def _record_dict(r: PeerRecord) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(r)
 
 
-def render(view: dict[str, Any]) -> Any:
+def render(view: dict[str, Any]) -> RenderableType:
     """The rich renderable of a swarm view (fits 80 columns)."""
     from rich import box
     from rich.console import Group
@@ -111,9 +123,10 @@ def render(view: dict[str, Any]) -> Any:
     from peer.ops.progress import progress_line
 
     table = Table(box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)
-    for name, justify in (("stage", "left"), ("peer", "left"), ("state", "left"), ("thru", "right"),
-                          ("tok/s", "right"), ("queue", "right"), ("version", "right"), ("loss", "right"),
-                          ("reach", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("stage", "left"), ("peer", "left"), ("state", "left"), ("thru", "right"), ("tok/s", "right"),
+        ("queue", "right"), ("version", "right"), ("loss", "right"), ("reach", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")
     for s in view["stages"]:
         tag = Text(f"{s['stage']}", style="bold")
@@ -138,14 +151,14 @@ def render(view: dict[str, Any]) -> Any:
         (" (missing " + ", ".join(map(str, view["missing_stages"])) + ")", "bold red") if view["missing_stages"]
         else "", " · bottleneck stage ", str(view["bottleneck_stage"]), " · ",
         (human(view["swarm_tokens_per_s"]), "bold"), " tok/s · loss ", (loss, "bold"))
-    parts = [table, footer]
+    parts: list[RenderableType] = [table, footer]
     if view.get("progress") is not None:
         parts.append(Text(progress_line(view["progress"], duration, human), overflow="ellipsis", no_wrap=True))
     return Panel(Group(*parts), title=f"asyncmesh swarm · run {view['run_id']}", title_align="left", width=80,
                  subtitle=time.strftime("%H:%M:%S") + " · Ctrl-C quits", subtitle_align="right")
 
 
-def _load_run(path: str | None) -> Any:
+def _load_run(path: str | None) -> RunConfig:
     from trainer.config import RunConfig
 
     with user_input():
@@ -173,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-async def _main(args: argparse.Namespace, run_config: Any) -> int:
+async def _main(args: argparse.Namespace, run_config: RunConfig) -> int:
     import asyncio
 
     from hivemind import DHT
@@ -227,7 +240,7 @@ def _print(view: dict[str, Any], as_json: bool) -> None:
         get_console().print(render(view))
 
 
-async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any) -> int:
+async def _watch(dht: DHT, args: argparse.Namespace, run_config: RunConfig, stop: asyncio.Event) -> int:
     """Refresh until ``stop`` is set (Ctrl-C, SIGTERM): a live table on a terminal, one JSON line per read with
     --json."""
     import asyncio
@@ -241,14 +254,14 @@ async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any)
 
     progress = _progress(run_config)
     view = swarm_view({}, run_config.n_stages, run_config.run_id)
-    live = nullcontext() if args.json else Live(render(view), console=get_console(), auto_refresh=False)
-    with live:
+    live = None if args.json else Live(render(view), console=get_console(), auto_refresh=False)
+    with nullcontext() if live is None else live:
         while not stop.is_set():
             records = await fetch_swarm(dht, run_config.run_id, timeout=args.timeout)
             view = swarm_view(records, run_config.n_stages, run_config.run_id,
                               progress.update(from_records(records.values())))
             _log_tb(args, view)
-            if args.json:
+            if live is None:
                 print(json.dumps(view), flush=True)
             else:
                 live.update(render(view), refresh=True)
@@ -259,13 +272,13 @@ async def _watch(dht: Any, args: argparse.Namespace, run_config: Any, stop: Any)
     return EXIT_OK
 
 
-def _progress(run_config: Any) -> Any:
+def _progress(run_config: RunConfig) -> SwarmProgress:
     from peer.ops.progress import SwarmProgress
 
     return SwarmProgress(run_name=run_config.name, total_steps=run_config.optim.total_steps)
 
 
-def tensorboard_writer(logdir: str) -> Any:
+def tensorboard_writer(logdir: str) -> SummaryWriter:
     """A TensorBoard SummaryWriter on ``logdir``; a one-line UserError when the optional extra is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter

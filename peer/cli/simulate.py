@@ -12,10 +12,14 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from peer.errors import UserError, user_input
 from protocol.codecs.names import RUN_CODECS
 from trainer.config import ARCHITECTURES
+
+if TYPE_CHECKING:
+    from trainer.sim.simulator import SimConfig
 
 HELP = "Compare the asynchronous methods with the synchronous baseline in one process (exact delays)."
 EPILOG = """examples:
@@ -111,13 +115,13 @@ def _taus(text: str | None) -> tuple[int | None, tuple[int, ...] | None]:
     return values[0], (values if len(values) > 1 else ())
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> SimConfig:
     """The SimConfig the arguments describe (UserError with advice on bad combinations)."""
     with user_input():
         return _build_config(args)
 
 
-def _build_config(args: argparse.Namespace):
+def _build_config(args: argparse.Namespace) -> SimConfig:
     from trainer.sim.methods import parse_methods
     from trainer.sim.presets import preset, with_overrides
     from trainer.worker import resolve_device
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
           f"{len(variants)} runs -> {args.out}", flush=True)
     report = None if args.no_wallclock else WallclockReport.measure(sim)
 
-    def on_result(rec: dict) -> None:
+    def on_result(rec: dict[str, Any]) -> None:
         print(f"  {rec['name']:<22} final val loss {rec['final_val_loss']:.4f}  (from {rec['first_val_loss']:.4f}, "
               f"{rec['updates']} updates, {rec['compute_s']:.0f} s)", flush=True)
 
@@ -232,7 +236,7 @@ def _report_only(out: Path, merge: list[Path], *, wallclock: bool) -> int:
     return 0
 
 
-def _wallclock_only(sim, out: Path) -> int:
+def _wallclock_only(sim: SimConfig, out: Path) -> int:
     import json
 
     from trainer.sim.timing import WallclockReport, gpu_like_rows, speedup_markdown

@@ -128,7 +128,7 @@ class Swarm:
         """One row per planned peer: its ``/status`` (with ``name``), or ``{"name", "phase"}`` while it has none."""
         from peer.ops.status_server import fetch_status
 
-        async def all_status() -> list[Any]:
+        async def all_status() -> list[dict[str, Any] | BaseException]:
             return await asyncio.gather(*(fetch_status("127.0.0.1", c.port, timeout=1.0) for c in self.children),
                                         return_exceptions=True)
         rows: list[dict[str, Any]] = []
