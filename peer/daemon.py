@@ -257,15 +257,15 @@ class Daemon:
         await self.checkpoint()
 
     async def checkpoint(self) -> None:
-        worker, service = self.worker, self.service
-        if self.cfg.checkpoint_dir is None or worker is None or service is None or not service.loaded:
+        worker, service, stage = self.worker, self.service, self.stage
+        if self.cfg.checkpoint_dir is None or worker is None or service is None or not service.loaded or stage is None:
             return  # (a start-up interrupted before the state was loaded has nothing worth keeping)
         state = await self.compute(worker.state_dict)
         try:
             driver = self.service.driver if self.service is not None else None  # owed: taken with the state
             owed = self.ledger.snapshot(driver.untrained() if driver is not None and self.stage == 0 else [])
             path = await asyncio.get_running_loop().run_in_executor(
-                None, save_checkpoint, self.cfg.checkpoint_dir, self.run, self.stage, state)
+                None, save_checkpoint, self.cfg.checkpoint_dir, self.run, stage, state)
             logger.info("checkpoint of stage %d at step %d written to %s", self.stage, state["local_step"], path)
             # the data position and the samples owed at this checkpoint: a restart resumes both (peer.pipeline.ledger)
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, self.cfg.checkpoint_dir, owed)
@@ -387,11 +387,10 @@ class Daemon:
         """Wait until stopped: by a signal, by max_steps, or because stage 0's driver finished."""
         while not self.stop.is_set():
             driver_task = self.driver_task  # None unless this peer serves stage 0 (a stage move may change it)
-            waiters = [asyncio.ensure_future(self.stop.wait())]
-            if driver_task is not None:
-                waiters.append(driver_task)
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
-            waiters[0].cancel()
+            stopped = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait([stopped] if driver_task is None else [stopped, driver_task],
+                               return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            stopped.cancel()
             if driver_task is not self.driver_task or driver_task is None or driver_task.cancelled():
                 continue  # left stage 0 meanwhile: its driver was cancelled on purpose
             if driver_task.done() and not self.stop.is_set():

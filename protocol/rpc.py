@@ -38,8 +38,8 @@ from protocol.inbound import InboundListener
 from protocol.limits import InflightLedger, PeerBudgets, RpcLimits
 from protocol.messages import Busy, Error, Message, pack, payload_bytes, unpack
 
-__all__ = ["RpcServer", "RpcLimits", "call", "Handler", "HandlerTable", "Counting", "Transport", "RpcTransport",
-           "PROTOCOL_PREFIX"]
+__all__ = ["RpcServer", "RpcLimits", "call", "Handler", "HandlerTable", "Counting", "Caller", "Transport",
+           "RpcTransport", "PROTOCOL_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -387,13 +387,17 @@ async def call(
     return reply
 
 
-class Transport(Protocol):
+class Caller(Protocol):
+    """What a client of other peers' handlers needs from the RPC layer: one call (a ``Transport`` is one)."""
+
+    async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message: ...
+
+
+class Transport(Caller, Protocol):
     """What a keyed exchange between peers needs from the RPC layer: ``RpcTransport`` in production, an in-memory
     one in unit tests."""
 
     async def add_handler(self, name: str, fn: Handler) -> None: ...
-
-    async def call(self, peer_id: str, name: str, msg: Message, *, timeout: float) -> Message: ...
 
 
 class RpcTransport:

@@ -1,7 +1,7 @@
 """The type checker runs with the tests: mypy in strict mode over what its configuration names (pyproject.toml,
-``[tool.mypy]`` ``files``: protocol/, trainer/ and peer/'s packages and modules one by one), so the annotations are
-checked, not promises. It keeps its cache in .mypy_cache/ at the repository root: a run after the first rechecks only
-what changed (docs/layout.md, "Type checking")."""
+``[tool.mypy]`` ``files``: protocol/, trainer/ and peer/), so the annotations are checked, not promises. It keeps its
+cache in .mypy_cache/ at the repository root: a run after the first rechecks only what changed (docs/layout.md, "Type
+checking")."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ import torch
 
 from peer.pipeline.ledger import Sample, SampleLedger
 from peer.pipeline.servicer import PipelineServicer
-from peer.pipeline.work import REFUSED, Pending, Refused
+from peer.pipeline.work import Pending, Refused
 from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ class Stage0Driver:
         x, y = sample
         mb_id = self.new_id()
         loop = asyncio.get_running_loop()
-        p = Pending(prev_peer=None, next_peer=None, route=[], is_eval=is_eval, done=loop.create_future(),
+        done: asyncio.Future[float | Refused | None] = loop.create_future()
+        p = Pending(prev_peer=None, next_peer=None, route=[], is_eval=is_eval, done=done,
                     deadline=time.monotonic() + pipe.cfg.microbatch_timeout_s)
         pipe.expect(mb_id, p)
         if pipe.is_last:  # a one-stage run: the whole model is here
@@ -113,7 +114,7 @@ class Stage0Driver:
             targets = await loop.run_in_executor(None, encode, y.to(pipe.boundary.targets_dtype), "none")
             await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush,
                                     ids=x)
-            return await p.done  # set by the backward, a drop, or the expiry timer
+            return await done  # set by the backward, a drop, or the expiry timer
         except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
             if pipe.forget(mb_id) and not is_eval:
                 pipe.spawn(pipe.compute(pipe.worker.drop, mb_id))
@@ -125,7 +126,7 @@ class Stage0Driver:
         self.in_flight[key] = sample  # stays there if we are cancelled: given back when the driver stops
         loss = await self.one(sample)
         self.in_flight.pop(key, None)
-        if loss is REFUSED:  # the last stage would not train on it (loss far above its recent ones): not re-sent
+        if isinstance(loss, Refused):  # the last stage refused it (loss far above its recent ones): not re-sent
             self.metrics.inc("samples_refused", int(sample[0].shape[0]))
             return True
         if loss is None:
@@ -173,7 +174,7 @@ class Stage0Driver:
         ledger saves as owed besides the ledger's own)."""
         return list({id(s): s for s in (*self.requeue, *self.in_flight.values())}.values())  # one entry per sample
 
-    def _give_back(self, extra: list[Sample] = ()) -> None:
+    def _give_back(self, extra: Sequence[Sample] = ()) -> None:
         """Return every sample drawn and not trained to the peer's ledger, and keep the stream's position there
         (the driver is stopping)."""
         owed = {id(s): s for s in (*extra, *self.untrained())}
@@ -189,7 +190,11 @@ class Stage0Driver:
     async def run_async(self) -> None:
         """Keep ``inflight`` micro-batches in flight until stopped or max_steps is reached."""
         slots = asyncio.Semaphore(self.inflight)
-        running: set[asyncio.Task] = set()
+        running: set[asyncio.Task[bool]] = set()
+
+        def finished(task: asyncio.Task[bool]) -> None:
+            running.discard(task)
+            slots.release()
         try:
             while not self.done() and self.pipe.accepting:  # not accepting: the peer is leaving stage 0
                 await slots.acquire()
@@ -199,7 +204,7 @@ class Stage0Driver:
                     break
                 task = asyncio.ensure_future(self._train_one(self._sample()))
                 running.add(task)
-                task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+                task.add_done_callback(finished)
             if not self.done():
                 # the peer is leaving stage 0 (not accepting): StageService.leave drains and then cancels us, and
                 # the samples go back to the ledger below. Returning now would read as "max_steps reached".

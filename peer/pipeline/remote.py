@@ -241,7 +241,8 @@ class RemotePipeline:
             try:
                 reply = await self.call(pid, INFER_RPC, msg, min(self.rpc_timeout_s, max(left, 0.1)))
             except RemoteError as e:
-                why = f"{short_id(pid)}: {e.code.name} {e.message[:160]}"
+                code = e.code.name if isinstance(e.code, ErrorCode) else f"code {e.code}"  # a code newer than ours
+                why = f"{short_id(pid)}: {code} {e.message[:160]}"
                 if e.code == ErrorCode.WRONG_RUN:
                     raise self._mismatch(e) from None
                 if e.code == ErrorCode.UNAUTHORIZED:

@@ -220,6 +220,8 @@ class PipelineServicer:
 
     # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
     async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
+        if not isinstance(msg, Forward):  # the server admits only Forward here (sizes.HANDLER_KINDS)
+            return self._reject("bad_request", ErrorCode.BAD_REQUEST, "expected a Forward")
         if msg.run_id != self.run.run_id:
             return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
         if self.is_first or len(msg.route) != self.stage:
@@ -267,6 +269,8 @@ class PipelineServicer:
         return Ack()
 
     async def rpc_backward(self, msg: Message, peer_id: str) -> Message:
+        if not isinstance(msg, Backward):  # the server admits only Backward here (sizes.HANDLER_KINDS)
+            return self._reject("bad_request", ErrorCode.BAD_REQUEST, "expected a Backward")
         if msg.run_id != self.run.run_id:
             return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
         p = self.pending.get(msg.mb_id)
@@ -368,7 +372,7 @@ class PipelineServicer:
                 self.pending.pop(msg.mb_id, None)
                 self.spawn(self._send_backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
                 return
-            if self.on_flush is not None:
+            if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
             ceiling = self.guard.loss_ceiling()
             try:
@@ -392,7 +396,7 @@ class PipelineServicer:
             y = await self.compute(self.worker.evaluate, x)
             self.pending.pop(msg.mb_id, None)
         else:
-            if self.on_flush is not None:
+            if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
             y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,

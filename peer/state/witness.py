@@ -55,7 +55,7 @@ from protocol.messages import StateChunk, StateDigestRequest
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
-    from protocol.rpc import Transport
+    from protocol.rpc import Caller, Transport
     from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def draw_witnesses(*, trusted: list[str], announced: list[str], donor: str, n: i
     return rng.sample(pool, min(n, len(pool)))
 
 
-async def _ask(transport: Transport, witness: str, run: RunConfig, stage: int, seed: int, n_tensors: int | None,
+async def _ask(transport: Caller, witness: str, run: RunConfig, stage: int, seed: int, n_tensors: int | None,
                timeout: float) -> Digest:
     request = StateDigestRequest(run_id=run.run_id, stage=stage, seed=seed, dims=DIMS)
     try:
@@ -227,7 +227,7 @@ def witness_vetter(*, run: RunConfig, stage: int, config: StateSyncConfig, metri
     return vet
 
 
-async def agreeing_replicas(*, transport: Transport, run: RunConfig, stage: int, peers: list[str],
+async def agreeing_replicas(*, transport: Caller, run: RunConfig, stage: int, peers: list[str],
                             config: StateSyncConfig, rng: random.Random | None = None) -> list[str]:
     """The replicas among ``peers`` (at most ``config.witnesses`` asked) whose state a strict majority of those that
     answered agree with (within ``tensor_tolerance`` on every tensor, each counting itself): what a client that
