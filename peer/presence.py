@@ -40,7 +40,7 @@ from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from protocol.messages import Message
 from protocol.rpc import RpcLimits, RpcServer, call
 from trainer.config import RunConfig

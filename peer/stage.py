@@ -25,8 +25,9 @@ from peer.errors import DaemonError
 from peer.host import StageContext
 from peer.lifecycle import PeerState
 from peer.pipeline.driver import Stage0Driver
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC, InferService
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC, PipelineServicer
+from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.shards import move_if_shared, open_shard, reading_shard
 from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
@@ -122,7 +123,7 @@ class StageService:
         await host.handlers.add_handler(INFER_RPC, self.infer.rpc_infer)
         # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
         # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
-        pipe.on_first_measure = lambda: pipe.spawn(self._announce_measured())
+        pipe.meter.on_first_measure = lambda: pipe.spawn(self._announce_measured())
         pipe.vouch = host.net.vouch
         age = host.cfg.state_snapshot_max_age_s
         self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,

@@ -93,7 +93,7 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     cfg = PeerConfig(microbatch_timeout_s=30.0)
     pool = build(net, [["a0"], ["b1", "c1"]], cfg)
     measured = []
-    net.stages["a0"].on_first_measure = lambda: measured.append(net.stages["a0"].throughput())
+    net.stages["a0"].meter.on_first_measure = lambda: measured.append(net.stages["a0"].meter.throughput())
     vouched: dict[str, set[str]] = {pid: set() for pid in net.stages}
     for pid, stage in net.stages.items():
         stage.vouch = vouched[pid].add

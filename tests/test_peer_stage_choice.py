@@ -164,23 +164,14 @@ def test_rebalancing_never_moves_to_a_stage_that_does_not_fit():
 
 
 def test_announced_throughput_is_a_median_so_one_descheduled_micro_batch_does_not_move_joiners():
-    from pathlib import Path
-
-    from peer.config import PeerConfig
-    from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
-    from peer.pipeline.servicer import PipelineServicer
-    from trainer.config import RunConfig
-    from trainer.worker import StageWorker
+    from peer.pipeline.meter import ComputeMeter
 
-    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
-    pipe = PipelineServicer(run=run, stage=1, worker=StageWorker(run, 1), compute=None, send=None, swarm=dict,
-                            router=Router([1.0, 1.0]), metrics=PeerMetrics("b1", 1), cfg=PeerConfig(), my_id="b1",
-                            cost=1.0)
+    meter = ComputeMeter(None, cost=1.0, is_last=False)
     for mb in range(20):
-        pipe._timed(mb, 0.001, backward=True)
-    pipe._timed(99, 0.05, backward=True)  # the OS took the core away for 50 ms
-    assert pipe.throughput() == pytest.approx(1000.0)  # a moving average said ~300
+        meter.record(mb, 0.001, backward=True)
+    meter.record(99, 0.05, backward=True)  # the OS took the core away for 50 ms
+    assert meter.throughput() == pytest.approx(1000.0)  # a moving average said ~300
     metrics = PeerMetrics("b1", 0)
     metrics.inc("tokens", 256)
     metrics.stage = 1

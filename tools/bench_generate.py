@@ -55,9 +55,9 @@ from peer.ops.procs import (  # noqa: E402
     terminate,
     unwind_on_sigterm,
 )
+from peer.pipeline.hops import FORWARD_RPC  # noqa: E402
 from peer.pipeline.infer import INFER_RPC  # noqa: E402
 from peer.pipeline.remote import RemotePipeline, rpc_call  # noqa: E402
-from peer.pipeline.servicer import FORWARD_RPC  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.errors import RemoteError  # noqa: E402
 from protocol.messages import Forward, Infer  # noqa: E402

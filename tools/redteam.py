@@ -59,8 +59,8 @@ from peer.membership.records import PeerRecord, announce, fetch_swarm, record_va
 from peer.membership.signing import Signer, seal  # noqa: E402
 from peer.ops.metrics import PeerMetrics  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC  # noqa: E402
 from peer.pipeline.infer import INFER_RPC  # noqa: E402
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC  # noqa: E402
 from peer.state.sync import STATE_RPC, StateServer  # noqa: E402
 from protocol.codecs.registry import encode  # noqa: E402
 from protocol.framing import frame_header, read_message  # noqa: E402

@@ -20,7 +20,7 @@ from hivemind.p2p import P2P
 from peer.membership.records import PeerRecord, announce
 from peer.membership.signing import Signer
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline.servicer import FORWARD_RPC
+from peer.pipeline.hops import FORWARD_RPC
 from peer.state.sync import STATE_RPC, StateServer, StateSyncConfig, load_state_from_peers
 from protocol.errors import RemoteError
 from protocol.limits import RpcLimits

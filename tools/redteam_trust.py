@@ -27,7 +27,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
 from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.state.sync import load_state_from_peers
 from protocol.codecs.registry import decode, encode
 from protocol.limits import RpcLimits

@@ -22,8 +22,8 @@ from peer.averaging.sync import SYNC_RPC
 from peer.membership.gossip import RECORDS_RPC
 from peer.membership.reachability import REACH_RPC
 from peer.pipeline.boundary import Boundary
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC
-from peer.pipeline.servicer import BACKWARD_RPC, FORWARD_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
 from protocol.messages import (

@@ -14,9 +14,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from peer.lifecycle import PeerState
+
+if TYPE_CHECKING:
+    from peer.membership.records import PeerRecord
 
 COUNTED = (PeerState.TRAINING, PeerState.DRAINING)
 
@@ -31,7 +34,7 @@ class PeerFigures(NamedTuple):
     val_loss: float | None
 
 
-def from_records(records: Iterable[Any]) -> list[PeerFigures]:
+def from_records(records: Iterable[PeerRecord]) -> list[PeerFigures]:
     """Figures of the training (or draining: their figures still hold) peers among DHT records (``PeerRecord``)."""
     return [PeerFigures(r.peer_id, r.stage, r.version, getattr(r, "tokens", 0), getattr(r, "val_loss", None))
             for r in records if r.state in COUNTED]

@@ -61,7 +61,7 @@ def metric_name(counter: str) -> str:
     return f"asyncmesh_{base.removesuffix('_total')}_total"
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 

@@ -104,12 +104,12 @@ class Stage0Driver:
             pipe.forget(mb_id)
             if is_eval:
                 return float(await pipe.compute(pipe.worker.evaluate, x, y))
-            loss, _ = await pipe.timed(mb_id, True, pipe.worker.forward_loss, mb_id, x, y)
+            loss, _ = await pipe.meter.timed(mb_id, True, pipe.worker.forward_loss, mb_id, x, y)
             return float(loss)
         if is_eval:
             out = await pipe.compute(pipe.worker.evaluate, x)
         else:
-            out = await pipe.timed(mb_id, False, pipe.worker.forward, mb_id, x)
+            out = await pipe.meter.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
             targets = await loop.run_in_executor(None, encode, y.to(pipe.boundary.targets_dtype), "none")
             await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush,

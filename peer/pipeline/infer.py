@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from trainer.worker import StageWorker
 
 INFER_RPC = "infer"
-MAX_ACT_ABS = 1e6  # as for training activations (servicer.py)
+MAX_ACT_ABS = 1e6  # as for training activations (boundary.py)
 EXTRA_CODECS = ("fp16", "none")  # besides the run's activation codec
 
 

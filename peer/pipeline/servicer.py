@@ -1,20 +1,12 @@
-"""The pipeline servicer: forward and backward RPCs of one stage, its compute thread, and the next-hop sends.
+"""The pipeline servicer: the forward and backward RPCs of one stage, and the micro-batches it holds.
 
-A ``Forward`` RPC is answered as soon as the micro-batch is validated and queued (``Ack``), or refused with ``Busy``
-when the queue is full (backpressure), so no stream stays open across the pipeline. One consumer task feeds the
-single compute thread, backward work first (it frees stashed activations), then forward work. Outputs go to a peer of
-the next stage chosen by ``Router``; a failing or busy hop is retried elsewhere. When no hop works, the micro-batch is
-dropped and a ``Backward`` with no gradient and no loss travels back along the route so that every upstream stage
-forgets it and stage 0 re-queues its sample at once instead of waiting for the timeout.
-
-The last stage computes the loss and sends the gradient to the peer it received the micro-batch from; evaluation
-micro-batches stop at the last stage, whose loss goes straight back to the stage-0 peer that sent them. A training
-micro-batch whose loss is far above the last stage's recent ones is not trained on anywhere: a ``Backward`` marked
-``refused`` travels back instead of the gradient, and every stage holds it against the peer that sent it the
-micro-batch (``PipelineGuard.share``: a sender's allowance of micro-batches held here is earned by trained work).
-
-A stage also checks the next stage (``peer.pipeline.spotcheck``): some training micro-batches, and every one sent to a
-hop not yet trusted, go to a second replica as well, and the two gradients must agree before either is trained on.
+A ``Forward`` is answered as soon as it is validated and queued (``Ack``), or refused with ``Busy`` when the queue is
+full (backpressure), so no stream stays open across the pipeline. One consumer task feeds the compute thread, backward
+work first (it frees stashed activations). Outputs go on through ``Hops`` (peer.pipeline.hops); when no hop takes a
+micro-batch, a ``Backward`` without a gradient travels back so that every stage forgets it and stage 0 re-sends its
+sample at once. The last stage computes the loss; a training micro-batch whose loss is far above its recent ones is
+refused everywhere (``refused``), and held against its sender (``PipelineGuard``). Some micro-batches also go to a
+second replica of the next stage, whose gradients must agree (``peer.pipeline.spotcheck``).
 """
 
 from __future__ import annotations
@@ -24,9 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +24,12 @@ import torch
 
 from peer.config import Mode
 from peer.ids import short_id
-from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord
-from peer.membership.routing import NoRouteError, Router
+from peer.membership.routing import Router
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.guard import PipelineGuard
+from peer.pipeline.hops import Hops
+from peer.pipeline.meter import ComputeMeter
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
 from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, Pending
 from peer.seams import Compute, Send
@@ -59,12 +50,6 @@ logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
-THROUGHPUT_WINDOW = 32  # micro-batches whose compute time the announced throughput is the median of
-NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
-FORWARD_RPC = "forward"
-"""The handler that takes a ``Forward`` (activations for this stage)."""
-BACKWARD_RPC = "backward"
-"""The handler that takes a ``Backward`` (the gradient of a micro-batch this stage sent on)."""
 
 
 class PipelineServicer:
@@ -87,7 +72,6 @@ class PipelineServicer:
                  my_id: str, cost: float) -> None:
         self.run, self.stage, self.worker, self.compute, self.send = run, stage, worker, compute, send
         self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
-        self.cost = cost
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
         b, t = run.data.batch_size, run.model.block_size
         # activations and gradients in the run's codec, or as subspace coefficients (peer/pipeline/boundary.py)
@@ -102,16 +86,13 @@ class PipelineServicer:
         """Marks a peer as known (``RpcServer.vouch``) once its work is validated and trained; set by the stage."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.last_forward = time.monotonic()
-        self.compute_s_per_mb = 0.0  # median forward+backward seconds of one micro-batch over the last few
-        self._recent_s: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
-        self._fwd_s: dict[int, float] = {}
+        # the compute time of micro-batches here, and the throughput announced from it (peer/pipeline/meter.py)
+        self.meter = ComputeMeter(compute, cost=cost, is_last=self.is_last)
         # sync mode, later stages: awaited with a training forward's flush number before it is computed
         self.on_flush: Callable[[int], Awaitable[None]] | None = None
         # sync mode, later stages: called with a training micro-batch's flush once its backward is done here (a
         # replica that finished its share of a flush opens that flush's barrier while the earlier stages drain)
         self.on_backward_done: Callable[[int], None] | None = None
-        # called once, when the first micro-batch has been timed: the announced throughput stops being a guess
-        self.on_first_measure: Callable[[], object] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
         # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
@@ -120,6 +101,10 @@ class PipelineServicer:
         if cfg.spot_checks and cfg.mode != Mode.SYNC:
             self.spot = SpotChecker(SpotCheckConfig(fraction=cfg.spot_check_fraction,
                                                     min_cosine=cfg.spot_check_min_cosine), count=metrics.inc)
+        # the sends to the next stage's peers and back to the previous one (peer/pipeline/hops.py)
+        self.hops = Hops(run_id=run.run_id, stage=stage, my_id=my_id, cfg=cfg, send=send, swarm=swarm, router=router,
+                         metrics=metrics, accepting=lambda: self._accepting)
+        self.hops.cap = self.spot.cap_weights if self.spot is not None else None
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -173,33 +158,6 @@ class PipelineServicer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    def throughput(self) -> float:
-        """Announced work units per second: micro-batches/s of compute times this stage's cost."""
-        return self.cost / self.compute_s_per_mb if self.compute_s_per_mb > 0 else 0.0
-
-    async def timed(self, mb_id: int, backward: bool, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on the compute thread, timing it there (queue waits excluded) for the throughput estimate."""
-        def run() -> tuple[Any, float]:
-            t0 = time.perf_counter()
-            out = fn(*args)
-            return out, time.perf_counter() - t0
-        out, seconds = await self.compute(run)
-        self._timed(mb_id, seconds, backward=backward)
-        return out
-
-    def _timed(self, mb_id: int, seconds: float, *, backward: bool) -> None:
-        if not backward:
-            self._fwd_s[mb_id] = seconds
-            if not self.is_last:
-                return
-        total = seconds + self._fwd_s.pop(mb_id, 0.0)
-        first = not self.compute_s_per_mb
-        # a median: one descheduled micro-batch must not move the announced throughput (docs/design.md, step 3)
-        self._recent_s.append(total)
-        self.compute_s_per_mb = statistics.median(self._recent_s)
-        if first and self.on_first_measure is not None:
-            self.on_first_measure()
 
     def idle_s(self) -> float:
         """Seconds since the last forward request was accepted (or since this stage started)."""
@@ -370,18 +328,18 @@ class PipelineServicer:
             if msg.is_eval:
                 loss = await self.compute(self.worker.evaluate, x, targets)
                 self.pending.pop(msg.mb_id, None)
-                self.spawn(self._send_backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
+                self.spawn(self.hops.backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
                 return
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
             ceiling = self.guard.loss_ceiling()
             try:
-                loss, grad = await self.timed(msg.mb_id, True, functools.partial(
+                loss, grad = await self.meter.timed(msg.mb_id, True, functools.partial(
                     self.worker.forward_loss, max_loss=ceiling), msg.mb_id, x, targets)
             except LossRefused as e:
                 self.pending.pop(msg.mb_id, None)
                 self.guard.loss_verdict(p.prev_peer, e.loss, refused=e)
-                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, e.loss, False, refused=True))
+                self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, None, e.loss, False, refused=True))
                 return
             self.pending.pop(msg.mb_id, None)
             self.guard.loss_verdict(p.prev_peer, float(loss))
@@ -389,8 +347,9 @@ class PipelineServicer:
                 self.vouch(p.prev_peer)  # its micro-batch passed the loss check and is trained
             self._count_step(float(loss), x)
             self._backward_done(msg.flush)
+            assert grad is not None  # a later stage's input has a gradient (stage 0 sends no forward to itself)
             env = await self._encode_gradient(grad)
-            self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
+            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
         if msg.is_eval:
             y = await self.compute(self.worker.evaluate, x)
@@ -398,7 +357,7 @@ class PipelineServicer:
         else:
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
-            y = await self.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
+            y = await self.meter.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
                                      ids=ids))
 
@@ -423,7 +382,7 @@ class PipelineServicer:
             return
         if grad is None:  # the route broke downstream, or the last stage refused the micro-batch
             await self.compute(self.worker.drop, msg.mb_id)
-            self._fwd_s.pop(msg.mb_id, None)
+            self.meter.forget(msg.mb_id)
             if msg.refused:
                 self.metrics.inc("microbatches_refused")
                 if p.prev_peer is not None:
@@ -432,13 +391,13 @@ class PipelineServicer:
                 p.done.set_result(REFUSED if msg.refused else None)
             elif p.prev_peer is not None:
                 why = msg.refused
-                self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, None, msg.loss if why else None, False,
+                self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, None, msg.loss if why else None, False,
                                                refused=why))
             return
         if p.prev_peer is not None:
             self.guard.share.trained(p.prev_peer)
             self.vouch(p.prev_peer)  # its micro-batch is trained
-        grad_in = await self.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
+        grad_in = await self.meter.timed(msg.mb_id, True, self.worker.backward, msg.mb_id, grad)
         # observed pipeline staleness (tau_s of the papers, here whatever the network made it)
         self.metrics.observe_pipeline_delay(self.worker.last_delay)
         if not self.is_first:
@@ -449,7 +408,7 @@ class PipelineServicer:
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
             env = await self._encode_gradient(grad_in)
-            self.spawn(self._send_backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False))
+            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False))
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
@@ -463,7 +422,7 @@ class PipelineServicer:
         msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
                       is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
-        peer = await self._send_with_retries(FORWARD_RPC, msg, self.stage + 1, p.sent_to if p else set())
+        peer = await self.hops.forward(msg, p.sent_to if p else set())
         if peer is not None:
             if p is not None:
                 p.next_peer = peer
@@ -482,25 +441,13 @@ class PipelineServicer:
         """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared."""
         assert self.spot is not None
         stage = self.stage + 1
-        others = [r.peer_id for r in self.router.candidates(self._next_hops(stage), stage, exclude={peer})]
+        others = [r.peer_id for r in self.router.candidates(self.hops.next_hops(stage), stage, exclude={peer})]
         partner = self.spot.partner(peer, others)
         if partner is None:  # a lone replica: nothing to compare with (the last stage's loss check still applies)
             return
         p.checks = {peer: None, partner: None}  # before sending: the primary's gradient may already be on its way
         p.sent_to.add(partner)
-        reply: Message | None = None
-        for _ in range(3):
-            try:
-                reply = await self.send(partner, FORWARD_RPC, msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.router.failure(partner)
-                reply = None
-                break
-            if not isinstance(reply, Busy):
-                break
-            await asyncio.sleep(min(max(reply.retry_after_s, 0.0), 0.5))
+        reply = await self.hops.forward_to(partner, msg)
         if self.pending.get(msg.mb_id) is not p:
             return
         if isinstance(reply, Ack):
@@ -518,83 +465,10 @@ class PipelineServicer:
         # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
         await self.drop(msg.mb_id, notify=not self.is_first)
 
-    async def _send_with_retries(self, name: str, msg: Message, stage: int, sent_to: set[str]) -> str | None:
-        tried: set[str] = set()
-        failures, waits = 0, 0
-        while failures < self.cfg.hop_retries and waits < 50:
-            try:
-                record = self.router.choose(self._next_hops(stage), stage, exclude=tried,
-                                            cap=self.spot.cap_weights if self.spot is not None else None)
-            except NoRouteError:
-                if not self._accepting:  # draining: do not wait for a route to appear
-                    break
-                waits += 1
-                if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
-                    self.metrics.warn(f"no reachable peer serves stage {stage} (none announced, or all failed "
-                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}",
-                                      key=f"no_route:{stage}")
-                await asyncio.sleep(min(0.05 * 2 ** min(waits, 4), 1.0))
-                tried.clear()
-                continue
-            t0 = time.monotonic()
-            sent_to.add(record.peer_id)  # before sending: its gradient may arrive before its Ack
-            try:
-                reply = await self.send(record.peer_id, name, msg)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                failures += 1
-                tried.add(record.peer_id)
-                ban = self.router.failure(record.peer_id)
-                self.metrics.inc("retries")
-                logger.debug("%s to %s failed (%r); banned for %.1f s", name, short_id(record.peer_id), e, ban)
-                continue
-            if isinstance(reply, Ack):
-                self.router.success(record.peer_id, time.monotonic() - t0)
-                self.metrics.resolve(f"no_route:{stage}")  # a route exists again: the warning is no longer true
-                return record.peer_id
-            if isinstance(reply, Busy):
-                self.router.busy(record.peer_id, reply.retry_after_s)
-                self.metrics.inc("busy_received")
-                continue
-            failures += 1
-            tried.add(record.peer_id)
-            self.router.failure(record.peer_id)
-            self.metrics.inc("retries")
-        return None
-
-    def _next_hops(self, stage: int) -> list[PeerRecord]:
-        """Candidates for the next hop. Sync mode pins pipeline i to the i-th replica (by peer id) of every stage, so
-        each replica of a stage receives exactly the M micro-batches of one flush."""
-        records = [r for r in self.swarm().values() if r.state == PeerState.TRAINING]
-        if self.cfg.mode != Mode.SYNC:
-            return records
-        mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]
-        rank = mine.index(self.my_id) if self.my_id in mine else 0
-        nxt = sorted((r for r in records if r.stage == stage), key=lambda r: r.peer_id)
-        return [nxt[rank % len(nxt)]] if nxt else []
-
-    async def _send_backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
-                             loss: float | None, is_eval: bool, *, refused: bool = False) -> None:
-        if peer is None:
-            return
-        msg = Backward(run_id=self.run.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,
-                       refused=refused)
-        for attempt in range(2):
-            try:
-                await self.send(peer, BACKWARD_RPC, msg)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # upstream times the micro-batch out and re-queues it
-                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, short_id(peer), attempt + 1, e)
-                self.metrics.inc("retries")
-        self.router.failure(peer)
-
     async def drop(self, mb_id: int, *, notify: bool) -> None:
         """Forget a micro-batch here; with ``notify``, tell the previous stage so it forgets it too."""
         p = self.pending.pop(mb_id, None)
-        self._fwd_s.pop(mb_id, None)
+        self.meter.forget(mb_id)
         if p is None:
             return
         for hop in {p.next_peer, *(p.checks or ())} - {None}:
@@ -604,7 +478,7 @@ class PipelineServicer:
         if p.done is not None and not p.done.done():
             p.done.set_result(None)
         if notify and p.prev_peer is not None and not p.is_eval:
-            self.spawn(self._send_backward(p.prev_peer, mb_id, p.route, None, None, False))
+            self.spawn(self.hops.backward(p.prev_peer, mb_id, p.route, None, None, False))
 
     async def expire(self) -> int:
         """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""

@@ -1,0 +1,157 @@
+"""A stage's sends to its neighbours: activations to a peer of the next stage, gradients back to the previous one.
+
+``Hops`` picks the next hop with the ``Router`` (among the swarm's training peers; in sync mode the one replica a
+flush is pinned to), retries a failing or busy hop elsewhere, and records every outcome in the Router (latency,
+busy, failure), which is what routing and banning learn from. It keeps no micro-batch: what was sent where is the
+servicer's (``peer.pipeline.servicer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from peer.config import Mode
+from peer.ids import short_id
+from peer.lifecycle import PeerState
+from peer.membership.routing import NoRouteError
+from protocol.messages import Ack, Backward, Busy, Forward, Message
+
+if TYPE_CHECKING:
+    from peer.config import PeerConfig
+    from peer.membership.records import PeerRecord
+    from peer.membership.routing import Router
+    from peer.ops.metrics import PeerMetrics
+    from peer.seams import Send
+    from protocol.envelope import TensorEnvelope
+
+logger = logging.getLogger(__name__)
+
+FORWARD_RPC = "forward"
+"""The handler that takes a ``Forward`` (activations for this stage)."""
+BACKWARD_RPC = "backward"
+"""The handler that takes a ``Backward`` (the gradient of a micro-batch this stage sent on)."""
+NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
+MAX_ROUTE_WAITS = 50  # waits for a route before a forward is given up (its micro-batch is dropped)
+PARTNER_TRIES = 3  # sends of a spot-checked micro-batch to its second replica while that one answers Busy
+
+#: ``cap(peer_ids, weights)`` lowers routing weights (the share of hops not yet trusted: peer.pipeline.spotcheck)
+Cap = Callable[[list[str], list[float]], list[float]]
+
+
+class Hops:
+    """The sends of the stage ``stage`` served by ``my_id``.
+
+    Args:
+        run_id: the run every message names.
+        send: ``await send(peer_id, name, msg)``, one RPC with the configured timeout; returns the reply.
+        swarm: the latest validated DHT snapshot.
+        router: the next-hop choice, told every outcome.
+        accepting: False once the stage drains: a forward then stops waiting for a route that may never come.
+    """
+
+    def __init__(self, *, run_id: str, stage: int, my_id: str, cfg: PeerConfig, send: Send,
+                 swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics,
+                 accepting: Callable[[], bool]) -> None:
+        self.run_id, self.stage, self.my_id, self.cfg, self.send = run_id, stage, my_id, cfg, send
+        self.swarm, self.router, self.metrics, self.accepting = swarm, router, metrics, accepting
+        self.cap: Cap | None = None
+        """Set when spot checks run: the share of choices a hop not yet trusted may get."""
+
+    def next_hops(self, stage: int) -> list[PeerRecord]:
+        """Candidates for a hop to ``stage``. Sync mode pins pipeline i to the i-th replica (by peer id) of every
+        stage, so each replica of a stage receives exactly the M micro-batches of one flush."""
+        records = [r for r in self.swarm().values() if r.state == PeerState.TRAINING]
+        if self.cfg.mode != Mode.SYNC:
+            return records
+        mine = sorted(r.peer_id for r in records if r.stage == self.stage) or [self.my_id]
+        rank = mine.index(self.my_id) if self.my_id in mine else 0
+        nxt = sorted((r for r in records if r.stage == stage), key=lambda r: r.peer_id)
+        return [nxt[rank % len(nxt)]] if nxt else []
+
+    async def forward(self, msg: Forward, sent_to: set[str]) -> str | None:
+        """Send ``msg`` to a peer of the next stage that acknowledges it, retrying elsewhere; returns that peer, or
+        None when none did (``hop_retries`` failures, or no route for a while). Every peer tried joins ``sent_to``
+        before its send: its gradient may arrive before its Ack."""
+        stage = self.stage + 1
+        tried: set[str] = set()
+        failures, waits = 0, 0
+        while failures < self.cfg.hop_retries and waits < MAX_ROUTE_WAITS:
+            try:
+                record = self.router.choose(self.next_hops(stage), stage, exclude=tried, cap=self.cap)
+            except NoRouteError:
+                if not self.accepting():  # draining: do not wait for a route to appear
+                    break
+                waits += 1
+                if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for
+                    self.metrics.warn(f"no reachable peer serves stage {stage} (none announced, or all failed "
+                                      f"recently); waiting, samples are re-queued: start a peer with --stage {stage}",
+                                      key=f"no_route:{stage}")
+                await asyncio.sleep(min(0.05 * 2 ** min(waits, 4), 1.0))
+                tried.clear()
+                continue
+            t0 = time.monotonic()
+            sent_to.add(record.peer_id)
+            try:
+                reply = await self.send(record.peer_id, FORWARD_RPC, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failures += 1
+                tried.add(record.peer_id)
+                ban = self.router.failure(record.peer_id)
+                self.metrics.inc("retries")
+                logger.debug("%s to %s failed (%r); banned for %.1f s", FORWARD_RPC, short_id(record.peer_id), e, ban)
+                continue
+            if isinstance(reply, Ack):
+                self.router.success(record.peer_id, time.monotonic() - t0)
+                self.metrics.resolve(f"no_route:{stage}")  # a route exists again: the warning is no longer true
+                return record.peer_id
+            if isinstance(reply, Busy):
+                self.router.busy(record.peer_id, reply.retry_after_s)
+                self.metrics.inc("busy_received")
+                continue
+            failures += 1
+            tried.add(record.peer_id)
+            self.router.failure(record.peer_id)
+            self.metrics.inc("retries")
+        return None
+
+    async def forward_to(self, peer: str, msg: Forward) -> Message | None:
+        """Send ``msg`` to ``peer`` itself (a spot check's second replica), waiting out a few Busy replies; its last
+        reply, or None when the call failed (the Router is told)."""
+        reply: Message | None = None
+        for _ in range(PARTNER_TRIES):
+            try:
+                reply = await self.send(peer, FORWARD_RPC, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.router.failure(peer)
+                return None
+            if not isinstance(reply, Busy):
+                break
+            await asyncio.sleep(min(max(reply.retry_after_s, 0.0), 0.5))
+        return reply
+
+    async def backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
+                       loss: float | None, is_eval: bool, *, refused: bool = False) -> None:
+        """Send a ``Backward`` to ``peer`` (the previous hop; None: nobody to tell), twice at most: a lost one times
+        the micro-batch out upstream, whose sample stage 0 re-sends."""
+        if peer is None:
+            return
+        msg = Backward(run_id=self.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,
+                       refused=refused)
+        for attempt in range(2):
+            try:
+                await self.send(peer, BACKWARD_RPC, msg)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, short_id(peer), attempt + 1, e)
+                self.metrics.inc("retries")
+        self.router.failure(peer)
