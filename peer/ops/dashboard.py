@@ -8,16 +8,11 @@ API (what ``join`` and ``swarm`` use)::
     task = asyncio.create_task(dash.run())    # draws at ~2 Hz on the event loop until cancelled or stop is set
     dash.render()                             # the rich renderable (tests print it to a recorded Console)
 
-``metrics_source`` is a PeerMetrics, a snapshot dict, a list of snapshot dicts, or a zero-argument callable returning
-either. A list entry may also be ``{"name": ..., "error": ...}`` for a child that did not answer (shown as
-unreachable) or ``{"name": ..., "phase": ...}`` for a child that has no status yet (its start-up phase, see
-``peer.ops.startup``). One snapshot draws the single-peer panel; a list draws the compact multi-peer table with a
-swarm line.
-
-Each refresh takes one ``snapshot()`` (~25 µs) and draws a few dozen lines (~8 ms measured with rich on the shared
-2-core dev machine), so drawing at 2 Hz costs under 2 % of one core and holds the event loop for a few milliseconds
-twice a second; model compute runs on its own thread and is not slowed. Everything fits 80 columns. While the peer
-drains (Ctrl-C or SIGTERM) the state line shows a countdown bar and what is still in flight.
+``metrics_source`` is a PeerMetrics, a snapshot dict, a list of snapshots, or a zero-argument callable returning
+either: one snapshot draws the single-peer panel, a list the compact multi-peer table (an entry may be ``{"name",
+"error"}`` for a child that did not answer, or ``{"name", "phase"}`` for one still starting, ``peer.ops.startup``).
+Drawing holds the event loop a few milliseconds per refresh, not the compute thread (docs/dashboard.md). Everything
+fits 80 columns; while the peer drains, the state line shows a countdown bar and what is still in flight.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """What one peer is doing, in numbers: the single place the daemon and the averager write, and everything else reads.
 
-One ``PeerMetrics`` per peer process, mutated on the event loop only (no locks). Writers:
-
-- the daemon's ``peer.lifecycle.Lifecycle`` calls ``observe_state`` on every transition (the state is shown here, not
-  decided); the daemon sets ``stage``, ``local_step``, ``pipeline_delay``, ``inflight``,
-  ``queued``, calls ``inc(...)`` for counters, ``observe_loss``/``observe_val``, ``set_swarm`` and ``warn``;
-- the network averager calls ``start_averaging(local_step, round_fraction)`` once and ``observe_round(ok=...,
-  group_size=..., tau=..., fraction=...)`` per round (or ``inc("averaging_rounds_ok")`` and sets ``avg_tau`` /
-  ``avg_group_size`` itself); the snapshot derives ``avg_fraction_per_step`` (weights averaged per local step since
-  averaging started) and ``avg_delay_steps`` (mean tau, with ``avg_delay_hist``, tau -> rounds) from them.
-
-Readers (the dashboard, ``/status``, ``/metrics`` and ``asyncmesh-peer status``) only ever call ``snapshot()``, which
-returns a plain JSON-able dict, so every view shows the same figures.
-
-Counter names are free-form; the ones the views know are ``tokens`` (training tokens processed by this peer; the
-attribute ``tokens_total`` reads and writes it), ``samples``, ``microbatches_dropped``, ``microbatches_requeued``,
-``retries``, ``averaging_rounds_ok``, ``averaging_rounds_failed``, ``bytes_in``, ``bytes_out`` and
-``rejected:<reason>`` (inputs refused, by reason). Every counter also gets a rate over the last ``window_s`` seconds.
+One ``PeerMetrics`` per peer process, mutated on the event loop only (no locks). The daemon's lifecycle reports each
+transition (``observe_state``: the state is shown here, not decided); the daemon and its services set gauges
+(``stage``, ``local_step``, ``inflight``, ...), count (``inc``, under the names registered in ``peer.ops.names``),
+record losses (``observe_loss``/``observe_val``) and warnings (``warn``); the averager reports its rounds
+(``start_averaging``, ``observe_round``). Readers (the dashboard, ``/status``, ``/metrics``, ``asyncmesh-peer status``)
+only ever call ``snapshot()``, a plain JSON-able dict, so every view shows the same figures; every counter also gets a
+rate over the last ``window_s`` seconds.
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 
 Both pages are rendered from ``PeerMetrics.snapshot()`` at request time, so they agree with each other and with the
 dashboard; ``/metrics`` is written by prometheus_client (``peer/ops/prom.py``). The server speaks just enough
-HTTP/1.1 for curl, Prometheus and ``asyncmesh-peer status``: a GET with at most ``MAX_REQUEST_BYTES`` of request line
-and headers, answered and closed. It binds to 127.0.0.1 by default (``--metrics-host``); bind to 0.0.0.0 only behind a
-firewall or inside a container whose port you publish on purpose.
-
-Usage on the daemon's loop::
-
-    server = StatusServer(metrics, port=config.metrics_port)
-    await server.start()          # raises StatusServerError with advice if the port is taken
-    ...
-    await server.stop()
-
-``prometheus_text(snapshot)`` and ``fetch_status(host, port)`` are usable on their own (the ``swarm`` parent polls its
-children with the latter).
+HTTP/1.1 for curl, Prometheus and ``asyncmesh-peer status``: a GET of at most ``MAX_REQUEST_BYTES``, answered and
+closed. It binds to 127.0.0.1 by default (``--metrics-host``); bind to 0.0.0.0 only behind a firewall or inside a
+container whose port you publish on purpose. ``await StatusServer(metrics, port=...).start()`` raises
+StatusServerError with advice when the port is taken; ``fetch_status(host, port)`` is the client (the ``swarm``
+parent polls its children with it).
 """
 
 from __future__ import annotations

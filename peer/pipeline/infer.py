@@ -1,26 +1,12 @@
-"""The ``infer`` RPC: forward only, for generation through the live swarm, at low priority against training.
+"""The ``infer`` RPC: a forward only, for generation through the live swarm, at low priority against training.
 
-``asyncmesh-peer generate --initial-peers`` sends a sequence through stage 0, 1, ..., K-1 with ``Infer`` messages:
-stage 0 takes token ids [1, T], a later stage the activations [1, T, n_embd] the previous stage returned, and the
-reply (``InferResult``) holds this stage's output, on the last stage the logits of the last position only [1, vocab].
-The forward runs on the compute thread under ``torch.no_grad()`` in eval mode at the latest weights
-(``StageWorker.evaluate(..., last_only=True)``); it trains nothing and touches no optimiser, stash or pending state.
-
-Anyone who can reach the peer may call it, so what it may cost is bounded, cheapest checks first:
-
-- it answers only while the stage trains (``NOT_READY`` while joining, loading or draining), for this run and stage;
-- each caller gets ``peer_per_s`` requests per second (burst ``peer_burst``); beyond, ``RATE_LIMITED``;
-- at most ``max_concurrent`` requests are decoded or computed at once, none while the stage's own queue holds
-  ``busy_queue`` or more training items, and all callers together may use ``compute_share`` of the compute thread
-  (a bucket of compute seconds, ``share_burst_s`` deep); otherwise ``Busy``: training always goes first;
-- a request holds one sequence of at most ``block_size`` positions (one sequence costs at most a ``batch_size``-th of
-  a training micro-batch's forward, and no backward), checked before decoding; a wrong shape, a token outside the
-  vocabulary, a codec other than the run's activation codec, fp16 or none, or a non-finite value is ``BAD_REQUEST``.
-
-Malformed requests and rate-limit refusals are raised as ``ProtocolError`` so the RPC server answers them and charges
-them to a stranger's refusal budget (``protocol.rpc``), as it does for every handler; every refusal is counted
-(``rejected:infer_*``, ``infer_busy``), every answer in ``infer_served`` and its compute time in ``infer_compute_ms``.
-The request size limit is in ``sizes.py``.
+``asyncmesh-peer generate --initial-peers`` sends a sequence through every stage in turn (``Infer``: token ids to
+stage 0, activations to a later stage; the last stage answers the logits of the last position). The forward runs on
+the compute thread under ``torch.no_grad()`` at the latest weights and changes no training state. Anyone who can reach
+the peer may call it, so its cost is bounded, cheapest checks first (``InferLimits``): only while the stage trains, a
+rate per caller, a few requests at once and a share of the compute thread (else ``Busy``: training goes first), one
+sequence of at most ``block_size`` positions, validated before it is decoded. Malformed requests and rate refusals
+raise ``ProtocolError``, so the RPC server charges them to a stranger's refusal budget (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Stage 0's sample ledger: every training sample a peer drew stays owed until it is trained, across stage moves and
-restarts, together with the **data position** of the stream it draws from, so that a restart neither skips nor
-repeats data; the one way to lose samples (no checkpoint folder to keep them in at exit) is counted and said out loud.
+restarts, together with the data position of the stream it draws from, so that a restart neither skips nor repeats
+data.
 
-The daemon owns one ``SampleLedger`` for its whole life; each stage-0 driver draws from it first (``take``) and gives
-back what it could not train when it stops (``give_back``: its re-queued samples and those in flight), so leaving
-stage 0 loses nothing. The driver's stream is attached to the ledger (``attach``); its position (``position()``: the
-stream's state after the last batch handed out) is kept per stream (``positions``) when it stops, and read live when
-the ledger is saved.
-
-The ledger is saved next to the checkpoints with every checkpoint and at exit (``save``, given the driver's samples in
-flight and re-queued at that moment), and a restart loads it (``load``): the restarted driver trains the owed samples
-first and then continues the stream from the saved position. What "trained" means across a SIGKILL: a sample is
-trained once stage 0's driver got its loss back (its gradient applied to stage 0's weights). A restart resumes stage 0
-from its last checkpoint, with the data position and the owed samples saved with it, so every sample drawn before
-the kill is trained again or was trained before that checkpoint: none is skipped. Samples trained between that
-checkpoint and the kill are trained again (the restored stage-0 weights predate them; later stages, which were not
-rolled back, apply them twice); at most ``checkpoint_every_s`` of training. Without a checkpoint folder the owed
-samples are counted in ``lost`` at exit (the summary's ``samples_lost``) with a WARNING.
+The daemon owns one ``SampleLedger`` for its whole life: each stage-0 driver draws from it first (``take``), gives
+back what it could not train when it stops (``give_back``), and leaves its stream's position there (``attach``,
+``position``). The ledger is saved next to the checkpoints with every checkpoint and at exit (``save``) and loaded on
+a restart (``load``). What that guarantees after a SIGTERM or a kill -9, and what is lost without a checkpoint folder
+(``lost``, the summary's ``samples_lost``, with a warning): docs/data.md, "The data position".
 """
 
 from __future__ import annotations

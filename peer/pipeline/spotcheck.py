@@ -1,30 +1,12 @@
-"""Spot checks of the next stage: a micro-batch sent to two replicas, their gradients compared.
+"""Spot checks of the next stage: a micro-batch sent to two of its replicas, and their gradients compared.
 
-A stage trains on whatever gradient a peer of the next stage returns; only its norm is checked. A peer that announces
-itself as a replica of the next stage and returns fabricated gradients quickly would otherwise win much of the
-traffic (routing favours measured round trips) and train everyone upstream. So a stage checks its next hops:
-
-- A micro-batch that goes to a hop is also sent, as the very same ``Forward``, to a second replica of that stage (the
-  *partner*, drawn from the trusted hops when there are any): a hop cannot tell a check from ordinary traffic. The two
-  gradients must point the same way (cosine at least ``min_cosine``) with norms within ``max_norm_ratio`` of each
-  other. Honest replicas' gradients are far from equal (their weights differ by the asynchrony and the partial
-  averaging: relative distances of 0.7 are typical, measured in docs/security.md) but clearly aligned; a fabricated
-  gradient (noise: cosine ~0; negated: below 0; zeros; scaled by more than 16x) is not.
-- A hop is *untrusted* until it has passed ``trust_after`` checks. Every training micro-batch sent to an untrusted hop
-  is checked, and its gradient is applied only once its partner's agrees: an untrusted hop's gradient is never trained
-  on unchecked while a partner exists. A trusted hop is checked on a random ``fraction`` of micro-batches.
-- While a trusted hop exists, untrusted hops together get at most ``untrusted_share`` of the micro-batches we send
-  (``cap_weights``), however fast they answer.
-- When two gradients disagree, the micro-batch is dropped (neither is trained on) and the hop with fewer passed
-  checks (on a tie, the one we first met later) takes a strike and loses its trust; ``ban_after`` strikes in a row
-  ban it for ``ban_s`` (one honest outlier bans nobody). The
-  trusted hop's gradients applied since its last passed check cannot be taken back: a trusted liar is caught after
-  ``1 / fraction`` fabricated micro-batches on average, each within the gradient norm bound.
-- While the stage's gradient norm bound is being (re)learnt, every micro-batch is checked: a relearnt bound is what
-  a liar that sent four out-of-range norms in a row would exploit.
-
-A stage whose next stage has a single replica cannot be checked this way (nothing to compare with); its gradients are
-applied as before, and the last stage's loss check is what bounds a lone liar there.
+A stage trains on the gradient a next-stage peer returns, and routing favours fast answers, so a peer returning
+fabricated gradients quickly would train everyone upstream. The same ``Forward`` therefore also goes to a second
+replica (the *partner*, a trusted one when there is one: a hop cannot tell a check from ordinary traffic), and the two
+gradients must agree in direction and norm before either is trained on. A hop not yet trusted is checked on every
+micro-batch and held to a share of the traffic, a trusted one on a random ``fraction``, every hop while the gradient
+norm bound is (re)learnt. A next stage with a single replica cannot be checked this way; the last stage's loss check
+bounds a lone liar there. The rules and what they were set from: docs/security.md, "Spot checks of the next stage".
 """
 
 from __future__ import annotations
@@ -51,8 +33,8 @@ class SpotCheckConfig:
     min_cosine: float = 0.1
     """Two gradients of one micro-batch whose cosine similarity is lower disagree (noise: |cosine| ~0.01 here)."""
     max_norm_ratio: float = 16.0
-    """Two gradients of one micro-batch whose norms differ by a larger factor disagree (honest replicas differed by
-    up to 10.9x early in training; the norm bound and gradient clipping bound the magnitude anyway)."""
+    """Two gradients of one micro-batch whose norms differ by a larger factor disagree (loose: honest replicas differ
+    most early in training, and the norm bound and gradient clipping bound the magnitude anyway)."""
     ban_after: int = 3
     """Failed checks in a row after which a hop is banned."""
     ban_s: float = 600.0
@@ -144,7 +126,8 @@ class SpotChecker:
 
     def judge(self, a: str, grad_a: torch.Tensor, b: str, grad_b: torch.Tensor) -> tuple[str | None, bool]:
         """Compare the two gradients of one micro-batch: (the hop that takes the blame, None when they agree;
-        whether it is now to be banned)."""
+        whether it is now to be banned). The hop with fewer passed checks (on a tie, the one met later) is blamed and
+        loses its trust; ``ban_after`` blames in a row ban it, so one honest outlier bans nobody."""
         cos, ratio = agreement(grad_a, grad_b)
         d = distance(grad_a, grad_b)
         self.seen.append((cos, ratio, d))

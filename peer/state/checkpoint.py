@@ -1,26 +1,12 @@
 """Periodic local checkpoints of one stage's state, so that a restarted peer resumes where it stopped.
 
-A checkpoint is one file per stage, ``<dir>/stage-<N>.pt``, holding the worker's ``state_dict()`` (parameters,
-optimiser, averaging EMA state, counters) together with the run id, the run's name, the stage and the local step. It is
-written atomically (temporary file in the same folder, fsync, ``os.replace``), so a crash or a ``docker stop`` in the
-middle of a save leaves the previous checkpoint intact, never a truncated one.
-
-Loading refuses, with a message that says what to do, a checkpoint written for another run (its settings differ, so
-its weights do not fit or would silently fork the run) or for another stage. Files are read with
-``torch.load(weights_only=True)``: a checkpoint folder may be shared or copied, and the restricted unpickler cannot run
-code.
-
-A checkpoint never goes backwards: ``save_checkpoint`` refuses (``StaleCheckpointError``) to replace a checkpoint of a
-higher step with a less-trained state, and the checkpoint it replaces is kept beside it as ``stage-<N>.prev.pt``
-(also what ``load_checkpoint`` falls back to when the main file is missing or damaged).
-
-Interface for the daemon::
-
-    save_checkpoint(directory, run, stage, state) -> Path      # state = worker.state_dict() (taken on the compute
-                                                               # thread); call it in an executor, it does file I/O
-    load_checkpoint(directory, run, stage) -> dict | None      # the state dict, or None when there is no checkpoint
-    checkpoint_stages(directory, run) -> list[int]             # stages this run has checkpoints for (stage choice)
-    checkpoint_steps(directory, run) -> dict[int, int]         # their steps (read without loading the tensors)
+A checkpoint is one file per stage, ``<dir>/stage-<N>.pt``: the worker's ``state_dict()`` with the run id, the run's
+name, the stage and the local step. It is written atomically (temporary file, fsync, ``os.replace``), so a crash
+mid-save leaves the previous checkpoint intact, and it never goes backwards: a less-trained state does not replace a
+more-trained one (``StaleCheckpointError``), and the file replaced is kept as ``stage-<N>.prev.pt``, the fallback when
+the main file is missing or damaged. Loading refuses, saying what to do, a checkpoint of another run or stage, and
+reads with ``torch.load(weights_only=True)``: a checkpoint folder may be shared or copied, and the restricted
+unpickler cannot run code. ``save_checkpoint`` does file I/O: the daemon calls it in an executor.
 """
 
 from __future__ import annotations

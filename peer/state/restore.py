@@ -1,20 +1,13 @@
 """Loading a stage's state when a peer takes it: every source compared by training progress, the most advanced wins.
 
-The sources are the stage's donors (their announced state versions), this peer's checkpoint of the stage and the
-run's seeded init (``peer.state.progress`` ranks them). Donors are asked only when one announces at least the
-progress of the best local file; a delivered state is loaded only if replicas of the stage witness all of it
-(``peer.state.witness``: an announcement is the donor's word, a liar announces the most progress; the witnessed
-state's ``local_step`` is capped at the witnesses'), and it is compared again by that step before it replaces
-anything, so a restarted peer never trades its trained checkpoint for a less-trained donor's state.
-
-When no donor of the stage delivers a state (every peer of it died, and their records may not have expired yet), the
-neighbour copies of the stage are sources too
-(``peer.state.spare``): the ones other peers announce in their records and this peer's own, ranked by progress like
-the rest. A copy from another peer is witnessed like a donor's state, by the stage's live replicas and the other
-copies' holders (and this peer's own copy); while the stage has a live replica a copy is never loaded unwitnessed (a
-record can announce any copy). Only a stage that lost every replica and whose one announced copy has nobody to
-witness it is restored from that copy unwitnessed (with a warning): the alternative is the run's seeded init.
-Restoring from one logs a WARNING naming the peer that held it, its step and its age.
+The sources are the stage's donors (their announced state versions), this peer's checkpoint of the stage, the
+neighbour copies of the stage (``peer.state.spare``: those other peers announce, and this peer's own) and the run's
+seeded init, ranked by ``peer.state.progress``; donors are asked only when one announces at least the progress of the
+best local file. A state from another peer is loaded only when replicas of the stage witness it
+(``peer.state.witness``) and is compared again by its witnessed step before it replaces anything, so a restarted peer
+never trades its trained checkpoint for a less-trained donor's state. A copy is loaded unwitnessed only when the
+stage lost every replica and nobody can witness its one announced copy (with a WARNING naming its holder, step and
+age): the alternative is the seeded init.
 """
 
 from __future__ import annotations

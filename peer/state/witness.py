@@ -1,43 +1,15 @@
 """Before any state from another peer is loaded, replicas of its stage witness all of it, tensor by tensor.
 
-Every source of a stage's state that is not this peer's own (a donor, a neighbour's backup copy, a live export's
-stage) is a claim: "most advanced" is what a record *announces*, and a liar announces the most. So before a delivered
-state is loaded, ``witnesses`` replicas of the stage each send the digest of their own current state
-(``peer.state.digest``: per tensor its norm and a 64-coordinate count sketch seeded by *us*, a few hundred bytes per
-tensor; up to 8 replicas), and the joiner compares, per tensor, the delivered state's digest with each witness's.
-
-**Which replicas witness.** Peers this peer has validated work from (``trusted``: averaging parts it accepted, trained
-pipeline work) when any of them serves the stage; else, for a peer that has no history yet, replicas drawn at random
-among the stage's announced training peers. Never the donor itself; none when the donor is trusted and no other
-replica is (its validated work vouches for it, and a stranger may not veto it).
-
-**The verdict** is a strict majority of the donor and the witnesses asked: the donor's word for its own state counts
-once, each witness that answered, holds tensors of the same sizes and is within ``tensor_tolerance`` of the
-delivered state on *every* tensor (relative distance, 0 equal, 1 zeros against anything, 2 a sign flip; honest
-replicas of the tiny run are measured in docs/security.md) counts for it, and each witness that is silent, answers
-garbage or disagrees counts against it; a tie means "do not load". The witnesses are every announced replica (up to
-``witnesses``), not a sample, so what the verdict rests on is a count of identities: a liar alone is outvoted by
-the honest donor and one honest witness (a unanimous rule let one record keep every joiner of a 2-replica stage at
-the seeded init, docs/security.md), k liars keep a joiner from loading only when they are at least as many as the
-stage's honest replicas, and make it load their state only when they are more. "Do not load" makes the caller try
-the next source, and in the end the run's seeded init with a WARNING. Witnesses that dissent from a loaded state are
-counted (``state_witness_dissent``) and named in the log. Only when the stage has no other replica than the donor at
-all, or the donor alone is trusted, is its state loaded unwitnessed (``allow_alone``; counted and logged): the
-stage is then that donor's, whatever we load. A backup copy is loaded unwitnessed only when the stage has no live
-replica and no other copy is announced (its only alternative is the seeded init); the neighbour backup loop copies
-an unwitnessed state only from a holder that did validated work for us.
-
-**A stage of two** (the donor and one other replica): one word against another is a tie, never settled for the
-stranger: if the other replica disagrees, nothing is loaded (the joiner starts from the init, with a warning) unless
-the donor did validated work for us and the witness did not.
-
-**What is kept of a witnessed state**: the weights (witnessed), and ``local_step`` capped at the highest step a
-witness reports (an announced step of 2^62 would pin the learning rate schedule at its end). The optimiser moments,
-the averaging rule's EMA and pending gradients are dropped (``sanitize``; the loader keeps its fresh ones): honest
-replicas' first moments follow their own batches and point in different directions (measured 1.25-1.31 apart by
-relative distance), their EMAs 0.1-0.8 apart, so no tolerance separates an honest value from a crafted one of the
-same norm; a fresh NAdam state costs a few steps of warm-up (its first update is lr per coordinate, an ordinary
-size), a fresh EMA starts the averaging correction from zero, as a new replica's does.
+A donor's state, a neighbour's backup copy or a live export's stage is a claim: sources are chosen by the progress
+their records announce, and a liar announces the most. So ``witnesses`` replicas of the stage (peers that did
+validated work for us when any of them serves it, else announced replicas; never the donor) each send the digest of
+their own state (``peer.state.digest``, seeded by us), and a strict majority of the donor and the witnesses must find
+the delivered state within ``tensor_tolerance`` on every tensor: a silent, garbage or disagreeing witness counts
+against it, a tie refuses. Of a witnessed state the weights are kept and ``local_step`` is capped at the witnesses'
+(an announced step of 2^62 would pin the schedule at its end); the optimiser moments, the averaging EMA and pending
+gradients are dropped (``sanitize``: no tolerance tells an honest one from a crafted one). A state nobody can witness
+is loaded only as the stage's last resort (``allow_alone``). The rules, and what they cost an attacker:
+docs/security.md, "Witnesses vote".
 """
 
 from __future__ import annotations
