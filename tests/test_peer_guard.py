@@ -121,7 +121,7 @@ def test_a_black_hole_is_found_within_a_few_round_trips_and_banned():
     router.returned("honest", 1000)
     found = router.black_holes()
     assert [p for p, _ in found] == ["hole"] and sorted(found[0][1]) == [100, 101, 102, 103]
-    assert router.is_banned("hole") and not router.is_banned("honest")
+    assert [r.peer_id for r in router.candidates([rec("hole"), rec("honest")], 1)] == ["honest"]  # "hole" banned
     clock.t += 61.0  # its ban is over; once it answered, it is judged by its own round trips
     router.sent("hole", 200)
     clock.t += 0.5

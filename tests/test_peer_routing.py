@@ -52,7 +52,7 @@ def test_ban_backoff_doubles_and_caps_and_success_resets():
     clock = Clock()
     router = Router([1.0, 1.0], ban_base_s=2.0, ban_max_s=10.0, clock=clock)
     assert [router.failure("x") for _ in range(5)] == [2.0, 4.0, 8.0, 10.0, 10.0]
-    assert router.is_banned("x")
+    assert router.candidates([rec("x")], 1) == []
     with pytest.raises(NoRouteError):
         router.choose([rec("x")], 1)
     clock.t += 10.5
@@ -65,9 +65,9 @@ def test_busy_skips_for_the_time_asked_without_failure():
     clock = Clock()
     router = Router([1.0, 1.0], clock=clock)
     router.busy("x", 0.5)
-    assert router.is_banned("x") and router.stats["x"].failures == 0
+    assert router.candidates([rec("x")], 1) == [] and router.stats["x"].failures == 0
     clock.t += 0.6
-    assert not router.is_banned("x")
+    assert router.candidates([rec("x")], 1) == [rec("x")]
     router.busy("x", 1e9)  # a remote cannot make us ignore it forever
     assert router.stats["x"].banned_until <= clock.t + router.ban_max_s
 

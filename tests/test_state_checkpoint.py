@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from peer.state.checkpoint import CheckpointError, checkpoint_path, checkpoint_stages, load_checkpoint, save_checkpoint
+from peer.state.checkpoint import CheckpointError, checkpoint_path, checkpoint_steps, load_checkpoint, save_checkpoint
 from trainer.config import RunConfig
 
 
@@ -49,7 +49,7 @@ def test_round_trip_is_exact_and_leaves_no_temp_files(tmp_path):
     save_checkpoint(tmp_path, run, 1, newer)
     _assert_same(newer, load_checkpoint(tmp_path, run, 1))
     assert sorted(os.listdir(tmp_path)) == ["stage-1.prev.pt", "stage-1.pt"]
-    assert checkpoint_stages(tmp_path, run) == [1]
+    assert checkpoint_steps(tmp_path, run) == {1: 42}
 
 
 def test_missing_checkpoint_is_none(tmp_path):
@@ -63,7 +63,7 @@ def test_checkpoint_of_another_run_is_refused_with_both_run_ids(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path, run, 0)
     assert other.run_id in str(e.value) and run.run_id in str(e.value) and "--checkpoint-dir" in str(e.value)
-    assert checkpoint_stages(tmp_path, run) == []
+    assert checkpoint_steps(tmp_path, run) == {}
 
 
 def test_renamed_checkpoint_of_another_stage_is_refused(tmp_path):

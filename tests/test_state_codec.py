@@ -13,7 +13,6 @@ from peer.state.codec import (
     check_against_reference,
     flatten_state,
     plan_pieces,
-    unflatten_state,
 )
 
 
@@ -57,8 +56,6 @@ def test_round_trip_through_small_pieces_is_exact():
     builder, plan = _transfer(state)
     assert plan.n_chunks > 10  # the big tensors really were cut into several pieces
     assert _same(state, builder.finish())
-    skeleton, tensors = flatten_state(state)
-    assert _same(state, unflatten_state(skeleton, tensors))
 
 
 def test_missing_or_repeated_or_misplaced_piece_is_refused():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.servicer import PipelineServicer
@@ -62,4 +63,5 @@ def test_a_hop_that_holds_a_flush_is_not_banned_as_a_black_hole_in_sync_mode(mod
         router.sent("b1", mb)
     clock[0] += 30.0  # far past any black-hole wait, well within microbatch_timeout_s
     asyncio.run(pipe.expire())
-    assert router.is_banned("b1") == (mode == "async")
+    b1 = PeerRecord(peer_id="b1", stage=1, throughput=1.0, queue=0, version=0, state="training")
+    assert router.candidates([b1], 1) == ([] if mode == "async" else [b1])  # banned in async mode only

@@ -176,9 +176,6 @@ class Router:
         st = self._stats(peer_id)
         st.banned_until = self.clock() + min(max(retry_after_s, 0.0), self.ban_max_s)
 
-    def is_banned(self, peer_id: str) -> bool:
-        return self._stats(peer_id).banned_until > self.clock()
-
     def forget(self, keep: Iterable[str]) -> None:
         """Drop stats of peers no longer in the swarm (bounded memory)."""
         alive = set(keep)

@@ -139,23 +139,6 @@ def load_checkpoint(directory: str | Path, run: RunConfig, stage: int) -> dict[s
     return state
 
 
-def checkpoint_stages(directory: str | Path, run: RunConfig) -> list[int]:
-    """Stages of ``run`` that ``directory`` holds usable checkpoints for (others are skipped with a warning)."""
-    stages = []
-    for stage in range(run.n_stages):
-        path = checkpoint_path(directory, stage)
-        if not path.exists():
-            continue
-        try:
-            payload = _read(path)
-        except CheckpointError as e:
-            logger.warning("%s", e)
-            continue
-        if payload["run_id"] == run.run_id and payload["stage"] == stage:
-            stages.append(stage)
-    return stages
-
-
 def checkpoint_steps(directory: str | Path, run: RunConfig) -> dict[int, int]:
     """Step of each usable checkpoint of ``run`` in ``directory`` (stage -> step); the tensors are memory-mapped,
     not read. A stage whose main file is missing or damaged counts its previous checkpoint."""

@@ -219,11 +219,6 @@ def _decode_tree(x: Json, tensors: list[torch.Tensor]) -> StateTree:
     return items if tag == "l" else tuple(items)
 
 
-def unflatten_state(skeleton: str, tensors: list[torch.Tensor]) -> StateTree:
-    """Inverse of flatten_state for trusted, local input (tests, tools)."""
-    return _decode_tree(json.loads(skeleton)["tree"], tensors)
-
-
 def check_against_reference(state: object, reference: Mapping[str, Any]) -> None:
     """The received state must be a dict of the same run and stage with the reference's parameter names/shapes."""
     if not isinstance(state, dict):

@@ -51,8 +51,3 @@ def most_advanced(sources: Iterable[StateSource]) -> StateSource:
 def rank(sources: Iterable[StateSource]) -> list[StateSource]:
     """All sources, most advanced first (stable for equal keys)."""
     return sorted(sources, key=progress_key)
-
-
-def is_regression(current_step: int, candidate_step: int) -> bool:
-    """True when replacing a state of ``current_step`` by one of ``candidate_step`` would lose training."""
-    return candidate_step < current_step
