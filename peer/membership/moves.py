@@ -1,18 +1,12 @@
 """Stage moves that cannot empty a stage, however many peers decide at once: decide, claim, re-check, then move.
 
-A move is negotiated through the DHT records (``peer.membership.stage_choice`` holds the pure rules):
-
-1. ``should_move`` on a fresh snapshot proposes a target; after a random jitter a second snapshot must agree.
-2. The peer *claims* its move: it announces itself 'draining' (a record that expires with its usual TTL, so a mover
-   that dies mid-claim frees it by itself) and waits ``settle_s`` for the claim to reach the DHT.
-3. It re-reads the swarm and moves only if ``may_leave`` holds (another peer of its stage still trains and none of
-   them claimed at the same time) and the move still pays off; otherwise it withdraws the claim ('training').
-
-Two peers of one stage that claim at about the same time cannot both miss each other: each reads after its own claim
-was stored plus ``settle_s``, so the later claimant's read comes after the earlier claim was stored. Whoever sees the
-other's claim backs off; at worst both do and try again later. After any move or back-off the peer waits a cool-down
-(``cooldown_s`` plus up to as much again at random, so timers that were aligned drift apart) before deciding again,
-which also stops a peer from moving back right after a move (no flapping on noisy throughput figures).
+A peer proposes a move when ``should_move`` (``peer.membership.stage_choice``) says so on two snapshots a random
+jitter apart, then *claims* it: it announces itself 'draining' (a record that expires with its usual TTL, so a mover
+that dies mid-claim frees it) and waits ``settle_s`` for the claim to reach the DHT. It moves only if, read again,
+another peer of its stage still trains and none of them claimed too (``may_leave``), and the move still pays;
+otherwise it withdraws the claim. Two peers that claim together cannot both miss each other, since each reads only
+``settle_s`` after its own claim was stored; at worst both back off. A cool-down after any move or back-off
+(``cooldown_s``, plus up to as much at random so aligned timers drift apart) stops a peer from flapping.
 """
 
 from __future__ import annotations

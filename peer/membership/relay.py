@@ -1,26 +1,12 @@
 """Peers behind NAT: which libp2p circuit-relay settings this peer's p2pd starts with.
 
-A volunteer behind NAT (no port forwarding) can dial out, so it joins the DHT, but nobody can open a connection to it;
-peers it dialled itself reuse its outbound connection, every other peer cannot reach it. libp2p's circuit relay v2
-fixes that: the unreachable peer reserves a slot at a public peer (the relay) and announces
-``/ip4/RELAY/tcp/PORT/p2p/RELAY_ID/p2p-circuit/p2p/OUR_ID``; others dial that address and the relay forwards the
-bytes both ways.
-
-Two settings, both chosen when p2pd starts:
-
-* ``relay`` (listen through a relay): ``off`` never; ``on`` always; ``auto`` (default) when the reachability self-check
-  (``peer.membership.reachability``) finds that other peers cannot connect to us: the daemon then restarts its DHT
-  with the relay on before it takes a stage (``needs_relay_restart``).
-* ``relay_service`` (carry relayed traffic for others): ``auto`` (default) when libp2p's AutoNAT finds this peer
-  publicly reachable (it confirms public addresses only, so a lab swarm on private addresses needs ``on``); ``on``
-  always (an organiser's public peer); ``off`` never.
-
-The relays a peer reserves at are fixed (``relays``, default the initial peers), not discovered: with discovery, the
-bundled p2pd's autorelay waits for 4 relay candidates or 3 minutes before reserving, while a fixed list is used at
-once. hivemind 1.1.12 does not pass p2pd's ``-relayDiscovery`` flag, so the flag rides on a reachability mode of our
-own (``STATIC_RELAYS``), added to hivemind's table of reachability flags.
-
-The relay must have a public address: libp2p builds relayed addresses only from a relay's public ones.
+A peer behind NAT can dial out but nobody can dial it; with libp2p's circuit relay v2 it reserves a slot at a public
+peer and announces ``/ip4/RELAY/tcp/PORT/p2p/RELAY_ID/p2p-circuit/p2p/OUR_ID``, and the relay forwards the bytes.
+``relay`` says whether this peer listens through a relay (``auto``: when the reachability check finds it unreachable,
+``needs_relay_restart``), ``relay_service`` whether it relays for others; both are fixed when p2pd starts (the
+settings and their limits: docs/docker.md, "Behind NAT"). The relays are a fixed list, reserved at once, not
+discovered (the bundled p2pd's discovery waits for 4 candidates or 3 minutes); hivemind 1.1.12 does not pass p2pd's
+``-relayDiscovery`` flag, so the flag rides on a reachability mode of our own (``STATIC_RELAYS``).
 """
 
 from __future__ import annotations

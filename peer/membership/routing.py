@@ -1,18 +1,14 @@
 """Choosing the next hop: weighted random over what *we* measured of each peer, with bans.
 
-Every sender picks a peer of the next stage at random with probability proportional to 1 / (expected time to be
-served): ``latency + service x (1 + outstanding / OUTSTANDING_SCALE)``. ``latency`` is our moving average of its
-request round trips; ``service`` our moving average of the time from sending it a micro-batch to receiving the
-gradient back (measured, so a peer cannot buy traffic by announcing a high throughput); ``outstanding`` the
-micro-batches it accepted and has not answered yet. Until a peer is measured, its service time is the median we
-measured of the others, or, when nobody is measured yet, ``(queue + 1) / rate`` from its announcement with ``rate``
-clamped to ``ANNOUNCED_CAP`` times the median announced rate (SWARM's stochastic wiring, bounded). Load spreads in
-proportion to measured capacity, and a slow or far peer still gets some traffic so its estimate stays fresh.
-
-A peer that fails is banned with exponential backoff; a peer that answers Busy is skipped for the time it asked for.
-A peer that accepts micro-batches and returns nothing (a black hole) is found by ``black_holes``: at least
-``BLACKHOLE_MIN_ITEMS`` unanswered for longer than ``BLACKHOLE_RTTS`` of its own measured round trips (a peer
-that never answered yet: ``BLACKHOLE_UNMEASURED_S``), and banned for the longest ban.
+A peer of the next stage is drawn with probability proportional to 1 / (expected time to be served):
+``latency + service x (1 + outstanding / OUTSTANDING_SCALE)``, from our moving averages of its request round trips
+and of the time from sending it a micro-batch to its gradient coming back, and the micro-batches it holds unanswered.
+Measured, so a peer cannot buy traffic by announcing a high throughput: until a peer is measured its service time is
+the median measured of the others, or, while nobody is, ``(queue + 1) / rate`` from its announcement with ``rate`` at
+most ``ANNOUNCED_CAP`` times the median announced (SWARM's stochastic wiring, bounded). Load follows capacity, and a
+slow or far peer still gets some traffic so its estimate stays fresh. A failing peer is banned with exponential
+backoff, a Busy one skipped for the time it asked, and a black hole (``black_holes``: micro-batches unanswered for
+``BLACKHOLE_RTTS`` of its own round trips, ``BLACKHOLE_UNMEASURED_S`` while it never answered) for the longest ban.
 """
 
 from __future__ import annotations

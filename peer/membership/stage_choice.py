@@ -1,18 +1,11 @@
 """Which stage a peer serves: pure functions of a DHT snapshot (after petals' ``server/block_selection.py``).
 
-The swarm trains only as fast as its slowest stage. A stage's *capacity* is the summed throughput of the peers
-serving it divided by the stage's relative cost (so a stage with the LM head, which costs more per micro-batch,
-needs more peers). A joining peer takes the stage of least capacity. A serving peer moves only if moving raises the
-minimum capacity of the swarm by more than the hysteresis factor ``1 / quality``: the objective (min capacity)
-strictly improves with each move, so peers can never flap back and forth. The daemon waits a random jitter before
-acting and re-checks against a fresh snapshot, so peers that decide at the same time do not all pile onto one stage.
-
-Leaving a stage is a claim (``peer.membership.moves``): a mover first announces itself 'draining', waits until the
-claim is visible, and leaves only if ``may_leave`` holds on a snapshot read after that, i.e. another peer of its stage
-is still training and none of them is leaving too. A 'draining' peer counts for no capacity: it is already gone.
-
-Memory: every choice takes ``fits``, the stages this peer can hold (``peer.budget``: the memory estimate of each stage
-against the memory the peer may use), and never picks or moves to another one; ``None`` means no limit is known.
+The swarm trains only as fast as its slowest stage. A stage's *capacity* is the summed throughput of its training
+peers over the stage's relative cost (the stage with the LM head needs more peers); a 'draining' peer counts for
+none. A joiner takes the stage of least capacity; a serving peer moves only when that raises the swarm's minimum
+capacity by more than the hysteresis factor ``1 / quality``, so the objective strictly improves with each move and
+peers cannot flap. Leaving is claimed first (``peer.membership.moves``, ``may_leave``). Every choice takes ``fits``,
+the stages this peer's memory holds (``peer.budget``; ``None``: no limit known), and never picks another.
 """
 
 from __future__ import annotations
