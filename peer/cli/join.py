@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, *, averaging_behaviour: AveragingBehaviour | N
     finally:  # the peer has stopped; a late SIGTERM during interpreter teardown must not turn exit 0 into -15
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Everything is stopped, checkpointed and written; exit now rather than risk interpreter teardown waiting on
-    # leftover library threads or child processes (seen with hivemind's DHT process), so SIGTERM meets its deadline.
+    # leftover library threads or child processes (hivemind's DHT process is one), so SIGTERM meets its deadline.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
