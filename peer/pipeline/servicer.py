@@ -6,7 +6,7 @@ work first (it frees stashed activations). Outputs go on through ``Hops`` (peer.
 micro-batch, a ``Backward`` without a gradient travels back so that every stage forgets it and stage 0 re-sends its
 sample at once. The last stage computes the loss; a training micro-batch whose loss is far above its recent ones is
 refused everywhere (``refused``), and held against its sender (``PipelineGuard``). Some micro-batches also go to a
-second replica of the next stage, whose gradients must agree (``peer.pipeline.spotcheck``).
+second replica of the next stage, whose gradients must agree (``peer.pipeline.crosscheck``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peer.config import Mode
-from peer.ids import short_id
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.boundary import Boundary
+from peer.pipeline.crosscheck import CrossChecks
 from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
@@ -105,6 +105,11 @@ class PipelineServicer:
         self.hops = Hops(run_id=run.run_id, stage=stage, my_id=my_id, cfg=cfg, send=send, swarm=swarm, router=router,
                          metrics=metrics, accepting=lambda: self._accepting)
         self.hops.cap = self.spot.cap_weights if self.spot is not None else None
+        # the spot checks in flight: second sends, answers held until both are in (peer/pipeline/crosscheck.py)
+        self.checks = None if self.spot is None else CrossChecks(
+            self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
+            held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._requeue,
+            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first))
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -158,6 +163,10 @@ class PipelineServicer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _requeue(self, work: BackwardWork) -> None:
+        self.backward_q.put_nowait(work)
+        self._wake.set()
 
     def idle_s(self) -> float:
         """Seconds since the last forward request was accepted (or since this stage started)."""
@@ -261,8 +270,8 @@ class PipelineServicer:
         self.router.returned(peer_id, msg.mb_id)
         if msg.mb_id not in self.pending:  # dropped while we decoded
             return Ack()
-        if p.checks is not None and peer_id in p.checks:
-            checked = self._checked(p, peer_id, msg, grad)
+        if p.checks is not None and peer_id in p.checks and self.checks is not None:
+            checked = self.checks.answer(p, peer_id, msg, grad)
             if checked is None:
                 return Ack()  # held until its partner's gradient is here
             msg, grad = checked
@@ -271,33 +280,6 @@ class PipelineServicer:
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
         return Ack()
-
-    def _checked(self, p: Pending, peer_id: str, msg: Backward,
-                 grad: torch.Tensor | None) -> tuple[Backward, torch.Tensor | None] | None:
-        """One answer of a spot-checked micro-batch: None while its partner's is missing, else what to train on."""
-        assert p.checks is not None and self.spot is not None
-        if grad is None:  # a drop or a refusal: nothing to compare; the micro-batch goes the way of that answer
-            p.checks = None
-            self.metrics.inc("spotcheck_void")
-            return msg, None
-        p.checks[peer_id] = (msg, grad)
-        if any(v is None for v in p.checks.values()):
-            return None
-        (a, (msg_a, grad_a)), (b, (msg_b, grad_b)) = p.checks.items()  # type: ignore[misc]
-        p.checks = None
-        caught, ban = self.spot.judge(a, grad_a, b, grad_b)
-        self.metrics.spot_checks = self.spot.snapshot()
-        if caught is None:
-            return msg_a, (grad_a + grad_b) / 2
-        logger.warning("spot check of micro-batch %d: the gradients of %s and %s disagree; neither is trained on, "
-                       "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
-                       " and banned" if ban else "")
-        if ban:
-            self.router.ban(caught, self.spot.config.ban_s)
-            self.metrics.inc("spotcheck_banned")
-            self.metrics.warn(f"peer {caught[-8:]} of stage {self.stage + 1} returned gradients that other replicas "
-                              f"contradict; banned for {self.spot.config.ban_s:.0f} s", key=f"spotcheck:{caught}")
-        return msg_a, None  # dropped here and upstream (stage 0 re-sends its sample)
 
     # ----- the compute consumer --------------------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -429,41 +411,13 @@ class PipelineServicer:
                 if not is_eval:
                     self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
                     learning = self.guard.learning("gradients")
-                    if self.spot is not None and self.spot.wants_check(peer, learning=learning):
-                        await self._spot_check(p, peer, msg)
+                    if self.checks is not None and self.checks.wants(peer, learning=learning):
+                        await self.checks.second(p, peer, msg)
             return True
         if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample
             self.metrics.inc("microbatches_dropped")
         await self.drop(mb_id, notify=not self.is_first)
         return False
-
-    async def _spot_check(self, p: Pending, peer: str, msg: Forward) -> None:
-        """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared."""
-        assert self.spot is not None
-        stage = self.stage + 1
-        others = [r.peer_id for r in self.router.candidates(self.hops.next_hops(stage), stage, exclude={peer})]
-        partner = self.spot.partner(peer, others)
-        if partner is None:  # a lone replica: nothing to compare with (the last stage's loss check still applies)
-            return
-        p.checks = {peer: None, partner: None}  # before sending: the primary's gradient may already be on its way
-        p.sent_to.add(partner)
-        reply = await self.hops.forward_to(partner, msg)
-        if self.pending.get(msg.mb_id) is not p:
-            return
-        if isinstance(reply, Ack):
-            self.router.sent(partner, msg.mb_id)
-            self.metrics.inc("spotcheck_sent")
-            return
-        self.metrics.inc("spotcheck_unavailable")
-        held = p.checks.get(peer) if p.checks is not None else None
-        p.checks = None
-        if self.spot.trusted(peer):  # a trusted hop's gradient is applied unchecked anyway
-            if held is not None:
-                self.backward_q.put_nowait(BackwardWork(*held))
-                self._wake.set()
-            return
-        # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
-        await self.drop(msg.mb_id, notify=not self.is_first)
 
     async def drop(self, mb_id: int, *, notify: bool) -> None:
         """Forget a micro-batch here; with ``notify``, tell the previous stage so it forgets it too."""

@@ -1,0 +1,104 @@
+"""A stage's spot checks in flight: a micro-batch also sent to a second replica of the next stage, its two answers
+held until both are in, then judged.
+
+``SpotChecker`` (peer.pipeline.spotcheck) decides which hop is checked, with whom, and who is right; this module does
+the sending and the holding for the servicer: the micro-batch's ``Pending.checks`` holds one slot per replica asked,
+and its gradient is trained on only once both answers agree (their mean), never on an untrusted hop's answer alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from peer.ids import short_id
+from peer.pipeline.work import BackwardWork, Pending
+from protocol.messages import Ack
+
+if TYPE_CHECKING:
+    import torch
+
+    from peer.membership.routing import Router
+    from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.hops import Hops
+    from peer.pipeline.spotcheck import SpotChecker
+    from protocol.messages import Backward, Forward
+
+logger = logging.getLogger(__name__)
+
+
+class CrossChecks:
+    """The spot checks stage ``stage`` runs on the next stage's hops.
+
+    Args:
+        spot: who is checked, with whom, and the verdicts.
+        held: whether a micro-batch is still held here (``held(mb_id, pending)``: not dropped or answered meanwhile).
+        requeue: queue an answer for the compute thread (the held answer of a trusted hop, trained unchecked).
+        drop: drop a micro-batch here and upstream (stage 0 re-sends its sample).
+    """
+
+    def __init__(self, spot: SpotChecker, *, stage: int, hops: Hops, router: Router, metrics: PeerMetrics,
+                 held: Callable[[int, Pending], bool], requeue: Callable[[BackwardWork], None],
+                 drop: Callable[[int], Awaitable[None]]) -> None:
+        self.spot, self.stage, self.hops, self.router, self.metrics = spot, stage, hops, router, metrics
+        self.held, self.requeue, self.drop = held, requeue, drop
+
+    def wants(self, peer: str, *, learning: bool) -> bool:
+        """Whether a training micro-batch just sent to ``peer`` is checked (``learning``: the gradient norm bound is
+        being learnt, so everything is)."""
+        return self.spot.wants_check(peer, learning=learning)
+
+    async def second(self, p: Pending, peer: str, msg: Forward) -> None:
+        """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared."""
+        stage = self.stage + 1
+        others = [r.peer_id for r in self.router.candidates(self.hops.next_hops(stage), stage, exclude={peer})]
+        partner = self.spot.partner(peer, others)
+        if partner is None:  # a lone replica: nothing to compare with (the last stage's loss check still applies)
+            return
+        p.checks = {peer: None, partner: None}  # before sending: the primary's gradient may already be on its way
+        p.sent_to.add(partner)
+        reply = await self.hops.forward_to(partner, msg)
+        if not self.held(msg.mb_id, p):
+            return
+        if isinstance(reply, Ack):
+            self.router.sent(partner, msg.mb_id)
+            self.metrics.inc("spotcheck_sent")
+            return
+        self.metrics.inc("spotcheck_unavailable")
+        held = p.checks.get(peer) if p.checks is not None else None
+        p.checks = None
+        if self.spot.trusted(peer):  # a trusted hop's gradient is applied unchecked anyway
+            if held is not None:
+                self.requeue(BackwardWork(*held))
+            return
+        # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
+        await self.drop(msg.mb_id)
+
+    def answer(self, p: Pending, peer_id: str, msg: Backward,
+               grad: torch.Tensor | None) -> tuple[Backward, torch.Tensor | None] | None:
+        """One answer of a checked micro-batch: None while its partner's is missing, else what to train on (no
+        gradient: dropped here and upstream)."""
+        assert p.checks is not None
+        if grad is None:  # a drop or a refusal: nothing to compare; the micro-batch goes the way of that answer
+            p.checks = None
+            self.metrics.inc("spotcheck_void")
+            return msg, None
+        p.checks[peer_id] = (msg, grad)
+        if any(v is None for v in p.checks.values()):
+            return None
+        (a, (msg_a, grad_a)), (b, (msg_b, grad_b)) = p.checks.items()  # type: ignore[misc]
+        p.checks = None
+        caught, ban = self.spot.judge(a, grad_a, b, grad_b)
+        self.metrics.spot_checks = self.spot.snapshot()
+        if caught is None:
+            return msg_a, (grad_a + grad_b) / 2
+        logger.warning("spot check of micro-batch %d: the gradients of %s and %s disagree; neither is trained on, "
+                       "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
+                       " and banned" if ban else "")
+        if ban:
+            self.router.ban(caught, self.spot.config.ban_s)
+            self.metrics.inc("spotcheck_banned")
+            self.metrics.warn(f"peer {caught[-8:]} of stage {self.stage + 1} returned gradients that other replicas "
+                              f"contradict; banned for {self.spot.config.ban_s:.0f} s", key=f"spotcheck:{caught}")
+        return msg_a, None  # dropped here and upstream (stage 0 re-sends its sample)
