@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -24,19 +24,12 @@ if TYPE_CHECKING:
     from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
     from peer.pipeline.ledger import SampleLedger
+    from peer.seams import Compute
     from peer.state.spare import SpareStore
     from protocol.messages import Message
     from trainer.config import RunConfig
 
-__all__ = ["ComputeCall", "StageContext", "StageNetwork"]
-
-T = TypeVar("T")
-
-
-class ComputeCall(Protocol):
-    """Runs ``fn(*args)`` on the compute thread (``urgent``: before queued micro-batches); returns its result."""
-
-    def __call__(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> Awaitable[T]: ...
+__all__ = ["StageContext", "StageNetwork"]
 
 
 class StageNetwork(Protocol):
@@ -81,7 +74,7 @@ class StageContext:
     router: Router
     costs: list[float]
     """The relative compute cost of every stage (announced throughput is in these units)."""
-    compute: ComputeCall
+    compute: Compute
     announce: Callable[[], Awaitable[None]]
     """Announces the peer's record as it is now."""
     checkpoint: Callable[[], Awaitable[None]]

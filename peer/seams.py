@@ -24,7 +24,11 @@ class WorkerCall(Protocol):
     def __call__(self, fn: Callable[[StageWorker], T], /) -> Awaitable[T]: ...
 
 
-#: run ``fn(*args)`` on the compute thread and return its result
-Compute = Callable[..., Awaitable[Any]]
+class Compute(Protocol):
+    """Run ``fn(*args)`` on the compute thread (``urgent``: before queued micro-batches) and return its result."""
+
+    def __call__(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> Awaitable[T]: ...
+
+
 #: send ``msg`` to RPC ``name`` of peer ``peer_id`` (keyword ``timeout`` in seconds) and return the reply
 Send = Callable[..., Awaitable["Message"]]

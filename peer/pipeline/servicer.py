@@ -308,9 +308,9 @@ class PipelineServicer:
             return
         if self.is_last:
             if msg.is_eval:
-                loss = await self.compute(self.worker.evaluate, x, targets)
+                val_loss = await self.compute(self.worker.evaluate, x, targets)
                 self.pending.pop(msg.mb_id, None)
-                self.spawn(self.hops.backward(p.route[0], msg.mb_id, p.route, None, float(loss), True))
+                self.spawn(self.hops.backward(p.route[0], msg.mb_id, p.route, None, float(val_loss), True))
                 return
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
