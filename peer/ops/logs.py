@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -39,6 +40,7 @@ class JsonLinesFormatter(logging.Formatter):
 
 
 _fork_hook_installed = False
+_OURS: weakref.WeakSet[logging.Handler] = weakref.WeakSet()  # the handlers setup_logging installed
 
 
 def _after_fork_in_child() -> None:
@@ -50,12 +52,12 @@ def _after_fork_in_child() -> None:
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo rich Live's redirection
     root = logging.getLogger()
     for old in list(root.handlers):
-        if getattr(old, "_asyncmesh", False) and not isinstance(old.formatter, JsonLinesFormatter):
+        if old in _OURS and not isinstance(old.formatter, JsonLinesFormatter):
             root.removeHandler(old)
             plain: logging.Handler = logging.StreamHandler(sys.__stderr__)
             plain.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [pid %(process)d] %(name)s: %(message)s"))
             plain.setLevel(logging.WARNING)
-            plain._asyncmesh = True  # type: ignore[attr-defined]
+            _OURS.add(plain)
             root.addHandler(plain)
     from rich import get_console
 
@@ -98,10 +100,10 @@ def setup_logging(level: int | str = "INFO", json: bool | None = None, *, hivemi
         from rich.logging import RichHandler
 
         handler = RichHandler(rich_tracebacks=False, show_path=False, log_time_format="[%X]")
-    handler._asyncmesh = True  # type: ignore[attr-defined]  # lets a second call find and replace it
+    _OURS.add(handler)  # lets a second call find and replace it
     root = logging.getLogger()
     for old in list(root.handlers):
-        if getattr(old, "_asyncmesh", False) or isinstance(old, logging.StreamHandler) and old.stream is sys.stderr:
+        if old in _OURS or isinstance(old, logging.StreamHandler) and old.stream is sys.stderr:
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 DROP_BACKOFF_BASE_S = 0.1  # first pause after a dropped micro-batch; doubles per consecutive drop
 DROP_BACKOFF_MAX_S = 2.0  # longest pause between attempts while the next stage stays unreachable
 FINAL_EVAL_TRIES = 3  # attempts at the validation loss reported when training ends
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """A stream that reads ahead in a thread (``trainer.stream.ShardStream``): it can say whether a batch is ready."""
+
+    def ready(self) -> bool: ...
+
+    def wait_ready(self) -> None: ...
 
 
 class Stage0Driver:
@@ -159,9 +168,9 @@ class Stage0Driver:
     async def _source_ready(self) -> None:
         """Wait, off the event loop, until the stream can hand out a batch at once (a streamed dataset reads ahead
         in a thread; the loop must keep serving RPCs while the source is slow)."""
-        if self.requeue or len(self.ledger) or getattr(self.stream, "ready", lambda: True)():
+        if self.requeue or len(self.ledger) or not isinstance(self.stream, ReadsAhead) or self.stream.ready():
             return
-        await asyncio.get_running_loop().run_in_executor(None, self.stream.wait_ready)  # type: ignore[union-attr]
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.wait_ready)
 
     def _sample(self) -> Sample:
         if self.requeue:
