@@ -108,7 +108,7 @@ class PipelineServicer:
         # the spot checks in flight: second sends, answers held until both are in (peer/pipeline/crosscheck.py)
         self.checks = None if self.spot is None else CrossChecks(
             self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
-            held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._requeue,
+            held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
             drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first))
 
     # ----- helpers ------------------------------------------------------------------------------------------------
@@ -164,7 +164,8 @@ class PipelineServicer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _requeue(self, work: BackwardWork) -> None:
+    def _queue_backward(self, work: BackwardWork) -> None:
+        """Queue validated backward work for the compute thread (it goes before forwards)."""
         self.backward_q.put_nowait(work)
         self._wake.set()
 
@@ -275,8 +276,7 @@ class PipelineServicer:
             if checked is None:
                 return Ack()  # held until its partner's gradient is here
             msg, grad = checked
-        self.backward_q.put_nowait(BackwardWork(msg, grad))
-        self._wake.set()
+        self._queue_backward(BackwardWork(msg, grad))
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
         return Ack()
