@@ -31,6 +31,7 @@ class Net:
 
     async def send(self, peer_id: str, name: str, msg: Message) -> Message:
         self.calls.append((peer_id, name))
+        await asyncio.sleep(0)  # a call yields to the event loop, as a real one does
         reply = self.script[peer_id].pop(0)
         if isinstance(reply, Exception):
             raise reply
