@@ -1,27 +1,13 @@
-"""Keyed exchange of tensor parts between same-stage peers: the transport layer under the averaging loops.
+"""Keyed exchange of tensor parts between same-stage peers: the transport under the averaging loops.
 
-One ``PartExchange`` serves one RPC name. Each *slot* (an averaging round, or a synchronous step) holds this peer's own
-part and whatever validated parts other peers sent for the same key. An exchange is symmetric: the caller sends its
-part as the request and the callee answers with its own, so one successful call gives both sides both parts. To send
-each slice once per pair, the peer with the smaller id calls; the other calls only when it has heard nothing by half
-of the slot's window (a peer may not see the other in the DHT yet, or may only be able to dial out).
-
-Everything received is validated before it is kept: run, stage and key; the claimed sender equals the authenticated
-libp2p id that the RPC layer reports; the payload decodes to exactly the local shapes and dtype, all finite; and the
-slot owner's ``check`` (e.g. bounded distance from the local values) passes. An optional ``member`` hook refuses
-senders that are not announced peers of the stage before anything is decoded (UNAUTHORIZED,
-``rejected:avg_not_member``).
-A rejected part is answered with an error code, counted as ``rejected:avg_<reason>`` in PeerMetrics, and never
-reaches the weights. The ``weight`` field of the message is ignored: every accepted contribution counts equally, one
-per authenticated peer id, as chosen by the receiver.
-
-Own values are quantised with the run's averaging codec and then *decoded again locally*, so every peer averages the
-very same numbers: two peers that hold the same set of contributions compute bit-identical means.
-
-Measurements only: with ``keep_offers`` a slot keeps the raw parts that arrive before our own part is set, and
-``decode_offers`` decodes them; the red team's rushing attack (tools/byzantine_peer.py, through the behaviour seam of
-peer/averaging/behaviour.py) builds its part from them.
-An honest peer never sets it.
+One ``PartExchange`` serves one RPC name; each *slot* (an averaging round, or a synchronous step) holds our part and
+the validated parts others sent under the same key. A call is symmetric (the request carries the caller's part, the
+reply the callee's), and the smaller id calls first, so each pair exchanges a slice once. Everything received is
+validated before it is kept (run, stage, key, the sender equal to the authenticated libp2p id, exact shapes and dtype,
+finite values, the slot owner's ``check``; ``member`` refuses non-members before decoding), and a refusal is an error
+reply counted as ``rejected:avg_<reason>``. Our own values are quantised and decoded again locally, so peers holding
+the same contributions compute bit-identical means. docs/design.md ("Data-parallel axis") and docs/protocol.md give
+the timing and the wire format; ``keep_offers`` serves the red team's measurements only.
 """
 
 from __future__ import annotations

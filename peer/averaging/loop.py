@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 CADENCE_MIN_ROUNDS = 5  # rounds before the per-step fraction is compared with the run's
-CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is reported (the tick's
-# rounding alone costs up to one period per round: ~20 % on the default run on 2 CPU cores)
+CADENCE_TOLERANCE = 0.5  # a per-step fraction below this share of the run's is reported (rounds open on ticks, so
+# the tick's rounding alone costs up to one period per round)
 
 AVG_RPC = "avg_part"
 WINDOW_EMA = 0.2  # weight of the latest round in the exchange window's moving average

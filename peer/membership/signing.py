@@ -1,23 +1,11 @@
 """Owned DHT records: each record is signed by its peer's libp2p identity key and every node refuses the rest.
 
-A record of the run is stored under the run's key with the peer id as subkey. Its DHT value is an envelope
-``{"b": body, "k": public key, "s": signature}`` (+ ``"c"``: a closed run's credential): ``body`` is the
-msgpack-encoded record, ``k`` the peer's libp2p public key (protobuf, as libp2p serialises it) and ``s`` a signature
-over (domain, run key, peer id, expiration, body, credential): a credential cannot be swapped into another's record.
-A libp2p peer id is derived from its public key (an identity multihash for Ed25519, SHA-256 for RSA), so checking
-that ``k`` hashes to the subkey and that ``s`` verifies needs no lookup. The expiration is inside the signature, so it
-cannot be stretched, and it may not lie further ahead than ``MAX_RECORD_TTL_S`` (+ clock slack): a record for ten years
-that would outlive every later announcement of its owner is refused. A replayed old record carries its old expiration,
-so hivemind's storage keeps the owner's newer one.
-
-``SignedRecordValidator`` is installed in every node's DHT (``hivemind.DHT(record_validators=...)``), so honest nodes
-refuse to store or return a forged record; readers verify again (``open_envelope``) because a DHT node may lie. The
-validator also refuses every value under any other key: a peer's DHT stores the run's records and nothing else.
-
-One cost per signature: keys are Ed25519 or RSA of exactly 2048 bits with the public exponent 65537 (what libp2p and
-hivemind generate); an RSA key with a huge exponent costs ~80x more per verification and is refused before any
-arithmetic. Verified signatures are remembered (``_verified``, bounded), so a reader that re-reads the swarm every
-second verifies each record once, not once per read.
+A record is stored under the run's key with the peer id as subkey, as an envelope ``{"b": body, "k": public key,
+"s": signature}`` (+ ``"c"``: a closed run's credential); the signature covers a domain, the run key, the peer id, the
+expiration, the body and the credential, and the peer id is derived from ``k``, so checking needs no lookup and
+neither the expiration nor the credential can be swapped. ``SignedRecordValidator`` runs in every node's DHT (and
+refuses every other key); readers check again with ``open_envelope``. Keys are Ed25519 or RSA-2048 with e = 65537
+only (one cost per signature), and verified signatures are remembered. docs/security.md gives the threat model.
 """
 
 from __future__ import annotations
