@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import torch
+
 import protocol.rpc as rpc_mod
-from protocol.messages import Ack
+from peer.averaging.config import NetAveragingConfig
+from peer.averaging.sync import StageMembers, SyncAverager
+from peer.membership.records import PeerRecord
+from peer.ops.metrics import PeerMetrics
+from protocol.codecs.registry import encode
+from protocol.errors import RemoteError
+from protocol.messages import Ack, AveragingPart
 from protocol.rpc import RpcTransport
+from tests.test_netavg_rounds import RUN, MemTransport
+
+
+def rec(pid: str, stage: int) -> PeerRecord:
+    return PeerRecord(peer_id=pid, stage=stage, throughput=1.0, queue=0, version=0, state="training")
 
 
 class _Server:
@@ -45,3 +59,44 @@ def test_every_handler_has_a_request_size_limit_that_its_largest_honest_request_
                           tensors=[encode(p, "none") for p in params], weight=1.0)
     assert len(pack(whole)) <= sizes["avg_part"] < 2 * len(pack(whole)) + 2**20
     assert sizes["state"] < 64 * 1024
+
+
+def test_sync_mode_admits_parts_only_from_announced_replicas_of_the_stage():
+    """phantom barriers: before, any peer's part for a future step opened a barrier (4 at most, then honest replicas'
+    were refused) and made a later stage close its flush early; membership was checked only when averaging."""
+    async def main() -> None:
+        net = MemTransport()
+        view = {"p0": rec("p0", 0), "p1": rec("p1", 0), "s1": rec("s1", 1)}
+        reads: list[int] = []
+
+        async def refresh() -> None:
+            reads.append(1)
+            if len(reads) == 2:
+                view["late"] = rec("late", 0)  # a replica that announced itself a moment ago
+
+        opened: list[tuple[int, str]] = []
+        members = StageMembers(stage=0, swarm=lambda: view, refresh=refresh, refresh_s=0.0)
+        target = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=PeerMetrics("p0", 0),
+                              config=NetAveragingConfig(sync_timeout_s=0.3), transport=net.for_peer("p0"),
+                              me="p0", member=members)
+        target.on_remote_open = lambda step, peer: opened.append((step, peer))
+        await target.start()
+
+        def part(step: int, sender: str) -> AveragingPart:
+            return AveragingPart(run_id=RUN.run_id, stage=0, round_no=step, sender=sender,
+                                 tensors=[encode(torch.ones(6), "none")], weight=1.0)
+
+        for sender in ("evil", "s1"):  # a stranger, and an announced peer of another stage
+            for step in range(1, 6):
+                with pytest.raises(RemoteError, match="not_member"):
+                    await net.for_peer(sender).call("p0", "avg_sync", part(step, sender), timeout=2.0)
+        assert target.exchange.slots == {} and opened == []
+        assert target.metrics.snapshot()["counters"]["rejected:avg_not_member"] == 10
+        honest = asyncio.create_task(net.for_peer("p1").call("p0", "avg_sync", part(7, "p1"), timeout=2.0))
+        late = asyncio.create_task(net.for_peer("late").call("p0", "avg_sync", part(8, "late"), timeout=2.0))
+        await asyncio.sleep(0.05)
+        assert set(target.exchange.slots) == {7, 8} and opened == [(7, "p1"), (8, "late")]
+        honest.cancel()
+        late.cancel()
+
+    asyncio.run(main())
