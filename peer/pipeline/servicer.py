@@ -109,7 +109,7 @@ class PipelineServicer:
         self.checks = None if self.spot is None else CrossChecks(
             self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
             held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
-            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first))
+            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer))
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
