@@ -369,7 +369,8 @@ def test_a_low_median_holds_the_ceiling_down_only_for_a_while():
     """Training loss falls: the ceiling's median may rise only 10 % above its lowest of the last loss_floor_s; an
     honest rise (harder data, a neighbour's averaging) is followed once that stretch has passed."""
     clock = Clock()
-    g = PipelineGuard(stage=1, swarm=lambda: {p: rec(p, 0) for p in ("a", "b")}, count=lambda k: None,
+    counts: Counter[str] = Counter()
+    g = PipelineGuard(stage=1, swarm=lambda: {p: rec(p, 0) for p in ("a", "b")}, count=lambda k: counts.update([k]),
                       config=GuardConfig(loss_trust_s=0.0))
     g.clock = clock
     for i in range(32):
@@ -378,7 +379,7 @@ def test_a_low_median_holds_the_ceiling_down_only_for_a_while():
     for i in range(32):  # both senders' losses rise to 2.6: the ceiling's median is held at 2.2 for now
         clock.t += 1.0
         g.loss_verdict("ab"[i % 2], 2.6)
-    assert g.loss_ceiling() == pytest.approx(2.2 + 1.1)
+    assert g.loss_ceiling() == pytest.approx(2.2 + 1.1) and counts["flagged:loss_ceiling_held"] == 1
     for i in range(150):
         clock.t += 1.0
         g.loss_verdict("ab"[i % 2], 2.6)

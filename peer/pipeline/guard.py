@@ -261,8 +261,9 @@ class PipelineGuard:
             return None
         median = bounds[0]
         floor = self._lowest_median(self.clock())
-        if floor is not None:
-            median = min(median, floor * (1.0 + self.config.loss_rise_slack))
+        if floor is not None and median > floor * (1.0 + self.config.loss_rise_slack):
+            median = floor * (1.0 + self.config.loss_rise_slack)
+            self.count("flagged:loss_ceiling_held")  # per micro-batch judged under the held ceiling
         return median + max(self.config.loss_tolerance * median, self.config.loss_abs_tolerance)
 
     def _lowest_median(self, now: float) -> float | None:
