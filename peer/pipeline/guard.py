@@ -23,7 +23,7 @@
 - The ceiling's window holds only *trained* losses, of senders whose first trained micro-batch is at least
   ``loss_trust_s`` old (any trained sender's while the window warms up), at most ``loss_sender_cap`` per sender: a
   sender feeding losses just under the ceiling cannot drag it up window after window. Training loss falls, so the
-  median the ceiling is set from may rise at most ``loss_rise_slack`` above the lowest median of the last
+  median the ceiling is set from is held at most ``loss_rise_slack`` above the lowest (held) median of the last
   ``loss_floor_s`` seconds: beside a single honest sender (whose values are half the window, whatever the cap) such a
   sender moves the ceiling by that slack per ``loss_floor_s`` at most, not to the midpoint between them at once.
   When *everything* is refused
@@ -83,9 +83,11 @@ class GuardConfig:
     loss_sender_cap: int = 16
     """Most losses of one sender in the ceiling's window (its oldest is dropped for a newer one)."""
     loss_rise_slack: float = 0.1
-    """The ceiling's median is at most this fraction above the lowest median of the last ``loss_floor_s`` seconds."""
-    loss_floor_s: float = 120.0
-    """How long a low median of the ceiling's window holds its median down (a stretch with nothing trained ends it)."""
+    """The ceiling's median is held at most this fraction above its lowest of the last ``loss_floor_s`` seconds."""
+    loss_floor_s: float = 300.0
+    """How long a low median of the ceiling's window holds its median down: the ceiling rises at most
+    ``loss_rise_slack`` per this many seconds however the window moves (an honest rise of the loss is followed as
+    slowly; one far above it is refused and relearnt, ``loss_relearn_after``)."""
     loss_relearn_after: int = 32
     """Training losses refused in a row (none trained meanwhile) after which the ceiling's window is relearnt."""
     share_initial: int = 2
@@ -259,12 +261,15 @@ class PipelineGuard:
         bounds = self._loss_bounds(False)
         if bounds is None:
             return None
-        median = bounds[0]
-        floor = self._lowest_median(self.clock())
-        if floor is not None and median > floor * (1.0 + self.config.loss_rise_slack):
-            median = floor * (1.0 + self.config.loss_rise_slack)
+        median = self._held(bounds[0], self.clock())
+        if median < bounds[0]:
             self.count("flagged:loss_ceiling_held")  # per micro-batch judged under the held ceiling
         return median + max(self.config.loss_tolerance * median, self.config.loss_abs_tolerance)
+
+    def _held(self, median: float, now: float) -> float:
+        """``median`` of the ceiling's window, held at most ``loss_rise_slack`` above its lowest of late."""
+        floor = self._lowest_median(now)
+        return median if floor is None else min(median, floor * (1.0 + self.config.loss_rise_slack))
 
     def _lowest_median(self, now: float) -> float | None:
         """The lowest median of the ceiling's window over the last ``loss_floor_s`` seconds (None: none)."""
@@ -273,12 +278,13 @@ class PipelineGuard:
         return self._floor[0][1] if self._floor else None
 
     def _note_median(self, now: float) -> None:
-        """Remember the training window's median (once it holds a quarter of its size) for ``_lowest_median``: a
-        sliding minimum, at most one entry per second."""
+        """Remember the training window's median as held (once the window holds a quarter of its size) for
+        ``_lowest_median``: a sliding minimum, at most one entry per second. The held value, not the window's: else
+        the hold would end at once after ``loss_floor_s`` under a sender keeping the window's median high."""
         window = self._losses[False]
         if len(window.values) < max(self.config.loss_warmup, self.config.loss_window // 4):
             return
-        median = statistics.median(window.values)
+        median = self._held(statistics.median(window.values), now)
         while self._floor and self._floor[-1][1] >= median:
             self._floor.pop()
         if not self._floor or now - self._floor[-1][0] >= 1.0:
