@@ -14,7 +14,7 @@ from peer.config import PeerConfig
 from peer.membership.records import PeerRecord
 from peer.membership.routing import BLACKHOLE_MIN_S, BLACKHOLE_UNMEASURED_S, Router
 from peer.pipeline.driver import Stage0Driver
-from peer.pipeline.guard import GuardConfig, PipelineGuard, WorkShare
+from peer.pipeline.guard import KNOWN_SENDERS, GuardConfig, PipelineGuard, WorkShare
 from peer.pipeline.work import REFUSED
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Backward, Busy, Error, Forward
@@ -388,3 +388,19 @@ def test_a_low_median_holds_the_ceiling_down_and_lets_it_rise_10_percent_per_los
         clock.t += 1.0
         g.loss_verdict("ab"[i % 2], 3.0)
     assert g.loss_ceiling() == pytest.approx(3.0 * 1.5)  # caught up: the window's own median again
+
+
+def test_a_crowd_of_one_off_senders_does_not_make_a_steady_sender_a_newcomer_again():
+    """Before, the oldest first-trained entries were forgotten first: 4,096 identities with one trained micro-batch
+    each made the longest-known senders newcomers, whose losses the ceiling's window no longer took."""
+    clock = Clock()
+    g = PipelineGuard(stage=1, swarm=lambda: {}, count=lambda k: None, config=GuardConfig(loss_warmup=1))
+    g.clock = clock
+    g.loss_verdict("h", 2.0)
+    clock.t += 60
+    for i in range(KNOWN_SENDERS + 10):
+        g.loss_verdict(f"sybil{i}", 2.0)
+        if i % 256 == 0:
+            g.loss_verdict("h", 2.0)  # the steady sender keeps working
+    g.loss_verdict("h", 2.5)
+    assert g._losses[False].values[-1] == 2.5  # still long known: its loss is taken

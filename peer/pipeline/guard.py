@@ -51,6 +51,8 @@ from peer.membership.records import PeerRecord
 logger = logging.getLogger(__name__)
 
 SENDER_STATES = (PeerState.TRAINING, PeerState.DRAINING)
+KNOWN_SENDERS = 4096
+"""Senders whose first trained micro-batch is remembered (for ``loss_trust_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +165,8 @@ class PipelineGuard:
         self._norms = {"activations": _Window(self.config.norm_window), "gradients": _Window(self.config.norm_window)}
         self._losses = {False: _Window(self.config.loss_window), True: _Window(self.config.loss_window)}
         self.share = WorkShare(self.config, count)
-        self._first_trained: OrderedDict[str, float] = OrderedDict()  # sender -> when its first work was trained
+        # sender -> when its first work was trained, least recently trained first
+        self._first_trained: OrderedDict[str, float] = OrderedDict()
         # (when, median) of the ceiling's window, medians increasing: its head is the lowest of the last loss_floor_s
         self._floor: deque[tuple[float, float]] = deque()
         self.clock: Callable[[], float] = time.monotonic
@@ -302,9 +305,11 @@ class PipelineGuard:
                 self.share.refused(sender)
         if refused is None:
             now = self.clock()
-            first = self._first_trained.setdefault(sender or "", now)
-            while len(self._first_trained) > 4096:
-                self._first_trained.popitem(last=False)
+            key = sender or ""
+            first = self._first_trained.setdefault(key, now)
+            self._first_trained.move_to_end(key)  # bounded by forgetting the sender trained least recently, so
+            while len(self._first_trained) > KNOWN_SENDERS:  # a crowd of one-off identities cannot make the
+                self._first_trained.popitem(last=False)  # steady senders newcomers again
             if now - first >= self.config.loss_trust_s:
                 window.add(loss, sender, cap=self.config.loss_sender_cap)
             elif len(window.values) < self.config.loss_warmup:  # a newcomer helps warm up, never alone
