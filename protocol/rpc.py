@@ -163,6 +163,11 @@ class RpcServer:
         while len(self._known) > MAX_KNOWN_PEERS:
             self._known.popitem(last=False)
 
+    def revoke(self, peer_id: str) -> None:
+        """``peer_id`` was caught doing bad work (fabricated gradients, work refused again and again): a stranger
+        again, with a stranger's budgets and bans, until its validated work vouches for it anew."""
+        self._known.pop(peer_id, None)
+
     def is_known(self, peer_id: str) -> bool:
         return peer_id in self._known
 

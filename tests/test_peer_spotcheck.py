@@ -96,7 +96,8 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     applied: dict[int, torch.Tensor] = {}
     backward = a0.worker.backward
     vouched: set[str] = set()
-    a0.vouch = vouched.add
+    revoked: set[str] = set()
+    a0.vouch, a0.revoke = vouched.add, revoked.add
 
     def recording(mb_id, grad):
         applied[mb_id] = grad.clone()
@@ -120,4 +121,5 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     assert trained_fakes == [], f"stage 0 trained on {len(trained_fakes)} fabricated gradients"
     assert counters.get("spotcheck_banned", 0) >= 1 and a0.router.candidates([fake], 1) == []
     assert "fake1" not in vouched and "b1" in vouched  # known only through work that was checked and trained
+    assert revoked == {"fake1"}  # and a stranger for good once banned
     assert a0.worker.local_step >= 60

@@ -13,10 +13,11 @@ from peer.averaging.config import NetAveragingConfig
 from peer.averaging.sync import StageMembers, SyncAverager
 from peer.membership.records import PeerRecord
 from peer.ops.metrics import PeerMetrics
+from peer.pipeline.guard import GuardConfig, WorkShare
 from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
 from protocol.messages import Ack, AveragingPart
-from protocol.rpc import RpcTransport
+from protocol.rpc import RpcServer, RpcTransport
 from tests.test_netavg_rounds import RUN, MemTransport
 
 
@@ -100,3 +101,22 @@ def test_sync_mode_admits_parts_only_from_announced_replicas_of_the_stage():
         late.cancel()
 
     asyncio.run(main())
+
+
+def test_a_peer_banned_for_bad_work_is_a_stranger_again():
+    """Known is not for good: a sender whose work our loss check refused again and again while others' was trained
+    (a share ban) loses the known peer's budgets, its immunity to bans and its place among the preferred state
+    witnesses, until validated work vouches for it anew (a hop banned by spot checks likewise: test_peer_spotcheck)."""
+    server = RpcServer(None)  # type: ignore[arg-type]  # no p2p: only its bookkeeping of known peers is used
+    banned: list[str] = []
+    share = WorkShare(GuardConfig(share_ban_after=3), lambda name: None)
+    share.on_ban = lambda peer: (banned.append(peer), server.revoke(peer))
+    for peer in ("honest", "liar"):
+        server.vouch(peer)  # both had work trained once
+    for _ in range(3):
+        share.refused("liar")
+        share.trained("honest")
+    assert banned == ["liar"]
+    assert server.is_known("honest") and not server.is_known("liar") and server.known_peers() == ["honest"]
+    server.vouch("liar")  # trained work again: known again
+    assert server.is_known("liar")

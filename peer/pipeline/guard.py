@@ -355,6 +355,8 @@ class WorkShare:
     def __init__(self, config: GuardConfig, count: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.count, self.clock = config, count, clock
+        self.on_ban: Callable[[str], None] | None = None
+        """Told of each sender banned here (the stage makes it a stranger again)."""
         self._peers: dict[str, _Share] = {}
         self._trained_total = 0
 
@@ -401,6 +403,8 @@ class WorkShare:
             share.banned_until = self.clock() + self.config.share_ban_s * min(2 ** (share.bans - 1), 16)
             share.streak = 0
             self.count("share_bans")
+            if self.on_ban is not None:
+                self.on_ban(peer_id)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per sender: allowance, trained, refused (for /status and tests)."""
