@@ -14,11 +14,14 @@ from peer.averaging.sync import StageMembers, SyncAverager
 from peer.membership.records import PeerRecord
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.guard import GuardConfig, WorkShare
+from peer.state.sync import StateSyncConfig
 from protocol.codecs.registry import encode
 from protocol.errors import RemoteError
-from protocol.messages import Ack, AveragingPart
+from protocol.messages import Ack, AveragingPart, Busy, StateChunk, StateDigestRequest, StateRequest
 from protocol.rpc import RpcServer, RpcTransport
 from tests.test_netavg_rounds import RUN, MemTransport
+from tests.test_state_sync import RUN as STATE_RUN
+from tests.test_state_sync import _server, _trained_worker
 
 
 def rec(pid: str, stage: int) -> PeerRecord:
@@ -120,3 +123,28 @@ def test_a_peer_banned_for_bad_work_is_a_stranger_again():
     assert server.is_known("honest") and not server.is_known("liar") and server.known_peers() == ["honest"]
     server.vouch("liar")  # trained work again: known again
     assert server.is_known("liar")
+
+
+def test_state_transfers_chunks_and_digests_are_limited_per_peer():
+    """state_flood: a peer may start a few transfers or digests (each may cost a snapshot) and fetch chunks at a
+    bounded rate; beyond either it is answered Busy, counted, and other peers are served as before."""
+    async def main() -> None:
+        config = StateSyncConfig(chunk_bytes=16 * 1024)
+        server = _server(_trained_worker(1, 1), clock=lambda: 0.0, config=config)
+        first = await server._handle(StateRequest(run_id=STATE_RUN.run_id, stage=0, chunk=0), "flooder")
+        assert isinstance(first, StateChunk) and first.n_chunks > 2
+        run_id, n = STATE_RUN.run_id, first.n_chunks
+        chunks = [await server._handle(StateRequest(run_id=run_id, stage=0, chunk=1 + i % (n - 1),
+                                                    version=first.version), "flooder")
+                  for i in range(config.peer_chunk_burst + 10)]
+        assert sum(isinstance(r, StateChunk) for r in chunks) == config.peer_chunk_burst
+        assert all(isinstance(r, Busy) for r in chunks[config.peer_chunk_burst:])
+        digests = [await server._handle(StateDigestRequest(run_id=run_id, stage=0, seed=i, dims=64), "flooder")
+                   for i in range(config.peer_start_burst)]  # chunk 0 spent one of the same budget
+        assert sum(isinstance(r, StateChunk) for r in digests) == config.peer_start_burst - 1
+        assert isinstance(digests[-1], Busy)
+        other = await server._handle(StateDigestRequest(run_id=run_id, stage=0, seed=0, dims=64), "joiner")
+        assert isinstance(other, StateChunk)
+        assert server.metrics.snapshot()["counters"]["rejected:state_rate_limited"] == 10 + 1
+
+    asyncio.run(main())
