@@ -173,6 +173,11 @@ class Presence:
         if self.rpc is not None:
             self.rpc.vouch(peer_id)
 
+    def revoke(self, peer_id: str) -> None:
+        """``peer_id`` was caught doing bad work: a stranger again, and no longer a preferred state witness."""
+        if self.rpc is not None:
+            self.rpc.revoke(peer_id)
+
     def trusted_peers(self) -> list[str]:
         """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
         return self.rpc.known_peers() if self.rpc is not None else []

@@ -124,7 +124,7 @@ class StageService:
         # Until then our record carries a guess (the swarm's median): a joiner choosing its stage in the meantime
         # would weigh our guess against others' measurements and pile onto our stage, so announce the real figure.
         pipe.meter.on_first_measure = lambda: pipe.spawn(self._announce_measured())
-        pipe.vouch = host.net.vouch
+        pipe.vouch, pipe.revoke = host.net.vouch, host.net.revoke
         age = host.cfg.state_snapshot_max_age_s
         self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
                                         worker_call=self.worker_call, metrics=host.metrics,

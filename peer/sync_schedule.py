@@ -7,7 +7,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from peer.averaging.sync import FlushClock, SyncAverager
+from peer.averaging.config import NetAveragingConfig
+from peer.averaging.sync import FlushClock, StageMembers, SyncAverager
 from peer.ids import short_id
 from peer.lifecycle import PeerState
 
@@ -46,8 +47,13 @@ class SyncSchedule:
 
     @classmethod
     async def start(cls, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineServicer) -> SyncSchedule:
+        # a part is admitted only from an announced replica of the stage: a stranger's must not open barriers,
+        # hold the pending steps or make this stage close a flush early
+        config = NetAveragingConfig()
+        members = StageMembers(stage=stage, swarm=lambda: host.net.swarm, refresh=host.net.refresh_swarm,
+                               refresh_s=config.member_refresh_s)
         averager = SyncAverager(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
-                                metrics=host.metrics)
+                                metrics=host.metrics, config=config, member=members)
         await averager.start()
         self = cls(host, stage, worker, pipe, averager)
         if stage > 0:

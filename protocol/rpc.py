@@ -118,8 +118,9 @@ class RpcServer:
     `rejected` counts refused or failed requests by reason (the lower-case ErrorCode name, or 'busy'); `served`
     counts handled requests by handler name; `bytes_in` / `bytes_out` count payload bytes.
 
-    Strangers: a peer is a stranger until ``vouch(peer_id)`` is called for it (the owner does so once the peer did
-    useful work, e.g. answered a call of ours). Strangers get ``stranger_streams`` streams and
+    Strangers: a peer is a stranger until ``vouch(peer_id)`` is called for it (the owner does so once it validated
+    work of the peer: a trained gradient or micro-batch, an averaging part the aggregate kept; never for a reply,
+    which anyone can send). Strangers get ``stranger_streams`` streams and
     ``stranger_inflight_bytes`` of buffer each, all together at most ``strangers_inflight_bytes``. Every request must
     arrive at ``min_bytes_per_s`` on average after ``rate_grace_s``, or its stream is cut. A stranger that used up its
     refusals is banned (``flood``, protocol/gate.py): its streams are held unread by our end of p2pd's streams
@@ -161,6 +162,11 @@ class RpcServer:
         self.flood.unban(peer_id)
         while len(self._known) > MAX_KNOWN_PEERS:
             self._known.popitem(last=False)
+
+    def revoke(self, peer_id: str) -> None:
+        """``peer_id`` was caught doing bad work (fabricated gradients, work refused again and again): a stranger
+        again, with a stranger's budgets and bans, until its validated work vouches for it anew."""
+        self._known.pop(peer_id, None)
 
     def is_known(self, peer_id: str) -> bool:
         return peer_id in self._known

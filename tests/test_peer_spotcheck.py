@@ -95,6 +95,9 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     fake = PeerRecord(peer_id="fake1", stage=1, throughput=1e9, queue=0, version=0, state="training")
     applied: dict[int, torch.Tensor] = {}
     backward = a0.worker.backward
+    vouched: set[str] = set()
+    revoked: set[str] = set()
+    a0.vouch, a0.revoke = vouched.add, revoked.add
 
     def recording(mb_id, grad):
         applied[mb_id] = grad.clone()
@@ -117,4 +120,6 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     trained_fakes = [mb for mb, g in applied.items() if mb in fab.sent and distance(g, fab.sent[mb]) < 0.5]
     assert trained_fakes == [], f"stage 0 trained on {len(trained_fakes)} fabricated gradients"
     assert counters.get("spotcheck_banned", 0) >= 1 and a0.router.candidates([fake], 1) == []
+    assert "fake1" not in vouched and "b1" in vouched  # known only through work that was checked and trained
+    assert revoked == {"fake1"}  # and a stranger for good once banned
     assert a0.worker.local_step >= 60

@@ -195,7 +195,7 @@ def test_vouching_for_a_banned_peer_lifts_its_ban():
             writer.write(frame_header(len(pack(HELLO)), end=True) + pack(HELLO))
             assert await _reply_or_eof(reader, 1.0) == "nothing"
             writer.close()
-            rpc.vouch(pid)  # it answered a call of ours
+            rpc.vouch(pid)  # it did validated work for us
             assert rpc.flood.banned_for(pid) == 0.0
             assert isinstance(await call(client, server.peer_id, "echo", HELLO, timeout=5, limits=limits), Ack)
         finally:

@@ -208,13 +208,13 @@ async def costly_keys(att: Any, victims: dict[str, str], until: float) -> dict[s
 async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger fetches stage 0's weights from a (as any joiner may), announces itself as a stage-0 peer and sends
     the last stage forwards of real data through that honest copy, with a share of each micro-batch's targets
-    scrambled so that its loss lands just under the last stage's loss ceiling: it reads each verdict (the loss in the
-    Backward, trained or refused) and scrambles more after a trained one, less after a refused one, to drag the
+    scrambled so that its loss lands just under the last stage's loss ceiling: it reads each verdict (the loss in
+    the Backward, trained or refused) and scrambles more after a trained one, less after a refused one, to drag the
     ceiling up and have ever worse micro-batches trained. The ceiling's window takes only trained losses of senders
-    known for 30 s, at most 16 per sender. The attacker also runs a copy of stage 1 (fetched from b, refreshed every
-    15 s) on the same batches unscrambled: its honest losses give the ceiling honest traffic alone sets (median +
-    max(0.5 x median, 1.0), the guard's rule); the highest loss b trained in the last third of the phase must stay
-    within 10 % of it."""
+    known for 30 s, at most 16 per sender, and the median it is set from rises at most 10 % per 300 s. The attacker
+    also runs a copy of stage 1 (fetched from b, refreshed every 15 s) on the same batches unscrambled: its honest
+    losses give the ceiling honest traffic alone sets (median + max(0.5 x median, 1.0), the guard's rule); the
+    highest loss b trained in the last third of the phase must stay within 10 % of it."""
     run = att.run
     state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
                                         donors=[victims["a"]])

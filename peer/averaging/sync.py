@@ -4,10 +4,12 @@ Every replica calls ``all_average(step, tensors, peers)`` once per optimiser ste
 the stage's other replicas. Parts travel over the same validated pairwise exchange as the asynchronous rounds
 (``averaging.exchange``), with an exact codec by default, and every replica returns the aggregate of its own tensors
 and every valid part that arrived before ``sync_timeout_s`` from a replica its view announces on the stage, with how
-many replicas it covers. With three or more parts, one far from the coordinate-wise median (zeros, a scaled or
-flipped gradient) is dropped as in the asynchronous rounds (``peer.averaging.aggregate``); the rest are averaged with
-the plain mean, as the textbook baseline does (a trimmed mean of a few gradients would be a different, noisier
-estimator). A replica that does not arrive costs the others the wait, never a wrong sum.
+many replicas it covers. A part is admitted only from an announced training replica of the stage (``StageMembers``),
+before it can open a barrier, hold a pending step or make a later stage close its flush. With three or more parts, one
+far from the coordinate-wise median (zeros, a scaled or flipped gradient) is dropped as in the asynchronous rounds
+(``peer.averaging.aggregate``); the rest are averaged with the plain mean, as the textbook baseline does (a trimmed
+mean of a few gradients would be a different, noisier estimator). A replica that does not arrive costs the others the
+wait, never a wrong sum.
 
 Barriers are keyed by step number, and replicas must agree on it. A joiner loads a donor's state (and its step) from a
 snapshot while the others keep stepping, so it starts behind. When a part for a later step arrives while we wait at
@@ -22,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,7 @@ from peer.averaging.exchange import (
     finite_norm_check,
 )
 from peer.ids import short_id
+from peer.lifecycle import PeerState
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
 from trainer.config import RunConfig
@@ -44,6 +47,7 @@ from trainer.config import RunConfig
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
+    from peer.membership.records import PeerRecord
     from peer.ops.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
@@ -54,13 +58,52 @@ MAX_JUMPS = 3
 FINISHED_KEPT = 2  # finished barriers whose own part is kept to answer a replica whose reply from us was lost
 
 
+class StageMembers:
+    """Whether a sender is an announced training replica of ``stage`` in the peer's validated view (``swarm``). A
+    sender not in it makes the view be re-read (``refresh``), at most once per ``refresh_s`` and shared by every
+    caller waiting meanwhile, so a replica that joined a moment ago is admitted and a stranger's flood costs one DHT
+    read per ``refresh_s``."""
+
+    def __init__(self, *, stage: int, swarm: Callable[[], dict[str, PeerRecord]],
+                 refresh: Callable[[], Awaitable[object]] | None = None, refresh_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stage, self.swarm, self.refresh, self.refresh_s, self.clock = stage, swarm, refresh, refresh_s, clock
+        self._read_at = -float("inf")
+        self._reading: asyncio.Task[object] | None = None
+
+    def announced(self, peer: str) -> bool:
+        record = self.swarm().get(peer)
+        return record is not None and record.stage == self.stage and record.state == PeerState.TRAINING
+
+    async def __call__(self, peer: str) -> bool:
+        if self.announced(peer):
+            return True
+        if self.refresh is not None and self._reading is None and self.clock() - self._read_at >= self.refresh_s:
+            self._read_at = self.clock()
+            self._reading = asyncio.ensure_future(self.refresh())
+            self._reading.add_done_callback(self._read_done)
+        if self._reading is not None:
+            try:
+                await asyncio.shield(self._reading)
+            except Exception as e:  # the old view stands; the sender is refused this time
+                logger.debug("re-reading the stage's replicas failed: %r", e)
+        return self.announced(peer)
+
+    def _read_done(self, task: asyncio.Task[object]) -> None:
+        self._reading = None
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed read is logged by the caller that waited for it
+
+
 class SyncAverager:
-    """See the module docstring. Args as AveragingLoop, without the DHT and the worker."""
+    """See the module docstring. Args as AveragingLoop, without the DHT and the worker; ``member``: async fn(sender)
+    -> whether its part may be admitted at all (``StageMembers``; None: anyone, as in unit tests of the barrier)."""
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, run: RunConfig, stage: int,
                  metrics: PeerMetrics,
                  config: NetAveragingConfig | None = None, transport: Transport | None = None,
-                 me: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 me: str | None = None, clock: Callable[[], float] = time.time,
+                 member: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.config = config or NetAveragingConfig()
         self.metrics, self.clock = metrics, clock
         # the textbook baseline averages gradients exactly: outliers are dropped, the rest is the plain mean (the
@@ -79,7 +122,7 @@ class SyncAverager:
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
             me=self.me, codec=self.config.sync_codec, metrics=metrics, clock=clock, admit=self._admit,
-            check=finite_norm_check(self.config.sync_max_norm_ratio, 1.0))
+            check=finite_norm_check(self.config.sync_max_norm_ratio, 1.0), member=member)
 
     async def start(self) -> None:
         await self.exchange.register()

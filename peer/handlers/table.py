@@ -34,7 +34,7 @@ class Handlers:
         self.rpc = rpc
         self.limits: RpcLimits = rpc.limits
         self.count: Counting | None = rpc.count  # traffic accounting of the real server, for RpcTransport
-        self.vouch: Callable[[str], None] | None = getattr(rpc, "vouch", None)  # RpcTransport vouches for answerers
+        self.vouch: Callable[[str], None] | None = getattr(rpc, "vouch", None)  # for validated work (averaging)
         self._count_refusal = count
         self._stage: dict[str, Handler | None] = {}
         self._peer: set[str] = set()

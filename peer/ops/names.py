@@ -67,7 +67,8 @@ REJECTIONS = (
     "other",
 )
 
-EVENTS = ("relearnt:activations_norm", "relearnt:gradients_norm", "relearnt:loss_ceiling", "flagged:loss_outlier")
+EVENTS = ("relearnt:activations_norm", "relearnt:gradients_norm", "relearnt:loss_ceiling", "flagged:loss_outlier",
+          "flagged:loss_ceiling_held")
 
 REJECTED_PREFIX = "rejected:"
 _REGISTERED = frozenset((*COUNTERS, *(REJECTED_PREFIX + r for r in REJECTIONS), *EVENTS))

@@ -36,13 +36,16 @@ class CrossChecks:
         held: whether a micro-batch is still held here (``held(mb_id, pending)``: not dropped or answered meanwhile).
         requeue: queue an answer for the compute thread (the held answer of a trusted hop, trained unchecked).
         drop: drop a micro-batch here and upstream (stage 0 re-sends its sample).
+        vouch: make a peer known (both replicas of a check that passed: validated work, trained on).
+        revoke: make a peer a stranger again (a hop banned for fabricated gradients).
     """
 
     def __init__(self, spot: SpotChecker, *, stage: int, hops: Hops, router: Router, metrics: PeerMetrics,
                  held: Callable[[int, Pending], bool], requeue: Callable[[BackwardWork], None],
-                 drop: Callable[[int], Awaitable[None]]) -> None:
+                 drop: Callable[[int], Awaitable[None]], vouch: Callable[[str], None] = lambda peer: None,
+                 revoke: Callable[[str], None] = lambda peer: None) -> None:
         self.spot, self.stage, self.hops, self.router, self.metrics = spot, stage, hops, router, metrics
-        self.held, self.requeue, self.drop = held, requeue, drop
+        self.held, self.requeue, self.drop, self.vouch, self.revoke = held, requeue, drop, vouch, revoke
 
     def wants(self, peer: str, *, learning: bool) -> bool:
         """Whether a training micro-batch just sent to ``peer`` is checked (``learning``: the gradient norm bound is
@@ -92,13 +95,16 @@ class CrossChecks:
         p.checks = None
         caught, ban = self.spot.judge(a, grad_a, b, grad_b)
         self.metrics.spot_checks = self.spot.snapshot()
-        if caught is None:
+        if caught is None:  # two replicas agree: validated work of both, trained on
+            self.vouch(a)
+            self.vouch(b)
             return msg_a, (grad_a + grad_b) / 2
         logger.warning("spot check of micro-batch %d: the gradients of %s and %s disagree; neither is trained on, "
                        "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
                        " and banned" if ban else "")
         if ban:
             self.router.ban(caught, self.spot.config.ban_s)
+            self.revoke(caught)
             self.metrics.inc("spotcheck_banned")
             self.metrics.warn(f"peer {caught[-8:]} of stage {self.stage + 1} returned gradients that other replicas "
                               f"contradict; banned for {self.spot.config.ban_s:.0f} s", key=f"spotcheck:{caught}")

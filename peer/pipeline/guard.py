@@ -22,7 +22,11 @@
   was trained is refused for a while (a refusal relayed from a later stage halves, never bans).
 - The ceiling's window holds only *trained* losses, of senders whose first trained micro-batch is at least
   ``loss_trust_s`` old (any trained sender's while the window warms up), at most ``loss_sender_cap`` per sender: a
-  sender feeding losses just under the ceiling cannot drag it up window after window. When *everything* is refused
+  sender feeding losses just under the ceiling cannot drag it up window after window. Training loss falls, so the
+  median the ceiling is set from is held at most ``loss_rise_slack`` above the lowest (held) median of the last
+  ``loss_floor_s`` seconds: beside a single honest sender (whose values are half the window, whatever the cap) such a
+  sender moves the ceiling by that slack per ``loss_floor_s`` at most, not to the midpoint between them at once.
+  When *everything* is refused
   (``loss_relearn_after`` in a row, from two distinct senders or every announced one: the stage's weights moved away
   from its senders', e.g. it restarted from its init) the window is forgotten and learnt again.
 
@@ -47,6 +51,8 @@ from peer.membership.records import PeerRecord
 logger = logging.getLogger(__name__)
 
 SENDER_STATES = (PeerState.TRAINING, PeerState.DRAINING)
+KNOWN_SENDERS = 4096
+"""Senders whose first trained micro-batch is remembered (for ``loss_trust_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,12 @@ class GuardConfig:
     """A sender's trained losses enter the ceiling's window once its first trained micro-batch is this old."""
     loss_sender_cap: int = 16
     """Most losses of one sender in the ceiling's window (its oldest is dropped for a newer one)."""
+    loss_rise_slack: float = 0.1
+    """The ceiling's median is held at most this fraction above its lowest of the last ``loss_floor_s`` seconds."""
+    loss_floor_s: float = 300.0
+    """How long a low median of the ceiling's window holds its median down: the ceiling rises at most
+    ``loss_rise_slack`` per this many seconds however the window moves (an honest rise of the loss is followed as
+    slowly; one far above it is refused and relearnt, ``loss_relearn_after``)."""
     loss_relearn_after: int = 32
     """Training losses refused in a row (none trained meanwhile) after which the ceiling's window is relearnt."""
     share_initial: int = 2
@@ -95,6 +107,8 @@ class GuardConfig:
                 raise ValueError(f"GuardConfig.{name} must be >= 1")
         if self.norm_factor <= 1.0 or self.loss_tolerance <= 0 or self.loss_abs_tolerance < 0:
             raise ValueError("GuardConfig: norm_factor must be > 1 and loss tolerances positive")
+        if self.loss_rise_slack < 0 or self.loss_floor_s < 0 or self.loss_sender_cap < 1:
+            raise ValueError("GuardConfig: loss_rise_slack and loss_floor_s must be >= 0, loss_sender_cap >= 1")
 
 
 class _Window:
@@ -151,7 +165,10 @@ class PipelineGuard:
         self._norms = {"activations": _Window(self.config.norm_window), "gradients": _Window(self.config.norm_window)}
         self._losses = {False: _Window(self.config.loss_window), True: _Window(self.config.loss_window)}
         self.share = WorkShare(self.config, count)
-        self._first_trained: OrderedDict[str, float] = OrderedDict()  # sender -> when its first work was trained
+        # sender -> when its first work was trained, least recently trained first
+        self._first_trained: OrderedDict[str, float] = OrderedDict()
+        # (when, median) of the ceiling's window, medians increasing: its head is the lowest of the last loss_floor_s
+        self._floor: deque[tuple[float, float]] = deque()
         self.clock: Callable[[], float] = time.monotonic
 
     def _distinct_needed(self, neighbour: int) -> int:
@@ -245,7 +262,36 @@ class PipelineGuard:
         """Last stage: the highest training loss it will train on now (None: no bound yet). Read on the event loop
         and handed to the compute thread, which refuses above it before any backward."""
         bounds = self._loss_bounds(False)
-        return None if bounds is None else bounds[0] + bounds[1]
+        if bounds is None:
+            return None
+        median = self._held(bounds[0], self.clock())
+        if median < bounds[0]:
+            self.count("flagged:loss_ceiling_held")  # per micro-batch judged under the held ceiling
+        return median + max(self.config.loss_tolerance * median, self.config.loss_abs_tolerance)
+
+    def _held(self, median: float, now: float) -> float:
+        """``median`` of the ceiling's window, held at most ``loss_rise_slack`` above its lowest of late."""
+        floor = self._lowest_median(now)
+        return median if floor is None else min(median, floor * (1.0 + self.config.loss_rise_slack))
+
+    def _lowest_median(self, now: float) -> float | None:
+        """The lowest median of the ceiling's window over the last ``loss_floor_s`` seconds (None: none)."""
+        while self._floor and now - self._floor[0][0] > self.config.loss_floor_s:
+            self._floor.popleft()
+        return self._floor[0][1] if self._floor else None
+
+    def _note_median(self, now: float) -> None:
+        """Remember the training window's median as held (once the window holds a quarter of its size) for
+        ``_lowest_median``: a sliding minimum, at most one entry per second. The held value, not the window's: else
+        the hold would end at once after ``loss_floor_s`` under a sender keeping the window's median high."""
+        window = self._losses[False]
+        if len(window.values) < max(self.config.loss_warmup, self.config.loss_window // 4):
+            return
+        median = self._held(statistics.median(window.values), now)
+        while self._floor and self._floor[-1][1] >= median:
+            self._floor.pop()
+        if not self._floor or now - self._floor[-1][0] >= 1.0:
+            self._floor.append((now, median))
 
     def loss_verdict(self, sender: str | None, loss: float, *, refused: Exception | None = None) -> None:
         """Last stage: a training loss it computed enters the window, and the sender's share learns whether the
@@ -259,18 +305,22 @@ class PipelineGuard:
                 self.share.refused(sender)
         if refused is None:
             now = self.clock()
-            first = self._first_trained.setdefault(sender or "", now)
-            while len(self._first_trained) > 4096:
-                self._first_trained.popitem(last=False)
+            key = sender or ""
+            first = self._first_trained.setdefault(key, now)
+            self._first_trained.move_to_end(key)  # bounded by forgetting the sender trained least recently, so
+            while len(self._first_trained) > KNOWN_SENDERS:  # a crowd of one-off identities cannot make the
+                self._first_trained.popitem(last=False)  # steady senders newcomers again
             if now - first >= self.config.loss_trust_s:
                 window.add(loss, sender, cap=self.config.loss_sender_cap)
             elif len(window.values) < self.config.loss_warmup:  # a newcomer helps warm up, never alone
                 window.add(loss, sender, cap=max(1, self.config.loss_warmup // 2))
+            self._note_median(now)
             return
         window.refuse(sender)
         if window.refused_in_a_row >= self.config.loss_relearn_after \
                 and window.distinct_refusers() >= self._distinct_needed(self.stage - 1):
             window.clear()
+            self._floor.clear()
             self.count("relearnt:loss_ceiling")
             logger.warning("the last %d training losses were all refused: this stage's weights moved away from its "
                            "senders' (restarted?); forgetting the loss ceiling and learning it again",
@@ -305,6 +355,8 @@ class WorkShare:
     def __init__(self, config: GuardConfig, count: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.count, self.clock = config, count, clock
+        self.on_ban: Callable[[str], None] | None = None
+        """Told of each sender banned here (the stage makes it a stranger again)."""
         self._peers: dict[str, _Share] = {}
         self._trained_total = 0
 
@@ -351,6 +403,8 @@ class WorkShare:
             share.banned_until = self.clock() + self.config.share_ban_s * min(2 ** (share.bans - 1), 16)
             share.streak = 0
             self.count("share_bans")
+            if self.on_ban is not None:
+                self.on_ban(peer_id)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per sender: allowance, trained, refused (for /status and tests)."""

@@ -84,6 +84,8 @@ class PipelineServicer:
         self._accepting = True
         self.vouch: Callable[[str], None] = lambda peer: None
         """Marks a peer as known (``RpcServer.vouch``) once its work is validated and trained; set by the stage."""
+        self.revoke: Callable[[str], None] = lambda peer: None
+        """Makes a peer a stranger again (``RpcServer.revoke``) once it is banned for bad work; set by the stage."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.last_forward = time.monotonic()
         # the compute time of micro-batches here, and the throughput announced from it (peer/pipeline/meter.py)
@@ -95,6 +97,7 @@ class PipelineServicer:
         self.on_backward_done: Callable[[int], None] | None = None
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
+        self.guard.share.on_ban = lambda peer: self.revoke(peer)  # its work refused again and again
         # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
         # flushes pin each micro-batch to one replica
         self.spot: SpotChecker | None = None
@@ -109,7 +112,8 @@ class PipelineServicer:
         self.checks = None if self.spot is None else CrossChecks(
             self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
             held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
-            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first))
+            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer),
+            revoke=lambda peer: self.revoke(peer))
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
