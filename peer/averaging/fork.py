@@ -1,0 +1,134 @@
+"""Sync mode's fork check: every gradient barrier carries a digest of the replica's weights, and a replica whose
+weights differ from its stage's adopts the state of a replica that holds the others'.
+
+Replicas in ``--mode sync`` share one model only as long as every barrier gives every replica the same mean. A barrier
+that times out breaks that: a replica dies or stalls mid-exchange, and its part reached one survivor but not another;
+one reply is lost with its stream. Each survivor then steps with the mean of the parts it holds, and they fork for
+the rest of the run (identical gradients do not bring different weights and optimiser moments back together).
+
+The digest is the replica's local step and, per parameter tensor, the sum of its coordinates and the sum of their
+squares (float64, sent as float32), taken as the replica reaches the barrier (its weights after the previous step):
+one pass over the weights per barrier, 8 bytes per tensor on the wire.
+Replicas on the same kind of device hold bit-identical weights; across devices the optimiser's rounding may differ in
+the last bit, which ``rtol`` absorbs (a relative difference per coordinate of about ``rtol`` x sqrt(numel) is
+seen). An optimiser step that one replica missed differs by a large share of the learning rate in every coordinate.
+
+Who holds the stage's weights: the digest that agrees with the most replicas' (ours and every announced replica's
+part that arrived), the lowest peer id on a tie. With three or more replicas a lone replica, honest or not, cannot
+make the others load its state; with two, nothing tells which one is right and the lower id wins.
+
+``resync`` loads that replica's whole state (weights, optimiser moments, local step) through the state transfer
+(``peer.state.sync``), once its snapshot shows the step of the barrier that found the fork: the replicas then hold
+the same weights and moments, and identical means keep them so. It runs before the replica computes anything of the
+next flush, and the donor's weights do not change until the next barrier, which waits for us (``sync_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.ids import short_id
+from peer.seams import WorkerCall
+from peer.state.sync import load_state_from_peers
+from protocol.rpc import Transport
+from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from peer.ops.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Fork", "digest_len", "digests_agree", "fork_of", "resync", "weights_digest"]
+
+
+def digest_len(n_tensors: int) -> int:
+    """Length of the digest of ``n_tensors`` tensors: the local step, then (sum, sum of squares) per tensor."""
+    return 1 + 2 * n_tensors
+
+
+def weights_digest(params: Sequence[torch.Tensor], local_step: int) -> torch.Tensor:
+    """[local_step, sum(w_0), sum(w_0^2), sum(w_1), ...] (float64 sums) of a replica's weights."""
+    out = torch.empty(digest_len(len(params)), dtype=torch.float64)
+    out[0] = float(local_step)
+    with torch.no_grad():
+        for j, p in enumerate(params):
+            out[1 + 2 * j] = float(p.sum(dtype=torch.float64))
+            out[2 + 2 * j] = float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2
+    return out
+
+
+def digests_agree(a: torch.Tensor, b: torch.Tensor, numels: Sequence[int], rtol: float) -> bool:
+    """Whether two digests (``weights_digest``, local step aside) are of the same weights up to rounding:
+    per tensor, the sums within ``rtol`` x sqrt(numel x sum of squares) and the sums of squares within ``rtol`` x
+    the larger one (with a floor of 1e-12 for tensors at zero)."""
+    if a.shape != b.shape or a.numel() != digest_len(len(numels)):
+        return False
+    a, b = a.double(), b.double()
+    for j, n in enumerate(numels):
+        s1a, s2a, s1b, s2b = (float(x) for x in (a[1 + 2 * j], a[2 + 2 * j], b[1 + 2 * j], b[2 + 2 * j]))
+        sq = max(s2a, s2b, 0.0)
+        if abs(s2a - s2b) > rtol * sq + 1e-12 or abs(s1a - s1b) > rtol * math.sqrt(n * sq) + 1e-12:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Our weights differ from those the stage's replicas hold: adopt ``donor``'s state once it has made its step
+    of this barrier (its local step at least ``min_step``)."""
+
+    donor: str
+    min_step: int
+    agreeing: int
+    """Replicas (of those whose digest we hold) that agree with the donor's."""
+
+
+def fork_of(me: str, digests: dict[str, torch.Tensor], numels: Sequence[int], rtol: float) -> Fork | None:
+    """``digests`` by peer id (ours among them, taken before the barrier's step): None when ours agrees with the
+    stage's weights (the digest that agrees with the most, the lowest id on a tie), else where to resync from."""
+    order = sorted(digests)
+    agree = {p: {q for q in order if digests_agree(digests[p], digests[q], numels, rtol)} for p in order}
+    best = max(order, key=lambda p: (len(agree[p]), -order.index(p)))
+    if me in agree[best]:
+        return None
+    return Fork(donor=best, min_step=int(float(digests[best][0])) + 1, agreeing=len(agree[best]))
+
+
+async def resync(fork: Fork, *, transport: Transport, run: RunConfig, stage: int, worker_call: WorkerCall,
+                 metrics: PeerMetrics, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Load ``fork.donor``'s state into our worker once its snapshot has reached ``fork.min_step``; True when
+    loaded, False (counted as ``sync_resync_failed``) when it could not be had within ``timeout_s``: the next
+    barrier's digests tell again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    reference: dict[str, Any] = await worker_call(lambda w: w.state_dict())
+    delay = poll_s
+    while True:
+        state = await load_state_from_peers(p2p=None, run=run, stage=stage, metrics=metrics, reference=reference,
+                                            donors=[fork.donor], transport=transport, min_step=fork.min_step)
+        if state is not None:
+            break
+        if loop.time() + delay > deadline:
+            metrics.inc("sync_resync_failed")
+            logger.warning("resync from %s failed: no state of local step %d or later within %.0f s",
+                           short_id(fork.donor), fork.min_step, timeout_s)
+            return False
+        await asyncio.sleep(delay)  # the donor is still making the barrier's step
+        delay = min(2 * delay, 2.0)
+    state["grads"], state["accumulated"] = None, 0  # what the donor accumulated since is its own next flush's
+    try:
+        await worker_call(lambda w: w.load_state_dict(state))
+    except (TypeError, ValueError) as e:
+        metrics.inc("sync_resync_failed")
+        logger.warning("resync from %s: its state does not load: %s", short_id(fork.donor), e)
+        return False
+    metrics.inc("sync_resync_ok")
+    logger.info("resynchronised with %s at local step %s", short_id(fork.donor), state.get("local_step"))
+    return True

@@ -1,0 +1,126 @@
+"""Sync mode's fork check (peer/averaging/fork.py): the weight digest every barrier carries, who holds the stage's
+weights, and a timed-out barrier whose replicas stepped with different means brought back to identical weights and
+optimiser state by the next barrier (in-process peers over the in-memory transport, real workers and state servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from peer.averaging.config import NetAveragingConfig
+from peer.averaging.fork import digests_agree, fork_of, weights_digest
+from peer.averaging.sync import SyncAverager
+from peer.ops.metrics import PeerMetrics
+from peer.state.sync import StateServer, StateSyncConfig
+from peer.sync_schedule import barrier_step
+from tests.test_netavg_rounds import MemTransport, aio
+from trainer.config import RunConfig
+from trainer.worker import StageWorker
+
+RUN = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+
+
+def _numels(w: StageWorker) -> list[int]:
+    return [p.numel() for p in w.parameters()]
+
+
+def _step(w: StageWorker, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+    w.optimizer_step()
+
+
+def test_digest_tells_a_missed_step_from_rounding():
+    a, b = StageWorker(RUN, 0), StageWorker(RUN, 0)
+    numels = _numels(a)
+    assert torch.equal(weights_digest(a.parameters(), 0), weights_digest(b.parameters(), 0))
+    _step(a, 1)
+    _step(b, 1)
+    same = weights_digest(a.parameters(), 1)
+    assert digests_agree(same, weights_digest(b.parameters(), 1), numels, 1e-5)
+    # last-bit differences, as another device's optimiser arithmetic makes them, are not a fork
+    with torch.no_grad():
+        for p in b.parameters():
+            p.mul_(1 + 1e-7 * torch.randn(p.shape).sign())
+    assert digests_agree(same, weights_digest(b.parameters(), 1), numels, 1e-5)
+    _step(b, 2)  # one step the other replica did not make
+    assert not digests_agree(same, weights_digest(b.parameters(), 2), numels, 1e-5)
+
+
+def test_the_stage_weights_are_the_majoritys_and_a_pair_follows_the_lower_id():
+    numels = [4, 3]
+    base = torch.tensor([7.0, 1.0, 4.0, -2.0, 3.0])
+    odd = torch.tensor([7.0, 1.5, 4.0, -2.0, 3.0])
+    three = {"a": odd, "b": base, "c": base.clone()}
+    fork = fork_of("a", three, numels, 1e-5)
+    assert fork is not None and (fork.donor, fork.min_step, fork.agreeing) == ("b", 8, 2)
+    assert fork_of("b", three, numels, 1e-5) is None and fork_of("c", three, numels, 1e-5) is None
+    pair = {"a": odd, "b": base}
+    assert fork_of("a", pair, numels, 1e-5) is None  # nothing tells the two apart: the lower id is kept
+    fork = fork_of("b", pair, numels, 1e-5)
+    assert fork is not None and fork.donor == "a"
+
+
+@pytest.mark.timeout(60)
+@aio
+async def test_a_timed_out_barrier_forks_the_replicas_and_the_next_one_resynchronises_them():
+    net, names = MemTransport(), ["p0", "p1"]
+    cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2, sync_resync_s=10.0)
+    workers = {n: StageWorker(RUN, 0, auto_step=False) for n in names}
+    metrics = {n: PeerMetrics(n, 0) for n in names}
+    averagers = {}
+    for n in names:
+        w = workers[n]
+
+        async def worker_call(fn: Any, w: StageWorker = w) -> Any:
+            return fn(w)
+
+        averagers[n] = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=metrics[n], config=cfg,
+                                    transport=net.for_peer(n), me=n)
+        await averagers[n].start()
+        server = StateServer(p2p=None, rpc_server=None, run=RUN, stage=0, worker_call=worker_call,
+                             metrics=metrics[n], transport=net.for_peer(n),
+                             config=StateSyncConfig(chunk_bytes=16 * 1024, snapshot_max_lag_steps=0))
+        await server.start()
+        server.ready = True
+
+    async def compute(fn: Any, *args: Any, urgent: bool = False) -> Any:
+        return fn(*args)
+
+    async def step(n: str, barrier: int) -> int:
+        w = workers[n]
+        g = torch.Generator().manual_seed(100 * barrier + names.index(n))
+        w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+        got = await barrier_step(averagers[n], w, compute, barrier, names, run=RUN, stage=0, metrics=metrics[n])
+        metrics[n].local_step = w.local_step  # as SyncSchedule does: the state server's snapshots follow it
+        return got
+
+    def same_state() -> bool:
+        a, b = (workers[n].state_dict() for n in names)
+        weights = all(torch.equal(x, y) for x, y in zip(a["model"].values(), b["model"].values(), strict=True))
+        moments = all(torch.equal(x[k], y[k]) for x, y in zip(a["optimizer"]["state"].values(),
+                                                              b["optimizer"]["state"].values(), strict=True)
+                      for k in ("exp_avg", "exp_avg_sq"))
+        return weights and moments and a["local_step"] == b["local_step"]
+
+    assert await asyncio.gather(*(step(n, 0) for n in names)) == [2, 2]
+    assert same_state()
+    # barrier 1 times out at p0: every reply of p1 to p0's calls is lost, while p1 holds p0's part and averages both
+    net.lost_replies[("p0", "p1")] = 10
+    assert await asyncio.gather(*(step(n, 1) for n in names)) == [1, 2]
+    assert not same_state()  # p0 stepped with its own gradient, p1 with the mean: forked
+    net.lost_replies.clear()
+    # barrier 2: the digests differ; p1 (the higher id of a pair) loads p0's state after p0's step
+    assert await asyncio.gather(*(step(n, 2) for n in names)) == [2, 2]
+    assert metrics["p1"].count("sync_fork_detected") == 1 and metrics["p1"].count("sync_resync_ok") == 1
+    assert metrics["p0"].count("sync_fork_detected") == 0
+    assert same_state()
+    # and identical means keep them identical
+    assert await asyncio.gather(*(step(n, 3) for n in names)) == [2, 2]
+    assert same_state()
+    assert metrics["p1"].count("sync_fork_detected") == 1
