@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peer.averaging.config import NetAveragingConfig
-from peer.averaging.fork import digests_agree, fork_of, weights_digest
+from peer.averaging.fork import digests_agree, fork_of, moment_bound, vet_resync, weights_digest
 from peer.averaging.sync import SyncAverager
 from peer.ops.metrics import PeerMetrics
 from peer.state.sync import StateServer, StateSyncConfig
@@ -64,6 +64,43 @@ def test_the_stage_weights_are_the_majoritys_and_a_pair_follows_the_lower_id():
     assert fork_of("a", pair, numels, 1e-5) is None  # nothing tells the two apart: the lower id is kept
     fork = fork_of("b", pair, numels, 1e-5)
     assert fork is not None and fork.donor == "a"
+
+
+def test_a_donors_state_is_vetted_against_our_own_before_it_replaces_it():
+    ours, donor = StageWorker(RUN, 0), StageWorker(RUN, 0)
+    for k in range(3):  # both trained alike, then the donor made one step more: a fork of one step
+        _step(ours, k)
+        _step(donor, k)
+    _step(donor, 99)
+    own, good = ours.state_dict(), donor.state_dict()
+    assert vet_resync(good, own, min_step=4, tolerance=0.5) is None
+    zeros = {**good, "model": {k: torch.zeros_like(v) for k, v in good["model"].items()}}
+    assert "from ours" in (vet_resync(zeros, own, min_step=4, tolerance=0.5) or "")
+    assert "local step" in (vet_resync(good, own, min_step=20, tolerance=0.5) or "")
+    assert "local step" in (vet_resync({**good, "local_step": 2**40}, own, min_step=4, tolerance=0.5) or "")
+    crafted = {0: {**good["optimizer"]["state"][0]}}
+    crafted[0]["exp_avg_sq"] = torch.zeros_like(crafted[0]["exp_avg_sq"])  # v = 0 under m != 0: an unbounded step
+    bad = {**good, "optimizer": {**good["optimizer"], "state": {**good["optimizer"]["state"], **crafted}}}
+    assert "moments" in (vet_resync(bad, own, min_step=4, tolerance=0.5) or "")
+    crafted[0] = {**good["optimizer"]["state"][0], "step": torch.tensor(-3.0)}  # NaN bias corrections
+    bad = {**good, "optimizer": {**good["optimizer"], "state": {**good["optimizer"]["state"], **crafted}}}
+    assert "malformed" in (vet_resync(bad, own, min_step=4, tolerance=0.5) or "")
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.99, 0.999)])
+def test_honest_moments_stay_inside_the_bound(betas):
+    """|m| <= c sqrt(v) holds for an exponential average of any gradients, among them the worst case for it (a
+    gradient that grows as fast as the bound allows) and a sign that flips."""
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=betas)
+    g = torch.Generator().manual_seed(0)
+    for t in range(300):
+        scale = (betas[0] ** 2 / betas[1]) ** (-t / 2) if t < 40 else 1.0
+        p.grad = scale * torch.randn(64, generator=g) * (1 if t % 7 else -5)
+        opt.step()
+    m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+    assert bool((m.abs() <= moment_bound(*betas) * 1.001 * v.sqrt()).all())
+    assert abs(moment_bound(0.9, 0.999) - 7.27) < 0.01
 
 
 @pytest.mark.timeout(60)
