@@ -24,7 +24,6 @@ the run. Every part therefore ends with a digest of the sender's weights (``peer
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.averaging.aggregate import robust_combine
+from peer.averaging.aggregate import barrier_mean
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
@@ -69,9 +68,7 @@ class SyncAverager:
                  me: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config or NetAveragingConfig()
         self.metrics, self.clock = metrics, clock
-        # the textbook baseline averages gradients exactly: outliers are dropped, the rest is the plain mean (the
-        # run's aggregator, a trimmed mean by default, is for weights, whose replicas lie close together)
-        self._mean = dataclasses.replace(run.averaging, aggregator="mean")
+        self._averaging = run.averaging
         if me is None:
             if p2p is None:
                 raise ValueError("SyncAverager needs me (this peer's id) when it has no p2p to read it from")
@@ -177,10 +174,10 @@ class SyncAverager:
                 self.metrics.inc("sync_fork_detected")
                 logger.warning("step %d: our weights differ from those of %d of %d replicas; loading %s's state",
                                step, self.fork.agreeing, len(digests), short_id(self.fork.donor))
-        mean, dropped, _ = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: robust_combine(self.me, own, members, self._mean,
-                                         outlier_factor=self.config.outlier_factor,
-                                         outlier_rms=self.config.outlier_rms))
+        # the textbook baseline averages gradients exactly: outliers dropped, the plain mean of the rest
+        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: barrier_mean(self.me, own, members, self._averaging,
+                                       outlier_factor=self.config.outlier_factor, outlier_rms=self.config.outlier_rms))
         for peer in dropped:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("step %d: part of %s dropped: far from the robust centre", step, short_id(peer))
