@@ -10,8 +10,9 @@ The digest is the replica's local step and, per parameter tensor, the sum of its
 squares (float64, sent as float32), taken as the replica reaches the barrier (its weights after the previous step):
 one pass over the weights per barrier, 8 bytes per tensor on the wire.
 Replicas on the same kind of device hold bit-identical weights; across devices the optimiser's rounding may differ in
-the last bit, which ``rtol`` absorbs (a relative difference per coordinate of about ``rtol`` x sqrt(numel) is
-seen). An optimiser step that one replica missed differs by a large share of the learning rate in every coordinate.
+the last bit, which ``rtol`` absorbs (a difference per coordinate of about min(rtol x sqrt(numel), sqrt(rtol)) of
+the tensor's rms is seen: the sums by the first, the sums of squares by the second). An optimiser step that one
+replica missed differs by a large share of the learning rate in every coordinate.
 
 Who holds the stage's weights: the digest that agrees with the most replicas' (ours and every announced replica's
 part that arrived), the lowest peer id on a tie. With three or more replicas a lone replica, honest or not, cannot
