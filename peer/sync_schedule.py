@@ -170,8 +170,13 @@ class SyncSchedule:
 
     def _join_empty(self, step: int) -> None:
         """Join barrier ``step`` a replica opened, with what we hold of the flush (nothing at worst), unless our
-        share arrived meanwhile (then its last backward closes it)."""
+        share arrived meanwhile (then its last backward closes it). While an earlier barrier still runs here (a
+        resync loading a replica's state, peer.averaging.fork), the forwards of this flush wait for it and none of our
+        share could arrive: we wait again instead of joining with nothing."""
         if self._working_on(step):
+            return
+        if self.lock.locked() and self.drained.get(step, 0) == 0:
+            asyncio.get_running_loop().call_later(EMPTY_FLUSH_WAIT_S, self._join_empty, step)
             return
         barrier = self.clock.on_remote_barrier(step)
         if barrier is not None:

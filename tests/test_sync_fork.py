@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+import peer.sync_schedule as schedule
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.fork import digests_agree, fork_of, moment_bound, vet_resync, weights_digest
 from peer.averaging.sync import SyncAverager
 from peer.ops.metrics import PeerMetrics
 from peer.state.sync import StateServer, StateSyncConfig
-from peer.sync_schedule import barrier_step
 from tests.test_netavg_rounds import MemTransport, aio
 from trainer.config import RunConfig
 from trainer.worker import StageWorker
@@ -133,7 +134,8 @@ async def test_a_timed_out_barrier_forks_the_replicas_and_the_next_one_resynchro
         w = workers[n]
         g = torch.Generator().manual_seed(100 * barrier + names.index(n))
         w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
-        got = await barrier_step(averagers[n], w, compute, barrier, names, run=RUN, stage=0, metrics=metrics[n])
+        got = await schedule.barrier_step(averagers[n], w, compute, barrier, names, run=RUN, stage=0,
+                                          metrics=metrics[n])
         metrics[n].local_step = w.local_step  # as SyncSchedule does: the state server's snapshots follow it
         return got
 
@@ -161,3 +163,33 @@ async def test_a_timed_out_barrier_forks_the_replicas_and_the_next_one_resynchro
     assert await asyncio.gather(*(step(n, 3) for n in names)) == [2, 2]
     assert same_state()
     assert metrics["p1"].count("sync_fork_detected") == 1
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_replica_still_in_its_previous_barrier_does_not_join_the_next_one_empty(monkeypatch):
+    """A partner opens barrier 5 while our barrier 4 still runs (a resync loading a replica's state): the forwards of
+    flush 5 wait for barrier 4 here, so joining 5 with nothing would leave our share out of its step. We wait until
+    barrier 4 is done, then join as before."""
+    monkeypatch.setattr(schedule, "EMPTY_FLUSH_WAIT_S", 0.05)
+    ran: list[int] = []
+    holds: set[int] = set()
+    pipe = SimpleNamespace(holds_flush=lambda flush: flush in holds, spawn=asyncio.ensure_future)
+    sched = schedule.SyncSchedule(SimpleNamespace(), 1, SimpleNamespace(local_step=0), pipe, None)
+
+    async def average_and_step(barrier: int) -> None:
+        ran.append(barrier)
+
+    sched.average_and_step = average_and_step
+    await sched.lock.acquire()  # barrier 4 (and its resync) runs
+    sched._join_empty(5)
+    await asyncio.sleep(0.3)
+    assert ran == [] and sched.clock.closed is None
+    sched.lock.release()
+    holds.add(5)  # barrier 4 done, the forwards of flush 5 go on: our share is here
+    await asyncio.sleep(0.3)
+    assert ran == [] and sched.clock.closed is None  # its last backward closes flush 5, not an empty join
+    holds.clear()
+    sched._join_empty(5)  # with no earlier barrier running, a replica that holds nothing joins at once
+    await asyncio.sleep(0.1)
+    assert ran == [5]
