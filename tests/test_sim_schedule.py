@@ -11,7 +11,7 @@ import torch
 from trainer.data import load_corpus, val_batches
 from trainer.sim.methods import METHODS
 from trainer.sim.presets import preset, with_overrides
-from trainer.sim.simulator import SimConfig, _Run, run_method
+from trainer.sim.simulator import SimConfig, _Run, run_method, speeds_from_steps
 from trainer.worker import StageWorker
 
 
@@ -234,6 +234,9 @@ def test_replicas_at_different_speeds_train_their_share_and_rounds_follow_the_fa
     assert state.curve[-1]["samples"] == 24 * sim.run.data.batch_size
     with pytest.raises(ValueError, match="speeds"):
         dataclasses.replace(sim, speeds=(0.5, 0.5))
+    assert speeds_from_steps([400, 300, 100]) == (1.0, 0.75, 0.25)  # a daemon's replicas' steps over one budget
+    with pytest.raises(ValueError, match="at least one step"):
+        speeds_from_steps([400, 0])
 
 
 def test_the_simulator_combines_replicas_with_the_daemons_aggregation_code():

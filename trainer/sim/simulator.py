@@ -202,6 +202,14 @@ class SimConfig:
         return d
 
 
+def speeds_from_steps(steps: list[int]) -> tuple[float, ...]:
+    """``SimConfig.speeds`` for replicas that made ``steps`` local steps each in the same wall time (a daemon's
+    stage-0 summaries): each one's share of the fastest's. Train the simulation for ``max(steps)`` micro-batches."""
+    if not steps or min(steps) < 1:
+        raise ValueError(f"every replica must have made at least one step, got {steps}")
+    return tuple(s / max(steps) for s in steps)
+
+
 def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "none":
         return lambda t: t
