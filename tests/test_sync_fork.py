@@ -104,65 +104,106 @@ def test_honest_moments_stay_inside_the_bound(betas):
     assert abs(moment_bound(0.9, 0.999) - 7.27) < 0.01
 
 
+class Replicas:
+    """Replicas of stage 0 in one process: real workers, sync averagers and state servers over the in-memory
+    transport (``net``: its lost replies and resets make a barrier time out)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.net, self.names = MemTransport(), names
+        self.workers = {n: StageWorker(RUN, 0, auto_step=False) for n in names}
+        self.metrics = {n: PeerMetrics(n, 0) for n in names}
+        self.averagers: dict[str, SyncAverager] = {}
+
+    async def start(self) -> Replicas:
+        cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2, sync_resync_s=10.0)
+        for n in self.names:
+            w = self.workers[n]
+
+            async def worker_call(fn: Any, w: StageWorker = w) -> Any:
+                return fn(w)
+
+            self.averagers[n] = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=self.metrics[n],
+                                             config=cfg, transport=self.net.for_peer(n), me=n)
+            await self.averagers[n].start()
+            server = StateServer(p2p=None, rpc_server=None, run=RUN, stage=0, worker_call=worker_call,
+                                 metrics=self.metrics[n], transport=self.net.for_peer(n),
+                                 config=StateSyncConfig(chunk_bytes=16 * 1024, snapshot_max_lag_steps=0))
+            await server.start()
+            server.ready = True
+        return self
+
+    async def barrier(self, barrier: int) -> list[int]:
+        """Every replica: a fresh gradient of its own, then the barrier and its step; how many each averaged."""
+
+        async def compute(fn: Any, *args: Any, urgent: bool = False) -> Any:
+            return fn(*args)
+
+        async def one(n: str) -> int:
+            w = self.workers[n]
+            g = torch.Generator().manual_seed(100 * barrier + self.names.index(n))
+            w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+            got = await schedule.barrier_step(self.averagers[n], w, compute, barrier, self.names, run=RUN, stage=0,
+                                              metrics=self.metrics[n])
+            self.metrics[n].local_step = w.local_step  # as SyncSchedule does: the state server's snapshots follow it
+            return got
+
+        return list(await asyncio.gather(*(one(n) for n in self.names)))
+
+    def same_state(self) -> bool:
+        """Bit-identical weights, AdamW moments and local steps on every replica."""
+        first, *rest = (self.workers[n].state_dict() for n in self.names)
+        for other in rest:
+            if first["local_step"] != other["local_step"] or not all(
+                    torch.equal(x, y) for x, y in zip(first["model"].values(), other["model"].values(), strict=True)):
+                return False
+            pairs = zip(first["optimizer"]["state"].values(), other["optimizer"]["state"].values(), strict=True)
+            if not all(torch.equal(x[k], y[k]) for x, y in pairs for k in ("exp_avg", "exp_avg_sq")):
+                return False
+        return True
+
+    def count(self, name: str) -> dict[str, int]:
+        return {n: m.count(name) for n, m in self.metrics.items()}
+
+
 @pytest.mark.timeout(60)
 @aio
 async def test_a_timed_out_barrier_forks_the_replicas_and_the_next_one_resynchronises_them():
-    net, names = MemTransport(), ["p0", "p1"]
-    cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2, sync_resync_s=10.0)
-    workers = {n: StageWorker(RUN, 0, auto_step=False) for n in names}
-    metrics = {n: PeerMetrics(n, 0) for n in names}
-    averagers = {}
-    for n in names:
-        w = workers[n]
-
-        async def worker_call(fn: Any, w: StageWorker = w) -> Any:
-            return fn(w)
-
-        averagers[n] = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=metrics[n], config=cfg,
-                                    transport=net.for_peer(n), me=n)
-        await averagers[n].start()
-        server = StateServer(p2p=None, rpc_server=None, run=RUN, stage=0, worker_call=worker_call,
-                             metrics=metrics[n], transport=net.for_peer(n),
-                             config=StateSyncConfig(chunk_bytes=16 * 1024, snapshot_max_lag_steps=0))
-        await server.start()
-        server.ready = True
-
-    async def compute(fn: Any, *args: Any, urgent: bool = False) -> Any:
-        return fn(*args)
-
-    async def step(n: str, barrier: int) -> int:
-        w = workers[n]
-        g = torch.Generator().manual_seed(100 * barrier + names.index(n))
-        w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
-        got = await schedule.barrier_step(averagers[n], w, compute, barrier, names, run=RUN, stage=0,
-                                          metrics=metrics[n])
-        metrics[n].local_step = w.local_step  # as SyncSchedule does: the state server's snapshots follow it
-        return got
-
-    def same_state() -> bool:
-        a, b = (workers[n].state_dict() for n in names)
-        weights = all(torch.equal(x, y) for x, y in zip(a["model"].values(), b["model"].values(), strict=True))
-        moments = all(torch.equal(x[k], y[k]) for x, y in zip(a["optimizer"]["state"].values(),
-                                                              b["optimizer"]["state"].values(), strict=True)
-                      for k in ("exp_avg", "exp_avg_sq"))
-        return weights and moments and a["local_step"] == b["local_step"]
-
-    assert await asyncio.gather(*(step(n, 0) for n in names)) == [2, 2]
-    assert same_state()
+    reps = await Replicas(["p0", "p1"]).start()
+    assert await reps.barrier(0) == [2, 2]
+    assert reps.same_state()
     # barrier 1 times out at p0: every reply of p1 to p0's calls is lost, while p1 holds p0's part and averages both
-    net.lost_replies[("p0", "p1")] = 10
-    assert await asyncio.gather(*(step(n, 1) for n in names)) == [1, 2]
-    assert not same_state()  # p0 stepped with its own gradient, p1 with the mean: forked
-    net.lost_replies.clear()
+    reps.net.lost_replies[("p0", "p1")] = 10
+    assert await reps.barrier(1) == [1, 2]
+    assert not reps.same_state()  # p0 stepped with its own gradient, p1 with the mean: forked
+    reps.net.lost_replies.clear()
     # barrier 2: the digests differ; p1 (the higher id of a pair) loads p0's state after p0's step
-    assert await asyncio.gather(*(step(n, 2) for n in names)) == [2, 2]
-    assert metrics["p1"].count("sync_fork_detected") == 1 and metrics["p1"].count("sync_resync_ok") == 1
-    assert metrics["p0"].count("sync_fork_detected") == 0
-    assert same_state()
+    assert await reps.barrier(2) == [2, 2]
+    assert reps.count("sync_fork_detected") == {"p0": 0, "p1": 1} and reps.count("sync_resync_ok")["p1"] == 1
+    assert reps.same_state()
     # and identical means keep them identical
-    assert await asyncio.gather(*(step(n, 3) for n in names)) == [2, 2]
-    assert same_state()
-    assert metrics["p1"].count("sync_fork_detected") == 1
+    assert await reps.barrier(3) == [2, 2]
+    assert reps.same_state()
+    assert reps.count("sync_fork_detected") == {"p0": 0, "p1": 1}
+
+
+@pytest.mark.timeout(60)
+@aio
+async def test_a_replica_that_dies_mid_barrier_leaves_three_means_and_the_next_barrier_one():
+    """p2's part reaches p0 only, p1's reaches p0 only (the streams between p1 and p2 reset, as when p2 dies mid-
+    exchange): p0 averages three parts, p1 and p2 two different pairs. The next barrier finds three digests that agree
+    with none other, and both others load p0's state (the lowest id on a tie)."""
+    reps = await Replicas(["p0", "p1", "p2"]).start()
+    assert await reps.barrier(0) == [3, 3, 3]
+    reps.net.resets[("p1", "p2")] = reps.net.resets[("p2", "p1")] = 10
+    assert await reps.barrier(1) == [3, 2, 2]
+    assert not reps.same_state()
+    reps.net.resets.clear()
+    assert await reps.barrier(2) == [3, 3, 3]
+    assert reps.count("sync_fork_detected") == {"p0": 0, "p1": 1, "p2": 1}
+    assert reps.count("sync_resync_ok") == {"p0": 0, "p1": 1, "p2": 1}
+    assert reps.same_state()
+    assert await reps.barrier(3) == [3, 3, 3]
+    assert reps.same_state()
 
 
 @pytest.mark.timeout(30)
