@@ -72,13 +72,13 @@ def digest_len(n_tensors: int) -> int:
 
 def weights_digest(params: Sequence[torch.Tensor], local_step: int) -> torch.Tensor:
     """[local_step, sum(w_0), sum(w_0^2), sum(w_1), ...] (float64 sums) of a replica's weights."""
-    out = torch.empty(digest_len(len(params)), dtype=torch.float64)
-    out[0] = float(local_step)
-    with torch.no_grad():
-        for j, p in enumerate(params):
-            out[1 + 2 * j] = float(p.sum(dtype=torch.float64))
-            out[2 + 2 * j] = float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2
-    return out
+    head = torch.tensor([float(local_step)], dtype=torch.float64)
+    if not params:
+        return head
+    with torch.no_grad():  # on the weights' device, one copy back (one synchronisation on a GPU)
+        sums = torch.stack([torch.stack((p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)
+                                         ** 2)) for p in params])
+    return torch.cat([head, sums.reshape(-1).cpu()])
 
 
 def digests_agree(a: torch.Tensor, b: torch.Tensor, numels: Sequence[int], rtol: float) -> bool:
@@ -115,7 +115,8 @@ def fork_of(me: str, digests: dict[str, torch.Tensor], numels: Sequence[int], rt
     best = max(order, key=lambda p: (len(agree[p]), -order.index(p)))
     if me in agree[best]:
         return None
-    return Fork(donor=best, min_step=int(float(digests[best][0])) + 1, agreeing=len(agree[best]))
+    step = float(digests[best][0])  # finite (the exchange checked it), but the donor's word: kept >= 1
+    return Fork(donor=best, min_step=max(1, int(step) + 1), agreeing=len(agree[best]))
 
 
 def moment_bound(beta1: float, beta2: float) -> float:
