@@ -115,7 +115,7 @@ class Replicas:
         self.averagers: dict[str, SyncAverager] = {}
 
     async def start(self) -> Replicas:
-        cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2, sync_resync_s=10.0)
+        cfg = NetAveragingConfig(sync_timeout_s=2.0, sync_grace_s=0.2, sync_resync_s=10.0)
         for n in self.names:
             w = self.workers[n]
 
