@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from peer.errors import UserError
 from trainer.config import RunConfig
 from trainer.memory import HEADROOM, GiB, StageMemory, estimate_stage
+from trainer.rules import rule_of
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_g
     spare: tuple[int, ...] = ()
     if spare_in_memory and estimates and run.n_stages > 1:
         def state_bytes(e: StageMemory) -> int:
-            return e.weights + e.optimizer + (e.weights if run.averaging.rule == "ema" else 0)
+            return e.weights + e.optimizer + (e.weights if rule_of(run.averaging).ema else 0)
         spare = tuple(state_bytes(estimates[(s + 1) % run.n_stages]) for s in range(run.n_stages))
     budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates, spare)
     if estimates:

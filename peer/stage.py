@@ -126,9 +126,13 @@ class StageService:
         pipe.meter.on_first_measure = lambda: pipe.spawn(self._announce_measured())
         pipe.vouch, pipe.revoke = host.net.vouch, host.net.revoke
         age = host.cfg.state_snapshot_max_age_s
+        # sync mode: a replica that forked loads our state as of our latest step (peer.averaging.fork), and steps are
+        # a flush apart, so a new transfer never starts on a snapshot of an earlier step
+        lag = 0 if sync else StateSyncConfig.snapshot_max_lag_steps
         self.state_server = StateServer(p2p=host.p2p, rpc_server=host.handlers, run=host.run, stage=stage,
                                         worker_call=self.worker_call, metrics=host.metrics,
-                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age),
+                                        config=StateSyncConfig(snapshot_max_age_s=age, snapshot_idle_s=age,
+                                                               snapshot_max_lag_steps=lag),
                                         spare=host.spares)
         await self.state_server.start()
         self.state_server.ready = True

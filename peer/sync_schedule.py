@@ -5,25 +5,54 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from peer.averaging.config import NetAveragingConfig
+from peer.averaging.fork import resync, weights_digest
 from peer.averaging.sync import FlushClock, StageMembers, SyncAverager
 from peer.ids import short_id
 from peer.lifecycle import PeerState
 
 if TYPE_CHECKING:
     from peer.host import StageContext
+    from peer.ops.metrics import PeerMetrics
     from peer.pipeline.servicer import PipelineServicer
+    from peer.seams import Compute
+    from trainer.config import RunConfig
     from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # a replica that a partner's barrier finds with nothing of the flush waits this long for its share before joining
 # with a zero gradient (the pinned route delivers it a moment later; routing that sent the whole flush to the partner
 # does not)
 EMPTY_FLUSH_WAIT_S = 3.0
 
-__all__ = ["SyncSchedule"]
+__all__ = ["SyncSchedule", "barrier_step"]
+
+
+async def barrier_step(averager: SyncAverager, worker: StageWorker, compute: Compute, step: int, peers: list[str], *,
+                       run: RunConfig, stage: int, metrics: PeerMetrics) -> int:
+    """Gradient barrier ``step`` with ``peers``, one optimiser step with the mean, and, when the barrier's digests
+    show that our weights forked from the replicas', their state loaded (peer.averaging.fork). Returns the number of
+    replicas averaged. ``compute(fn, *args, urgent=...)`` runs ``fn`` on the compute thread."""
+    # the mean over this flush's micro-batches, as the simulator's fullsync and GPipe take it: with the sum,
+    # clipping at optim.grad_clip would act on M times larger norms
+    grads, digest = await compute(
+        lambda: (worker.mean_grads(), weights_digest(worker.parameters(), worker.local_step)))
+    mean, n = await averager.all_average(step, grads, peers, digest=digest)
+    await compute(worker.set_grads, mean)
+    await compute(worker.optimizer_step)
+    fork = averager.fork
+    if fork is not None:
+
+        def worker_call(fn: Callable[[StageWorker], T]) -> Awaitable[T]:
+            return compute(fn, worker, urgent=True)
+
+        await resync(fork, transport=averager.exchange.transport, run=run, stage=stage, worker_call=worker_call,
+                     metrics=metrics, timeout_s=averager.config.sync_resync_s)
+    return n
 
 
 class SyncSchedule:
@@ -63,15 +92,13 @@ class SyncSchedule:
         return self
 
     async def average_and_step(self, step: int) -> None:
-        """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step."""
+        """Gradient barrier ``step`` among the stage's replicas (p = 1, tau = 0), then one optimiser step; when the
+        barrier's digests show that our weights forked from the replicas', their state is loaded before anything of
+        the next flush runs (peer.averaging.fork)."""
         host, worker = self.host, self.worker
         peers = [r.peer_id for r in host.net.swarm.values() if r.stage == self.stage and r.state == PeerState.TRAINING]
-        # the mean over this flush's micro-batches, as the simulator's fullsync and GPipe take it: with the sum,
-        # clipping at optim.grad_clip would act on M times larger norms
-        grads = await host.compute(worker.mean_grads)
-        mean, n = await self.averager.all_average(step, grads, peers)
-        await host.compute(worker.set_grads, mean)
-        await host.compute(worker.optimizer_step)
+        n = await barrier_step(self.averager, worker, host.compute, step, peers, run=host.run, stage=self.stage,
+                               metrics=host.metrics)
         self.step = self.averager.last_step + 1  # the barrier may have jumped ahead to the replicas' step
         host.metrics.local_step = worker.local_step
         host.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
@@ -149,8 +176,13 @@ class SyncSchedule:
 
     def _join_empty(self, step: int) -> None:
         """Join barrier ``step`` a replica opened, with what we hold of the flush (nothing at worst), unless our
-        share arrived meanwhile (then its last backward closes it)."""
+        share arrived meanwhile (then its last backward closes it). While an earlier barrier still runs here (a
+        resync loading a replica's state, peer.averaging.fork), the forwards of this flush wait for it and none of our
+        share could arrive: we wait again instead of joining with nothing."""
         if self._working_on(step):
+            return
+        if self.lock.locked() and self.drained.get(step, 0) == 0:
+            asyncio.get_running_loop().call_later(EMPTY_FLUSH_WAIT_S, self._join_empty, step)
             return
         barrier = self.clock.on_remote_barrier(step)
         if barrier is not None:

@@ -48,12 +48,13 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 7  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 8  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
-# 7: RecordsRequest and Records (membership gossip, peer/membership/gossip.py)
-SUPPORTED_VERSIONS: tuple[int, ...] = (7,)
+# 7: RecordsRequest and Records (membership gossip, peer/membership/gossip.py);
+# 8: a sync barrier's AveragingPart ends with the sender's weight digest (peer/averaging/fork.py), one tensor more
+SUPPORTED_VERSIONS: tuple[int, ...] = (8,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)

@@ -633,6 +633,28 @@ def test_wagma_groups_over_reachable_peers_are_disjoint_symmetric_and_rotate():
     assert wagma_partners("a", ["a"], 0, 2) == []
 
 
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_a_daemons_wagma_groups_rotate_for_every_replica_count_with_two_rounds_a_tick(n):
+    """A daemon that opens only slot 0 of each tick (two slots a tick) has even round numbers only: its groups
+    still rotate through every digit field, so after 2 L ticks every replica has been grouped with another."""
+    run = RUN.replace(averaging={"rule": "wagma", "wagma_group_size": 2, "wagma_global_every": 1000,
+                                 "rounds_per_tick": 2})
+    names = [f"p{i}" for i in range(n)]
+    loops = {p: _make_peer(MemTransport(), p, FakeWorker(i), names, run=run)[0] for i, p in enumerate(names)}
+    for lp in loops.values():
+        lp.peers = list(names)
+    fields = max(1, (n - 1).bit_length())
+    for p, lp in loops.items():
+        groups = [tuple(lp.partners(2 * tick)) for tick in range(2 * fields)]
+        assert len(set(groups)) > 1 or n == 2, (p, groups)  # the groups change from tick to tick
+        for tick, group in enumerate(groups):  # and both sides of a pair agree
+            assert all(p in loops[q].partners(2 * tick) for q in group)
+    reach = {p: {p} for p in names}  # every model reaches every other within 2 L ticks (padded groups, design.md)
+    for tick in range(2 * fields):
+        reach = {p: reach[p].union(*(reach[q] for q in loops[p].partners(2 * tick))) for p in names}
+    assert all(r == set(names) for r in reach.values())
+
+
 @pytest.mark.timeout(30)
 @aio
 async def test_wagma_rule_averages_within_rotating_pairs():

@@ -11,7 +11,7 @@ import torch
 from trainer.data import load_corpus, val_batches
 from trainer.sim.methods import METHODS
 from trainer.sim.presets import preset, with_overrides
-from trainer.sim.simulator import SimConfig, _Run, run_method
+from trainer.sim.simulator import SimConfig, _Run, run_method, speeds_from_steps
 from trainer.worker import StageWorker
 
 
@@ -234,3 +234,32 @@ def test_replicas_at_different_speeds_train_their_share_and_rounds_follow_the_fa
     assert state.curve[-1]["samples"] == 24 * sim.run.data.batch_size
     with pytest.raises(ValueError, match="speeds"):
         dataclasses.replace(sim, speeds=(0.5, 0.5))
+    assert speeds_from_steps([400, 300, 100]) == (1.0, 0.75, 0.25)  # a daemon's replicas' steps over one budget
+    with pytest.raises(ValueError, match="at least one step"):
+        speeds_from_steps([400, 0])
+
+
+def test_the_simulator_combines_replicas_with_the_daemons_aggregation_code():
+    """One implementation: the daemon's rounds and sync barrier and the simulator's call the same functions of
+    trainer/aggregate.py, and the simulator's fullsync barrier drops a far gradient as the daemon's does."""
+    import peer.averaging.aggregate as daemon_aggregate
+    import peer.averaging.loop as daemon_loop
+    import peer.averaging.sync as daemon_sync
+    import trainer.aggregate as shared
+    import trainer.sim.simulator as simulator
+
+    assert daemon_loop.robust_combine is shared.robust_combine is simulator.robust_combine
+    assert daemon_sync.barrier_mean is daemon_aggregate.barrier_mean is shared.barrier_mean is simulator.barrier_mean
+    state = build(tiny(replicas=4), "fullsync")
+    g = torch.Generator().manual_seed(0)
+    honest = [[torch.randn(50, generator=g), torch.randn(7, generator=g)] for _ in range(3)]
+    far = [10 * t for t in honest[0]]
+    means = state.barrier([*honest, far])
+    for r in range(3):  # the honest replicas drop the far part and take the plain mean of theirs
+        for j in range(2):
+            torch.testing.assert_close(means[r][j], sum(h[j] for h in honest) / 3)
+    for j in range(2):  # the far replica keeps its own part, as a daemon's does
+        torch.testing.assert_close(means[3][j], (sum(h[j] for h in honest) + far[j]) / 4)
+    pair = build(tiny(), "fullsync").barrier(honest[:2])
+    assert all(torch.equal(pair[0][j], pair[1][j]) for j in range(2))
+    torch.testing.assert_close(pair[0][0], (honest[0][0] + honest[1][0]) / 2)

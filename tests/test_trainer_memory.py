@@ -96,6 +96,20 @@ def test_averaging_state_per_rule():
     assert ema.host == 2 * ema.params * 2  # two cycles of uint16 partition ids
 
 
+def test_averaging_state_follows_what_the_rule_declares(monkeypatch):
+    """The estimate asks the rule object (trainer/rules.py), not its name: a rule that declares an EMA buffer is
+    charged one, and a whole-tensor rule needs no partition cache."""
+    import dataclasses
+
+    from trainer import rules
+
+    delta = estimate_stage(TINY.replace(averaging={"rule": "delta"}), 1)
+    monkeypatch.setitem(rules.RULES, "delta", dataclasses.replace(rules.RULES["delta"], ema=True))
+    assert estimate_stage(TINY.replace(averaging={"rule": "delta"}), 1).averaging == delta.averaging + delta.weights
+    full = estimate_stage(TINY.replace(averaging={"rule": "full"}), 1)
+    assert full.host == 0 and full.averaging >= full.params * 8  # whole tensors: no partition ids, p = 1 per round
+
+
 def test_fits_keeps_headroom_and_counts_host_memory_on_the_cpu_only():
     e = estimate_stage(TINY, 1)
     need = e.device_bytes

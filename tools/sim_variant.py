@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.rules import RULES  # noqa: E402
 from trainer.sim.methods import METHODS, Combine, MethodSpec  # noqa: E402
 from trainer.sim.presets import PRESETS, preset, with_overrides  # noqa: E402
 from trainer.sim.simulator import run_method  # noqa: E402
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("nadam", "adamw"), default="nadam")
     p.add_argument("--beta1", type=float, default=0.99)
     p.add_argument("--stashing", action=argparse.BooleanOptionalAction, default=True, help="weight stashing")
-    p.add_argument("--rule", choices=("grad", "avg", "delta", "ema"), default="ema",
-                   help="'grad': gradient all-reduce every step; otherwise the parameter-averaging rule")
+    p.add_argument("--rule", choices=("grad", *(name for name, rule in RULES.items() if rule.averages)),
+                   default="ema", help="'grad': gradient all-reduce every step; otherwise the parameter-averaging "
+                   "rule (trainer/rules.py)")
     p.add_argument("--fraction", type=float, default=0.05, help="p: fraction averaged per local step")
     p.add_argument("--tau", type=int, default=10, help="averaging delay in local steps")
     args = p.parse_args(argv)

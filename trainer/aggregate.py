@@ -38,6 +38,7 @@ nor scale a group of colluding parts down. Here all parts of the round are looke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -129,3 +130,16 @@ def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, lis
     if lone_bound is not None and cfg.aggregator != "mean" and len(order) < full_quorum(asked, cfg.trim):
         values, clipped = _bound_pull(own_values, values, lone_bound / 2)
     return values, sorted(dropped), clipped
+
+
+def barrier_mean(me: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]],
+                 cfg: AveragingConfig, *, outlier_factor: float = OUTLIER_FACTOR, outlier_rms: float = OUTLIER_RMS,
+                 ) -> tuple[list[torch.Tensor], list[str]]:
+    """The synchronous barrier's aggregate of the replicas' gradients (the daemon's ``--mode sync`` and the
+    simulator's ``fullsync``): a part far from the others is dropped as in a round (step 1 above), the rest is
+    averaged with the plain mean, as the textbook baseline does (the run's aggregator is for weights, whose replicas
+    lie close together; a trimmed mean of a few gradients would be a different, noisier estimator). Returns the mean
+    and the ids dropped."""
+    values, dropped, _ = robust_combine(me, own_values, parts, dataclasses.replace(cfg, aggregator="mean"),
+                                        outlier_factor=outlier_factor, outlier_rms=outlier_rms)
+    return values, dropped

@@ -16,8 +16,9 @@ its stage input; the autograd graph exists for one micro-batch at a time. Weight
 the weights per micro-batch in flight (a copy exists only while a micro-batch forwarded at those weights waits for
 its gradient; the last stage forwards and backwards at once and stashes nothing). Averaging ('ema') keeps an EMA
 buffer per weight, and every round in flight a snapshot of its partition (indices and values) on the device and the
-partition cache (two cycles, one small integer per coordinate) in host memory. The optimiser's state per weight is
-measured by stepping the run's optimiser once on a tiny tensor.
+partition cache (two cycles, one small integer per coordinate) in host memory; what a rule keeps is what it declares
+(trainer/rules.py). The optimiser's state per weight is measured by stepping the run's optimiser once on a tiny
+tensor.
 
 Mixed precision (``precision="bf16"``) keeps fp32 master weights, fp32 gradients and fp32 optimiser state; only
 what the backward keeps changes. Not counted: the CUDA context and allocator slack (``HEADROOM`` covers them when
@@ -120,16 +121,16 @@ def estimate_stage(run: RunConfig, stage: int, *, precision: str = "fp32", infli
     input_bytes = b * t * 8 if stage == 0 else b * t * c * 4  # token ids, or fp32 activations
     avg = run.averaging
     averaging = host = 0
-    if avg.rule != "none":
-        fraction = 1.0 if avg.rule == "wagma" else avg.round_fraction
-        drift = avg.rule in ("ema", "delta", "wagma")
+    rule = rule_of(avg)
+    if rule.averages:
+        fraction = rule.round_fraction(avg)
+        drift = rule.drift
         # kept per round in flight: int64 indices and, for the drift, the values at its start; for the round being
         # exchanged: the values sent and the mean received
         part = math.ceil(fraction * params)
-        # the EMA drift buffer ('ema'), and the corrections applied so far (rules that re-apply their own progress
-        # only: trainer/rules.py own_progress), each the size of the weights
-        own = rule_of(avg).own_progress
-        averaging = ((shape.weight_bytes if avg.rule == "ema" else 0) + (shape.weight_bytes if own else 0)
+        # the EMA drift buffer (rules with ``ema``), and the corrections applied so far (rules that re-apply their
+        # own progress only: trainer/rules.py own_progress), each the size of the weights
+        averaging = ((shape.weight_bytes if rule.ema else 0) + (shape.weight_bytes if rule.own_progress else 0)
                      + avg.rounds_per_tick * part * (8 + 4 * drift) + part * 8)
         n_parts = 1 if fraction >= 1.0 else math.ceil(1.0 / fraction - 1e-9)
         host = 0 if n_parts == 1 else 2 * params * (2 if n_parts <= 65535 else 4)

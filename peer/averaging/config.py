@@ -54,10 +54,15 @@ class NetAveragingConfig:
     """Blocking average: wire codec ('none' keeps the sum exact, as a synchronous baseline must)."""
     sync_max_norm_ratio: float = 100.0
     """Blocking average: reject a part whose norm exceeds ours by this factor (or 1.0, whichever is larger)."""
+    sync_digest_rtol: float = 1e-5
+    """Blocking average: replicas whose weight digests differ by more than this (relative, peer.averaging.fork) have
+    forked, and the odd one out loads the state of one that holds the others' weights."""
+    sync_resync_s: float = 30.0
+    """Blocking average: how long a forked replica keeps trying to fetch that state before the next barrier's check."""
 
     def __post_init__(self) -> None:
         for name in ("call_timeout_s", "swarm_timeout_s", "view_refresh_s", "worker_timeout_s", "sync_timeout_s",
-                     "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio"):
+                     "sync_grace_s", "max_rel_distance", "sync_max_norm_ratio", "sync_digest_rtol", "sync_resync_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.collect_fraction < 1 or not 0 < self.initiator_grace < 1:

@@ -16,12 +16,16 @@ snapshot while the others keep stepping, so it starts behind. When a part for a 
 ours, this replica *adopts* that step: it joins the others' barrier and reports it in ``last_step``; the caller
 continues from ``last_step + 1``. At most ``MAX_PENDING`` future steps are held open, so a hostile peer cannot make us
 allocate without bound.
+
+A barrier that times out can leave the replicas with different means, and so with different weights for the rest of
+the run. Every part therefore ends with a digest of the sender's weights (``peer.averaging.fork``); after each barrier
+``fork`` says whether ours differ from those the stage's replicas hold, and from whom to load the state
+(``peer.sync_schedule`` does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peer.averaging.aggregate import robust_combine
+from peer.averaging.aggregate import barrier_mean
 from peer.averaging.config import NetAveragingConfig
 from peer.averaging.exchange import (
     PartExchange,
@@ -38,6 +42,7 @@ from peer.averaging.exchange import (
     exchange_all,
     finite_norm_check,
 )
+from peer.averaging.fork import Fork, fork_of
 from peer.ids import short_id
 from peer.lifecycle import PeerState
 from protocol.errors import ErrorCode
@@ -106,9 +111,7 @@ class SyncAverager:
                  member: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.config = config or NetAveragingConfig()
         self.metrics, self.clock = metrics, clock
-        # the textbook baseline averages gradients exactly: outliers are dropped, the rest is the plain mean (the
-        # run's aggregator, a trimmed mean by default, is for weights, whose replicas lie close together)
-        self._mean = dataclasses.replace(run.averaging, aggregator="mean")
+        self._averaging = run.averaging
         if me is None:
             if p2p is None:
                 raise ValueError("SyncAverager needs me (this peer's id) when it has no p2p to read it from")
@@ -119,10 +122,14 @@ class SyncAverager:
         self._finished: dict[int, Slot] = {}  # the last FINISHED_KEPT barriers we completed, to answer late callers
         # called with (step, peer) when a replica's part opens a barrier we have not opened (it is waiting there)
         self.on_remote_open: Callable[[int, str], None] | None = None
+        # after each barrier: whether our weights differ from the replicas' (their digests), and whom to resync from
+        self.fork: Fork | None = None
+        grads_check = finite_norm_check(self.config.sync_max_norm_ratio, 1.0)
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
             me=self.me, codec=self.config.sync_codec, metrics=metrics, clock=clock, admit=self._admit,
-            check=finite_norm_check(self.config.sync_max_norm_ratio, 1.0), member=member)
+            check=lambda received, own: grads_check(received[:-1], own[:-1]),  # the last tensor is the digest
+            member=member)
 
     async def start(self) -> None:
         await self.exchange.register()
@@ -157,14 +164,18 @@ class SyncAverager:
         later = [k for k in self.exchange.slots if k > step and self._opened_by.get(k) in peers]
         return max(later) if later else None
 
-    async def all_average(self, step: int, tensors: list[torch.Tensor],
-                          peers: Iterable[str]) -> tuple[list[torch.Tensor], int]:
+    async def all_average(self, step: int, tensors: list[torch.Tensor], peers: Iterable[str], *,
+                          digest: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int]:
         """Mean of ``tensors`` over the replicas that arrive in time, and their number (1: alone or all failed).
 
         The barrier used may be a later step than ``step`` (see the module docstring): read ``last_step`` after.
+        ``digest``: ``peer.averaging.fork.weights_digest`` of the weights whose gradients ``tensors`` are; then
+        ``fork`` says after the barrier whether they differ from the replicas' (None without a digest).
         """
         step = max(step, self.last_step + 1)
         shapes = [t.shape for t in tensors]
+        tensors = [*tensors, digest if digest is not None else torch.zeros(1)]
+        self.fork = None
         peers = sorted({p for p in peers if p != self.me})
         slot = None
         try:
@@ -193,16 +204,24 @@ class SyncAverager:
                            short_id(missing[0]))
         # only the replicas the caller's (validated) view announces on this stage count, and through the same
         # robust aggregate as the asynchronous rounds: a stranger's or an outlying gradient is not averaged in
-        members = {p: v for p, v in slot.contributions.items() if p in peers}
+        members = {p: v[:-1] for p, v in slot.contributions.items() if p in peers}
         for peer in slot.contributions.keys() - members.keys():
             self.metrics.inc("rejected:avg_not_member")
             logger.debug("step %d: part of %s ignored: not an announced replica of this stage", step, short_id(peer))
-        own = slot.own_values
-        assert own is not None  # our part was published before the barrier could complete
-        mean, dropped, _ = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: robust_combine(self.me, own, members, self._mean,
-                                         outlier_factor=self.config.outlier_factor,
-                                         outlier_rms=self.config.outlier_rms))
+        assert slot.own_values is not None  # our part was published before the barrier could complete
+        own = slot.own_values[:-1]
+        if digest is not None and members:
+            digests = {p: slot.contributions[p][-1] for p in members}
+            digests[self.me] = slot.own_values[-1]
+            self.fork = fork_of(self.me, digests, [t.numel() for t in own], self.config.sync_digest_rtol)
+            if self.fork is not None:
+                self.metrics.inc("sync_fork_detected")
+                logger.warning("step %d: our weights differ from those of %d of %d replicas; loading %s's state",
+                               step, self.fork.agreeing, len(digests), short_id(self.fork.donor))
+        # the textbook baseline averages gradients exactly: outliers dropped, the plain mean of the rest
+        mean, dropped = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: barrier_mean(self.me, own, members, self._averaging,
+                                       outlier_factor=self.config.outlier_factor, outlier_rms=self.config.outlier_rms))
         for peer in dropped:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("step %d: part of %s dropped: far from the robust centre", step, short_id(peer))

@@ -16,7 +16,8 @@ COUNTERS = (
     # the pipeline
     "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
     "late_backward", "busy_replies", "busy_received", "black_holes_banned", "share_bans",
-    "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete",
+    "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete", "sync_fork_detected", "sync_resync_ok",
+    "sync_resync_failed", "sync_resync_refused",
     # spot checks of the next stage (peer/pipeline/spotcheck.py)
     "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_unavailable", "spotcheck_void",
     "spotcheck_banned",

@@ -145,6 +145,10 @@ class StateSyncError(Exception):
     """One donor's transfer failed (the loader moves on to the next donor)."""
 
 
+class SnapshotBehind(StateSyncError):
+    """The donor's snapshot is of an earlier local step than the caller asked for (``min_step``)."""
+
+
 @dataclass
 class _Snapshot:
     stage: int
@@ -325,13 +329,15 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
                                 dht: DHT | None = None,
                                 reference: dict[str, Any] | None = None, donors: list[str] | None = None,
                                 config: StateSyncConfig | None = None,
-                                transport: Transport | None = None, vet: Vet | None = None) -> dict[str, Any] | None:
+                                transport: Transport | None = None, vet: Vet | None = None,
+                                min_step: int = 0) -> dict[str, Any] | None:
     """Fetch ``stage``'s state from same-stage peers; None when no donor delivered a valid one (see module doc).
 
     donors: peer ids to try in order; default: read from the DHT with ``choose_donors``. reference: a state dict of
     the same stage (e.g. a freshly built worker's) that the result must match in parameter names, shapes and dtypes.
     vet: ``await vet(transport, donor, state, limit)`` is False when a delivered state must not be loaded (the
-    witnesses of ``peer.state.witness`` outvoted it); the next donor is tried.
+    witnesses of ``peer.state.witness`` outvoted it); the next donor is tried. min_step: a donor whose snapshot
+    is of an earlier local step is skipped after its first chunk (a sync replica waiting for its donor's step).
     """
     config = config or StateSyncConfig()
     me = p2p.peer_id.to_base58() if p2p is not None else ""
@@ -344,9 +350,12 @@ async def load_state_from_peers(*, p2p: P2P | None, run: RunConfig, stage: int, 
         limit = min(limit, 4 * state_nbytes(reference) + 64 * 2**20)
     for donor in donors[:config.max_donors]:
         try:
-            state = await _transfer(transport, donor, run, stage, config, limit)
+            state = await _transfer(transport, donor, run, stage, config, limit, min_step)
             if reference is not None:
                 check_against_reference(state, reference)
+        except SnapshotBehind as e:
+            logger.debug("state from %s skipped: %s", donor[:16], e)
+            continue
         except (StateSyncError, StateFormatError) as e:
             metrics.inc("state_sync_donor_failed")
             logger.warning("state from %s failed: %s; trying the next donor", donor[:16], e)
@@ -428,8 +437,11 @@ def decode_piece(builder: StateAssembler, key: str, env: TensorEnvelope, donor: 
 
 
 async def _transfer(transport: Transport, donor: str, run: RunConfig, stage: int, config: StateSyncConfig,
-                    limit: int) -> dict[str, Any]:
+                    limit: int, min_step: int = 0) -> dict[str, Any]:
     first, builder = await open_snapshot(transport, donor, run, stage, config, limit)
+    step = first.meta.get("local_step")
+    if min_step and (type(step) is not int or step < min_step):
+        raise SnapshotBehind(f"the donor's snapshot is of local step {step}, {min_step} was asked for")
     loop = asyncio.get_running_loop()
     # up to `window` requests in flight hide the round trip on long links; chunks are applied in order
     pending = {c: asyncio.ensure_future(request_chunk(transport, donor, run, stage, c, config, first.version))

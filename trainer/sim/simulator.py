@@ -13,6 +13,8 @@ schedule, so what it shows about convergence holds for the daemon's code:
   more micro-batches in flight than there are stages: stage s then sees a delay of K - 1 - s + E.
 * **sync** (GPipe with M micro-batches and a flush): all micro-batches of a step see the same weights, so running
   each one's forward and backward back to back is numerically identical to GPipe's all-forwards-then-all-backwards.
+  The replicas' gradients are combined as the daemon's sync barrier combines them (``trainer.aggregate.barrier_mean``:
+  a far outlier among three or more dropped, the plain mean of the rest).
 * **Replicas**: 'grad' averages the replicas' summed gradients before every optimiser step (they stay identical);
   'avg' runs the worker's averaging hooks with the run's cadence, the daemon's: every ``averaging.round_steps``
   local steps a round begins (``averaging_begin`` on every replica of the stage, a partition of
@@ -53,7 +55,7 @@ from typing import Any
 
 import torch
 
-from trainer.aggregate import OUTLIER_FACTOR, OUTLIER_RMS, robust_combine
+from trainer.aggregate import OUTLIER_FACTOR, OUTLIER_RMS, barrier_mean, robust_combine
 from trainer.attacks import ATTACKS, byzantine_part
 from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus, corpus_identity, load_corpus, shard_seed, val_batches
@@ -198,6 +200,14 @@ class SimConfig:
         d["tau_samples"] = list(self.tau_samples)
         d["speeds"] = list(self.speeds)
         return d
+
+
+def speeds_from_steps(steps: list[int]) -> tuple[float, ...]:
+    """``SimConfig.speeds`` for replicas that made ``steps`` local steps each in the same wall time (a daemon's
+    stage-0 summaries): each one's share of the fastest's. Train the simulation for ``max(steps)`` micro-batches."""
+    if not steps or min(steps) < 1:
+        raise ValueError(f"every replica must have made at least one step, got {steps}")
+    return tuple(s / max(steps) for s in steps)
 
 
 def _codec(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -359,6 +369,17 @@ class _Run:
                                       outlier_rms=OUTLIER_RMS, quorum=len(parts))
         return values
 
+    def barrier(self, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """What each replica steps with after the daemon's sync barrier (trainer/aggregate.py ``barrier_mean``: a
+        far outlier among three or more dropped, the plain mean of the rest), given every replica's gradients. Each
+        replica keeps its own part, as a daemon's does, so with an outlier they differ."""
+        if self.R < 3:  # nothing is an outlier: one mean for all
+            return [grads[0] if self.R == 1 else barrier_mean("0", grads[0], {"1": grads[1]}, self.run.averaging)[0]
+                    ] * self.R
+        ids = [f"{i:04d}" for i in range(self.R)]
+        return [barrier_mean(ids[r], grads[r], {ids[j]: g for j, g in enumerate(grads) if j != r},
+                             self.run.averaging)[0] for r in range(self.R)]
+
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
             if self.spec.combine == Combine.GRADIENTS:
@@ -480,11 +501,9 @@ class _Run:
                     for s in range(K - 2, -1, -1):
                         assert grad is not None  # stage 0, the only one to return None, is the last to run
                         grad = w[s].backward(mb, self.grad(grad))
-            for s in range(K):  # flush: mean over replicas of the micro-batch mean, then one step
+            for s in range(K):  # flush: the barrier's mean over replicas of the micro-batch means, then one step
                 ws = [self.w[r][s] for r in range(self.R)]
-                per = [w.grads() for w in ws]
-                mean = [torch.stack(gs).sum(0) / (self.R * M) for gs in zip(*per, strict=True)]
-                for worker in ws:
+                for worker, mean in zip(ws, self.barrier([w.mean_grads() for w in ws]), strict=True):
                     worker.set_grads(mean)
                     worker.optimizer_step()
             before = self.consumed

@@ -1,0 +1,210 @@
+"""Sync mode's fork check: every gradient barrier carries a digest of the replica's weights, and a replica whose
+weights differ from its stage's adopts the state of a replica that holds the others'.
+
+Replicas in ``--mode sync`` share one model only as long as every barrier gives every replica the same mean. A barrier
+that times out breaks that: a replica dies or stalls mid-exchange, and its part reached one survivor but not another;
+one reply is lost with its stream. Each survivor then steps with the mean of the parts it holds, and they fork for
+the rest of the run (identical gradients do not bring different weights and optimiser moments back together).
+
+The digest is the replica's local step and, per parameter tensor, the sum of its coordinates and the sum of their
+squares (float64, sent as float32), taken as the replica reaches the barrier (its weights after the previous step):
+one pass over the weights per barrier, 8 bytes per tensor on the wire.
+Replicas on the same kind of device hold bit-identical weights; across devices the optimiser's rounding may differ in
+the last bit, which ``rtol`` absorbs (a difference per coordinate of about min(rtol x sqrt(numel), sqrt(rtol)) of
+the tensor's rms is seen: the sums by the first, the sums of squares by the second). An optimiser step that one
+replica missed differs by a large share of the learning rate in every coordinate.
+
+Who holds the stage's weights: the digest that agrees with the most replicas' (ours and every announced replica's
+part that arrived), the lowest peer id on a tie. With three or more replicas a lone replica, honest or not, cannot
+make the others load its state; with two, nothing tells which one is right and the lower id wins.
+
+``resync`` loads that replica's state (weights, optimiser moments, local step) through the state transfer
+(``peer.state.sync``), once its snapshot shows the step of the barrier that found the fork: the replicas then hold
+the same weights and moments, and identical means keep them so. It runs before the replica computes anything of the
+next flush, and the donor's weights do not change until the next barrier, which waits for us (``sync_timeout_s``).
+
+The state is another peer's, so it is checked before it is loaded (``vet_resync``): the donor was named by the
+replicas' digests, and our own state is the witness of what it delivers. Its weights must lie within
+``tensor_tolerance`` of ours on every tensor (the witnesses' relative distance, peer.state.witness: zeros are at 1, a
+sign flip at 2; a fork of a few steps is at a few per cent); its local step at most ``MAX_STEPS_AHEAD`` past the
+barrier's; its optimiser moments must be moments an honest optimiser with our betas can hold: second moments >= 0,
+every first moment within the bound an exponential average of the same gradients obeys (|m| <= c sqrt(v), c from
+the betas: 7.3 for 0.9 / 0.999), step counts >= 1. A step from such moments is at most c x lr per coordinate, an
+ordinary size, where crafted moments (v = 0 under m = 1) would move a weight without bound. The averaging EMA is not
+taken (sync mode does not average weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.ids import short_id
+from peer.seams import WorkerCall
+from peer.state.digest import RMS_FLOOR
+from peer.state.sync import load_state_from_peers
+from protocol.rpc import Transport
+from trainer.config import RunConfig
+
+if TYPE_CHECKING:
+    from peer.ops.metrics import PeerMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Fork", "digest_len", "digests_agree", "fork_of", "resync", "vet_resync", "weights_digest"]
+
+MAX_STEPS_AHEAD = 4
+"""A donor's state may be this many local steps past the barrier that found the fork (it may have gone on alone)."""
+MOMENT_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "mu_product"})
+"""Per-parameter optimiser state an AdamW or NAdam step keeps; anything else in a donor's state is refused."""
+
+
+def digest_len(n_tensors: int) -> int:
+    """Length of the digest of ``n_tensors`` tensors: the local step, then (sum, sum of squares) per tensor."""
+    return 1 + 2 * n_tensors
+
+
+def weights_digest(params: Sequence[torch.Tensor], local_step: int) -> torch.Tensor:
+    """[local_step, sum(w_0), sum(w_0^2), sum(w_1), ...] (float64 sums) of a replica's weights."""
+    head = torch.tensor([float(local_step)], dtype=torch.float64)
+    if not params:
+        return head
+    with torch.no_grad():  # on the weights' device, one copy back (one synchronisation on a GPU)
+        sums = torch.stack([torch.stack((p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)
+                                         ** 2)) for p in params])
+    return torch.cat([head, sums.reshape(-1).cpu()])
+
+
+def digests_agree(a: torch.Tensor, b: torch.Tensor, numels: Sequence[int], rtol: float) -> bool:
+    """Whether two digests (``weights_digest``, local step aside) are of the same weights up to rounding:
+    per tensor, the sums within ``rtol`` x sqrt(numel x sum of squares) and the sums of squares within ``rtol`` x
+    the larger one (with a floor of 1e-12 for tensors at zero)."""
+    if a.shape != b.shape or a.numel() != digest_len(len(numels)):
+        return False
+    a, b = a.double(), b.double()
+    for j, n in enumerate(numels):
+        s1a, s2a, s1b, s2b = (float(x) for x in (a[1 + 2 * j], a[2 + 2 * j], b[1 + 2 * j], b[2 + 2 * j]))
+        sq = max(s2a, s2b, 0.0)
+        if abs(s2a - s2b) > rtol * sq + 1e-12 or abs(s1a - s1b) > rtol * math.sqrt(n * sq) + 1e-12:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Our weights differ from those the stage's replicas hold: adopt ``donor``'s state once it has made its step
+    of this barrier (its local step at least ``min_step``)."""
+
+    donor: str
+    min_step: int
+    agreeing: int
+    """Replicas (of those whose digest we hold) that agree with the donor's."""
+
+
+def fork_of(me: str, digests: dict[str, torch.Tensor], numels: Sequence[int], rtol: float) -> Fork | None:
+    """``digests`` by peer id (ours among them, taken before the barrier's step): None when ours agrees with the
+    stage's weights (the digest that agrees with the most, the lowest id on a tie), else where to resync from."""
+    order = sorted(digests)
+    agree = {p: {q for q in order if digests_agree(digests[p], digests[q], numels, rtol)} for p in order}
+    best = max(order, key=lambda p: (len(agree[p]), -order.index(p)))
+    if me in agree[best]:
+        return None
+    step = float(digests[best][0])  # finite (the exchange checked it), but the donor's word: kept >= 1
+    return Fork(donor=best, min_step=max(1, int(step) + 1), agreeing=len(agree[best]))
+
+
+def moment_bound(beta1: float, beta2: float) -> float:
+    """The largest |m| / sqrt(v) exponential averages with these betas reach on any gradients (Cauchy-Schwarz):
+    sqrt((1 - b1)^2 / ((1 - b2) (1 - b1^2 / b2)))."""
+    return math.sqrt((1 - beta1) ** 2 / ((1 - beta2) * (1 - beta1**2 / beta2)))
+
+
+def _moments_refused(entry: object, bound: float) -> str | None:
+    """Why one parameter's optimiser state is none an AdamW / NAdam with our betas holds, or None."""
+    if not isinstance(entry, dict) or not set(entry) <= MOMENT_KEYS:
+        return "is not an AdamW or NAdam state"
+    m, v, n, mu = (entry.get(k) for k in ("exp_avg", "exp_avg_sq", "step", "mu_product"))
+    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or not isinstance(n, torch.Tensor):
+        return "lacks its moments"
+    if m.shape != v.shape or n.numel() != 1 or not float(n) >= 1:
+        return "is malformed (moments of two shapes, or a step count below 1)"
+    if not bool((v >= 0).all()) or not bool((m.abs() <= bound * v.sqrt() + 1e-12).all()):
+        return "holds moments that exponential averages of gradients never reach (|m| > c sqrt(v))"
+    if mu is not None and not (isinstance(mu, torch.Tensor) and mu.numel() == 1 and 0 < float(mu) <= 1):
+        return "holds a momentum product outside (0, 1]"
+    return None
+
+
+def vet_resync(state: dict[str, Any], own: dict[str, Any], *, min_step: int, tolerance: float) -> str | None:
+    """Why the donor's ``state`` may not replace ``own`` (this worker's ``state_dict()``), or None; see the module
+    docstring. Shapes, dtypes and finite values are the worker's own check at the load."""
+    step = state.get("local_step")
+    if not isinstance(step, int) or not min_step <= step <= min_step + MAX_STEPS_AHEAD:
+        return f"its local step {step!r} is not within {MAX_STEPS_AHEAD} of the barrier's {min_step}"
+    theirs, ours = state.get("model"), own["model"]
+    if not isinstance(theirs, dict) or set(theirs) != set(ours):
+        return "its weights are not this stage's"
+    for name, mine in ours.items():
+        t, m = theirs[name], mine.detach().float().cpu()
+        if not isinstance(t, torch.Tensor) or t.shape != m.shape:
+            return f"its weights {name} are not this stage's"
+        scale = max(float(m.norm()), RMS_FLOOR * math.sqrt(m.numel()))
+        distance = float((t.float() - m).norm()) / scale
+        if not distance <= tolerance:
+            return f"its weights {name} are {distance:.3f} from ours (at most {tolerance} is taken)"
+    opt = state.get("optimizer")
+    entries = opt.get("state") if isinstance(opt, dict) else None
+    if not isinstance(entries, dict):
+        return "it holds no optimiser state"
+    beta1, beta2 = own["optimizer"]["param_groups"][0]["betas"]
+    bound = moment_bound(float(beta1), float(beta2)) * 1.001
+    for idx, entry in entries.items():
+        why = _moments_refused(entry, bound)
+        if why is not None:
+            return f"its optimiser state of parameter {idx!r} {why}"
+    return None
+
+
+async def resync(fork: Fork, *, transport: Transport, run: RunConfig, stage: int, worker_call: WorkerCall,
+                 metrics: PeerMetrics, timeout_s: float, tolerance: float = 0.5, poll_s: float = 0.1) -> bool:
+    """Load ``fork.donor``'s state into our worker once its snapshot has reached ``fork.min_step``; True when
+    loaded, False (counted as ``sync_resync_failed``) when it could not be had within ``timeout_s``: the next
+    barrier's digests tell again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    reference: dict[str, Any] = await worker_call(lambda w: w.state_dict())
+    delay = poll_s
+    while True:
+        state = await load_state_from_peers(p2p=None, run=run, stage=stage, metrics=metrics, reference=reference,
+                                            donors=[fork.donor], transport=transport, min_step=fork.min_step)
+        if state is not None:
+            break
+        if loop.time() + delay > deadline:
+            metrics.inc("sync_resync_failed")
+            logger.warning("resync from %s failed: no state of local step %d or later within %.0f s",
+                           short_id(fork.donor), fork.min_step, timeout_s)
+            return False
+        await asyncio.sleep(delay)  # the donor is still making the barrier's step
+        delay = min(2 * delay, 2.0)
+    refused = vet_resync(state, reference, min_step=fork.min_step, tolerance=tolerance)
+    if refused is not None:
+        metrics.inc("sync_resync_refused")
+        logger.warning("resync: the state %s delivered is not loaded: %s", short_id(fork.donor), refused)
+        return False
+    # what the donor accumulated since is its own next flush's; sync mode keeps no averaging EMA to take
+    state["grads"], state["accumulated"], state["averaging"] = None, 0, None
+    try:
+        await worker_call(lambda w: w.load_state_dict(state))
+    except (TypeError, ValueError) as e:
+        metrics.inc("sync_resync_failed")
+        logger.warning("resync from %s: its state does not load: %s", short_id(fork.donor), e)
+        return False
+    metrics.inc("sync_resync_ok")
+    logger.info("resynchronised with %s at local step %s", short_id(fork.donor), state.get("local_step"))
+    return True
