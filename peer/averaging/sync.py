@@ -1,26 +1,13 @@
 """Blocking full average among a stage's replicas (``--mode sync``): one barrier per step, p = 1, tau = 0.
 
-Every replica calls ``all_average(step, tensors, peers)`` once per optimiser step with its gradients and its view of
-the stage's other replicas. Parts travel over the same validated pairwise exchange as the asynchronous rounds
-(``averaging.exchange``), with an exact codec by default, and every replica returns the aggregate of its own tensors
-and every valid part that arrived before ``sync_timeout_s`` from a replica its view announces on the stage, with how
-many replicas it covers. A part is admitted only from an announced training replica of the stage (``StageMembers``),
-before it can open a barrier, hold a pending step or make a later stage close its flush. With three or more parts, one
-far from the coordinate-wise median (zeros, a scaled or flipped gradient) is dropped as in the asynchronous rounds
-(``peer.averaging.aggregate``); the rest are averaged with the plain mean, as the textbook baseline does (a trimmed
-mean of a few gradients would be a different, noisier estimator). A replica that does not arrive costs the others the
-wait, never a wrong sum.
-
-Barriers are keyed by step number, and replicas must agree on it. A joiner loads a donor's state (and its step) from a
-snapshot while the others keep stepping, so it starts behind. When a part for a later step arrives while we wait at
-ours, this replica *adopts* that step: it joins the others' barrier and reports it in ``last_step``; the caller
-continues from ``last_step + 1``. At most ``MAX_PENDING`` future steps are held open, so a hostile peer cannot make us
-allocate without bound.
-
-A barrier that times out can leave the replicas with different means, and so with different weights for the rest of
-the run. Every part therefore ends with a digest of the sender's weights (``peer.averaging.fork``); after each barrier
-``fork`` says whether ours differ from those the stage's replicas hold, and from whom to load the state
-(``peer.sync_schedule`` does).
+Every replica calls ``all_average(step, tensors, peers)`` once per optimiser step with its gradients; parts travel over
+the validated pairwise exchange of the asynchronous rounds (``averaging.exchange``), only from announced training
+replicas of the stage (``StageMembers``). A far outlier among three or more parts is dropped and the rest averaged with
+the plain mean (the textbook baseline); a replica that does not arrive by ``sync_timeout_s`` costs the others the
+wait, never a wrong sum. Barriers are keyed by step: a joiner that starts behind adopts the others' step (at most
+``MAX_PENDING`` future steps held open). Every part ends with a digest of the sender's weights, so a barrier that
+timed out and left the replicas apart is found and repaired (``peer.averaging.fork``, ``peer.sync_schedule``).
+docs/design.md ("The synchronous baseline") gives the reasons.
 """
 
 from __future__ import annotations

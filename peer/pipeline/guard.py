@@ -1,36 +1,14 @@
 """What a stage accepts from strangers on the pipeline: who may send it work, which tensors, which ids, which losses.
 
-- A forward is taken only from a peer announced (signed DHT record) as a training or draining peer of the previous
-  stage; one not (yet) in our view gets Busy, not an error, so an honest newcomer is retried, not banned.
-- A micro-batch id is trained once: ids of accepted forwards are remembered (bounded), so a replayed or retried
-  forward is refused (and a retry is idempotent).
-- Activation and gradient norms must lie within ``norm_factor`` of the median of the last ``norm_recent`` accepted
-  ones (after a warm-up); what falls outside is refused and counted, and never enters the window. After
-  ``norm_relearn_after`` refusals of a kind in a row with none accepted meanwhile, from at least two distinct senders
-  (or from every announced peer of the neighbour stage, when it has one), the bound is forgotten and learnt again:
-  every sender being out of bounds means the neighbour stage's weights moved (e.g. it restarted from its init, whose
-  activations are an order of magnitude smaller than trained ones), not an attack to hold out; one sender alone
-  cannot reset it while others are announced.
-- A loss reported by the last stage is compared with the recent losses of its kind (median of a window); an outlier
-  is flagged, counted and not reported as this peer's loss (the gradient, if within bounds, still counts).
-- The last stage trains on a micro-batch only if its loss is not far *above* its own recent training losses
-  (``loss_ceiling``): plausible-norm garbage (random activations, scrambled targets) gives a high loss and is refused
-  before its backward, so no stage on its route trains on it (``Backward.refused`` travels back).
-- A sender's share of a stage's work is bounded by what it measurably contributed (``WorkShare``): each sender may
-  hold ``allowance`` micro-batches here at once; it starts small, grows by one per micro-batch of its that was trained
-  and halves per refused one; a sender refused by our own loss check ``ban_after`` times in a row while others' work
-  was trained is refused for a while (a refusal relayed from a later stage halves, never bans).
-- The ceiling's window holds only *trained* losses, of senders whose first trained micro-batch is at least
-  ``loss_trust_s`` old (any trained sender's while the window warms up), at most ``loss_sender_cap`` per sender: a
-  sender feeding losses just under the ceiling cannot drag it up window after window. Training loss falls, so the
-  median the ceiling is set from is held at most ``loss_rise_slack`` above the lowest (held) median of the last
-  ``loss_floor_s`` seconds: beside a single honest sender (whose values are half the window, whatever the cap) such a
-  sender moves the ceiling by that slack per ``loss_floor_s`` at most, not to the midpoint between them at once.
-  When *everything* is refused
-  (``loss_relearn_after`` in a row, from two distinct senders or every announced one: the stage's weights moved away
-  from its senders', e.g. it restarted from its init) the window is forgotten and learnt again.
-
-Backwards are already accepted only from peers we forwarded that micro-batch to (``Pending.sent_to``).
+Forwards only from announced peers of the previous stage (an unknown one gets Busy, so an honest newcomer is
+retried); each micro-batch id trained once; activation and gradient norms within ``norm_factor`` of the median of the
+last ``norm_recent`` accepted ones, relearnt only when senders of two distinct ids (or every announced one) all fall
+outside; the last stage trains only on a loss not far above its own recent *trained* losses (``loss_ceiling``, fed by
+long-known senders, capped per sender, its median rising at most ``loss_rise_slack`` per ``loss_floor_s``), so
+plausible-norm garbage is refused before any stage trains on it; and each sender's share of the stage's work is
+earned by trained micro-batches (``WorkShare``). Backwards are accepted only from the peer a micro-batch went to
+(``Pending.sent_to``). docs/security.md ("What is protected, and how": the pipeline) gives each bound, its
+figures and its reason.
 """
 
 from __future__ import annotations

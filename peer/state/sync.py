@@ -1,23 +1,10 @@
 """State sync: a joiner loads its stage's parameters, optimiser and averaging state from same-stage peers.
 
-**Serving** (``StateServer``): on a request for chunk 0 the server takes one snapshot of ``worker.state_dict()`` on the
-compute thread (the worker returns copies, so training goes on meanwhile), flattens it into a JSON skeleton plus a
-list of tensors, and plans fixed-size pieces (``chunk_bytes``) of those tensors. Chunks are encoded on request, in an
-executor, with the exact codec ('none'). A transfer starting within ``snapshot_max_age_s`` of the current snapshot,
-and while the stage has made at most ``snapshot_max_lag_steps`` local steps since it, shares it; a later one gets a
-new snapshot, however busy the server is (so what a joiner or a neighbour backup receives is never more than that age
-or that many steps behind the server's training). The replaced snapshot stays for the transfers still reading
-it, named by the ``version`` of their chunk requests, until no transfer touched it for ``snapshot_idle_s``: memory is
-bounded by two copies of the state plus ``max_concurrent`` chunks. A transfer never mixes two snapshots.
-
-**Loading** (``load_state_from_peers``): donors are the stage's training peers, highest state version first. From one
-donor at a time it fetches chunk 0 (skeleton, sizes, piece size) and then every other chunk, each with its own
-timeout and one retry; a donor that fails or changes version mid-way is dropped and the next one starts from scratch
-(replicas differ, so chunks of two donors never mix). Everything received is validated: the skeleton's structure and
-size, each piece's dtype, shape and exact place (no overlap, no gap), finite floats, the total bounded by
-``max_state_bytes``, and the result against a reference state (the local freshly built worker's: same parameter names,
-shapes and dtypes). It returns the state dict, or None when no donor delivered one; the caller then tries its
-checkpoint, else the run's seeded init (see ``peer.state.checkpoint``).
+``StateServer`` serves snapshots of ``worker.state_dict()`` in fixed-size chunks, sharing one snapshot between the
+transfers that start within an age and step bound (memory: two snapshots plus the chunks in flight; a transfer never
+mixes two). ``load_state_from_peers`` fetches from one donor at a time, highest version first, validates every piece
+against the local reference state, and returns the state or None (the caller then tries its checkpoint, else the
+seeded init). docs/design.md ("State transfer") gives the rules and their reasons.
 
 Interface for the daemon::
 
