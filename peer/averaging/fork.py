@@ -1,37 +1,13 @@
 """Sync mode's fork check: every gradient barrier carries a digest of the replica's weights, and a replica whose
 weights differ from its stage's adopts the state of a replica that holds the others'.
 
-Replicas in ``--mode sync`` share one model only as long as every barrier gives every replica the same mean. A barrier
-that times out breaks that: a replica dies or stalls mid-exchange, and its part reached one survivor but not another;
-one reply is lost with its stream. Each survivor then steps with the mean of the parts it holds, and they fork for
-the rest of the run (identical gradients do not bring different weights and optimiser moments back together).
-
-The digest is the replica's local step and, per parameter tensor, the sum of its coordinates and the sum of their
-squares (float64, sent as float32), taken as the replica reaches the barrier (its weights after the previous step):
-one pass over the weights per barrier, 8 bytes per tensor on the wire.
-Replicas on the same kind of device hold bit-identical weights; across devices the optimiser's rounding may differ in
-the last bit, which ``rtol`` absorbs (a difference per coordinate of about min(rtol x sqrt(numel), sqrt(rtol)) of
-the tensor's rms is seen: the sums by the first, the sums of squares by the second). An optimiser step that one
-replica missed differs by a large share of the learning rate in every coordinate.
-
-Who holds the stage's weights: the digest that agrees with the most replicas' (ours and every announced replica's
-part that arrived), the lowest peer id on a tie. With three or more replicas a lone replica, honest or not, cannot
-make the others load its state; with two, nothing tells which one is right and the lower id wins.
-
-``resync`` loads that replica's state (weights, optimiser moments, local step) through the state transfer
-(``peer.state.sync``), once its snapshot shows the step of the barrier that found the fork: the replicas then hold
-the same weights and moments, and identical means keep them so. It runs before the replica computes anything of the
-next flush, and the donor's weights do not change until the next barrier, which waits for us (``sync_timeout_s``).
-
-The state is another peer's, so it is checked before it is loaded (``vet_resync``): the donor was named by the
-replicas' digests, and our own state is the witness of what it delivers. Its weights must lie within
-``tensor_tolerance`` of ours on every tensor (the witnesses' relative distance, peer.state.witness: zeros are at 1, a
-sign flip at 2; a fork of a few steps is at a few per cent); its local step at most ``MAX_STEPS_AHEAD`` past the
-barrier's; its optimiser moments must be moments an honest optimiser with our betas can hold: second moments >= 0,
-every first moment within the bound an exponential average of the same gradients obeys (|m| <= c sqrt(v), c from
-the betas: 7.3 for 0.9 / 0.999), step counts >= 1. A step from such moments is at most c x lr per coordinate, an
-ordinary size, where crafted moments (v = 0 under m = 1) would move a weight without bound. The averaging EMA is not
-taken (sync mode does not average weights).
+A barrier that times out (a replica dies mid-exchange, a reply is lost) can give the survivors different means, and
+then they differ for the rest of the run. The digest (local step; per tensor the sum and the sum of squares) finds
+that within ``rtol`` of device rounding; the stage's weights are those whose digest agrees with the most replicas (the
+lowest id on a tie), so with three or more a lone replica cannot make the others load its state. ``resync`` loads
+that replica's state through the state transfer once its snapshot holds the barrier's step, after ``vet_resync``
+checked it against our own (weights within ``tensor_tolerance``, step near the barrier's, moments an optimiser with
+our betas can hold: |m| <= c sqrt(v)). docs/design.md ("The synchronous baseline") gives the reasons and figures.
 """
 
 from __future__ import annotations
