@@ -341,9 +341,8 @@ def test_the_loss_ceiling_learns_only_from_trained_losses_of_long_known_senders_
 
 
 def test_norms_that_grow_early_in_training_stay_within_the_bound_and_a_jump_does_not():
-    """Early in training a stage's outputs grow several-fold within a few dozen micro-batches (a 2-stage run on a
-    100 Mbit/s link: 131 -> 1,460 within 20 s, which the median of the whole 128-norm window refused, stalling the
-    swarm). The median of the recent norms follows honest growth; a sudden jump is still refused."""
+    """Early in training a stage's outputs grow several-fold within a few dozen micro-batches, which the median of a
+    long window lags behind. The median of the recent norms follows honest growth; a sudden jump is still refused."""
     counts: Counter[str] = Counter()
     g = PipelineGuard(stage=1, swarm=dict, count=lambda k: counts.update([k]), config=GuardConfig())
     torch.manual_seed(0)
