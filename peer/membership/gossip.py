@@ -14,7 +14,6 @@ no more than the owners signed; replaying an older record loses to the owner's n
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord, RecordError, swarm_key
 from peer.membership.signing import SignatureError, open_envelope
 from protocol.errors import ErrorCode
+from protocol.limits import PeerBudgets
 from protocol.messages import MAX_GOSSIP_RECORDS, Error, Message, Records, RecordsRequest
 
 logger = logging.getLogger(__name__)
@@ -110,20 +110,17 @@ class RecordBook:
 
 def serve_records(book: RecordBook, run_id: str, count: Count) -> Callable[[Message, str], Awaitable[Message]]:
     """The ``records`` handler: the book's records to a peer of the run, at most once per SERVE_MIN_INTERVAL_S each."""
-    last: dict[str, float] = {}
+    budget = PeerBudgets(rate=1.0 / SERVE_MIN_INTERVAL_S, burst=1, max_peers=MAX_BOOK)
 
     async def handle(msg: Message, peer_id: str) -> Message:
         if not isinstance(msg, RecordsRequest) or msg.run_id != run_id:
             count("rejected:bad_request", 1)
             return Error(code=ErrorCode.BAD_REQUEST, message="records: expected a RecordsRequest of this run")
-        now = time.monotonic()
-        if now - last.get(peer_id, -SERVE_MIN_INTERVAL_S) < SERVE_MIN_INTERVAL_S:
+        if budget.empty(peer_id):
             count("rejected:records_rate_limited", 1)
             return Error(code=ErrorCode.RATE_LIMITED,
                          message=f"records: at most one request per {SERVE_MIN_INTERVAL_S:.0f} s")
-        if len(last) > MAX_BOOK:
-            last.clear()
-        last[peer_id] = now
+        budget.spend(peer_id)
         count("records_served", 1)
         return Records(run_id=run_id, records=book.entries())
 
