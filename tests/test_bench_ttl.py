@@ -19,6 +19,7 @@ from tools.bench_ttl import (  # noqa: E402
     measured_round_steps,
     merge_replicas,
     pipeline_extra,
+    replica_steps,
     time_to_reach,
     ttl_speedup,
 )
@@ -72,13 +73,23 @@ def test_the_simulator_gets_the_daemons_measured_cadence_and_stage_0_staleness()
     assert pipeline_extra(summaries, 4) == 0 and pipeline_extra([{"stage": 1}], 2) == 0
 
 
+def test_the_simulator_gets_each_replicas_measured_speed_from_its_stage_0():
+    from trainer.sim.simulator import speeds_from_steps
+
+    summaries = [{"stage": 1, "steps": 900}, {"stage": 0, "steps": 600}, {"stage": 0, "steps": 800}]
+    assert replica_steps(summaries, 2) == [600, 800]
+    assert speeds_from_steps(replica_steps(summaries, 2)) == pytest.approx((0.75, 1.0))
+    assert replica_steps(summaries, 3) == []  # a replica's summary is missing: equal speeds
+    assert replica_steps([{"stage": 0, "steps": 0}, {"stage": 0, "steps": 5}], 2) == []
+
+
 @pytest.mark.timeout(600)
 def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     from tools.bench_swarm import main
 
     out, png = tmp_path / "ttl.json", tmp_path / "ttl.png"
     rc = main(["--time-to-loss", "--run", str(REPO / "tests" / "runs" / "tiny.toml"), "--loopback", "--wan", "no",
-               "--budget-s", "10", "--eval-every-s", "1", "--poll-s", "0.5", "--compute-s", "1",
+               "--budget-s", "16", "--eval-every-s", "1", "--poll-s", "0.5", "--compute-s", "1",
                "--sim-max-steps", "400", "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "w")])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -92,6 +103,7 @@ def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     assert doc["final_val_loss"] == fig["final_val_loss"] and "time_to_loss_speedup" in doc
     assert doc["sim_agreement"] is not None and 0.5 < doc["sim_agreement"] < 2.0
     assert doc["simulator"]["delays_drawn_from"] > 0  # the async peers measured their rounds' taus
+    assert len(doc["simulator"]["speeds"]) == 2 and max(doc["simulator"]["speeds"]) == 1.0  # measured, not assumed
     assert doc["compute_only"]["tokens_per_s"] > 0 and doc["meta"]["data"]["corpus_sha256"]
     assert doc["baseline"]["optimizer"] == "adamw" and doc["baseline"]["beta1"] == 0.9
     assert png.stat().st_size > 1000

@@ -19,8 +19,9 @@ Figures (``--json OUT``; a plot with ``--plot PNG``):
 * ``sim_agreement``: the simulator (trainer/sim) trains the same run with the same cadence and R replicas, each
   round's delay drawn from the taus the async daemon peers measured (their summaries' ``avg_delay_hist``), its
   stage 0 as stale as the daemon's stage-0 peers measured (``pipeline_delay_steps``), each replica validated on its
-  own weights as the daemon's are, for as many micro-batches per replica as the daemon trained; daemon loss /
-  simulator loss at the daemon's final token count.
+  own weights as the daemon's are, the replicas as fast relative to each other as the daemon's stage-0 replicas
+  (their steps), for as many tokens in all as the daemon trained; daemon loss / simulator loss at the daemon's final
+  token count.
 * ``utilisation`` per network: swarm tokens/s over the budget / compute-only tokens/s, where compute-only runs the
   same stage workers (``StageWorker``), one process per peer with the same torch threads, side by side as the swarm
   does, on synthetic inputs with no network: R x the slowest stage's micro-batches/s x tokens per micro-batch.
@@ -252,11 +253,15 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     """asyncmesh in the simulator: same run and cadence, R replicas, delays drawn from the case's measured taus, as
     many micro-batches per replica as the daemon's stage-0 replicas trained (``--sim-max-steps`` caps it when set), so
     that sim_agreement compares the whole run."""
-    from trainer.sim.simulator import SimConfig, run_method
+    from trainer.sim.simulator import SimConfig, run_method, speeds_from_steps
 
     taus = tuple(int(t) for hist in case["avg_delay_hist"] for t, c in hist.items() for _ in range(int(c)))
     tpm = run.data.batch_size * run.model.block_size
-    per_replica = int(case["tokens"] / tpm / args.replicas)
+    # the replicas' measured speeds: stage 0's steps per replica (a replica is a pipeline, paced by its stage 0), so
+    # that the simulation trains the fast and the slow replica in the daemon's proportion, as many tokens in all
+    made = replica_steps(case["summaries"], args.replicas)
+    speeds = speeds_from_steps(made) if made else ()
+    per_replica = int(case["tokens"] / tpm * (max(made) / sum(made) if made else 1 / args.replicas))
     steps = max(8, (min(per_replica, args.sim_max_steps) if args.sim_max_steps else per_replica) // 8 * 8)
     # the cadence the daemon really ran: a round opens on the first clock tick after round_steps local steps, so it
     # stands for more steps than round_steps; the simulator opens one every measured steps-per-round, each round
@@ -268,7 +273,7 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
                     tau=0 if not taus else taus[0], tau_samples=taus, fraction=run.averaging.round_fraction / every,
                     accumulate=max(1, run.optim.accumulate), eval_every=max(1, steps // 8),
                     eval_batches=args.eval_batches, methods=("asyncmesh",), pipeline_extra=extra,
-                    eval_replicas="each")
+                    eval_replicas="each", speeds=speeds)
     rec = run_method(sim, "asyncmesh", "asyncmesh", sim.tau)
     curve = [(p["samples"] * run.model.block_size, p["val_loss"]) for p in rec["curve"]]
     daemon = [(c["tokens"], c["val_loss"]) for c in case["curve"]]
@@ -281,7 +286,14 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     return {"steps": steps, "delays_drawn_from": len(taus), "tokens": at, "daemon_loss": d_loss, "sim_loss": s_loss,
             "sim_agreement": d_loss / s_loss if d_loss and s_loss else None, "sim_curve": curve,
             "avg_fraction_per_step": rec["avg_fraction_per_step"], "avg_delay_steps": rec["avg_delay_steps"],
-            "round_steps": every, "pipeline_extra": extra, "data": rec["data"], "compute_s": rec["compute_s"]}
+            "round_steps": every, "pipeline_extra": extra, "speeds": list(speeds), "data": rec["data"],
+            "compute_s": rec["compute_s"]}
+
+
+def replica_steps(summaries: list[dict[str, Any]], replicas: int) -> list[int]:
+    """Local steps of each stage-0 replica over the run, [] unless every one of the ``replicas`` reported some."""
+    made = [int(s.get("steps") or 0) for s in summaries if s.get("stage") == 0]
+    return made if len(made) == replicas and min(made) > 0 else []
 
 
 def pipeline_extra(summaries: list[dict[str, Any]], n_stages: int) -> int:
