@@ -131,3 +131,18 @@ def test_state_validation_drain_countdown_and_health() -> None:
 def test_bad_construction_is_refused() -> None:
     with pytest.raises(ValueError):
         PeerMetrics(window_s=0)
+
+
+def test_the_summary_reports_every_refusal_the_peer_counted():
+    from peer.ops.metrics import PeerMetrics
+    from peer.ops.summary import peer_summary
+    from peer.pipeline.ledger import SampleLedger
+
+    metrics = PeerMetrics("QmMe", 2)
+    metrics.inc("rejected:replayed_microbatch", 3)
+    metrics.inc("rejected:avg_outlier")
+    metrics.inc("flagged:loss_ceiling_held", 2)
+    out = peer_summary(metrics, head={"peer_id": "QmMe", "stage": 2}, elapsed_s=1.0, steps=0, driver=None,
+                       ledger=SampleLedger(), final_val_loss=None)
+    assert out["rejected"] == {"rejected:replayed_microbatch": 3, "flagged:loss_ceiling_held": 2}
+    assert out["rejected_avg"] == {"rejected:avg_outlier": 1}

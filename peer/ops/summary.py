@@ -49,6 +49,9 @@ def peer_summary(metrics: PeerMetrics, *, head: dict[str, Any], elapsed_s: float
         **{k: int(counters.get(k, 0)) for k in COUNTED},
         **metrics.averaging_cadence(),
         "rejected_avg": {k: int(v) for k, v in counters.items() if k.startswith("rejected:avg_")},
+        # every other refusal this peer counted (replayed micro-batch ids, norms out of bounds, unannounced senders)
+        "rejected": {k: int(v) for k, v in counters.items()
+                     if k.startswith(("rejected:", "flagged:")) and not k.startswith("rejected:avg_")},
     }
 
 
