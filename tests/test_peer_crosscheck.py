@@ -97,3 +97,27 @@ def test_two_answers_that_agree_train_their_mean_and_disagreeing_ones_ban_the_ne
     p.checks = {"b1": None, "c1": None}
     assert cc.answer(p, "b1", backward(), None) == (backward(), None) and p.checks is None  # a drop: void
     assert cc.metrics.count("spotcheck_void") == 1
+
+
+def test_a_check_sent_under_a_stages_own_id_is_held_owed_and_dropped_under_the_local_one():
+    cc, seen = checks(Net({"c1": [Ack()]}), [rec("b1"), rec("c1")])
+    asyncio.run(cc.second(pending(), "b1", forward(), local_id=3))  # forward() carries 7, the id the hops see
+    assert list(cc.router.stats["c1"].outstanding) == [3]
+    cc2, seen2 = checks(Net({"c1": [ConnectionError("down")]}), [rec("b1"), rec("c1")])
+    asyncio.run(cc2.second(pending(), "b1", forward(), local_id=3))
+    assert seen2["dropped"] == [3]  # an untrusted hop without its partner's answer: dropped under the local id
+
+
+def test_each_stage_labels_what_it_sends_so_two_copies_of_one_micro_batch_are_two_micro_batches_downstream():
+    from peer.pipeline.work import MicroBatchIds
+
+    a, b = MicroBatchIds(), MicroBatchIds()  # two replicas of stage 1, both sent micro-batch 7 (a spot check)
+    sent_a, sent_b = a.new(local=7), b.new(local=7)
+    assert sent_a != sent_b  # stage 2 takes both: neither is a replay of the other
+    assert a.local(sent_a) == 7 and b.local(sent_b) == 7  # each maps its gradient back to the micro-batch it holds
+    assert a.local(12345) == 12345  # not one of its labels: kept (stage 0's own ids)
+    small = MicroBatchIds(remember=2)
+    first = small.new(local=1)
+    small.new(local=2), small.new(local=3)
+    assert small.local(first) == first  # forgotten beyond its memory (the micro-batch timed out long before)
+    assert len({a.new() for _ in range(1000)}) == 1000

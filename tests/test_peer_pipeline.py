@@ -46,7 +46,7 @@ class Net:
         return send
 
 
-def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig):
+def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig, run: RunConfig = RUN):
     pool = ThreadPoolExecutor(max_workers=1)
 
     async def compute(fn, *args):
@@ -56,9 +56,10 @@ def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig):
                for s, ids in enumerate(ids_by_stage) for pid in ids}
     for s, ids in enumerate(ids_by_stage):
         for pid in ids:
-            worker = StageWorker(RUN, s)
-            net.stages[pid] = PipelineServicer(run=RUN, stage=s, worker=worker, compute=compute, send=net.sender(pid),
-                                               swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+            worker = StageWorker(run, s)
+            net.stages[pid] = PipelineServicer(run=run, stage=s, worker=worker, compute=compute, send=net.sender(pid),
+                                               swarm=lambda: records,
+                                               router=Router([1.0] * run.n_stages, rng=random.Random(0)),
                                                metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
     return pool
 
@@ -115,6 +116,26 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     # depends on the two stages' relative speed, which load changes: only "late at all" and "not later than the
     # micro-batches in flight" are asserted
     assert 0.2 < net.stages["a0"].metrics.pipeline_delay <= 3.0, net.stages["a0"].metrics.pipeline_delay
+
+
+@pytest.mark.timeout(150)
+def test_spot_checks_in_a_three_stage_pipeline_are_not_replays_downstream(corpus):
+    """Stage 1's spot checks send a micro-batch to both stage-1 replicas, and each forwards it: stage 2 takes both
+    copies (each stage labels what it sends), and no micro-batch is dropped for it."""
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    run = RUN.replace(n_stages=3, model={"n_layer": 3})
+    pool = build(net, [["a0"], ["b1", "c1"], ["d2", "e2"]], cfg, run)
+    asyncio.run(_run_driver(net, corpus, cfg, steps=40))
+    pool.shutdown()
+    counters = {pid: stage.metrics.snapshot()["counters"] for pid, stage in net.stages.items()}
+    sent = sum(counters[pid].get("spotcheck_sent", 0) for pid in ("a0", "b1", "c1"))
+    assert sent >= 4, counters  # new hops are checked on every micro-batch until trusted
+    assert all(counters[pid].get("rejected:replayed_microbatch", 0) == 0 for pid in ("d2", "e2")), counters
+    # (stage 0 may still drop a few: early in training the gradient norms outgrow the bounds learnt on the first)
+    assert net.stages["a0"].worker.local_step >= 40
+    assert net.stages["d2"].worker.local_step + net.stages["e2"].worker.local_step >= 40 + 1  # copies train too
 
 
 @pytest.mark.timeout(150)

@@ -52,8 +52,10 @@ class CrossChecks:
         being learnt, so everything is)."""
         return self.spot.wants_check(peer, learning=learning)
 
-    async def second(self, p: Pending, peer: str, msg: Forward) -> None:
-        """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared."""
+    async def second(self, p: Pending, peer: str, msg: Forward, *, local_id: int | None = None) -> None:
+        """Send ``msg`` to a second replica of the next stage as well; its gradient and ``peer``'s are compared.
+        ``local_id``: the id this stage holds the micro-batch under, when it sent it under another."""
+        mb_id = msg.mb_id if local_id is None else local_id
         stage = self.stage + 1
         others = [r.peer_id for r in self.router.candidates(self.hops.next_hops(stage), stage, exclude={peer})]
         partner = self.spot.partner(peer, others)
@@ -62,10 +64,10 @@ class CrossChecks:
         p.checks = {peer: None, partner: None}  # before sending: the primary's gradient may already be on its way
         p.sent_to.add(partner)
         reply = await self.hops.forward_to(partner, msg)
-        if not self.held(msg.mb_id, p):
+        if not self.held(mb_id, p):
             return
         if isinstance(reply, Ack):
-            self.router.sent(partner, msg.mb_id)
+            self.router.sent(partner, mb_id)
             self.metrics.inc("spotcheck_sent")
             return
         self.metrics.inc("spotcheck_unavailable")
@@ -76,7 +78,7 @@ class CrossChecks:
                 self.requeue(BackwardWork(*held))
             return
         # an untrusted hop's gradient is never trained on unchecked while a partner exists: drop, stage 0 re-sends
-        await self.drop(msg.mb_id)
+        await self.drop(mb_id)
 
     def answer(self, p: Pending, peer_id: str, msg: Backward,
                grad: torch.Tensor | None) -> tuple[Backward, torch.Tensor | None] | None:

@@ -20,7 +20,6 @@ import asyncio
 import hashlib
 import logging
 import math
-import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,7 +30,7 @@ import torch
 
 from peer.pipeline.ledger import Sample, SampleLedger
 from peer.pipeline.servicer import PipelineServicer
-from peer.pipeline.work import Pending, Refused
+from peer.pipeline.work import MicroBatchIds, Pending, Refused
 from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:
@@ -80,8 +79,7 @@ class Stage0Driver:
         self.in_flight: dict[int, Sample] = {}  # drawn, sent, not yet trained nor re-queued
         self._keys = 0
         self.drop_streak = 0
-        self._prefix = random.getrandbits(30) << 32
-        self._next = 0
+        self.ids = MicroBatchIds()
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self.tokens = 0
@@ -91,8 +89,7 @@ class Stage0Driver:
         self.flush: int | None = None  # sync mode: the flush in progress, sent with every training forward
 
     def new_id(self) -> int:
-        self._next += 1
-        return self._prefix | (self._next & 0xFFFFFFFF)
+        return self.ids.new()
 
     def done(self) -> bool:
         return self.stop.is_set() or (self.max_steps > 0 and self.pipe.worker.local_step >= self.max_steps)

@@ -31,7 +31,7 @@ from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
-from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, Pending
+from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, MicroBatchIds, Pending
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
 from protocol.envelope import TensorEnvelope
@@ -95,6 +95,8 @@ class PipelineServicer:
         # sync mode, later stages: called with a training micro-batch's flush once its backward is done here (a
         # replica that finished its share of a flush opens that flush's barrier while the earlier stages drain)
         self.on_backward_done: Callable[[int], None] | None = None
+        # the ids this stage gives the micro-batches it forwards (a gradient comes back under it)
+        self.ids = MicroBatchIds()
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
         self.guard.share.on_ban = lambda peer: self.revoke(peer)  # its work refused again and again
@@ -245,6 +247,7 @@ class PipelineServicer:
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "expected a Backward")
         if msg.run_id != self.run.run_id:
             return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
+        msg = dataclasses.replace(msg, mb_id=self.ids.local(msg.mb_id))  # the id we hold it under
         p = self.pending.get(msg.mb_id)
         if p is None:
             self.metrics.inc("late_backward")  # we already dropped it (timeout); not the sender's fault
@@ -405,7 +408,11 @@ class PipelineServicer:
         ``ids``: the micro-batch's input token ids (subspace runs send them with the coefficients).
         """
         env, tokens = await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_forward, y, ids)
-        msg = Forward(run_id=self.run.run_id, mb_id=mb_id, route=route, activations=env, targets=targets_env,
+        # a later stage sends a training micro-batch under an id of its own: a spot check's copy, forwarded by the
+        # second replica too, would otherwise meet the first copy as a replay two stages on. An evaluation keeps
+        # stage 0's id: the last stage answers stage 0 directly.
+        sent_id = mb_id if self.is_first or is_eval else self.ids.new(local=mb_id)
+        msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
                       is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
         peer = await self.hops.forward(msg, p.sent_to if p else set())
@@ -416,7 +423,7 @@ class PipelineServicer:
                     self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
                     learning = self.guard.learning("gradients")
                     if self.checks is not None and self.checks.wants(peer, learning=learning):
-                        await self.checks.second(p, peer, msg)
+                        await self.checks.second(p, peer, msg, local_id=mb_id)
             return True
         if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample
             self.metrics.inc("microbatches_dropped")

@@ -4,7 +4,9 @@ thread (``ForwardWork``, ``BackwardWork``)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -12,7 +14,7 @@ import torch
 
 from protocol.messages import Backward, Forward
 
-__all__ = ["REFUSED", "BackwardWork", "ForwardWork", "Pending", "Refused"]
+__all__ = ["REFUSED", "BackwardWork", "ForwardWork", "MicroBatchIds", "Pending", "Refused"]
 
 
 class Refused:
@@ -23,6 +25,34 @@ class Refused:
 
 
 REFUSED = Refused()
+
+
+class MicroBatchIds:
+    """The ids a peer gives the micro-batches it sends: a random 30-bit prefix of its own and a counter, so that ids
+    of different senders do not meet. Every stage labels what it sends (stage 0 its new micro-batches, a later stage
+    the ones it forwards), so a micro-batch that a spot check sent to two replicas reaches the stages after them
+    as two micro-batches, not as a replay of one; ``local(sent)`` maps the id a gradient comes back under to the one
+    this peer holds the micro-batch under (the last ``remember`` sends)."""
+
+    def __init__(self, remember: int = 16384) -> None:
+        self._prefix = random.getrandbits(30) << 32
+        self._next = 0
+        self._local: OrderedDict[int, int] = OrderedDict()
+        self._remember = remember
+
+    def new(self, local: int | None = None) -> int:
+        """A fresh id; with ``local``, one that ``local(...)`` maps back to ``local``."""
+        self._next += 1
+        sent = self._prefix | (self._next & 0xFFFFFFFF)
+        if local is not None:
+            self._local[sent] = local
+            while len(self._local) > self._remember:
+                self._local.popitem(last=False)
+        return sent
+
+    def local(self, sent: int) -> int:
+        """The id this peer holds the micro-batch sent as ``sent`` under (``sent`` itself when it labelled none)."""
+        return self._local.get(sent, sent)
 
 
 @dataclass
