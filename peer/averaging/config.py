@@ -37,9 +37,10 @@ class NetAveragingConfig:
     """Drop a part farther from the round's coordinate-wise median than this times the median distance (plus below)."""
     outlier_rms: float = 0.01
     """Absolute allowance per coordinate (rms) of the outlier check; lets parts that differ by codec noise through."""
-    quorum_recent_s: float = 60.0
+    quorum_recent_s: float = 300.0
     """Robust aggregators: a round needs 2b + 1 contributions, b the liars tolerated among the partners that sent a
-    valid part within this many seconds (0: only those of the round itself count)."""
+    valid part within this many seconds (0: only those of the round itself count). Long against the gaps of a loaded
+    honest replica: liars always answer, so a short memory counts mostly them, and their rounds pass."""
     lone_bound: float | None = 0.05
     """Robust aggregators: a round with fewer contributions than the stage's full quorum (2b + 1 of the partners asked
     and us) moves our values by at most half this times their norm, per tensor; a lone partner's difference from ours
