@@ -51,6 +51,35 @@ def _ms(fn, device: str = "cpu") -> float:
     return (time.thread_time() - t0) * 1e3
 
 
+# ops that only make a new view or an empty tensor: no kernel, no pass over memory
+_METADATA_OPS = frozenset({
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::slice", "aten::select", "aten::split",
+    "aten::split_with_sizes", "aten::narrow", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::alias",
+    "aten::as_strided", "aten::expand", "aten::t", "aten::transpose", "aten::empty", "aten::empty_strided",
+    "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::is_nonzero", "aten::item",
+    "aten::_local_scalar_dense"})
+
+
+def count_ops(fn, device: str = "cpu") -> dict[str, int]:
+    """The torch operators ``fn`` issues (the outermost ones: an operator another calls is part of it), those that
+    touch data (not a view or an empty tensor), and on a GPU the kernels it launches: what a round costs in launches,
+    whatever the clock of the machine measuring it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    top = [e for e in events if e.name.startswith("aten::") and (
+        e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    out = {"ops": len(top), "data_ops": sum(1 for e in top if e.name not in _METADATA_OPS)}
+    if device.startswith("cuda"):
+        out["kernels"] = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return out
+
+
 def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> dict:
     """Round and step times (ms) of stage 0 of ``run`` on ``device``."""
     w = StageWorker(run, 0, device=device)
@@ -85,13 +114,22 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
             begin_ms.append(b_ms)
             finish_ms.append(f_ms)
             slice_sizes.append(n)
+    # one more round, profiled apart from the timed ones (the profiler slows what it watches)
+    w.averaging_prepare(max(rounds, steps) + 1)
+    box = []
+    ops = count_ops(lambda: box.append(w.averaging_begin(max(rounds, steps) + 1)), device)
+    mean = [v + 1e-3 for v in box[0]]
+    w.local_step += 1
+    for k, v in count_ops(lambda: w.averaging_finish(max(rounds, steps) + 1, mean), device).items():
+        ops[k] += v
     begin, finish = statistics.median(begin_ms), statistics.median(finish_ms)
     step_med = statistics.median(step_ms)
     return {"params": params, "slice": int(statistics.median(slice_sizes)), "round_ms": round(begin + finish, 2),
             "begin_ms": round(begin, 2), "finish_ms": round(finish, 2),
             "prepare_ms_off_thread": round(statistics.median(prepare_ms), 2), "round_ms_max": round(
                 max(a + b for a, b in zip(begin_ms, finish_ms, strict=True)), 2),
-            "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4)}
+            "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4),
+            "tensors": len(w.parameters()), **{f"{k}_per_round": v for k, v in ops.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
