@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from trainer.config import AveragingConfig
+from trainer.flat import FlatLayout, Slice
 from trainer.rules import RoundInputs, rule_of
 from trainer.rules import wagma_group as wagma_group  # re-exported: the WAGMA groups live with the rules
 from trainer.rules import wagma_is_global as wagma_is_global
@@ -147,78 +148,6 @@ def block_size(total: int, n: int) -> int:
     return block
 
 
-class Slice:
-    """One round's partition of a stage: per tensor the ascending ids of its blocks of ``block`` coordinates (the
-    last block of a tensor may be short). Gathers and scatters whole blocks as rows, straight into (out of) one flat
-    buffer for the whole stage, so a round costs about a copy of the slice."""
-
-    def __init__(self, rows: list[np.ndarray], block: int, numels: list[int]) -> None:
-        self.block, self.numels = block, numels
-        self.full = [numel // block for numel in numels]  # whole blocks of each tensor
-        # a tensor's short last block (numel % block coordinates) is copied apart from the whole ones
-        self.tail = [block > 1 and numel % block > 0 and len(r) > 0 and int(r[-1]) == full
-                     for r, numel, full in zip(rows, numels, self.full, strict=True)]
-        self.rows = [torch.from_numpy(r[:-1] if t else r) for r, t in zip(rows, self.tail, strict=True)]
-        self.sizes = [len(r) * block + (numel % block if t else 0)
-                      for r, numel, t in zip(self.rows, numels, self.tail, strict=True)]
-        self.total = sum(self.sizes)
-        self._on: dict[torch.device, list[torch.Tensor]] = {}  # the rows on an accelerator, moved once
-
-    def rows_on(self, device: torch.device) -> list[torch.Tensor]:
-        """The block ids per tensor on ``device``: one host-to-device copy for the whole slice, made once (a copy per
-        tensor per gather would cost a synchronised transfer each, several times a round)."""
-        if device.type == "cpu":
-            return self.rows
-        got = self._on.get(device)
-        if got is None:
-            flat = torch.cat(self.rows).to(device) if self.rows else torch.empty(0, dtype=torch.long, device=device)
-            got = self._on[device] = list(torch.split(flat, [len(r) for r in self.rows]))
-        return got
-
-    def indices(self) -> list[torch.Tensor]:
-        """Flat coordinate indices (ascending), one LongTensor per tensor."""
-        out = []
-        for j, rows in enumerate(self.rows):
-            idx = (rows.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
-            if self.tail[j]:
-                idx = torch.cat([idx, torch.arange(self.full[j] * self.block, self.numels[j])])
-            out.append(idx)
-        return out
-
-    def _rows_view(self, j: int, flat: torch.Tensor) -> torch.Tensor:
-        return flat[: self.full[j] * self.block].view(self.full[j], self.block)
-
-    def gather(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The slice of ``tensors`` (the stage's, in order) as one flat tensor (the tensors' slices in order), new
-        or written into ``out``'s first ``total`` elements."""
-        if out is None:
-            out = torch.empty(self.total, dtype=tensors[0].dtype, device=tensors[0].device)
-        out = out[: self.total]
-        rows = self.rows_on(tensors[0].device)
-        at = 0
-        for j, t in enumerate(tensors):
-            flat, head = t.detach().reshape(-1), len(self.rows[j]) * self.block
-            if head:
-                torch.index_select(self._rows_view(j, flat), 0, rows[j],
-                                   out=out[at: at + head].view(-1, self.block))
-            if self.tail[j]:
-                out[at + head: at + self.sizes[j]] = flat[self.full[j] * self.block:]
-            at += self.sizes[j]
-        return out
-
-    def scatter(self, tensors: Sequence[torch.Tensor], values: torch.Tensor) -> None:
-        """Write ``values`` (a flat slice as ``gather`` returns it) into ``tensors`` in place."""
-        rows = self.rows_on(tensors[0].device) if len(tensors) else []
-        at = 0
-        for j, t in enumerate(tensors):
-            flat, head = t.data.view(-1), len(self.rows[j]) * self.block
-            if head:
-                self._rows_view(j, flat).index_copy_(0, rows[j], values[at: at + head].view(-1, self.block))
-            if self.tail[j]:
-                flat[self.full[j] * self.block:] = values[at + head: at + self.sizes[j]]
-            at += self.sizes[j]
-
-
 class Partitioner:
     """Per-parameter index sets of each round, identical on every replica of a stage.
 
@@ -252,6 +181,7 @@ class Partitioner:
         self._keys: tuple[int, list[np.ndarray]] | None = None  # (cycle, per-round per-tensor keys)
         # rounds drawn ahead by ``prepare`` on another thread than the compute thread; the lock guards the caches
         self._ready: dict[int, Slice] = {}
+        self._whole: Slice | None = None
         self._lock = threading.Lock()
 
     def prepare(self, round_no: int, device: torch.device | str = "cpu") -> None:
@@ -259,7 +189,7 @@ class Partitioner:
         draw is numpy work that any thread can do, and the compute thread then only gathers (the daemon's averaging
         loop calls this from a worker thread before it asks the compute thread for the round's values)."""
         part = self._draw(round_no)
-        part.rows_on(torch.device(device))
+        part.flat_rows_on(torch.device(device))
         with self._lock:
             self._ready[round_no] = part
             while len(self._ready) > READY_MAX:  # rounds prepared and never begun (aborted before the begin)
@@ -281,8 +211,10 @@ class Partitioner:
     def _draw(self, round_no: int) -> Slice:
         if round_no < 0:
             raise ValueError(f"round_no must be >= 0, got {round_no}")
-        if self.n == 1:
-            return Slice([np.arange(nb) for nb in self.n_blocks], self.block, self.numels)
+        if self.n == 1:  # every round is the whole stage: one slice serves them all
+            if self._whole is None:
+                self._whole = Slice([np.arange(nb) for nb in self.n_blocks], self.block, self.numels)
+            return self._whole
         cycle, k = divmod(round_no, self.n)
         with self._lock:
             owner, ys, bounds, masks, shifts = self._layout(k)
@@ -291,7 +223,7 @@ class Partitioner:
         glob = np.sort(blocks.astype(np.int64) + self._offsets[owner])
         cuts = np.searchsorted(glob, self._offsets)
         return Slice([glob[cuts[j]:cuts[j + 1]] - self._offsets[j] for j in range(len(self.numels))], self.block,
-                     self.numels)
+                     self.numels, glob)
 
     def _layout(self, k: int) -> tuple[np.ndarray, ...]:
         """Partition k's preimage inputs, the same every cycle: the tensor of each, k + n m, and its tensor's
@@ -333,8 +265,10 @@ class SparseAveragingState:
 
     Several rounds may be in flight at once (the network delay spans several local steps); each keeps its own
     snapshot. The run's rule (trainer/rules.py) says what a round needs: a partition or whole tensors, the values at
-    begin (for the drift), the EMA buffers. A finish works on the slice flattened into one tensor, so a round costs
-    a few passes over the slice whatever the number of tensors.
+    begin (for the drift), the EMA buffers. The parameters, the EMA buffer and the corrections applied live in flat
+    buffers of one layout (trainer/flat.py; the parameters given here are moved into theirs, as views), so a
+    round's gathers and write-backs are one operator each and its rule runs once over the slice: a round issues a
+    few dozen operators whatever the number of tensors.
     """
 
     def __init__(self, cfg: AveragingConfig, total_steps: int, seed: int, stage: int,
@@ -342,15 +276,41 @@ class SparseAveragingState:
         self.cfg, self.total_steps = cfg, total_steps
         self.rule = rule_of(cfg)
         self.partitioner = Partitioner(seed, stage, [p.shape for p in params], self.rule.round_fraction(cfg))
-        self.ema: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if self.rule.ema else []
+        self.layout = FlatLayout([p.shape for p in params], self.partitioner.block)
+        self.flat = self.layout.adopt(params)  # the parameters' values; each parameter is a view into it
+        dtype, device = self.flat.dtype, self.flat.device
+        self.ema_flat = self.layout.zeros(dtype, device) if self.rule.ema else None
         # own_progress rules: the sum of every correction a finish applied (a - W_now), so that a round's drift can
         # leave out what the rounds finishing in between did; transient (in-flight rounds do not survive a load)
-        self.applied: list[torch.Tensor] = [torch.zeros_like(p) for p in params] if self.rule.own_progress else []
+        self.applied_flat = self.layout.zeros(dtype, device) if self.rule.own_progress else None
         self.snapshots: dict[int, _Snapshot] = {}
         # slice-sized buffers reused from round to round (a fresh one costs its page faults, about as much as the
         # arithmetic): three a finish works in (trainer/rules.py), and the W_then copies of finished rounds
         self._scratch: list[torch.Tensor] = []
         self._spare: list[torch.Tensor] = []
+        self._zeros: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # the padding's pieces
+
+    @property
+    def ema(self) -> list[torch.Tensor]:
+        """The EMA buffer per parameter (views into ``ema_flat``); empty for rules without one."""
+        return [] if self.ema_flat is None else self.layout.views(self.ema_flat)
+
+    @property
+    def applied(self) -> list[torch.Tensor]:
+        """The corrections applied so far per parameter (views); empty for rules that do not track them."""
+        return [] if self.applied_flat is None else self.layout.views(self.applied_flat)
+
+    def _bind(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The flat buffer of ``params``: the one they are views into, or (something rebound their ``.data``: a
+        device move, a load with ``assign``) a new one they are moved into first."""
+        if not self.layout.holds(self.flat, params):
+            logger.info("averaging: the stage's parameters were rebound; moving them back into one flat buffer")
+            self.flat = self.layout.adopt(params)
+            if self.ema_flat is not None:
+                self.ema_flat = self.ema_flat.to(self.flat.device)
+            if self.applied_flat is not None:
+                self.applied_flat = self.applied_flat.to(self.flat.device)
+        return self.flat
 
     def _buffers(self, size: int, like: torch.Tensor) -> list[torch.Tensor]:
         if not self._scratch or self._scratch[0].numel() < size or self._scratch[0].device != like.device:
@@ -365,16 +325,29 @@ class SparseAveragingState:
                 return buf[: flat.numel()].copy_(flat)
         return flat.clone()
 
+    def _padding(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        """k zeros for every k < block on ``device`` (views of one tensor, made once)."""
+        got = self._zeros.get((device, dtype))
+        if got is None:
+            z = torch.zeros(self.layout.block, dtype=dtype, device=device)
+            got = self._zeros[(device, dtype)] = [z[:k] for k in range(self.layout.block)]
+        return got
+
+    def copy_params(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A copy of ``params`` (the ones this state holds in its flat buffer): one copy of the buffer, viewed per
+        parameter (weight stashing's copy of the live weights, one operator)."""
+        return self.layout.views(self._bind(params).clone())
+
     def begin(self, round_no: int, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Snapshot W[S] of round ``round_no``; returns copies of the values (one flat tensor per parameter)."""
         if round_no in self.snapshots:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
         part = self.partitioner.slice(round_no)
-        flat = part.gather(params)
+        flat = part.gather_flat(self._bind(params))
         then = self._copy(flat) if self.rule.drift else None  # the values returned are the caller's
-        applied = part.gather(self.applied) if self.applied else None
+        applied = part.gather_flat(self.applied_flat) if self.applied_flat is not None else None
         self.snapshots[round_no] = _Snapshot(part, then, applied)
-        return list(torch.split(flat, part.sizes))
+        return part.unpad(flat)
 
     def prepare(self, round_no: int, device: torch.device | str) -> None:
         """Draw round ``round_no``'s partition ahead, off the compute thread (``Partitioner.prepare``)."""
@@ -395,7 +368,8 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} was never begun (or already finished/aborted)")
         if not self.rule.averages:
             raise AveragingError(f"averaging.rule {self.rule.name!r} does not average; set a rule to use averaging")
-        sizes = snap.part.sizes
+        part = snap.part
+        sizes = part.sizes
         if len(mean) != len(sizes):
             raise AveragingError(f"round {round_no}: got {len(mean)} tensors, expected {len(sizes)}")
         for j, (m, size) in enumerate(zip(mean, sizes, strict=True)):
@@ -404,44 +378,50 @@ class SparseAveragingState:
             if m.shape != (size,):
                 raise AveragingError(f"round {round_no}: tensor {j} has shape {tuple(m.shape)}, "
                                      f"expected ({size},)")
-        dtype, device = params[0].dtype, params[0].device
-        scratch = self._buffers(sum(sizes), params[0])
-        a = scratch[2][: sum(sizes)]
-        if all(m.device == device for m in mean):
-            torch.cat([m.to(dtype=dtype) for m in mean], out=a)
+        flat = self._bind(params)
+        dtype, device = flat.dtype, flat.device
+        scratch = self._buffers(part.padded, flat)
+        a = scratch[2][: part.padded]
+        mean = [m if m.dtype == dtype else m.to(dtype=dtype) for m in mean]
+        on = mean[0].device if mean else device
+        if not all(m.device == on for m in mean):
+            mean, on = [m.to(device) for m in mean], device
+        pieces = part.pad(mean, self._padding(on, dtype))  # the slice's layout, padding included
+        if on == device:
+            torch.cat(pieces, out=a)
         else:  # parts decoded on the host: one transfer for the whole slice, not one per tensor
-            a.copy_(torch.cat([m.to(dtype=dtype) for m in mean]))
+            a.copy_(torch.cat(pieces))
         if not torch.isfinite(a.sum()):  # one pass: NaN and Inf propagate into the sum
             raise AveragingError(f"round {round_no}: the mean holds NaN or Inf; round rejected")
         del self.snapshots[round_no]
-        part = snap.part
-        now = part.gather(params, scratch[0])
-        ema = part.gather(self.ema, scratch[1]) if self.rule.ema else None
+        now = part.gather_flat(flat, scratch[0])
+        ema = part.gather_flat(self.ema_flat, scratch[1]) if self.ema_flat is not None else None
         then, before = snap.then, None
-        if snap.applied is not None and then is not None:
-            applied = part.gather(self.applied)
+        if snap.applied is not None and then is not None and self.applied_flat is not None:
+            applied = part.gather_flat(self.applied_flat)
             then = then + (applied - snap.applied)  # drift less the corrections applied since the begin
             before = now.clone()
         new, new_ema = self.rule.apply_round(RoundInputs(
             mean=a, now=now, then=then, ema=ema, lam=self.cfg.lam,
             mu=mu_at(self.cfg, local_step, self.total_steps), bounded=bounded))
-        part.scatter(params, new)
-        if before is not None:
-            part.scatter(self.applied, applied.add_(new - before))
+        part.scatter_flat(flat, new)
+        if before is not None and self.applied_flat is not None:
+            part.scatter_flat(self.applied_flat, applied.add_(new - before))
         if snap.then is not None and len(self._spare) < 2:
             self._spare.append(snap.then)
-        if new_ema is not None:
-            part.scatter(self.ema, new_ema)
+        if new_ema is not None and self.ema_flat is not None:
+            part.scatter_flat(self.ema_flat, new_ema)
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"ema": [e.clone() for e in self.ema]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         ema = d["ema"]
-        if len(ema) != len(self.ema) or any(a.shape != b.shape for a, b in zip(ema, self.ema, strict=True)):
+        own = self.ema
+        if len(ema) != len(own) or any(a.shape != b.shape for a, b in zip(ema, own, strict=True)):
             raise ValueError("averaging state does not match this stage's parameters (different run or stage?)")
-        for dst, src in zip(self.ema, ema, strict=True):
+        for dst, src in zip(own, ema, strict=True):
             dst.copy_(src)
-        for c in self.applied:
-            c.zero_()
+        if self.applied_flat is not None:
+            self.applied_flat.zero_()
         self.snapshots.clear()

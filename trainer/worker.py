@@ -178,8 +178,9 @@ class StageWorker:
     def _weights_will_change(self) -> None:
         """Called before any in-place change of the live weights: keep a copy for the pending micro-batches
         forwarded at the current ones (with stashing), and start a new epoch."""
-        if self.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0:
-            self._stash.setdefault(self._epoch, [p.detach().clone() for p in self._params])
+        if self.optim.weight_stashing and self._refs.get(self._epoch, 0) > 0 and self._epoch not in self._stash:
+            self._stash[self._epoch] = (self.averaging.copy_params(self._params) if self.averaging is not None
+                                        else [p.detach().clone() for p in self._params])
         self._epoch += 1
 
     @property
