@@ -7,7 +7,9 @@ BLOCK_MAX in large ones: ``block_size``) by a keyed pseudo-random permutation pe
 (run seed, stage, tensor, cycle) only and computed with explicit integer arithmetic (``keyed_permutation``), so every
 replica computes the same partitions, whatever its library versions, and no mask crosses the wire. Round r uses
 partition r % n of cycle r // n; its blocks are found by inverting the permutation on k, k + n, ... only
-(``keyed_preimage``), so drawing a round costs O(blocks / n), never a pass over the whole stage.
+(``keyed_preimage``), so drawing a round costs O(blocks / n), never a pass over the whole stage. The stage's
+parameters and the averaging buffers live in flat buffers of one layout (trainer/flat.py), so a round's gathers and
+write-backs are one operator each, whatever the number of tensors.
 
 A round on partition S: the replicas' aggregate a arrives some local steps after this replica snapshotted
 W_then = W[S] (``begin``). On arrival (``finish``) the run's rule (trainer/rules.py) writes W[S] from a, the drift
@@ -257,7 +259,8 @@ def mu_at(cfg: AveragingConfig, local_step: int, total_steps: int) -> float:
 class _Snapshot:
     part: Slice
     then: torch.Tensor | None  # W_then over the slice, flat; None for rules that ignore the drift
-    applied: torch.Tensor | None  # own_progress rules: the corrections applied so far, at the begin
+    applied: torch.Tensor | None  # own_progress rules: the corrections applied so far at the begin, taken when a
+    # finish first changes them while this round is in flight (None: unchanged since the begin)
 
 
 class SparseAveragingState:
@@ -285,7 +288,8 @@ class SparseAveragingState:
         self.applied_flat = self.layout.zeros(dtype, device) if self.rule.own_progress else None
         self.snapshots: dict[int, _Snapshot] = {}
         # slice-sized buffers reused from round to round (a fresh one costs its page faults, about as much as the
-        # arithmetic): three a finish works in (trainer/rules.py), and the W_then copies of finished rounds
+        # arithmetic): those a finish works in (trainer/rules.py: a, W_now, e; the corrections applied, and W_now
+        # before the rule for own_progress rules), and the snapshots of finished rounds
         self._scratch: list[torch.Tensor] = []
         self._spare: list[torch.Tensor] = []
         self._zeros: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # the padding's pieces
@@ -314,16 +318,17 @@ class SparseAveragingState:
 
     def _buffers(self, size: int, like: torch.Tensor) -> list[torch.Tensor]:
         if not self._scratch or self._scratch[0].numel() < size or self._scratch[0].device != like.device:
-            self._scratch = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(3)]
+            count = 5 if self.applied_flat is not None else 3
+            self._scratch = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(count)]
         return self._scratch
 
-    def _copy(self, flat: torch.Tensor) -> torch.Tensor:
-        """A copy of ``flat`` in a spare buffer when one is large enough."""
+    def _take(self, size: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``size`` elements like ``like``: a spare one when one is large enough, else a new one."""
         for i, buf in enumerate(self._spare):
-            if buf.numel() >= flat.numel() and buf.device == flat.device and buf.dtype == flat.dtype:
+            if buf.numel() >= size and buf.device == like.device and buf.dtype == like.dtype:
                 del self._spare[i]
-                return buf[: flat.numel()].copy_(flat)
-        return flat.clone()
+                return buf[:size]
+        return torch.empty(size, dtype=like.dtype, device=like.device)
 
     def _padding(self, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """k zeros for every k < block on ``device`` (views of one tensor, made once)."""
@@ -344,9 +349,8 @@ class SparseAveragingState:
             raise AveragingError(f"averaging round {round_no} already begun; finish or abort it first")
         part = self.partitioner.slice(round_no)
         flat = part.gather_flat(self._bind(params))
-        then = self._copy(flat) if self.rule.drift else None  # the values returned are the caller's
-        applied = part.gather_flat(self.applied_flat) if self.applied_flat is not None else None
-        self.snapshots[round_no] = _Snapshot(part, then, applied)
+        then = self._take(len(flat), flat).copy_(flat) if self.rule.drift else None  # the values sent are the caller's
+        self.snapshots[round_no] = _Snapshot(part, then, None)  # the corrections applied: taken when they change
         return part.unpad(flat)
 
     def prepare(self, round_no: int, device: torch.device | str) -> None:
@@ -396,21 +400,37 @@ class SparseAveragingState:
         del self.snapshots[round_no]
         now = part.gather_flat(flat, scratch[0])
         ema = part.gather_flat(self.ema_flat, scratch[1]) if self.ema_flat is not None else None
-        then, before = snap.then, None
+        then, applied = snap.then, None
         if snap.applied is not None and then is not None and self.applied_flat is not None:
-            applied = part.gather_flat(self.applied_flat)
-            then = then + (applied - snap.applied)  # drift less the corrections applied since the begin
-            before = now.clone()
+            applied = part.gather_flat(self.applied_flat, scratch[3])
+            # drift less the corrections applied since the begin: W_then + (applied - applied at the begin), in the
+            # snapshot's own buffers
+            then = then.add_(torch.sub(applied, snap.applied, out=snap.applied))
+        # our correction matters to the rounds still in flight only (it is part of their drift, not of their own
+        # progress); with none, the buffer's absolute value means nothing and it is left alone
+        before = (scratch[4][: part.padded].copy_(now) if self.applied_flat is not None and self.snapshots
+                  else None)
         new, new_ema = self.rule.apply_round(RoundInputs(
             mean=a, now=now, then=then, ema=ema, lam=self.cfg.lam,
             mu=mu_at(self.cfg, local_step, self.total_steps), bounded=bounded))
         part.scatter_flat(flat, new)
         if before is not None and self.applied_flat is not None:
-            part.scatter_flat(self.applied_flat, applied.add_(new - before))
-        if snap.then is not None and len(self._spare) < 2:
-            self._spare.append(snap.then)
+            self._track_corrections(flat)
+            if applied is None:
+                applied = part.gather_flat(self.applied_flat, scratch[3])
+            part.scatter_flat(self.applied_flat, applied.add_(torch.sub(new, before, out=before)))
+        self._spare.extend(b for b in (snap.then, snap.applied) if b is not None)
+        del self._spare[: max(0, len(self._spare) - 4)]  # two rounds' snapshots
         if new_ema is not None and self.ema_flat is not None:
             part.scatter_flat(self.ema_flat, new_ema)
+
+    def _track_corrections(self, like: torch.Tensor) -> None:
+        """Before the corrections applied change: the rounds in flight that have not taken their value at the begin
+        take it now (it has not changed since: every change passes here)."""
+        assert self.applied_flat is not None
+        for snap in self.snapshots.values():
+            if snap.applied is None:
+                snap.applied = snap.part.gather_flat(self.applied_flat, self._take(snap.part.padded, like))
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"ema": [e.clone() for e in self.ema]}

@@ -22,6 +22,11 @@ its backward, so the averaged weights must not leak into that backward. ``versio
 (the delay a backward reports is counted in steps); the epoch only names the weights. Without stashing, backward
 uses the latest weights.
 
+**Flat parameters.** In a run that averages, the stage's parameters are views into one flat buffer that the
+averaging state owns (trainer/flat.py), so a round gathers and writes back its slice of every tensor in one operator
+each, and a weight stash is one copy. The optimiser, the model and ``load_state_dict`` work on the views in place;
+anything that rebinds a parameter's ``.data`` is undone at the next round (the parameters are moved back).
+
 **Subspace runs** (``compression.activations = "subspace"``, trainer/subspace.py): the worker keeps its residual
 writers and embeddings in the run's subspace: projected at construction and after every optimiser step, averaging
 finish and state load, and their gradients projected before the step. Its inputs and outputs stay full vectors; the
