@@ -8,7 +8,9 @@ A round that costs a sizeable share of a step slows training down, and one that 
 consecutive rounds, so cycle boundaries are included; interleaved with the steps, so that both see the same load)
 and one training step of the same stage (forward, backward with its recompute, optimiser step; stage 0 of two, on
 the CPU or ``--device cuda``, at the run's micro-batch size) at stages of about 0.4 M, 4 M and 40 M parameters, with
-the embedded default run's averaging (rule, p, round_steps).
+the embedded default run's averaging (rule, p, round_steps). It also counts the torch operators one round issues
+(``ops_per_round``; ``data_ops_per_round`` leaves out those that only make a view; on a GPU ``kernels_per_round``),
+which on a GPU are kernel launches: the count does not depend on the machine's clock or load.
 
     python tools/bench_averaging.py --json docs/bench/averaging_cost.json
 """
@@ -22,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +63,7 @@ _METADATA_OPS = frozenset({
     "aten::_local_scalar_dense"})
 
 
-def count_ops(fn, device: str = "cpu") -> dict[str, int]:
+def count_ops(fn: Callable[[], object], device: str = "cpu") -> dict[str, int]:
     """The torch operators ``fn`` issues (the outermost ones: an operator another calls is part of it), those that
     touch data (not a view or an empty tensor), and on a GPU the kernels it launches: what a round costs in launches,
     whatever the clock of the machine measuring it."""
@@ -116,7 +119,7 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
             slice_sizes.append(n)
     # one more round, profiled apart from the timed ones (the profiler slows what it watches)
     w.averaging_prepare(max(rounds, steps) + 1)
-    box = []
+    box: list[list[torch.Tensor]] = []
     ops = count_ops(lambda: box.append(w.averaging_begin(max(rounds, steps) + 1)), device)
     mean = [v + 1e-3 for v in box[0]]
     w.local_step += 1
