@@ -316,10 +316,13 @@ class SparseAveragingState:
                 self.applied_flat = self.applied_flat.to(self.flat.device)
         return self.flat
 
-    def _buffers(self, size: int, like: torch.Tensor) -> list[torch.Tensor]:
-        if not self._scratch or self._scratch[0].numel() < size or self._scratch[0].device != like.device:
-            count = 5 if self.applied_flat is not None else 3
-            self._scratch = [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(count)]
+    def _buffers(self, size: int, like: torch.Tensor, count: int = 3) -> list[torch.Tensor]:
+        """``count`` slice-sized buffers, kept from round to round (the last two only once rounds overlap)."""
+        if self._scratch and (self._scratch[0].numel() < size or self._scratch[0].device != like.device):
+            self._scratch = []
+        while len(self._scratch) < count:
+            self._scratch.append(torch.empty(max(size, self._scratch[0].numel() if self._scratch else 0),
+                                             dtype=like.dtype, device=like.device))
         return self._scratch
 
     def _take(self, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -401,6 +404,8 @@ class SparseAveragingState:
         now = part.gather_flat(flat, scratch[0])
         ema = part.gather_flat(self.ema_flat, scratch[1]) if self.ema_flat is not None else None
         then, applied = snap.then, None
+        if self.applied_flat is not None and (snap.applied is not None or self.snapshots):
+            scratch = self._buffers(part.padded, flat, 5)
         if snap.applied is not None and then is not None and self.applied_flat is not None:
             applied = part.gather_flat(self.applied_flat, scratch[3])
             # drift less the corrections applied since the begin: W_then + (applied - applied at the begin), in the
