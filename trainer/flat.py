@@ -15,6 +15,7 @@ state adopts the parameters again before it reads them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -37,7 +38,7 @@ class FlatLayout:
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [math.prod(s) for s in self.shapes]
         n_blocks = [-(-numel // block) for numel in self.numels]
-        self.start = [sum(n_blocks[:j]) for j in range(len(n_blocks))]  # first row of each tensor
+        self.start = [0, *itertools.accumulate(n_blocks)][: len(n_blocks)]  # first row of each tensor
         self.rows = sum(n_blocks)
         self.size = self.rows * block
 
@@ -90,9 +91,9 @@ class Slice:
     """One round's partition of a stage: per tensor the ascending ids of its blocks of ``block`` coordinates (the
     last block of a tensor may be short).
 
-    A stage whose tensors live in one flat buffer (trainer/flat.py: each tensor from a block boundary, padded to
+    A stage whose tensors live in one flat buffer (``FlatLayout``: each tensor from a block boundary, padded to
     whole blocks) is gathered and written back in one operator, ``gather_flat`` / ``scatter_flat``, over the
-    partition's rows of that buffer (``flat_rows``: tensor j's block b is row start_j + b); the slice is then
+    partition's rows of that buffer (``flat_rows_on``: tensor j's block b is row start_j + b); the slice is then
     ``padded`` long, the short last blocks' padding included, and ``unpad`` / ``pad`` convert it to and from the
     per-tensor values a round publishes. ``gather`` / ``scatter`` do the same over separate tensors, a few
     operators per tensor."""
@@ -146,7 +147,7 @@ class Slice:
         return got
 
     def gather_flat(self, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The slice of ``buf`` (a flat buffer of the stage, trainer/flat.py) as one tensor of ``padded``
+        """The slice of ``buf`` (a flat buffer of the stage, ``FlatLayout``) as one tensor of ``padded``
         coordinates, new or written into ``out``'s first ``padded`` elements: one operator."""
         if out is None:
             out = torch.empty(self.padded, dtype=buf.dtype, device=buf.device)
