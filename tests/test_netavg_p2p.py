@@ -34,7 +34,7 @@ RUN = RunConfig.default().replace(averaging={"period_s": 2.5, "round_steps": 1, 
 # it, else a lone partner is bounded to 5 %) is turned off here: these replicas drift ~100 % apart and the tests
 # check exact pair means; the quorum has its own tests in test_netavg_robust.py.
 CFG = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=1.5, clock_skew_s=0.3, quorum_recent_s=0.0,
-                         lone_bound=None)
+                         quorum_startup_s=0.0, lone_bound=None)
 
 
 class Recording:

@@ -350,3 +350,31 @@ async def test_parts_the_aggregate_kept_make_their_senders_known_and_dropped_one
     await _run_rounds([lp for lp, _ in peers], 2.6)
     assert workers[0].finished
     assert {"p1", "p2"} <= set(vouched) and "x" not in vouched
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_a_young_loop_counts_every_announced_partner_so_liars_who_answer_first_are_no_quorum():
+    """8 announced replicas, of which only two liars sending zeros answer yet: counting only the partners heard, a
+    round of us and the two passes a quorum of 3 and its aggregate (their median) is zero. While the loop is young
+    every announced partner counts (5 of 8 needed), so those rounds are refused."""
+    import dataclasses
+
+    from test_netavg_rounds import FAST
+
+    names = ["p0", "x0", "x1", "h1", "h2", "h3", "h4", "h5"]
+    for startup, refused in ((60.0, True), (0.0, False)):
+        net = MemTransport()
+        net.down.update({"h1", "h2", "h3", "h4", "h5"})  # honest, not heard yet
+        workers = [FakeWorker(i, drift=0.02) for i in range(3)]
+        config = dataclasses.replace(FAST, quorum_startup_s=startup)
+        peers = [_make_peer(net, n, w, names, config=config, attack="zeros" if n.startswith("x") else "")
+                 for n, w in zip(names[:3], workers, strict=True)]
+        await _run_rounds([lp for lp, _ in peers], 2.6)
+        counters = peers[0][1].snapshot()["counters"]
+        if refused:
+            assert not workers[0].finished and counters.get("avg_below_quorum", 0) >= 1, counters
+        else:  # the hole the start-up rule closes: the liars' rounds are applied, and they zero our slice
+            assert workers[0].finished, counters
+            own = float(workers[0].values[0].norm())
+            assert min(float(m[0].norm()) for m in workers[0].finished.values()) < 0.1 * own

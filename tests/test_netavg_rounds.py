@@ -40,7 +40,7 @@ from tools.byzantine_peer import Attacker  # noqa: E402  (the red team's behavio
 
 RUN = RunConfig.default().replace(averaging={"period_s": 1.0, "round_steps": 1, "rounds_per_tick": 1})
 SHAPES = [(3000,), (37,), (5,)]
-FAST = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2)
+FAST = NetAveragingConfig(collect_fraction=0.6, call_timeout_s=0.5, clock_skew_s=0.2, quorum_startup_s=0.0)
 
 
 def aio(fn):

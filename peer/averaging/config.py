@@ -41,6 +41,10 @@ class NetAveragingConfig:
     """Robust aggregators: a round needs 2b + 1 contributions, b the liars tolerated among the partners that sent a
     valid part within this many seconds (0: only those of the round itself count). Long against the gaps of a loaded
     honest replica: liars always answer, so a short memory counts mostly them, and their rounds pass."""
+    quorum_startup_s: float = 120.0
+    """Robust aggregators: for this long after the loop starts every announced partner counts for the quorum, heard
+    or not. At start nothing tells a silent record from an honest replica that has not been heard yet, and counting
+    only the heard would count the liars, who answer first (a silent record delays averaging this long, no more)."""
     lone_bound: float | None = 0.05
     """Robust aggregators: a round with fewer contributions than the stage's full quorum (2b + 1 of the partners asked
     and us) moves our values by at most half this times their norm, per tensor; a lone partner's difference from ours
@@ -72,8 +76,9 @@ class NetAveragingConfig:
             raise ValueError("max_window_periods must be at least collect_fraction")
         if self.clock_skew_s < 0 or self.max_rms_distance < 0:
             raise ValueError("clock_skew_s and max_rms_distance must be >= 0")
-        if self.quorum_recent_s < 0 or not (self.lone_bound is None or self.lone_bound > 0):
-            raise ValueError("quorum_recent_s must be >= 0 and lone_bound positive")
+        if min(self.quorum_recent_s, self.quorum_startup_s) < 0 or not (self.lone_bound is None
+                                                                          or self.lone_bound > 0):
+            raise ValueError("quorum_recent_s and quorum_startup_s must be >= 0 and lone_bound positive")
         if self.outlier_factor < 1 or self.outlier_rms < 0 or self.member_refresh_s < 0:
             raise ValueError("outlier_factor must be >= 1; outlier_rms and member_refresh_s >= 0")
         if self.sync_codec not in RUN_CODECS:

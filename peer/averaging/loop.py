@@ -162,6 +162,7 @@ class AveragingLoop:
         self.peers: list[str] = []
         self._view_read_at = -math.inf  # clock() of the last on-demand re-read of the view
         self._heard: dict[str, float] = {}  # partner -> clock() of its last valid part (live partners set the quorum)
+        self._born = clock()  # until quorum_startup_s after it, every announced partner counts for the quorum
         self._view_task: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._drivers: dict[int, asyncio.Task[None]] = {}
@@ -427,7 +428,7 @@ class AveragingLoop:
                 return
             # the full quorum counts partners we measured (a valid part lately), never bare records, so records
             # that never answer cannot turn an honest round into a clipped minority one
-            measured = sum(1 for p in peers if p in self._heard)
+            measured = len(self._counted(peers))
             mean, group, clipped = await self._combine(slot, asked=measured, quorum=need)
             finish = self._finisher(r, mean, clipped)
             begun = False  # finish either applies or (validation failed) leaves the snapshot, which abort clears
@@ -470,8 +471,14 @@ class AveragingLoop:
         for p in slot.contributions:
             self._heard[p] = now
         self._heard = {p: t for p, t in self._heard.items() if now - t <= self.config.quorum_recent_s}  # bounded
-        live = [p for p in peers if p in self._heard]
-        return self.quorum(len(live))
+        return self.quorum(len(self._counted(peers)))
+
+    def _counted(self, peers: list[str]) -> list[str]:
+        """The partners the quorum counts: those heard from lately, or every announced one while the loop is young
+        (``quorum_startup_s``: no partner has been heard yet, and liars answer first)."""
+        if self.clock() - self._born < self.config.quorum_startup_s:
+            return list(peers)
+        return [p for p in peers if p in self._heard]
 
     def _below_quorum(self, arrived: int, need: int) -> bool:
         """Fewer parts than the round's quorum: not applied (the module docstring, "A round"), counted as
