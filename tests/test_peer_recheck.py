@@ -45,6 +45,8 @@ def test_the_copy_recomputes_the_last_stages_gradient(corpus):  # noqa: F811
     ref = input_gradient(module, act, y)
     _, grad = w1.forward_loss(0, act, y)  # the live stage, which then steps
     assert grad is not None and distance(ref, grad) < 1e-5
+    rows = torch.tensor([5, 2])  # rows are independent: two of them, scaled to the mean over all, are exact
+    assert distance(input_gradient(module, act[rows], y[rows]) * 2 / 8, grad[rows]) < 1e-5
     for p in module.parameters():
         assert p.grad is None and not p.requires_grad  # the copy computes no weight gradients and never trains
     for step in range(1, 20):  # the live stage moves on; the copy stays where it was taken
@@ -198,3 +200,4 @@ def test_an_honest_lone_next_stage_passes_with_a_stale_copy(corpus):  # noqa: F8
     assert a0.worker.local_step >= 40 and net.stages["b1"].worker.local_step >= 40 and "b1" in vouched
     figures = a0.metrics.snapshot()["rechecks"]
     assert figures["copy_bytes"] > 0 and figures["cosine_min"] >= RecheckConfig().min_cosine
+    assert 0 < figures["compute_s"] and figures["norm_ratio_max"] <= RecheckConfig().max_norm_ratio, figures

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 from peer.ids import short_id
 from peer.pipeline.spotcheck import agreement
 from peer.pipeline.work import BackwardWork, Pending
-from protocol.codecs.registry import decode
+from protocol.codecs.registry import decode, encode
 from trainer.model import build_stage
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class RecheckConfig:
     max_norm_ratio: float = 16.0
     """A returned gradient whose norm differs from the copy's by a larger factor fails (honest: at most 10.4x, same
     measurement; the norm bound and gradient clipping bound the magnitude anyway)."""
+    rows: int = 2
+    """Sequences of the micro-batch re-computed, drawn at random (a transformer's rows are independent, so their
+    gradient rows are exact): the re-check costs rows / batch_size of the last stage's forward and input backward,
+    and as much of its activation memory."""
     busy_queue: int = 2
     """A sampled re-check of a trusted hop is skipped while this many items wait for the compute thread."""
 
@@ -63,8 +68,8 @@ class RecheckConfig:
             raise ValueError(f"RecheckConfig: fraction must be in [0, 1], got {self.fraction}")
         if not -1.0 <= self.min_cosine < 1.0 or not self.max_norm_ratio >= 1.0:
             raise ValueError("RecheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
-        if self.busy_queue < 1:
-            raise ValueError(f"RecheckConfig: busy_queue must be >= 1, got {self.busy_queue}")
+        if self.busy_queue < 1 or self.rows < 1:
+            raise ValueError(f"RecheckConfig: busy_queue and rows must be >= 1, got {self.busy_queue}, {self.rows}")
 
 
 def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
@@ -141,6 +146,7 @@ class Rechecks:
         self.vouch, self.revoke, self.bf16 = vouch, revoke, bf16
         self.seen: deque[tuple[float, float]] = deque(maxlen=512)  # (cosine, norm ratio): /status
         self.judged = 0
+        self.compute_s = 0.0  # seconds the re-computations took on the compute thread (rebuilding the copy included)
 
     def untrusted(self, peer: str) -> bool:
         """Whether every micro-batch sent to ``peer`` is re-computed here (it has not yet passed ``trust_after``
@@ -162,24 +168,36 @@ class Rechecks:
         return True
 
     def _recompute(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        t0 = time.perf_counter()
         module = self.copy.module()
-        return None if module is None else input_gradient(module, x, targets, bf16=self.bf16)
+        grad = None if module is None else input_gradient(module, x, targets, bf16=self.bf16)
+        self.compute_s += time.perf_counter() - t0
+        return grad
 
-    def _inputs(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampled rows' activations as the next stage received them, their targets, and which rows."""
         assert fwd.targets is not None  # every training forward to the last stage carries them (stage 0 sends them)
         x, _ = self.boundary.decode_forward(fwd, self.my_id)
-        return x, decode(fwd.targets, self.tok_spec, peer=self.my_id, field="targets").long()
+        targets = decode(fwd.targets, self.tok_spec, peer=self.my_id, field="targets").long()
+        rows = torch.randperm(x.shape[0])[: self.config.rows]
+        return x[rows], targets[rows], rows
 
-    def _wire(self, g: torch.Tensor) -> torch.Tensor:
-        return self.boundary.decode_gradient(self.boundary.encode_gradient(g), self.my_id)
+    def _wire(self, g: torch.Tensor, share: float) -> torch.Tensor:
+        """The copy's gradient of some rows as the wire would carry it: the mean over all rows' tokens (``share``:
+        the rows' part of them), projected into the subspace or quantized by the run's codec."""
+        g = g.cpu() * share
+        sub = self.boundary.subspace
+        if sub is not None:
+            return sub.grad_rebuild(sub.grad_coefficients(g))
+        return decode(encode(g, self.boundary.run.compression.gradients))
 
     async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
         loop = asyncio.get_running_loop()
         try:
-            x, targets = await loop.run_in_executor(None, self._inputs, fwd)
+            x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
             ref = await self.compute(self._recompute, x, targets)
             if ref is not None:
-                ref = await loop.run_in_executor(None, self._wire, ref.cpu())
+                ref = await loop.run_in_executor(None, self._wire, ref, len(rows) / grad.shape[0])
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
             logger.warning("re-check of micro-batch %d failed here: %s: %s", fwd.mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
@@ -190,7 +208,7 @@ class Rechecks:
             self.metrics.inc("recheck_unavailable")
             self.requeue(BackwardWork(msg, grad))
             return
-        cos, ratio = agreement(grad, ref)
+        cos, ratio = agreement(grad[rows], ref)
         self.seen.append((cos, ratio))
         self.judged += 1
         passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
@@ -215,7 +233,8 @@ class Rechecks:
     def snapshot(self) -> dict[str, object]:
         """Figures for /status: how many re-checks, the copy's weights in bytes, the cosines' and norm ratios'
         quantiles."""
-        out: dict[str, object] = {"rechecks": self.judged, "copy_bytes": self.copy.nbytes()}
+        out: dict[str, object] = {"rechecks": self.judged, "copy_bytes": self.copy.nbytes(),
+                               "compute_s": round(self.compute_s, 3)}
         for i, name in enumerate(("cosine", "norm_ratio")):
             vs = sorted(v[i] for v in self.seen if not math.isnan(v[i]))
             for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
