@@ -5,8 +5,9 @@ fabricated gradients quickly would train everyone upstream. The same ``Forward``
 replica (the *partner*, a trusted one when there is one: a hop cannot tell a check from ordinary traffic), and the two
 gradients must agree in direction and norm before either is trained on. A hop not yet trusted is checked on every
 micro-batch and held to a share of the traffic, a trusted one on a random ``fraction``, every hop while the gradient
-norm bound is (re)learnt. A next stage with a single replica cannot be checked this way; the last stage's loss check
-bounds a lone liar there. The rules and what they were set from: docs/security.md, "Spot checks of the next stage".
+norm bound is (re)learnt. A next stage with a single replica cannot be checked this way; where it is the last stage,
+the re-checks from the held copy of it (peer.pipeline.recheck) can, and their verdicts are kept here too. The rules
+and what they were set from: docs/security.md, "Spot checks of the next stage".
 """
 
 from __future__ import annotations
