@@ -15,7 +15,8 @@ from peer.config import PeerConfig
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline.recheck import HeldCopy, RecheckConfig, input_gradient
+from peer.pipeline.boundary import Boundary
+from peer.pipeline.recheck import HeldCopy, RecheckConfig, as_sent, input_gradient
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker, agreement, distance
 from peer.state.spare import SpareStore
@@ -64,6 +65,19 @@ def test_the_copy_recomputes_the_last_stages_gradient(corpus):  # noqa: F811
     assert copy.module() is module  # built once per copy
     copy.spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time())
     assert copy.module() is not module  # a newer copy replaces it
+
+
+@pytest.mark.parametrize("compression", [{}, {"activations": "subspace", "gradients": "subspace", "subspace_rank": 4}],
+                         ids=["int8", "subspace"])
+def test_the_copys_gradient_is_compared_as_the_wire_delivers_it(compression):
+    run = RUN.replace(compression=compression) if compression else RUN
+    boundary = Boundary(run, None)
+    g = torch.randn(8, 32, run.model.n_embd)
+    wire = boundary.decode_gradient(boundary.encode_gradient(g), "b1")
+    cos, ratio = agreement(as_sent(boundary, g), wire)
+    assert cos > 0.999 and abs(ratio - 1) < 0.01
+    if compression:  # projected: far from the full gradient, which a returned one can never be
+        assert agreement(g, wire)[0] < 0.5
 
 
 def test_recheck_bookkeeping_is_the_spot_checks():

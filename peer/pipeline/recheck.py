@@ -83,6 +83,16 @@ def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *,
     return grad.float()
 
 
+def as_sent(boundary: Boundary, g: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    """The copy's gradient of some rows as the wire would deliver it: scaled to the mean over all the micro-batch's
+    tokens (``share``: the rows' part of them), then projected into the run's subspace or through its codec."""
+    g = g.cpu() * share
+    sub = boundary.subspace
+    if sub is not None:
+        return sub.grad_rebuild(sub.grad_coefficients(g))
+    return decode(encode(g, boundary.run.compression.gradients))
+
+
 class HeldCopy:
     """The held copy of stage ``stage`` (``spares``) as a module on ``device``, rebuilt when the copy changes and
     freed when it is gone. ``module()`` is blocking: call it on the compute thread."""
@@ -182,22 +192,13 @@ class Rechecks:
         rows = torch.randperm(x.shape[0])[: self.config.rows]
         return x[rows], targets[rows], rows
 
-    def _wire(self, g: torch.Tensor, share: float) -> torch.Tensor:
-        """The copy's gradient of some rows as the wire would carry it: the mean over all rows' tokens (``share``:
-        the rows' part of them), projected into the subspace or quantized by the run's codec."""
-        g = g.cpu() * share
-        sub = self.boundary.subspace
-        if sub is not None:
-            return sub.grad_rebuild(sub.grad_coefficients(g))
-        return decode(encode(g, self.boundary.run.compression.gradients))
-
     async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
         loop = asyncio.get_running_loop()
         try:
             x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
             ref = await self.compute(self._recompute, x, targets)
             if ref is not None:
-                ref = await loop.run_in_executor(None, self._wire, ref, len(rows) / grad.shape[0])
+                ref = await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / grad.shape[0])
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
             logger.warning("re-check of micro-batch %d failed here: %s: %s", fwd.mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
