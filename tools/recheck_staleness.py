@@ -7,7 +7,10 @@ A stage re-computes a sample of its next (last) stage's gradients from the copy 
 ``--every`` steps, and at each measurement point compares, on fresh micro-batches, the live stage's input gradient
 with each older copy's (lags in steps), both through the wire's codecs (activations as the last stage receives them,
 gradients quantized as they return): cosine similarity and norm ratio, the figures the re-check's thresholds are set
-from. A negated and a random gradient are measured beside them.
+from. A negated and a random gradient are measured beside them. ``forward_*``: the same for stage 0's output against
+a copy of stage 0 as old (what a forward re-check at the last stage would compare), and ``first_token_found``: the
+share of sequences whose first input id the copy recovers from the received position-0 activations (a plain
+``Forward`` carries only the targets, which give every other id).
 
     python tools/recheck_staleness.py --run tests/runs/tiny.toml --steps 2000 --every 50 --measure-every 250 \
         --lags 0,50,100,250,500,1000,2000 --json docs/bench/recheck_staleness_tiny.json
@@ -58,11 +61,13 @@ def main() -> None:
     fresh = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, seed=2)
     w0, w1 = StageWorker(run, 0), StageWorker(run, 1)
     copies: dict[int, dict[str, torch.Tensor]] = {}
+    firsts: dict[int, dict[str, torch.Tensor]] = {}  # copies of stage 0, for the forward figures
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     for step in range(args.steps + 1):
         if step % args.every == 0:
             copies[step] = {k: v.detach().clone() for k, v in w1.model.state_dict().items()}
+            firsts[step] = {k: v.detach().clone() for k, v in w0.model.state_dict().items()}
         if step % args.measure_every == 0 and step > 0:
             live = copies[step]
             for lag in lags:
@@ -84,8 +89,10 @@ def main() -> None:
                     cos, ratio = agreement(g_live, g_copy)
                     neg = agreement(-g_live, g_copy)[0]
                     noise = agreement(torch.randn_like(g_live) * g_live.std(), g_copy)[0]
+                    f_cos, f_ratio, first_ok = _forward_figures(run, boundary, firsts[step - lag], w0, x, y)
                     rows.append({"step": step, "lag": lag, "cosine": cos, "norm_ratio": ratio, "negated_cosine": neg,
-                                 "noise_cosine": noise})
+                                 "noise_cosine": noise, "forward_cosine": f_cos, "forward_norm_ratio": f_ratio,
+                                 "first_token_found": first_ok})
             print(f"step {step} ({time.monotonic() - t0:.0f} s): " + ", ".join(
                 f"lag {lag}: cos {min(r['cosine'] for r in rows if r['step'] == step and r['lag'] == lag):.3f} "
                 f"ratio {max(r['norm_ratio'] for r in rows if r['step'] == step and r['lag'] == lag):.2f}"
@@ -101,12 +108,33 @@ def main() -> None:
                           "cosine_p50": sorted(r["cosine"] for r in rs)[len(rs) // 2],
                           "norm_ratio_max": max(r["norm_ratio"] for r in rs),
                           "negated_cosine_max": max(r["negated_cosine"] for r in rs),
-                          "noise_cosine_max": max(abs(r["noise_cosine"]) for r in rs)}
+                          "noise_cosine_max": max(abs(r["noise_cosine"]) for r in rs),
+                          "forward_cosine_min": min(r["forward_cosine"] for r in rs),
+                          "forward_norm_ratio_max": max(r["forward_norm_ratio"] for r in rs),
+                          "first_token_found": sum(r["first_token_found"] for r in rs) / len(rs)}
                for lag in lags if (rs := [r for r in rows if r["lag"] == lag])}
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps({"run": run.name, "steps": args.steps, "summary": summary, "rows": rows},
                                         indent=1) + "\n")
+
+
+def _forward_figures(run: RunConfig, boundary: Boundary, old: dict[str, torch.Tensor], w0: StageWorker,
+                     x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    """What a forward re-check from a stale copy of stage 0 would see: the cosine and norm ratio between the live
+    stage's output (as received, int8) and the copy's for the same ids, and the share of sequences whose first token
+    the copy recovers from the received position-0 activations (the targets give every other input id)."""
+    copy = build_stage(run, 0)
+    copy.load_state_dict(old)
+    copy.eval()
+    with torch.no_grad():
+        live = boundary.decode_forward(_fwd(boundary, w0.model(x)), "me")[0]
+        ids = torch.cat([x[:, :1], y[:, :-1]], dim=1)  # the targets shifted back: x, given its first column
+        table = copy(torch.arange(run.model.vocab_size).unsqueeze(1))[:, 0]  # [V, d]: position 0 of each token
+        found = torch.cdist(live[:, 0], table).argmin(dim=1)
+        ref = copy(ids)
+    cos, ratio = agreement(live, ref)
+    return cos, ratio, float((found == x[:, 0]).float().mean())
 
 
 def _fwd(boundary: Boundary, act: torch.Tensor) -> Any:
