@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -95,12 +96,14 @@ def as_sent(boundary: Boundary, g: torch.Tensor, share: float = 1.0) -> torch.Te
 
 class HeldCopy:
     """The held copy of stage ``stage`` (``spares``) as a module on ``device``, rebuilt when the copy changes and
-    freed when it is gone. ``module()`` is blocking: call it on the compute thread."""
+    freed when it is gone. ``module()`` is blocking (it may read the copy from disk and build the module): call it in
+    an executor, not on the compute thread; it is thread-safe."""
 
     def __init__(self, run: RunConfig, stage: int, spares: SpareStore, *, device: torch.device | str = "cpu") -> None:
         self.run, self.stage, self.spares, self.device = run, stage, spares, torch.device(device)
         self._module: StageBase | None = None
         self._key: tuple[int, float] | None = None
+        self._lock = threading.Lock()  # two re-checks in executor threads build one module
 
     def available(self) -> bool:
         """Whether a copy of the stage is held (cheap: read from the store's announcement)."""
@@ -109,21 +112,22 @@ class HeldCopy:
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
-        info = self.spares.info
-        if info is None or info.stage != self.stage:
-            self._module = self._key = None
-            return None
-        key = (info.step, info.taken_at)
-        if key != self._key:
-            state = self.spares.read(self.stage)
-            if state is None or not isinstance(state.get("model"), dict):
+        with self._lock:
+            info = self.spares.info
+            if info is None or info.stage != self.stage:
+                self._module = self._key = None
                 return None
-            module = build_stage(self.run, self.stage)
-            # assign: the module takes the copy's tensors instead of filling its own (no second copy on the CPU)
-            module.load_state_dict(state["model"], assign=True)
-            module.requires_grad_(False)
-            self._module, self._key = module.to(self.device).eval(), key
-        return self._module
+            key = (info.step, info.taken_at)
+            if key != self._key:
+                state = self.spares.read(self.stage)
+                if state is None or not isinstance(state.get("model"), dict):
+                    return None
+                module = build_stage(self.run, self.stage)
+                # assign: the module takes the copy's tensors instead of filling its own (no second copy on the CPU)
+                module.load_state_dict(state["model"], assign=True)
+                module.requires_grad_(False)
+                self._module, self._key = module.to(self.device).eval(), key
+            return self._module
 
     def nbytes(self) -> int:
         """Bytes of the module's weights (0 while none is built)."""
@@ -156,7 +160,7 @@ class Rechecks:
         self.vouch, self.revoke, self.bf16 = vouch, revoke, bf16
         self.seen: deque[tuple[float, float]] = deque(maxlen=512)  # (cosine, norm ratio): /status
         self.judged = 0
-        self.compute_s = 0.0  # seconds the re-computations took on the compute thread (rebuilding the copy included)
+        self.compute_s = 0.0  # seconds the re-computations took on the compute thread
 
     def untrusted(self, peer: str) -> bool:
         """Whether every micro-batch sent to ``peer`` is re-computed here (it has not yet passed ``trust_after``
@@ -177,10 +181,9 @@ class Rechecks:
         self.spawn(self._judge(p, peer, fwd, msg, grad))
         return True
 
-    def _recompute(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def _recompute(self, module: StageBase, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        module = self.copy.module()
-        grad = None if module is None else input_gradient(module, x, targets, bf16=self.bf16)
+        grad = input_gradient(module, x, targets, bf16=self.bf16)
         self.compute_s += time.perf_counter() - t0
         return grad
 
@@ -196,8 +199,11 @@ class Rechecks:
         loop = asyncio.get_running_loop()
         try:
             x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
-            ref = await self.compute(self._recompute, x, targets)
-            if ref is not None:
+            # a new copy is read and built off the compute thread, which only runs the re-computation
+            module = await loop.run_in_executor(None, self.copy.module)
+            ref = None
+            if module is not None:
+                ref = await self.compute(self._recompute, module, x, targets)
                 ref = await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / grad.shape[0])
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
             logger.warning("re-check of micro-batch %d failed here: %s: %s", fwd.mb_id, type(e).__name__, e)
