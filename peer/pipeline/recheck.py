@@ -206,10 +206,10 @@ class Rechecks:
                 ref = await self.compute(self._recompute, module, x, targets)
                 ref = await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / grad.shape[0])
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
-            logger.warning("re-check of micro-batch %d failed here: %s: %s", fwd.mb_id, type(e).__name__, e)
+            logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
             ref = None
-        if not self.held(fwd.mb_id, p):
+        if not self.held(msg.mb_id, p):  # the id held here (a later stage sends under ids of its own)
             return
         if ref is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
             self.metrics.inc("recheck_unavailable")
@@ -226,7 +226,7 @@ class Rechecks:
             self.requeue(BackwardWork(msg, grad))
             return
         logger.warning("re-check of micro-batch %d: the gradient of %s disagrees with the held copy's (cosine %.3f, "
-                       "norm ratio %.2f); not trained on%s", fwd.mb_id, short_id(peer), cos, ratio,
+                       "norm ratio %.2f); not trained on%s", msg.mb_id, short_id(peer), cos, ratio,
                        ", banned" if ban else "")
         if ban:
             self.router.ban(peer, self.spot.config.ban_s)
