@@ -215,3 +215,27 @@ def test_an_honest_lone_next_stage_passes_with_a_stale_copy(corpus):  # noqa: F8
     figures = a0.metrics.snapshot()["rechecks"]
     assert figures["copy_bytes"] > 0 and figures["cosine_min"] >= RecheckConfig().min_cosine
     assert 0 < figures["compute_s"] and figures["norm_ratio_max"] <= RecheckConfig().max_norm_ratio, figures
+
+
+@pytest.mark.timeout(90)
+def test_the_stage_before_the_last_rechecks_in_a_three_stage_pipeline(corpus):  # noqa: F811
+    """Stage 1 of 3 holds a copy of stage 2 and re-checks it; it forwards under ids of its own, and a held gradient
+    comes back under the id it was sent with."""
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    run = RUN.replace(n_stages=3, model={"n_layer": 3})
+    pool = build(net, [["a0"], ["b1"], ["c2"]], cfg, run)
+    old = net.stages["b1"]
+    spares = SpareStore(run, None)
+    assert spares.offer(2, StageWorker(run, 2).state_dict(), source="c2", taken_at=time.time())
+    b1 = PipelineServicer(run=run, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+                          router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("b1", 1), cfg=cfg,
+                          my_id="b1", cost=1.0, spares=spares)
+    net.stages["b1"] = b1
+    assert net.stages["a0"].recheck is None  # build() gives stage 0 no copy: only stage n - 2 could use one anyway
+    asyncio.run(_run_driver(net, corpus, cfg, steps=30))
+    pool.shutdown()
+    counters = b1.metrics.snapshot()["counters"]
+    assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
+    assert net.stages["a0"].worker.local_step >= 30 and counters.get("microbatches_dropped", 0) == 0, counters
