@@ -188,6 +188,14 @@ class PeerConfig:
     """Share of a trusted next hop's micro-batches also sent to a second replica and compared (untrusted: all)."""
     spot_check_min_cosine: float = 0.1
     """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
+    rechecks: bool = True
+    """Re-compute a sample of the last stage's gradients from the held copy of it (peer/pipeline/recheck.py; the
+    stage before the last, with backup_every_s > 0 and spot checks on); off frees the copy's module and compute."""
+    recheck_fraction: float = 0.02
+    """Share of a trusted next hop's micro-batches whose gradient is re-computed from the held copy (untrusted:
+    every one)."""
+    recheck_min_cosine: float = 0.1
+    """Cosine similarity between a returned gradient and the held copy's below which the hop is blamed."""
     credential_path: Path | None = None
     """Closed runs: this peer's admission credential from the organiser (`asyncmesh-peer admit`)."""
 
@@ -243,6 +251,8 @@ class PeerConfig:
         object.__setattr__(self, "sync_optimizer", SyncOptimizer(self.sync_optimizer))
         if not 0.0 <= self.spot_check_fraction <= 1.0 or not -1.0 <= self.spot_check_min_cosine < 1.0:
             raise ValueError("spot_check_fraction must be in [0, 1] and spot_check_min_cosine in [-1, 1)")
+        if not 0.0 <= self.recheck_fraction <= 1.0 or not -1.0 <= self.recheck_min_cosine < 1.0:
+            raise ValueError("recheck_fraction must be in [0, 1] and recheck_min_cosine in [-1, 1)")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 

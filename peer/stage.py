@@ -113,7 +113,8 @@ class StageService:
         self.pipe = pipe = PipelineServicer(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                             send=host.net.send, swarm=lambda: host.net.swarm, router=host.router,
                                             metrics=host.metrics, cfg=host.cfg, my_id=host.net.my_id,
-                                            cost=host.costs[stage])
+                                            cost=host.costs[stage],
+                                            spares=host.spares if host.cfg.rechecks else None)
         await host.handlers.add_handler(FORWARD_RPC, pipe.rpc_forward)  # served from now (reserved at start-up)
         await host.handlers.add_handler(BACKWARD_RPC, pipe.rpc_backward)
         # generation through the swarm (``infer``): forward only, at low priority, only while this stage trains

@@ -73,6 +73,18 @@ def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_lone_fake_next_stage_is_caught_by_rechecks_from_the_held_copy(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--attacks", "fake_next_stage_alone", "--phase-s", "20", "--victim-set",
+                    "backup_every_s=5", timeout=280)
+    ev = res["fake_next_stage_alone"]["evidence"]
+    seen = ev["stage0_counters"]
+    assert ev["fabricated_gradients_delivered"] >= 1, ev  # it was the only stage-1 replica, so it won traffic
+    assert seen["spotcheck_sent"] == 0, ev  # nobody to spot-check it against: only the copy can
+    assert seen["recheck_banned"] >= 1 and seen["recheck_failed"] >= 3, ev
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "dht_flood,costly_keys", "--phase-s", "15", timeout=280)
     flood, costly = res["dht_flood"]["evidence"], res["costly_keys"]["evidence"]

@@ -27,6 +27,8 @@ def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: 
     b.proc.wait()
     fetched = a.status()["counters"]
     assert fetched["backup_bytes_in"] > 0
+    # with the copy held, stage 0 re-checked its lone next stage's gradients against it (peer.pipeline.recheck)
+    assert fetched.get("recheck_passed", 0) >= 1 and fetched.get("recheck_failed", 0) == 0, fetched
     print(f"stage-0 peer: {fetched['backups_taken']} copies of stage 1, {fetched['backup_bytes_in']} bytes in")
     time.sleep(4.5)  # the killed peer's record expires (record_ttl_s=4)
     b2 = swarm.start("b2", stage="1", initial=first, extra=BACKUP)  # a fresh peer: empty checkpoint folder

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import os
 import random
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +46,22 @@ async def _counters(status: Any) -> dict[str, float]:
     return ((await asyncio.to_thread(status)) or {}).get("counters", {})
 
 
-async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+async def fake_next_stage_alone(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """``fake_next_stage`` with the attacker as the next stage's only replica: the attacked swarm's honest stage-1
+    peers are stopped (SIGSTOP) for the phase, so their records expire and stage 0 has no replica to spot-check the
+    attacker against; it holds the copy of stage 1 it took from them before (with ``--victim-set backup_every_s=5``).
+    They are resumed when the phase ends, before the judge fetches their weights."""
+    stopped = [p.proc.pid for p in att.swarm.peers[1]]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        return await fake_next_stage(att, victims, until, alone=True)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, alone: bool = False) -> dict[str, Any]:
     """A stranger announces itself as a stage-1 replica with throughput 1e9, acks every training forward at once and
     returns within milliseconds the negation of the gradient its own (untrained) stage-1 copy computes: a gradient
     of the right shape that trains stage 0 the wrong way, with a plausible loss (the honest stage-1 peer's latest).
@@ -92,8 +108,9 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> di
     try:
         while time.monotonic() < until:
             await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
-            loss = ((await asyncio.to_thread(att.status_b)) or {}).get("train_loss")
-            loss_seen[0] = float(loss) if loss else loss_seen[0]
+            if not alone:  # the honest stage-1 peer's latest loss (stopped when the attacker is alone)
+                loss = ((await asyncio.to_thread(att.status_b)) or {}).get("train_loss")
+                loss_seen[0] = float(loss) if loss else loss_seen[0]
             await asyncio.sleep(1.0)
     finally:
         await server.shutdown()
@@ -102,8 +119,10 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float) -> di
     after = await _counters(att.status_a)
     seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
         "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_banned", "spotcheck_unavailable",
-        "rejected:gradients_norm", "relearnt:gradients_norm")}
-    return {"refused": seen["spotcheck_banned"] >= 1, "forwards_taken": taken, "fabricated_gradients_delivered": sent,
+        "rejected:gradients_norm", "relearnt:gradients_norm", "recheck_sampled", "recheck_passed", "recheck_failed",
+        "recheck_banned", "recheck_unavailable")}
+    return {"refused": seen["spotcheck_banned"] + seen["recheck_banned"] >= 1, "forwards_taken": taken,
+            "fabricated_gradients_delivered": sent,
             "scale_used": SCALES[scale[0]], "stage0_counters": seen}
 
 
@@ -308,5 +327,6 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             "b_refused_above_ceiling": int(after.get("rejected:loss_above_ceiling", 0)
                                            - before.get("rejected:loss_above_ceiling", 0))}
 
-TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "dht_flood": dht_flood, "costly_keys": costly_keys,
+TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "fake_next_stage_alone": fake_next_stage_alone,
+                 "dht_flood": dht_flood, "costly_keys": costly_keys,
                  "loss_window_drift": loss_window_drift}

@@ -21,6 +21,8 @@ COUNTERS = (
     # spot checks of the next stage (peer/pipeline/spotcheck.py)
     "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_unavailable", "spotcheck_void",
     "spotcheck_banned",
+    # re-checks of the last stage from the held copy of it (peer/pipeline/recheck.py)
+    "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "avg_slots_missed",

@@ -30,6 +30,7 @@ from peer.pipeline.crosscheck import CrossChecks
 from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
+from peer.pipeline.recheck import HeldCopy, RecheckConfig, Rechecks
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
 from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, MicroBatchIds, Pending
 from peer.seams import Compute, Send
@@ -43,6 +44,7 @@ from trainer.worker import LossRefused
 if TYPE_CHECKING:
     from peer.config import PeerConfig
     from peer.ops.metrics import PeerMetrics
+    from peer.state.spare import SpareStore
     from trainer.config import RunConfig
     from trainer.worker import StageWorker
 
@@ -65,11 +67,12 @@ class PipelineServicer:
         swarm: returns the latest validated DHT snapshot.
         router, metrics, cfg: next-hop choice, PeerMetrics, PeerConfig.
         my_id: this peer's id (base58).
+        spares: the held copy of the neighbour stage, to re-check the last stage's gradients from (None: no re-checks).
     """
 
     def __init__(self, *, run: RunConfig, stage: int, worker: StageWorker, compute: Compute, send: Send,
                  swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics, cfg: PeerConfig,
-                 my_id: str, cost: float) -> None:
+                 my_id: str, cost: float, spares: SpareStore | None = None) -> None:
         self.run, self.stage, self.worker, self.compute, self.send = run, stage, worker, compute, send
         self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
@@ -116,6 +119,14 @@ class PipelineServicer:
             held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
             drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer),
             revoke=lambda peer: self.revoke(peer))
+        # the last stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py)
+        self.recheck = None if self.spot is None or spares is None or stage != run.n_stages - 2 else Rechecks(
+            self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
+            copy=HeldCopy(run, stage + 1, spares, device=worker.device), boundary=self.boundary,
+            tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
+            spawn=self.spawn, held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
+            vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
+            bf16=worker.precision == "bf16")
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -283,6 +294,8 @@ class PipelineServicer:
             if checked is None:
                 return Ack()  # held until its partner's gradient is here
             msg, grad = checked
+        elif self.recheck is not None and self.recheck.answer(p, peer_id, msg, grad, self.guard.learning("gradients")):
+            return Ack()  # held until the held copy of the next stage re-computed it
         self._queue_backward(BackwardWork(msg, grad))
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
@@ -415,6 +428,8 @@ class PipelineServicer:
         msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
                       is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
+        if p is not None and not is_eval and self.recheck is not None and self.recheck.copy.available():
+            p.recheck = msg  # the gradient may be re-computed from it when it comes back
         peer = await self.hops.forward(msg, p.sent_to if p else set())
         if peer is not None:
             if p is not None:
@@ -422,7 +437,8 @@ class PipelineServicer:
                 if not is_eval:
                     self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
                     learning = self.guard.learning("gradients")
-                    if self.checks is not None and self.checks.wants(peer, learning=learning):
+                    if self.checks is not None and self.checks.wants(peer, learning=learning) and not (
+                            self.recheck is not None and self.recheck.untrusted(peer)):  # re-checked instead
                         await self.checks.second(p, peer, msg, local_id=mb_id)
             return True
         if not self.is_first:  # stage 0's driver counts its own drops when it re-queues the sample

@@ -5,8 +5,9 @@ fabricated gradients quickly would train everyone upstream. The same ``Forward``
 replica (the *partner*, a trusted one when there is one: a hop cannot tell a check from ordinary traffic), and the two
 gradients must agree in direction and norm before either is trained on. A hop not yet trusted is checked on every
 micro-batch and held to a share of the traffic, a trusted one on a random ``fraction``, every hop while the gradient
-norm bound is (re)learnt. A next stage with a single replica cannot be checked this way; the last stage's loss check
-bounds a lone liar there. The rules and what they were set from: docs/security.md, "Spot checks of the next stage".
+norm bound is (re)learnt. A next stage with a single replica cannot be checked this way; where it is the last stage,
+the re-checks from the held copy of it (peer.pipeline.recheck) can, and their verdicts are kept here too. The rules
+and what they were set from: docs/security.md, "Spot checks of the next stage".
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class _Hop:
     passed: int = 0
     failed: int = 0
     strikes: int = 0  # failed checks in a row
+    rechecked: int = 0  # re-checks from the held copy passed since the last failed one (peer.pipeline.recheck)
+    re_strikes: int = 0  # failed re-checks in a row (passed spot checks do not reset them: colluders vouch so)
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,6 +106,39 @@ class SpotChecker:
         """Whether a training micro-batch sent to ``peer_id`` is also sent to a partner (``learning``: the gradient
         norm bound is being learnt, so everything is checked)."""
         return learning or not self.trusted(peer_id) or self.rng.random() < self.config.fraction
+
+    def recheck_trusted(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` passed ``trust_after`` re-checks from the held copy since its last failed one."""
+        return self._hop(peer_id).rechecked >= self.config.trust_after
+
+    def wants_recheck(self, peer_id: str, *, fraction: float, learning: bool = False, busy: bool = False) -> bool:
+        """Whether a training micro-batch sent to ``peer_id`` is re-computed from the held copy of its stage
+        (peer.pipeline.recheck): every one until the hop passed ``trust_after`` re-checks in a row (and while the
+        norm bound is learnt), then a random ``fraction``, none of those while the compute queue is ``busy``."""
+        if learning or not self.recheck_trusted(peer_id):
+            return True
+        return not busy and self.rng.random() < fraction
+
+    def recheck_verdict(self, peer_id: str, passed: bool) -> bool:
+        """Record a re-check of ``peer_id``'s gradient against the held copy; returns whether it is now to be banned.
+        The copy is no replica that could be the liar, so the hop alone takes the blame: a failure costs it its trust
+        (spot checks' and re-checks'), ``ban_after`` failed re-checks in a row ban it, and a passed one counts as a
+        passed check."""
+        hop = self._hop(peer_id)
+        if passed:
+            hop.passed += 1
+            hop.rechecked += 1
+            hop.strikes = hop.re_strikes = 0
+            self.count("recheck_passed")
+            return False
+        hop.failed += 1
+        hop.passed = hop.rechecked = 0
+        hop.re_strikes += 1
+        self.count("recheck_failed")
+        ban = hop.re_strikes >= self.config.ban_after
+        if ban:
+            hop.re_strikes = 0
+        return ban
 
     def partner(self, primary: str, candidates: Sequence[str]) -> str | None:
         """A second replica for a check of ``primary``: a trusted one when there is one, else any other."""

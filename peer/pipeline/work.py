@@ -67,6 +67,7 @@ class Pending:
     sent_to: set[str] = field(default_factory=set)  # next-stage peers we tried; only they may send the gradient
     done: asyncio.Future[float | Refused | None] | None = None  # stage 0: the loss (None when dropped, REFUSED)
     checks: dict[str, tuple[Backward, torch.Tensor] | None] | None = None  # a spot check: hop -> its answer
+    recheck: Forward | None = None  # what was sent to the next stage, kept for a re-check from the held copy
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
 

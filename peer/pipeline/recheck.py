@@ -1,0 +1,250 @@
+"""Re-checks from the held copy: a sample of the gradients the last stage returns, re-computed here and compared.
+
+Spot checks (peer.pipeline.spotcheck) compare two replicas of the next stage, so a next stage of one replica goes
+unchecked and two colluding identities vouch for each other. Every peer also holds a witnessed copy of its neighbour
+stage (peer.state.spare); where that neighbour is the next stage and the last one, the copy re-computes a returned
+gradient from the micro-batch's activations (decoded as the next stage received them) and targets: forward, loss,
+backward to the input. The copy is up to a backup period stale and the wire quantizes, so the two gradients are
+compared by cosine and norm ratio, with thresholds set from measured honest disagreement (docs/security.md,
+"Re-checks from the held copy"). Verdicts go to the spot checks' bookkeeping: trust, strikes and bans are one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from peer.ids import short_id
+from peer.pipeline.spotcheck import agreement
+from peer.pipeline.work import BackwardWork, Pending
+from protocol.codecs.registry import decode, encode
+from trainer.model import build_stage
+
+if TYPE_CHECKING:
+    from peer.membership.routing import Router
+    from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.boundary import Boundary
+    from peer.pipeline.spotcheck import SpotChecker
+    from peer.seams import Compute
+    from peer.state.spare import SpareStore
+    from protocol.messages import Backward, Forward
+    from protocol.validation import TensorSpec
+    from trainer.config import RunConfig
+    from trainer.model import StageBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecheckConfig:
+    """How often and how strictly a stage re-computes its next stage's gradients from the held copy."""
+
+    fraction: float = 0.02
+    """Share of a trusted hop's micro-batches re-computed (untrusted: every one; each costs a forward and backward
+    of the next stage here)."""
+    min_cosine: float = 0.1
+    """A returned gradient whose cosine similarity to the copy's is lower fails (honest: lowest 0.34 measured, for a
+    copy of the seeded init against the tiny run's stage 2,000 steps on; fabricated: noise ~0.02, negated -1)."""
+    max_norm_ratio: float = 16.0
+    """A returned gradient whose norm differs from the copy's by a larger factor fails (honest: at most 10.4x, same
+    measurement; the norm bound and gradient clipping bound the magnitude anyway)."""
+    rows: int = 2
+    """Sequences of the micro-batch re-computed, drawn at random (a transformer's rows are independent, so their
+    gradient rows are exact): the re-check costs rows / batch_size of the last stage's forward and input backward,
+    and as much of its activation memory."""
+    busy_queue: int = 2
+    """A sampled re-check of a trusted hop is skipped while this many items wait for the compute thread."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"RecheckConfig: fraction must be in [0, 1], got {self.fraction}")
+        if not -1.0 <= self.min_cosine < 1.0 or not self.max_norm_ratio >= 1.0:
+            raise ValueError("RecheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
+        if self.busy_queue < 1 or self.rows < 1:
+            raise ValueError(f"RecheckConfig: busy_queue and rows must be >= 1, got {self.busy_queue}, {self.rows}")
+
+
+def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
+    """The gradient of the last stage's mean loss w.r.t. its input ``x`` [B, T, d], as ``StageWorker.forward_loss``
+    computes it, at ``module``'s weights (fp32 result; the weights' own gradients are not computed)."""
+    device = next(module.parameters()).device
+    x = x.detach().to(device, torch.float32).requires_grad_(True)
+    with torch.enable_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = module.loss(module(x), targets.to(device, torch.long))
+    (grad,) = torch.autograd.grad(loss, [x])
+    return grad.float()
+
+
+def as_sent(boundary: Boundary, g: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    """The copy's gradient of some rows as the wire would deliver it: scaled to the mean over all the micro-batch's
+    tokens (``share``: the rows' part of them), then projected into the run's subspace or through its codec."""
+    g = g.cpu() * share
+    sub = boundary.subspace
+    if sub is not None:
+        return sub.grad_rebuild(sub.grad_coefficients(g))
+    return decode(encode(g, boundary.run.compression.gradients))
+
+
+class HeldCopy:
+    """The held copy of stage ``stage`` (``spares``) as a module on ``device``, rebuilt when the copy changes and
+    freed when it is gone. ``module()`` is blocking (it may read the copy from disk and build the module): call it in
+    an executor, not on the compute thread; it is thread-safe."""
+
+    def __init__(self, run: RunConfig, stage: int, spares: SpareStore, *, device: torch.device | str = "cpu") -> None:
+        self.run, self.stage, self.spares, self.device = run, stage, spares, torch.device(device)
+        self._module: StageBase | None = None
+        self._key: tuple[int, float] | None = None
+        self._lock = threading.Lock()  # two re-checks in executor threads build one module
+
+    def available(self) -> bool:
+        """Whether a copy of the stage is held (cheap: read from the store's announcement)."""
+        info = self.spares.info
+        return info is not None and info.stage == self.stage
+
+    def module(self) -> StageBase | None:
+        """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
+        with self._lock:
+            info = self.spares.info
+            if info is None or info.stage != self.stage:
+                self._module = self._key = None
+                return None
+            key = (info.step, info.taken_at)
+            if key != self._key:
+                state = self.spares.read(self.stage)
+                if state is None or not isinstance(state.get("model"), dict):
+                    return None
+                module = build_stage(self.run, self.stage)
+                # assign: the module takes the copy's tensors instead of filling its own (no second copy on the CPU)
+                module.load_state_dict(state["model"], assign=True)
+                module.requires_grad_(False)
+                self._module, self._key = module.to(self.device).eval(), key
+            return self._module
+
+    def nbytes(self) -> int:
+        """Bytes of the module's weights (0 while none is built)."""
+        m = self._module
+        return 0 if m is None else sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+class Rechecks:
+    """The re-checks stage ``stage`` runs on its next hops, for the servicer: which micro-batches, holding their
+    gradient until re-computed, the verdict.
+
+    Args:
+        spot: the hops' trust, strikes and bans (shared with the spot checks).
+        copy: the held copy of the next (last) stage.
+        boundary: decodes the activations as the next stage did, and quantizes the copy's gradient as the wire does.
+        tok_spec: the targets' wire spec.
+        compute: the compute thread; queued: items waiting for it (a sampled re-check is skipped while busy).
+        spawn: runs a re-check's task (the servicer's, cancelled when the stage leaves).
+        held, requeue, vouch, revoke: as ``CrossChecks``'.
+    """
+
+    def __init__(self, spot: SpotChecker, config: RecheckConfig, *, stage: int, copy: HeldCopy, boundary: Boundary,
+                 tok_spec: TensorSpec, my_id: str, compute: Compute, queued: Callable[[], int], router: Router,
+                 metrics: PeerMetrics, spawn: Callable[[Awaitable[None]], object],
+                 held: Callable[[int, Pending], bool], requeue: Callable[[BackwardWork], None],
+                 vouch: Callable[[str], None], revoke: Callable[[str], None], bf16: bool = False) -> None:
+        self.spot, self.config, self.stage, self.copy, self.boundary = spot, config, stage, copy, boundary
+        self.tok_spec, self.my_id, self.compute, self.queued = tok_spec, my_id, compute, queued
+        self.router, self.metrics, self.spawn, self.held, self.requeue = router, metrics, spawn, held, requeue
+        self.vouch, self.revoke, self.bf16 = vouch, revoke, bf16
+        self.seen: deque[tuple[float, float]] = deque(maxlen=512)  # (cosine, norm ratio): /status
+        self.judged = 0
+        self.compute_s = 0.0  # seconds the re-computations took on the compute thread
+
+    def untrusted(self, peer: str) -> bool:
+        """Whether every micro-batch sent to ``peer`` is re-computed here (it has not yet passed ``trust_after``
+        re-checks in a row): a spot check would then let a colluding partner vouch for it, so none is sent."""
+        return self.copy.available() and not self.spot.recheck_trusted(peer)
+
+    def answer(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor | None, learning: bool) -> bool:
+        """``peer``'s answer to a micro-batch sent with a copy held: whether it is held here until re-computed
+        (decided now, so a hop cannot tell by its timing whether it is re-checked; ``learning``: the gradient norm
+        bound is being learnt, everything is re-checked)."""
+        fwd, p.recheck = p.recheck, None
+        if fwd is None or grad is None or not self.copy.available():
+            return False
+        busy = self.queued() >= self.config.busy_queue
+        if not self.spot.wants_recheck(peer, fraction=self.config.fraction, learning=learning, busy=busy):
+            return False
+        self.metrics.inc("recheck_sampled")
+        self.spawn(self._judge(p, peer, fwd, msg, grad))
+        return True
+
+    def _recompute(self, module: StageBase, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        grad = input_gradient(module, x, targets, bf16=self.bf16)
+        self.compute_s += time.perf_counter() - t0
+        return grad
+
+    def _inputs(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampled rows' activations as the next stage received them, their targets, and which rows."""
+        assert fwd.targets is not None  # every training forward to the last stage carries them (stage 0 sends them)
+        x, _ = self.boundary.decode_forward(fwd, self.my_id)
+        targets = decode(fwd.targets, self.tok_spec, peer=self.my_id, field="targets").long()
+        rows = torch.randperm(x.shape[0])[: self.config.rows]
+        return x[rows], targets[rows], rows
+
+    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
+            # a new copy is read and built off the compute thread, which only runs the re-computation
+            module = await loop.run_in_executor(None, self.copy.module)
+            ref = None
+            if module is not None:
+                ref = await self.compute(self._recompute, module, x, targets)
+                ref = await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / grad.shape[0])
+        except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
+            logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
+            self.metrics.inc("recheck_errors")
+            ref = None
+        if not self.held(msg.mb_id, p):  # the id held here (a later stage sends under ids of its own)
+            return
+        if ref is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
+            self.metrics.inc("recheck_unavailable")
+            self.requeue(BackwardWork(msg, grad))
+            return
+        cos, ratio = agreement(grad[rows], ref)
+        self.seen.append((cos, ratio))
+        self.judged += 1
+        passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
+        ban = self.spot.recheck_verdict(peer, passed)
+        self.metrics.rechecks = self.snapshot()
+        if passed:
+            self.vouch(peer)
+            self.requeue(BackwardWork(msg, grad))
+            return
+        logger.warning("re-check of micro-batch %d: the gradient of %s disagrees with the held copy's (cosine %.3f, "
+                       "norm ratio %.2f); not trained on%s", msg.mb_id, short_id(peer), cos, ratio,
+                       ", banned" if ban else "")
+        if ban:
+            self.router.ban(peer, self.spot.config.ban_s)
+            self.revoke(peer)
+            self.metrics.inc("recheck_banned")
+            self.metrics.warn(f"peer {peer[-8:]} of stage {self.stage + 1} returned gradients that the held copy of "
+                              f"its stage contradicts; banned for {self.spot.config.ban_s:.0f} s",
+                              key=f"recheck:{peer}")
+        self.requeue(BackwardWork(msg, None))  # dropped here and upstream (stage 0 re-sends its sample)
+
+    def snapshot(self) -> dict[str, object]:
+        """Figures for /status: how many re-checks, the copy's weights in bytes, the cosines' and norm ratios'
+        quantiles."""
+        out: dict[str, object] = {"rechecks": self.judged, "copy_bytes": self.copy.nbytes(),
+                               "compute_s": round(self.compute_s, 3)}
+        for i, name in enumerate(("cosine", "norm_ratio")):
+            vs = sorted(v[i] for v in self.seen if not math.isnan(v[i]))
+            for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
+                out[f"{name}_{label}"] = vs[min(len(vs) - 1, int(q * len(vs)))] if vs else None
+        return out
+

@@ -1,0 +1,241 @@
+"""Re-checks from the held copy (peer/pipeline/recheck.py): the copy's gradient against the last stage's own, the
+bookkeeping they share with the spot checks, and in process: an honest lone next stage passes with a stale copy, a
+lone fabricating one and two colluding ones are banned with none of their gradients trained on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
+from peer.membership.routing import Router
+from peer.ops.metrics import PeerMetrics
+from peer.pipeline.boundary import Boundary
+from peer.pipeline.recheck import HeldCopy, RecheckConfig, as_sent, input_gradient
+from peer.pipeline.servicer import PipelineServicer
+from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker, agreement, distance
+from peer.state.spare import SpareStore
+from protocol.codecs.registry import encode
+from protocol.messages import Ack, Backward
+from tests.test_peer_pipeline import RUN, Net, _run_driver, build, corpus  # noqa: F401  (fixture)
+from tests.test_peer_spotcheck import Fabricator
+from trainer.data import BatchStream
+from trainer.worker import StageWorker
+
+
+def _held(worker: StageWorker) -> SpareStore:
+    spares = SpareStore(RUN, None)
+    assert spares.offer(1, worker.state_dict(), source="b1", taken_at=time.time())
+    return spares
+
+
+def test_the_copy_recomputes_the_last_stages_gradient(corpus):  # noqa: F811
+    torch.manual_seed(0)
+    w0, w1 = StageWorker(RUN, 0), StageWorker(RUN, 1)
+    copy = HeldCopy(RUN, 1, _held(w1))
+    stream = BatchStream(corpus.train, 32, 8, seed=1)
+    x, y = stream.next()
+    act = w0.forward(0, x)
+    module = copy.module()
+    assert module is not None and copy.nbytes() == sum(p.numel() * 4 for p in w1.model.parameters())
+    ref = input_gradient(module, act, y)
+    _, grad = w1.forward_loss(0, act, y)  # the live stage, which then steps
+    assert grad is not None and distance(ref, grad) < 1e-5
+    rows = torch.tensor([5, 2])  # rows are independent: two of them, scaled to the mean over all, are exact
+    assert distance(input_gradient(module, act[rows], y[rows]) * 2 / 8, grad[rows]) < 1e-5
+    for p in module.parameters():
+        assert p.grad is None and not p.requires_grad  # the copy computes no weight gradients and never trains
+    for step in range(1, 20):  # the live stage moves on; the copy stays where it was taken
+        x, y = stream.next()
+        w0.drop(step - 1)
+        w1.forward_loss(step, w0.forward(step, x), y)
+    x, y = stream.next()
+    act = w0.forward(99, x)
+    _, live = w1.forward_loss(99, act, y)
+    stale = input_gradient(module, act, y)
+    cfg = RecheckConfig()
+    cos, ratio = agreement(live, stale)
+    assert cos >= cfg.min_cosine and ratio <= cfg.max_norm_ratio and distance(live, stale) > 1e-3  # stale, passes
+    assert agreement(-live, stale)[0] < cfg.min_cosine and agreement(torch.randn_like(live), stale)[0] < cfg.min_cosine
+    assert copy.module() is module  # built once per copy
+    copy.spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time())
+    assert copy.module() is not module  # a newer copy replaces it
+
+
+@pytest.mark.parametrize("compression", [{}, {"activations": "subspace", "gradients": "subspace", "subspace_rank": 4}],
+                         ids=["int8", "subspace"])
+def test_the_copys_gradient_is_compared_as_the_wire_delivers_it(compression):
+    run = RUN.replace(compression=compression) if compression else RUN
+    boundary = Boundary(run, None)
+    g = torch.randn(8, 32, run.model.n_embd)
+    wire = boundary.decode_gradient(boundary.encode_gradient(g), "b1")
+    cos, ratio = agreement(as_sent(boundary, g), wire)
+    assert cos > 0.999 and abs(ratio - 1) < 0.01
+    if compression:  # projected: far from the full gradient, which a returned one can never be
+        assert agreement(g, wire)[0] < 0.5
+
+
+def test_recheck_bookkeeping_is_the_spot_checks():
+    counts: list[str] = []
+    spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=2), count=counts.append, rng=random.Random(0))
+    assert spot.wants_recheck("h", fraction=0.0) and not spot.recheck_trusted("h")
+    assert not spot.recheck_verdict("h", True) and not spot.recheck_verdict("h", True)
+    assert spot.recheck_trusted("h") and spot.trusted("h")  # a passed re-check counts as a passed check
+    assert not spot.wants_recheck("h", fraction=0.0) and spot.wants_recheck("h", fraction=0.0, learning=True)
+    assert not spot.wants_recheck("h", fraction=1.0, busy=True)  # a sample is skipped while the queue is busy
+    assert not spot.recheck_verdict("h", False)  # one failure costs its trust, bans nobody
+    assert not spot.trusted("h") and not spot.recheck_trusted("h") and spot.wants_recheck("h", fraction=0.0)
+    g = torch.ones(4)
+    spot.judge("h", g, "colluder", g)  # a passed spot check with a colluder does not wash the strike away
+    assert spot.recheck_verdict("h", False)  # second failed re-check in a row: banned
+    assert counts.count("recheck_failed") == 2 and counts.count("recheck_passed") == 2
+    with pytest.raises(ValueError):
+        RecheckConfig(fraction=1.5)
+    with pytest.raises(ValueError):
+        PeerConfig(recheck_min_cosine=1.0)
+
+
+def _with_copy(net: Net, cfg: PeerConfig, spares: SpareStore | None) -> PipelineServicer:
+    """Stage 0 ("a0") rebuilt with the held copy of stage 1 (build() makes it without)."""
+    old = net.stages["a0"]
+    a0 = PipelineServicer(run=RUN, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+                          router=Router([1.0, 1.0], rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
+                          my_id="a0", cost=1.0, spares=spares)
+    net.stages["a0"] = a0
+    return a0
+
+
+class Colluder(Fabricator):
+    """A fake stage-1 replica of a ring of them: the first to get a micro-batch fabricates its gradient (the negated
+    honest one), the others return the very same, so their spot checks of each other agree."""
+
+    def __init__(self, net: Net, me: str, shared: dict[int, tuple[float, torch.Tensor]]) -> None:
+        super().__init__(net, me)
+        self.shared = shared
+
+    async def rpc_forward(self, msg, peer_id):
+        if msg.mb_id not in self.shared:
+            reply = await super().rpc_forward(msg, peer_id)
+            self.shared[msg.mb_id] = (0.0, self.sent[msg.mb_id])
+            return reply
+        fake = self.shared[msg.mb_id][1]
+        self.sent[msg.mb_id] = fake
+        reply = Backward(run_id=msg.run_id, mb_id=msg.mb_id, route=msg.route, gradient=encode(fake, "int8"),
+                         loss=1.0, is_eval=False)
+        task = asyncio.ensure_future(self.send(peer_id, "backward", reply))
+        self.tasks.add(task)
+        return Ack()
+
+
+def _fabricators(net: Net, a0: PipelineServicer, names: list[str]) -> list[Fabricator]:
+    """Fake stage-1 replicas returning negated gradients, all the same one for a micro-batch."""
+    shared: dict[int, tuple[float, torch.Tensor]] = {}
+    fabs: list[Fabricator] = [Colluder(net, name, shared) for name in names]
+    records = a0.swarm()
+    for fab in fabs:
+        net.stages[fab.me] = fab  # type: ignore[assignment]
+        records[fab.me] = PeerRecord(peer_id=fab.me, stage=1, throughput=1e9, queue=0, version=0, state="training")
+    return fabs
+
+
+def _liars_run(corpus, names: list[str], *, rechecks: bool):  # noqa: F811
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0)
+    pool = build(net, [["a0"], []], cfg)
+    a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)) if rechecks else None)
+    fabs = _fabricators(net, a0, names)
+    applied: dict[int, torch.Tensor] = {}
+    backward = a0.worker.backward
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+
+    def recording(mb_id, grad):
+        applied[mb_id] = grad.clone()
+        return backward(mb_id, grad)
+
+    a0.worker.backward = recording  # type: ignore[method-assign]
+
+    async def expire() -> None:  # the daemon's timer: overdue micro-batches are dropped and re-sent
+        while True:
+            await asyncio.sleep(0.5)
+            await a0.expire()
+
+    async def go() -> None:  # once stopped, stage 0 stops waiting for a route too (all its next hops are banned)
+        asyncio.get_running_loop().call_later(4.0, a0.stop_accepting)
+        timer = asyncio.ensure_future(expire())
+        await _run_driver(net, corpus, cfg, steps=30, run_for=4.0)
+        timer.cancel()
+    asyncio.run(go())
+    pool.shutdown()
+    sent = {mb: g for fab in fabs for mb, g in fab.sent.items()}
+    trained = [mb for mb, g in applied.items() if mb in sent and distance(g, sent[mb]) < 0.5]
+    return a0, sent, trained, revoked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("names", [["fake1"], ["fake1", "fake2"]], ids=["lone", "colluding"])
+def test_lying_next_stage_replicas_are_banned_by_the_copy(corpus, names):  # noqa: F811
+    a0, sent, trained, revoked = _liars_run(corpus, names, rechecks=True)
+    counters = a0.metrics.snapshot()["counters"]
+    assert sent, "the fake stage got no traffic: the test tests nothing"
+    assert trained == [], f"stage 0 trained on {len(trained)} fabricated gradients"
+    assert counters.get("recheck_banned", 0) == len(names) and revoked == set(names), counters
+    assert all(a0.router.candidates([PeerRecord(peer_id=n, stage=1, throughput=1.0, queue=0, version=0,
+                                                state="training")], 1) == [] for n in names)
+    assert a0.metrics.snapshot()["rechecks"]["cosine_max"] < 0  # negated: every re-check pointed the other way
+
+
+@pytest.mark.timeout(60)
+def test_without_the_copy_colluders_are_trained_on(corpus):  # noqa: F811
+    """What re-checks close: two identities that agree with each other pass the spot checks."""
+    a0, sent, trained, revoked = _liars_run(corpus, ["fake1", "fake2"], rechecks=False)
+    assert sent and trained and not revoked
+
+
+@pytest.mark.timeout(90)
+def test_an_honest_lone_next_stage_passes_with_a_stale_copy(corpus):  # noqa: F811
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)))  # the copy is of the seeded init; b1 trains away from it
+    vouched: set[str] = set()
+    a0.vouch = vouched.add
+    asyncio.run(_run_driver(net, corpus, cfg, steps=40))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("recheck_failed", 0) == 0 and counters.get("recheck_passed", 0) >= 4, counters
+    assert a0.worker.local_step >= 40 and net.stages["b1"].worker.local_step >= 40 and "b1" in vouched
+    figures = a0.metrics.snapshot()["rechecks"]
+    assert figures["copy_bytes"] > 0 and figures["cosine_min"] >= RecheckConfig().min_cosine
+    assert 0 < figures["compute_s"] and figures["norm_ratio_max"] <= RecheckConfig().max_norm_ratio, figures
+
+
+@pytest.mark.timeout(90)
+def test_the_stage_before_the_last_rechecks_in_a_three_stage_pipeline(corpus):  # noqa: F811
+    """Stage 1 of 3 holds a copy of stage 2 and re-checks it; it forwards under ids of its own, and a held gradient
+    comes back under the id it was sent with."""
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    run = RUN.replace(n_stages=3, model={"n_layer": 3})
+    pool = build(net, [["a0"], ["b1"], ["c2"]], cfg, run)
+    old = net.stages["b1"]
+    spares = SpareStore(run, None)
+    assert spares.offer(2, StageWorker(run, 2).state_dict(), source="c2", taken_at=time.time())
+    b1 = PipelineServicer(run=run, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+                          router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("b1", 1), cfg=cfg,
+                          my_id="b1", cost=1.0, spares=spares)
+    net.stages["b1"] = b1
+    assert net.stages["a0"].recheck is None  # build() gives stage 0 no copy: only stage n - 2 could use one anyway
+    asyncio.run(_run_driver(net, corpus, cfg, steps=30))
+    pool.shutdown()
+    counters = b1.metrics.snapshot()["counters"]
+    assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
+    assert net.stages["a0"].worker.local_step >= 30 and counters.get("microbatches_dropped", 0) == 0, counters
