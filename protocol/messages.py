@@ -48,13 +48,15 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 8  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 9  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
 # 7: RecordsRequest and Records (membership gossip, peer/membership/gossip.py);
-# 8: a sync barrier's AveragingPart ends with the sender's weight digest (peer/averaging/fork.py), one tensor more
-SUPPORTED_VERSIONS: tuple[int, ...] = (8,)
+# 8: a sync barrier's AveragingPart ends with the sender's weight digest (peer/averaging/fork.py), one tensor more;
+# 9: a subspace run's Forward.tokens is the [batch, block + 1] token window and `targets` is None (the last stage
+# cuts the targets from the window); codec int3 (id 7)
+SUPPORTED_VERSIONS: tuple[int, ...] = (9,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -114,8 +116,9 @@ class Forward(Message):
 
     `flush` is set by stage 0 in the synchronous mode only: the number of the GPipe flush (optimiser step) the
     micro-batch belongs to, so that later stages know when a flush is over without counting micro-batches.
-    `tokens`: the micro-batch's input token ids, in runs whose activations are subspace coefficients (each stage
-    rebuilds the fixed embedding part of the residual stream from them); absent otherwise.
+    `tokens`: in runs whose activations are subspace coefficients, the micro-batch's token window [batch, block + 1]:
+    its first `block` ids are the inputs (each stage rebuilds the fixed embedding part of the residual stream from
+    them), its last `block` the targets, so `targets` is None there; absent otherwise.
     """
 
     OPTIONAL_TAIL = 1

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codecs.quant import INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
+from protocol.codecs.quant import INT3_BLOCK, INT3_LEVELS, INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
 from protocol.codecs.registry import encode, roundtrip
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode
@@ -100,4 +100,13 @@ def test_int4_error_within_half_the_widest_gap_per_block(x: torch.Tensor) -> Non
     half_gap = float((INT4_LEVELS[1:] - INT4_LEVELS[:-1]).max()) / 2
     bound = _block_absmax(x, INT4_BLOCK) * BF16_UP * half_gap
     err = (roundtrip(x, "int4") - x).abs()
+    assert bool((err <= bound * (1 + 1e-5) + 1e-35).all())
+
+
+@PROPS
+@given(tensors)
+def test_int3_error_within_half_the_widest_gap_per_block(x: torch.Tensor) -> None:
+    half_gap = float((INT3_LEVELS[1:] - INT3_LEVELS[:-1]).max()) / 2
+    bound = _block_absmax(x, INT3_BLOCK) * BF16_UP * half_gap
+    err = (roundtrip(x, "int3") - x).abs()
     assert bool((err <= bound * (1 + 1e-5) + 1e-35).all())

@@ -19,7 +19,7 @@ from peer.ops.metrics import PeerMetrics
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.servicer import PipelineServicer
-from protocol.codecs.registry import encode
+from protocol.codecs.registry import decode, encode
 from protocol.errors import ValidationError
 from protocol.messages import Forward, pack, unpack
 from trainer.config import RunConfig
@@ -103,10 +103,17 @@ def test_invariant_kept_after_step_averaging_and_load():
 def test_frames_are_validated():
     b = Boundary(SUB, None)
     ids, _ = _batch(SUB)
+    seq = torch.cat([ids, ids[:, :1]], dim=1)  # each row a window of block + 1 tokens
+    x_in, y_in = seq[:, :-1], seq[:, 1:]
     y = torch.randn(*ids.shape, SUB.model.n_embd)
-    acts, tokens = b.encode_forward(y, ids)
-    assert acts.shape == (*ids.shape, 4) and tokens.dtype == "uint8"
-    assert b.targets_dtype == torch.uint8 and Boundary(TINY, None).targets_dtype == torch.int64  # plain runs as ever
+    targets, window = b.first_hop(x_in, y_in)
+    assert targets is None and torch.equal(window, seq)  # the targets ride in the window: one id per row more
+    with pytest.raises(ValueError, match="shifted"):
+        b.first_hop(x_in, torch.zeros_like(y_in))
+    plain_targets, no_window = Boundary(TINY, None).first_hop(x_in, y_in)
+    assert no_window is None and plain_targets is not None and plain_targets.dtype == "int64"  # plain runs as ever
+    acts, tokens = b.encode_forward(y, window)
+    assert acts.shape == (*ids.shape, 4) and tokens.dtype == "uint8" and tokens.shape == seq.shape
 
     def fwd(**kw):
         fields = dict(run_id=SUB.run_id, mb_id=1, route=["a"], activations=acts, targets=None, is_eval=False,
@@ -114,22 +121,29 @@ def test_frames_are_validated():
         return unpack(pack(Forward(**{**fields, **kw})))
 
     x, got = b.decode_forward(fwd(), "p")
-    assert torch.equal(got, ids) and x.shape == y.shape
+    assert torch.equal(got, seq) and x.shape == y.shape
+    assert torch.equal(x, b.subspace.rebuild(decode(acts), x_in))  # rebuilt from the inputs, not the targets
     with pytest.raises(ValidationError, match="tokens"):
         b.decode_forward(fwd(tokens=None), "p")
+    with pytest.raises(ValidationError, match="targets"):  # the same ids twice: refused, not ignored
+        b.decode_forward(fwd(targets=encode(y_in.to(torch.uint8), "none")), "p")
+    with pytest.raises(ValidationError, match="shape"):  # ids without the window's last target
+        b.decode_forward(fwd(tokens=encode(x_in.to(torch.uint8), "none")), "p")
     with pytest.raises(ValidationError, match="shape"):
         b.decode_forward(fwd(activations=encode(torch.zeros(*ids.shape, 5), "none")), "p")
     with pytest.raises(ValidationError, match="exceeds"):
         b.decode_forward(fwd(activations=encode(torch.full((*ids.shape, 4), 1e12), "none")), "p")
     with pytest.raises(ValidationError, match="dtype"):
-        b.decode_forward(fwd(tokens=encode(ids, "none")), "p")  # int64 ids: not the run's uint8 frame
+        b.decode_forward(fwd(tokens=encode(seq, "none")), "p")  # int64 ids: not the run's uint8 frame
     big = TINY.replace(model={"vocab_size": 300}, compression=SUB.compression.__dict__)
     bb = Boundary(big, None)
-    bad = encode(torch.full(ids.shape, 299, dtype=torch.int16), "none")
-    with pytest.raises(ValidationError, match="vocabulary"):
-        bb.decode_forward(fwd(run_id=big.run_id, tokens=encode(torch.full(ids.shape, 300, dtype=torch.int16),
-                                                                   "none")), "p")
-    assert bb.decode_forward(fwd(run_id=big.run_id, tokens=bad), "p")[1].max() == 299
+    bad = torch.full(seq.shape, 299, dtype=torch.int16)
+    for wrong in (300, -1):
+        bad[1, -1] = wrong  # the last target alone is outside the vocabulary
+        with pytest.raises(ValidationError, match="vocabulary"):
+            bb.decode_forward(fwd(run_id=big.run_id, tokens=encode(bad, "none")), "p")
+    bad[1, -1] = 299
+    assert bb.decode_forward(fwd(run_id=big.run_id, tokens=encode(bad, "none")), "p")[1].max() == 299
     # the frames are small, and the receiver's size limit knows it
     assert pipeline_request_bytes(SUB)["forward"] < pipeline_request_bytes(TINY)["forward"]
     # a message without tokens packs as before (peers that predate the field read it)
@@ -178,10 +192,16 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
                                        swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
                                        metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
 
+    sent, trained = set(), []  # the last stage trains on the very targets stage 0 drew (cut from the window)
+    stream = BatchStream(corpus.train, run.model.block_size, 8, seed=1)
+    draw, train = stream.next, stages["b1"].worker.forward_loss
+    stream.next = lambda: (lambda xy: (sent.add(xy[1].numpy().tobytes()), xy)[1])(draw())
+    stages["b1"].worker.forward_loss = lambda *a, **kw: (trained.append(a[2].numpy().tobytes()), train(*a, **kw))[1]
+
     async def drive() -> Stage0Driver:
         stop = asyncio.Event()
         t = run.model.block_size
-        driver = Stage0Driver(pipe=stages["a0"], stream=BatchStream(corpus.train, t, 8, seed=1),
+        driver = Stage0Driver(pipe=stages["a0"], stream=stream,
                               val=val_batches(corpus, t, 8, 2), inflight=3, stop=stop, max_steps=60,
                               metrics=stages["a0"].metrics)
         serving = [asyncio.ensure_future(p.serve()) for p in stages.values()]
@@ -198,6 +218,7 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
     finally:
         pool.shutdown()
     assert stages["a0"].worker.local_step >= 60 and stages["b1"].worker.local_step >= 60
+    assert len(trained) >= 60 and set(trained) <= sent
     first, last = sum(driver.losses[:5]) / 5, sum(driver.losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
     assert driver.val_losses and driver.val_losses[-1] < first

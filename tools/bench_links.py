@@ -9,7 +9,8 @@ section, starts a fresh ``n_stages x replicas`` swarm of ``asyncmesh-peer join``
 stage-0 replicas evaluate the run's fixed validation batches every ``--eval-every-s``.
 
 Codecs: ``int8`` (the default: blockwise int8 activations and gradients), ``subspace`` (k fp32 coefficients per token
-and the token ids, trainer/subspace.py), ``subspace-int8`` and ``subspace-int4`` (the coefficients quantised).
+and the token ids, trainer/subspace.py), ``subspace-int8``, ``subspace-int4`` and ``subspace-int3`` (the coefficients
+quantised).
 
 Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> codec:
 
@@ -54,7 +55,7 @@ from tools.wan import DEFAULT_EMULATOR, check_available  # noqa: E402
 
 logger = logging.getLogger("bench_links")
 
-CODECS = ("int8", "subspace", "subspace-int8", "subspace-int4")
+CODECS = ("int8", "subspace", "subspace-int8", "subspace-int4", "subspace-int3")
 BASELINE = "int8"
 _NETWORK = re.compile(r"^(?P<rate>[0-9.]+)mbit-(?P<rtt>[0-9.]+)ms$")
 
@@ -84,17 +85,20 @@ def parse_network(name: str) -> tuple[float, float]:
 
 # ----- what a codec costs, in this process ------------------------------------------------------------------------
 def payload_per_token(run: Any) -> dict[str, float]:
-    """Envelope bytes per token of one micro-batch: activations (+ token ids) and gradients, as sent."""
+    """Envelope bytes per token of one micro-batch: activations (+ targets, or the subspace runs' token window)
+    and gradients, as sent."""
     import torch
 
     from peer.pipeline.boundary import Boundary
 
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     g = torch.Generator().manual_seed(0)
-    y, ids = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t), generator=g)
-    acts, tokens = Boundary(run, None).encode_forward(y, ids)
-    grad = Boundary(run, None).encode_gradient(y * 1e-3)
-    act_bytes = len(acts.data) + (len(tokens.data) if tokens is not None else 0)
+    y, seq = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t + 1), generator=g)
+    boundary = Boundary(run, None)
+    targets, window = boundary.first_hop(seq[:, :-1], seq[:, 1:])
+    acts, tokens = boundary.encode_forward(y, window)
+    grad = boundary.encode_gradient(y * 1e-3)
+    act_bytes = len(acts.data) + sum(len(e.data) for e in (tokens, targets) if e is not None)
     return {"activations": act_bytes / (b * t), "gradients": len(grad.data) / (b * t),
             "fp32_activations": 4.0 * d}
 
@@ -112,7 +116,8 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     boundary = Boundary(run, None)
     g = torch.Generator().manual_seed(0)
-    y, ids = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t), generator=g)
+    y, seq = torch.randn(b, t, d, generator=g), torch.randint(0, run.model.vocab_size, (b, t + 1), generator=g)
+    targets, window = boundary.first_hop(seq[:, :-1], seq[:, 1:])
 
     def median(fn) -> float:
         times = []
@@ -123,8 +128,8 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
         return sorted(times)[len(times) // 2]
 
     def forward() -> None:
-        acts, tokens = boundary.encode_forward(y, ids)
-        boundary.decode_forward(Forward(run_id=run.run_id, mb_id=1, route=["p"], activations=acts, targets=None,
+        acts, tokens = boundary.encode_forward(y, window)
+        boundary.decode_forward(Forward(run_id=run.run_id, mb_id=1, route=["p"], activations=acts, targets=targets,
                                         is_eval=False, sent_at=1.0, tokens=tokens), "p")
 
     out: dict[str, Any] = {"activations_s": median(forward),
@@ -163,8 +168,9 @@ def train_in_process(run: Any, steps: int, evals: int = 4) -> list[dict[str, flo
     curve = []
     for i in range(1, steps + 1):
         x, y = stream.next()
-        acts, tokens = wire.encode_forward(w0.forward(i, x), x)
-        msg = Forward(run_id=run.run_id, mb_id=i, route=["p"], activations=acts, targets=None, is_eval=False,
+        targets, window = wire.first_hop(x, y)
+        acts, tokens = wire.encode_forward(w0.forward(i, x), window)
+        msg = Forward(run_id=run.run_id, mb_id=i, route=["p"], activations=acts, targets=targets, is_eval=False,
                       sent_at=1.0, tokens=tokens)
         _, grad = w1.forward_loss(i, wire.decode_forward(msg, "p")[0], y)
         w0.backward(i, wire.decode_gradient(wire.encode_gradient(grad), "p"))

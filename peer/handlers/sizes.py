@@ -1,13 +1,14 @@
 """What each RPC handler may receive: its message kind, and its largest request computed from the run's shapes.
 
-A forward carries ``batch x block x width`` activations in the run's activation codec (in subspace runs
-``batch x block x rank`` coefficients and the token ids) and the token targets; a backward carries a gradient of the
-same shape in the gradient codec; an ``infer`` request one sequence, ``1 x block x width`` activations in the widest
-codec it may use (none, fp32) or ``1 x block`` token ids. A ``state`` request is a few small integers; an averaging
-part (``avg_part``, and ``sync``'s gradients) carries at most every parameter of the largest stage once, in fp32 (the
-widest codec). These sizes are known before the first byte arrives, so a frame announcing more is refused before it
-is read (instead of reading up to the server's generic 256 MiB). The limit is the packed size of the largest such
-message, with the longest route and run id the schema allows, plus a fixed slack for msgpack headers.
+A forward carries ``batch x block x width`` activations in the run's activation codec and the token targets (in
+subspace runs ``batch x block x rank`` coefficients and the ``batch x (block + 1)`` token window); a backward carries
+a gradient of the same shape in the gradient codec; an ``infer`` request one sequence, ``1 x block x width``
+activations in the widest codec it may use (none, fp32) or ``1 x block`` token ids. A ``state`` request is a few
+small integers; an averaging part (``avg_part``, and ``sync``'s gradients) carries at most every parameter of the
+largest stage once, in fp32 (the widest codec). These sizes are known before the first byte arrives, so a frame
+announcing more is refused before it is read (instead of reading up to the server's generic 256 MiB). The limit is
+the packed size of the largest such message, with the longest route and run id the schema allows, plus a fixed
+slack for msgpack headers.
 ``infer_message_bytes`` also bounds the replies a generating client reads.
 """
 
@@ -72,9 +73,9 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     ``infer``, ``state``, ``avg_part``, ``sync`` and ``records``."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
-    targets = encode(ids, "none")
     boundary = Boundary(run, None)
-    acts, tokens = boundary.encode_forward(x, ids)
+    targets, window = boundary.first_hop(ids, ids)
+    acts, tokens = boundary.encode_forward(x, window)
     forward = Forward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, targets=targets, is_eval=False,
                       activations=acts, sent_at=1e12, flush=2**63 - 1, tokens=tokens)
     backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,

@@ -1,11 +1,14 @@
 """What crosses a stage boundary for this run: activations and their gradients in the run's codec, or, in subspace
-runs, their k coefficients in the run's subspace (trainer/subspace.py) plus the micro-batch's token ids.
+runs, their k coefficients in the run's subspace (trainer/subspace.py) plus the micro-batch's token window.
 
-``Boundary`` is the servicer's one seam for it, so the servicer never asks which kind of run it serves. Decoding
-validates every received frame before anything reaches the model: a coefficient frame has the shape
-``[batch, block, rank]`` the run fixes and bounded values, the ids frame ``[batch, block]`` in the smallest integer
-dtype that holds the vocabulary and ids inside it, and the rebuilt activations pass the same bounds full activations
-do. The methods are synchronous CPU work; the servicer runs them in an executor.
+``Boundary`` is the servicer's one seam for it, so the servicer never asks which kind of run it serves. A subspace
+forward's ``tokens`` is the window of ``block + 1`` ids each row was cut from: its first ``block`` are the inputs the
+receiver rebuilds the residual stream from, its last ``block`` the targets the last stage needs, so no forward of a
+subspace run carries ``targets`` (the same ids again). Decoding validates every received frame before anything
+reaches the model: a coefficient frame has the shape ``[batch, block, rank]`` the run fixes and bounded values, the
+window ``[batch, block + 1]`` in the smallest integer dtype that holds the vocabulary and ids inside it, and the
+rebuilt activations pass the same bounds full activations do. The methods are synchronous CPU work; the servicer
+runs them in an executor.
 """
 
 from __future__ import annotations
@@ -52,42 +55,52 @@ class Boundary:
             # activations the act_spec accepts
             self.coef_spec = TensorSpec((b, t, k), torch.float32, max_abs=math.sqrt(d) * 2 * MAX_ACT_ABS)
             self.grad_spec = TensorSpec((b, t, k), torch.float32)
-            self.ids_spec = TensorSpec((b, t), ids_dtype(run.model.vocab_size))
-
-    @property
-    def targets_dtype(self) -> torch.dtype:
-        """The targets' wire dtype: int64 in plain runs (as ever), the ids' compact dtype in subspace runs, where
-        8 bytes per token would be a quarter of what a forward carries."""
-        return self.ids_spec.dtype if self.subspace is not None else torch.int64
+            self.ids_spec = TensorSpec((b, t + 1), ids_dtype(run.model.vocab_size))
 
     @property
     def coefficient_codec(self) -> str:
         return self.run.compression.subspace_codec
 
     # --- forward ----------------------------------------------------------------------------------------------------
+    def first_hop(self, x: torch.Tensor, y: torch.Tensor) -> tuple[TensorEnvelope | None, torch.Tensor | None]:
+        """What stage 0 sends with a micro-batch's activations, from its inputs x and targets y [B, T]:
+        (the targets envelope, the window for ``encode_forward``). Plain runs: int64 targets, no window; subspace
+        runs: no targets, the window ``[x | y[:, -1]]`` [B, T+1] (y is x shifted by one, data.BatchStream)."""
+        if self.subspace is None:
+            return encode(y.to(torch.int64), "none"), None
+        if not torch.equal(x[:, 1:], y[:, :-1]):
+            raise ValueError("a subspace run's targets must be its inputs shifted by one position (the window the "
+                             "last stage rebuilds them from); this micro-batch's are not")
+        return None, torch.cat([x, y[:, -1:]], dim=1)
+
     def encode_forward(self, y: torch.Tensor,
-                       ids: torch.Tensor | None) -> tuple[TensorEnvelope, TensorEnvelope | None]:
-        """(activations envelope, token-ids envelope or None) for an output [B, T, d] of the micro-batch ``ids``."""
+                       window: torch.Tensor | None) -> tuple[TensorEnvelope, TensorEnvelope | None]:
+        """(activations envelope, window envelope or None) for an output [B, T, d] of the micro-batch whose token
+        window [B, T+1] is ``window`` (subspace runs; ignored otherwise)."""
         if self.subspace is None:
             return encode(y, self.run.compression.activations), None
-        if ids is None:
-            raise ValueError("a subspace run sends the token ids with every forward; this micro-batch has none")
-        c = self.subspace.coefficients(y.detach().cpu(), ids.cpu())
-        return encode(c, self.coefficient_codec), encode(ids.to(self.ids_spec.dtype), "none")
+        if window is None:
+            raise ValueError("a subspace run sends the token window with every forward; this micro-batch has none")
+        c = self.subspace.coefficients(y.detach().cpu(), window[:, :-1].cpu())
+        return encode(c, self.coefficient_codec), encode(window.cpu().to(self.ids_spec.dtype), "none")
 
     def decode_forward(self, msg: Forward, peer: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(activations [B, T, d] fp32, token ids [B, T] int64 or None); ValidationError names what was wrong."""
+        """(activations [B, T, d] fp32, token window [B, T+1] int64 or None); ValidationError names what was
+        wrong."""
         if self.subspace is None:
             return decode(msg.activations, self.act_spec, peer=peer, field="activations"), None
         if msg.tokens is None:
-            raise ValidationError("tokens", peer, "a subspace run's forward must carry the token ids")
-        ids = decode(msg.tokens, self.ids_spec, peer=peer, field="tokens").long()
-        if int(ids.max()) >= self.run.model.vocab_size:
-            raise ValidationError("tokens", peer, f"token ids must be below the vocabulary size "
-                                  f"({self.run.model.vocab_size})")
+            raise ValidationError("tokens", peer, "a subspace run's forward must carry the token window")
+        if msg.targets is not None:
+            raise ValidationError("targets", peer, "a subspace run's forward carries its targets in `tokens`, "
+                                  "not in `targets`")
+        window = decode(msg.tokens, self.ids_spec, peer=peer, field="tokens").long()
+        if int(window.min()) < 0 or int(window.max()) >= self.run.model.vocab_size:
+            raise ValidationError("tokens", peer, f"token ids must be in [0, {self.run.model.vocab_size}), the "
+                                  "vocabulary")
         c = decode(msg.activations, self.coef_spec, peer=peer, field="activations")
-        x = self.subspace.rebuild(c, ids)
-        return check_values(x, self.act_spec, peer=peer, field="activations"), ids
+        x = self.subspace.rebuild(c, window[:, :-1])
+        return check_values(x, self.act_spec, peer=peer, field="activations"), window
 
     # --- backward ---------------------------------------------------------------------------------------------------
     def encode_gradient(self, g: torch.Tensor) -> TensorEnvelope:

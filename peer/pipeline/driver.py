@@ -31,7 +31,6 @@ import torch
 from peer.pipeline.ledger import Sample, SampleLedger
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.work import MicroBatchIds, Pending, Refused
-from protocol.codecs.registry import encode
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
@@ -117,9 +116,9 @@ class Stage0Driver:
         else:
             out = await pipe.meter.timed(mb_id, False, pipe.worker.forward, mb_id, x)
         try:
-            targets = await loop.run_in_executor(None, encode, y.to(pipe.boundary.targets_dtype), "none")
+            targets, window = await loop.run_in_executor(None, pipe.boundary.first_hop, x, y)
             await pipe.forward_next(mb_id, out, targets, [pipe.my_id], is_eval, None if is_eval else self.flush,
-                                    ids=x)
+                                    window=window)
             return await done  # set by the backward, a drop, or the expiry timer
         except asyncio.CancelledError:  # stopped mid-flight: release what the worker keeps for it
             if pipe.forget(mb_id) and not is_eval:

@@ -79,7 +79,7 @@ class PipelineServicer:
         b, t = run.data.batch_size, run.model.block_size
         # activations and gradients in the run's codec, or as subspace coefficients (peer/pipeline/boundary.py)
         self.boundary = Boundary(run, getattr(worker, "subspace", None))
-        self.tok_spec = TensorSpec((b, t), self.boundary.targets_dtype)
+        self.tok_spec = TensorSpec((b, t), torch.int64)  # plain runs' targets (subspace runs: in the token window)
         self.pending: dict[int, Pending] = {}
         self.backward_q: asyncio.Queue[BackwardWork] = asyncio.Queue()
         self.forward_q: asyncio.Queue[ForwardWork] = asyncio.Queue(maxsize=cfg.max_queue)
@@ -230,9 +230,12 @@ class PipelineServicer:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
         try:
-            x, ids = await asyncio.get_running_loop().run_in_executor(None, self.boundary.decode_forward, msg, peer_id)
+            x, window = await asyncio.get_running_loop().run_in_executor(
+                None, self.boundary.decode_forward, msg, peer_id)
             targets = None
-            if self.is_last:
+            if self.is_last and window is not None:  # subspace runs: the window's last T ids, checked with it
+                targets = window[:, 1:]
+            elif self.is_last:
                 if msg.targets is None:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "the last stage needs targets")
                 targets = (await self._decode(msg.targets, self.tok_spec, peer_id)).long()
@@ -249,7 +252,7 @@ class PipelineServicer:
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
                                           is_eval=msg.is_eval, flush=msg.flush)
-        self.forward_q.put_nowait(ForwardWork(msg, x, targets, ids))
+        self.forward_q.put_nowait(ForwardWork(msg, x, targets, window))
         self._wake.set()
         return Ack()
 
@@ -322,7 +325,7 @@ class PipelineServicer:
                 await self.drop(item.msg.mb_id, notify=True)
 
     async def _process_forward(self, msg: Forward, x: torch.Tensor, targets: torch.Tensor | None,
-                               ids: torch.Tensor | None = None) -> None:
+                               window: torch.Tensor | None = None) -> None:
         p = self.pending.get(msg.mb_id)
         if p is None:
             return
@@ -361,7 +364,7 @@ class PipelineServicer:
                 await self.on_flush(msg.flush)
             y = await self.meter.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
-                                     ids=ids))
+                                     window=window))
 
     def _backward_done(self, flush: int | None) -> None:
         if self.on_backward_done is not None and flush is not None:
@@ -414,13 +417,13 @@ class PipelineServicer:
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
-                           is_eval: bool, flush: int | None = None, *, ids: torch.Tensor | None = None) -> bool:
+                           is_eval: bool, flush: int | None = None, *, window: torch.Tensor | None = None) -> bool:
         """Send activations to a peer of the next stage, retrying elsewhere; on failure drop and tell upstream.
 
         ``flush``: the sync mode's flush number, set by stage 0 and passed on unchanged (None in async mode).
-        ``ids``: the micro-batch's input token ids (subspace runs send them with the coefficients).
+        ``window``: the micro-batch's token window [B, T+1] (subspace runs send it with the coefficients).
         """
-        env, tokens = await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_forward, y, ids)
+        env, tokens = await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_forward, y, window)
         # a later stage sends a training micro-batch under an id of its own: a spot check's copy, forwarded by the
         # second replica too, would otherwise meet the first copy as a replay two stages on. An evaluation keeps
         # stage 0's id: the last stage answers stage 0 directly.

@@ -78,7 +78,7 @@ class ForwardWork(NamedTuple):
     msg: Forward
     x: torch.Tensor
     targets: torch.Tensor | None
-    ids: torch.Tensor | None
+    window: torch.Tensor | None  # subspace runs: the token window [B, T+1] passed on to the next stage
 
 
 class BackwardWork(NamedTuple):

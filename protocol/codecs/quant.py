@@ -1,10 +1,12 @@
-"""Blockwise absmax quantization kernels (8-bit and 4-bit), pure functions that run on the tensor's own device.
+"""Blockwise absmax quantization kernels (8-, 4- and 3-bit), pure functions that run on the tensor's own device.
 
 Both codecs split the flattened tensor into fixed blocks, store one scale per block and one small code per value:
 - int8: blocks of 128, codes -127..127 on a uniform grid, scale = block absmax rounded *up* to bfloat16 (so codes
   never clip and the scale keeps fp32's range: tiny gradients and huge activations both survive).
 - int4: blocks of 64, 16 levels from `INT4_LEVELS` (Lloyd-Max levels for absmax-normalised Gaussian blocks of 64 with
   -1, 0 and +1 pinned, so a block's maximum and exact zeros are reproduced exactly), two codes per byte.
+- int3: blocks of 64, 8 levels from `INT3_LEVELS` (the same construction), eight codes in three bytes: for small
+  frames on slow links (subspace coefficients), where the 16-level search table is not worth it.
 
 Everything is vectorised over blocks (no Python loop), so the functions run at memory speed and release the GIL:
 callers on an event loop run them in an executor (see registry.encode_async). Quantizing runs where the tensor is
@@ -29,6 +31,11 @@ __all__ = [
     "dequantize_int4",
     "int8_payload_bytes",
     "int4_payload_bytes",
+    "INT3_BLOCK",
+    "INT3_LEVELS",
+    "quantize_int3",
+    "dequantize_int3",
+    "int3_payload_bytes",
 ]
 
 INT8_BLOCK = 128
@@ -38,7 +45,11 @@ INT4_LEVELS = torch.tensor([
     -1.0, -0.7643, -0.5908, -0.4489, -0.3249, -0.2116, -0.1043, 0.0,
     0.0908, 0.1835, 0.2804, 0.3838, 0.4979, 0.6288, 0.7881, 1.0,
 ], dtype=torch.float32)
+INT3_BLOCK = 64
+INT3_LEVELS = torch.tensor([-1.0, -0.5414, -0.2487, 0.0, 0.1844, 0.3854, 0.6304, 1.0], dtype=torch.float32)
 # fmt: on
+_INT3_BORDERS = (INT3_LEVELS[1:] + INT3_LEVELS[:-1]) / 2
+_INT3_ZERO = 3  # the code of 0.0: what padding codes are
 _INT4_BORDERS = (INT4_LEVELS[1:] + INT4_LEVELS[:-1]) / 2
 _SLAB_ROWS = 2048  # rows per slab in the int8 kernels: 1 MiB of fp32, stays in L2
 # Nearest-level search without torch.bucketize (2-3x slower): a fine grid over [-1, 1] whose cells hold at most one
@@ -81,6 +92,11 @@ def int8_payload_bytes(n: int) -> int:
 def int4_payload_bytes(n: int) -> int:
     """Payload size of `n` values under the int4 codec: bf16 scales, then two values per byte."""
     return 2 * _n_blocks(n, INT4_BLOCK) + (n + 1) // 2
+
+
+def int3_payload_bytes(n: int) -> int:
+    """Payload size of `n` values under the int3 codec: bf16 scales, then eight values per three bytes."""
+    return 2 * _n_blocks(n, INT3_BLOCK) + (3 * n + 7) // 8
 
 
 def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -160,3 +176,29 @@ def dequantize_int4(scales: torch.Tensor, packed: torch.Tensor, n: int) -> torch
     blocks = _blocks(values, INT4_BLOCK)
     out = blocks.mul_(scales.float()[:, None])
     return out.view(-1)[:n]
+
+
+def quantize_int3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float tensor: returns (bf16 scales [n_blocks], uint8 packed codes [ceil(3 numel / 8)]).
+
+    Codes are packed little-endian, eight to a 24-bit group (code i of a group in bits 3i..3i+2); the codes past
+    the last value are those of 0.0, and the bytes that hold only such codes are not sent."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    blocks = _blocks(flat, INT3_BLOCK)
+    scales, s = _scales(blocks)
+    normalised = blocks * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))[:, None]
+    codes = torch.bucketize(normalised.view(-1)[:n], _INT3_BORDERS.to(flat.device)).to(torch.int32)
+    groups = torch.nn.functional.pad(codes, (0, -n % 8), value=_INT3_ZERO).view(-1, 8)
+    words = (groups << torch.arange(0, 24, 3, dtype=torch.int32, device=flat.device)).sum(dim=1, dtype=torch.int32)
+    packed = torch.stack([(words >> shift) & 255 for shift in (0, 8, 16)], dim=1).to(torch.uint8)
+    return scales, packed.view(-1)[: (3 * n + 7) // 8]
+
+
+def dequantize_int3(scales: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of quantize_int3: fp32 tensor of `n` values (flat)."""
+    raw = torch.nn.functional.pad(packed.to(torch.int32), (0, -packed.numel() % 3)).view(-1, 3)
+    words = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16)
+    codes = (words[:, None] >> torch.arange(0, 24, 3, dtype=torch.int32)) & 7
+    values = INT3_LEVELS[codes.view(-1)[:n].long()]
+    return _blocks(values, INT3_BLOCK).mul_(scales.float()[:, None]).view(-1)[:n]

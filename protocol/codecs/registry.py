@@ -11,11 +11,12 @@ Names and ids come from the one table, protocol.codecs.names; this module attach
 | int4  | 4  | blockwise absmax, 64 values/block, 16 Lloyd levels   | activations on slow links             |
 | topk  | 5  | k sorted int32 indices + k fp32 values (protocol.codecs.topk)| averaging deltas, with feedback.py  |
 | int8q | 6  | hivemind Quantile8BitQuantization: 256 levels + u8 | per-tensor quantile 8-bit (reference) |
+| int3  | 7  | blockwise absmax, 64 values/block, 8 Lloyd levels    | subspace coefficients on slow links   |
 
 Quantizing codecs accept floating-point tensors only and decode back to the sender's dtype. The float codecs (fp16,
-bf16, int8, int4) have a *kernel* that runs on the tensor's own device: a GPU tensor is encoded on the GPU and only
-the encoded tensors (codes and scales) are copied to the host, through pinned buffers (``to_host``). A CPU tensor
-takes the same path without the copy, so its payload is the same bytes. `decode` validates
+bf16, int8, int4, int3) have a *kernel* that runs on the tensor's own device: a GPU tensor is encoded on the GPU and
+only the encoded tensors (codes and scales) are copied to the host, through pinned buffers (``to_host``). A CPU
+tensor takes the same path without the copy, so its payload is the same bytes. `decode` validates
 everything before and after decoding (see protocol.validation) and raises `ValidationError` naming field and peer.
 (De)quantization of large tensors is CPU work that releases the GIL: on an event loop use `encode_async` /
 `decode_async`, which run it in an executor.
@@ -119,6 +120,12 @@ def _int4_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     return quant.dequantize_int4(scales, _frombuffer(data, torch.uint8, (n + 1) // 2, 2 * n_scales), n)
 
 
+def _int3_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    n_scales = (len(data) - (3 * n + 7) // 8) // 2
+    scales = _frombuffer(data, torch.bfloat16, n_scales)
+    return quant.dequantize_int3(scales, _frombuffer(data, torch.uint8, (3 * n + 7) // 8, 2 * n_scales), n)
+
+
 def _fp16_kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
     fmax = torch.finfo(torch.float16).max
     return (t.to(torch.float32).clamp_(-fmax, fmax).to(torch.float16),)
@@ -183,6 +190,8 @@ _KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check,
              _int8_decode, quant.quantize_int8),
     "int4": (True, _kernel_encode(quant.quantize_int4), _exact_length(lambda n, d: quant.int4_payload_bytes(n)),
              _int4_decode, quant.quantize_int4),
+    "int3": (True, _kernel_encode(quant.quantize_int3), _exact_length(lambda n, d: quant.int3_payload_bytes(n)),
+             _int3_decode, quant.quantize_int3),
     "topk": (True, functools.partial(topk.topk_encode, fraction=0.01),
              lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n), None),
     "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode, None),
