@@ -17,9 +17,10 @@ Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> co
 * ``bytes_per_token``: what the peers' emulated links sent over the budget, all peers of a stage together:
   ``activations`` (stages before the last: training and evaluation forwards with their TCP/IP headers and the DHT's
   traffic, per token forwarded) and ``gradients`` (stages after the first, per training token), their ``total``, and
-  ``payload`` (the envelopes' bytes alone per token, from the codec); ``rpc_activations``, ``rpc_gradients`` and
-  ``rpc_total``: the same for the RPC messages alone (each peer's ``bytes_out``), and ``overhead_bytes_per_s``: what
-  the links carried beyond the messages (libp2p and TCP/IP framing, the DHT) per second.
+  ``payload`` (the envelopes' bytes alone per token, from the codec: a forward's with its targets or token window);
+  ``rpc_activations``, ``rpc_gradients`` and ``rpc_total``: the same for the RPC messages alone (each peer's
+  ``bytes_out``), and ``overhead_bytes_per_s``: what the links carried beyond the messages (libp2p and TCP/IP
+  framing, the DHT) per second.
 * ``tokens_per_s`` (stage 0's training tokens over the budget), ``curve`` (validation loss against seconds and
   tokens), ``final_val_loss`` (mean of the last three evaluations).
 * ``time_to_loss_speedup_vs_int8``: the seconds int8 needs to reach its own final loss over the seconds this codec
