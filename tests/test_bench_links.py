@@ -18,7 +18,12 @@ def test_codec_runs_and_networks():
     with pytest.raises(ValueError):
         parse_network("20mbps")
     pay = payload_per_token(sub)
-    assert pay["activations"] == 8 + 1 + 16 * 2 / 64 and pay["gradients"] == 8 + 16 * 2 / 64  # int4 codes, scales
+    window = (base.model.block_size + 1) / base.model.block_size  # 1-byte ids, the targets' last one per row
+    assert pay["activations"] == 8 + window + 16 * 2 / 64 and pay["gradients"] == 8 + 16 * 2 / 64  # codes, scales
+    pay3 = payload_per_token(codec_run(base, "subspace-int3", 16))
+    assert pay3["activations"] == 6 + window + 16 * 2 / 64 and pay3["gradients"] == 6 + 16 * 2 / 64  # 3 bits a code
+    d = base.model.n_embd
+    assert payload_per_token(base)["activations"] == d + 2 * d / 128 + 8  # int8 codes, scales, int64 targets
 
 
 def test_figures_against_int8():
