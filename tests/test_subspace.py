@@ -168,8 +168,11 @@ def test_export_is_a_plain_gpt():
 
 
 @pytest.mark.timeout(200)
-def test_two_stage_loopback_pipeline_trains_in_the_subspace():
-    run = SUB.replace(compression={"subspace_codec": "int8"})
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_loopback_pipeline_trains_in_the_subspace(n_stages):
+    """Stage 0's micro-batches through 2 or 3 stages (a middle stage passes the token window on)."""
+    run = SUB.replace(n_stages=n_stages, model={"n_layer": max(2, n_stages)}, compression={"subspace_codec": "int8"})
+    pids = ["a0", "b1", "c2"][:n_stages]
     corpus = load_corpus(run.data, run.model.vocab_size)
     pool = ThreadPoolExecutor(max_workers=1)
     stages: dict[str, PipelineServicer] = {}
@@ -185,18 +188,27 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
-               for s, pid in enumerate(["a0", "b1"])}
+               for s, pid in enumerate(pids)}
     cfg = PeerConfig(microbatch_timeout_s=30.0)
-    for s, pid in enumerate(["a0", "b1"]):
+    for s, pid in enumerate(pids):
         stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
-                                       swarm=lambda: records, router=Router([1.0, 1.0], rng=random.Random(0)),
+                                       swarm=lambda: records, router=Router([1.0] * n_stages, rng=random.Random(0)),
                                        metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
 
     sent, trained = set(), []  # the last stage trains on the very targets stage 0 drew (cut from the window)
     stream = BatchStream(corpus.train, run.model.block_size, 8, seed=1)
-    draw, train = stream.next, stages["b1"].worker.forward_loss
-    stream.next = lambda: (lambda xy: (sent.add(xy[1].numpy().tobytes()), xy)[1])(draw())
-    stages["b1"].worker.forward_loss = lambda *a, **kw: (trained.append(a[2].numpy().tobytes()), train(*a, **kw))[1]
+    draw, train = stream.next, stages[pids[-1]].worker.forward_loss
+
+    def drawn():
+        x, y = draw()
+        sent.add(y.numpy().tobytes())
+        return x, y
+
+    def trains(mb_id, x, targets, **kw):
+        trained.append(targets.numpy().tobytes())
+        return train(mb_id, x, targets, **kw)
+
+    stream.next, stages[pids[-1]].worker.forward_loss = drawn, trains
 
     async def drive() -> Stage0Driver:
         stop = asyncio.Event()
@@ -217,7 +229,7 @@ def test_two_stage_loopback_pipeline_trains_in_the_subspace():
         driver = asyncio.run(drive())
     finally:
         pool.shutdown()
-    assert stages["a0"].worker.local_step >= 60 and stages["b1"].worker.local_step >= 60
+    assert all(p.worker.local_step >= 60 for p in stages.values())
     assert len(trained) >= 60 and set(trained) <= sent
     first, last = sum(driver.losses[:5]) / 5, sum(driver.losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
