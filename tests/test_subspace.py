@@ -287,3 +287,22 @@ def test_simulator_refuses_mixed_subspace_flags(tmp_path, capsys):
     assert "--subspace-rank" in capsys.readouterr().err
     assert main(["simulate", "--out", str(tmp_path), "--subspace-rank", "8", "--compression", "int8"]) == 2
     assert "replaces --compression" in capsys.readouterr().err
+
+
+def test_a_recheck_takes_the_targets_from_the_window():
+    """The held copy's re-check (peer/pipeline/recheck.py) re-computes a subspace forward's gradient against the
+    targets the window carries: its forwards have no `targets` field."""
+    from types import SimpleNamespace
+
+    from peer.pipeline.recheck import Rechecks
+
+    b = Boundary(SUB, None)
+    ids, _ = _batch(SUB)
+    seq = torch.cat([ids, ids[:, :1]], dim=1)
+    acts, tokens = b.encode_forward(torch.randn(*ids.shape, SUB.model.n_embd), seq)
+    fwd = Forward(run_id=SUB.run_id, mb_id=1, route=["a"], activations=acts, targets=None, is_eval=False,
+                  sent_at=1.0, tokens=tokens)
+    rows = SUB.data.batch_size
+    me = SimpleNamespace(boundary=b, tok_spec=None, my_id="p", config=SimpleNamespace(rows=rows))
+    x, targets, order = Rechecks._inputs(me, fwd)  # type: ignore[arg-type]
+    assert x.shape == (rows, *ids.shape[1:], SUB.model.n_embd) and torch.equal(targets, seq[order, 1:])

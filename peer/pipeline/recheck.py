@@ -189,9 +189,12 @@ class Rechecks:
 
     def _inputs(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sampled rows' activations as the next stage received them, their targets, and which rows."""
-        assert fwd.targets is not None  # every training forward to the last stage carries them (stage 0 sends them)
-        x, _ = self.boundary.decode_forward(fwd, self.my_id)
-        targets = decode(fwd.targets, self.tok_spec, peer=self.my_id, field="targets").long()
+        x, window = self.boundary.decode_forward(fwd, self.my_id)
+        if window is not None:  # subspace runs: the targets are the token window's last T ids
+            targets = window[:, 1:]
+        else:
+            assert fwd.targets is not None  # every plain training forward to the last stage carries them
+            targets = decode(fwd.targets, self.tok_spec, peer=self.my_id, field="targets").long()
         rows = torch.randperm(x.shape[0])[: self.config.rows]
         return x[rows], targets[rows], rows
 
