@@ -44,7 +44,7 @@ def test_unknown_keys_are_refused_with_their_name(tmp_path):
         ("optim", {"optimizer": "sgd"}, "optimizer"),
         ("averaging", {"fraction": 0.0}, "fraction"),
         ("averaging", {"rule": "mean"}, "rule"),
-        ("compression", {"activations": "int3"}, "activations"),
+        ("compression", {"activations": "int2"}, "activations"),
         ("compression", {"averaging": "topk:0.1"}, "not deltas"),
         ("averaging", {"round_steps": 0}, "round_steps"),
         ("averaging", {"period_s": 0.0}, "period_s"),
