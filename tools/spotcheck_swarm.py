@@ -36,7 +36,7 @@ SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_time
 VARIANTS = {"on": (), "off": ("spot_checks=false",), "all": ("spot_check_fraction=1.0",),
             # re-checks from the held copy of stage 1 (peer/pipeline/recheck.py): backups every 5 s so stage 0 holds
             # one within the run; "norecheck" is the same without re-checks (their cost baseline)
-            "recheck": ("backup_every_s=5",), "norecheck": ("backup_every_s=5", "rechecks=false")}
+            "recheck": ("backup_every_s=5", "rechecks=true"), "norecheck": ("backup_every_s=5", "rechecks=false")}
 LAYOUTS = {"2x2": (("a0", 0), ("b1", 1), ("c0", 0), ("d1", 1)),
            "2x1": (("a0", 0), ("b1", 1), ("c0", 0))}  # 2x1: a lone stage-1 replica, which spot checks cannot check
 
