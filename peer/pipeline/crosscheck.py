@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def ban_hop(peer: str, *, stage: int, spot: SpotChecker, router: Router, metrics: PeerMetrics,
+            revoke: Callable[[str], None], kind: str, contradicted_by: str) -> None:
+    """Ban a next-stage hop caught returning fabricated gradients (a spot check or a re-check): routing skips it for
+    ``ban_s``, it is a stranger again, ``<kind>_banned`` is counted and the operator warned."""
+    router.ban(peer, spot.config.ban_s)
+    revoke(peer)
+    metrics.inc(f"{kind}_banned")
+    metrics.warn(f"peer {peer[-8:]} of stage {stage + 1} returned gradients that {contradicted_by} contradicts; "
+                 f"banned for {spot.config.ban_s:.0f} s", key=f"{kind}:{peer}")
+
+
 class CrossChecks:
     """The spot checks stage ``stage`` runs on the next stage's hops.
 
@@ -105,9 +116,6 @@ class CrossChecks:
                        "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
                        " and banned" if ban else "")
         if ban:
-            self.router.ban(caught, self.spot.config.ban_s)
-            self.revoke(caught)
-            self.metrics.inc("spotcheck_banned")
-            self.metrics.warn(f"peer {caught[-8:]} of stage {self.stage + 1} returned gradients that other replicas "
-                              f"contradict; banned for {self.spot.config.ban_s:.0f} s", key=f"spotcheck:{caught}")
+            ban_hop(caught, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
+                    revoke=self.revoke, kind="spotcheck", contradicted_by="another replica")
         return msg_a, None  # dropped here and upstream (stage 0 re-sends its sample)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.ids import short_id
+from peer.pipeline.crosscheck import ban_hop
 from peer.pipeline.spotcheck import agreement
 from peer.pipeline.work import BackwardWork, Pending
 from protocol.codecs.registry import decode, encode
@@ -232,12 +233,8 @@ class Rechecks:
                        "norm ratio %.2f); not trained on%s", msg.mb_id, short_id(peer), cos, ratio,
                        ", banned" if ban else "")
         if ban:
-            self.router.ban(peer, self.spot.config.ban_s)
-            self.revoke(peer)
-            self.metrics.inc("recheck_banned")
-            self.metrics.warn(f"peer {peer[-8:]} of stage {self.stage + 1} returned gradients that the held copy of "
-                              f"its stage contradicts; banned for {self.spot.config.ban_s:.0f} s",
-                              key=f"recheck:{peer}")
+            ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
+                    revoke=self.revoke, kind="recheck", contradicted_by="the held copy of its stage")
         self.requeue(BackwardWork(msg, None))  # dropped here and upstream (stage 0 re-sends its sample)
 
     def snapshot(self) -> dict[str, object]:
