@@ -359,8 +359,10 @@ class Daemon:
             await self._start_network(rejoin=True)
         await self._enter_stage(await self._choose_stage())
 
-    async def _unless_stopped(self, work: Awaitable[None]) -> None:
-        """Run a start-up phase, abandoned at once if the peer is asked to stop (SIGTERM, Ctrl-C) meanwhile."""
+    async def _unless_stopped(self, work: Awaitable[T], what: str = "starting up") -> T:
+        """``work``'s result, abandoned at once (cancelled, JoinInterrupted) if the peer is asked to stop (SIGTERM,
+        Ctrl-C) meanwhile: a start-up phase, or a final evaluation whose tries cannot succeed once the next stage's
+        peers have left."""
         task = asyncio.ensure_future(work)
         stopped = asyncio.ensure_future(self.stop.wait())
         try:
@@ -370,8 +372,8 @@ class Daemon:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise JoinInterrupted(f"stopped while starting up (state: {self.life.state})")
-        task.result()
+            raise JoinInterrupted(f"stopped while {what} (state: {self.life.state})")
+        return task.result()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop.is_set():
@@ -398,7 +400,12 @@ class Daemon:
                     logger.error("the stage-0 driver failed: %r", driver_task.exception())
                 self.exit_reason = "max_steps"
                 driver = self.driver
-                self.final_val_loss = await driver.final_evaluate() if self.cfg.eval_batches and driver else None
+                if self.cfg.eval_batches and driver:
+                    try:
+                        self.final_val_loss = await self._unless_stopped(driver.final_evaluate(),
+                                                                         "running the final evaluation")
+                    except JoinInterrupted as e:
+                        logger.info("%s: %s", self.exit_reason, e)
                 self.stop.set()
 
     async def _shutdown(self, status: StatusServer | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -88,5 +89,44 @@ def test_the_daemon_owns_the_life_and_a_second_signal_skips_the_stage_drain(tmp_
         assert d.stop.is_set() and d.context.cfg.drain_timeout_s == 30.0
         d._on_signal(signal.SIGINT)  # a second Ctrl-C: no drain, in the daemon and in the stage it serves
         assert d.cfg.drain_timeout_s == d.context.cfg.drain_timeout_s == 0.01
+    finally:
+        d.executor.shutdown(wait=True)
+
+
+def test_a_signal_during_the_final_evaluation_stops_the_peer_at_once(tmp_path: Path) -> None:
+    """Regression: a stage-0 peer that reached max_steps while the next stage's peers were leaving tried its final
+    evaluation 3 x microbatch_timeout_s (3 min by default) and ignored SIGTERM meanwhile; its launcher killed it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from peer.config import PeerConfig
+    from peer.daemon import Daemon
+    from trainer.config import RunConfig
+
+    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    d = Daemon(run, PeerConfig(device="cpu", identity_path=tmp_path / "id.key"))
+    cancelled = []
+
+    async def never_returns() -> float:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return 0.0
+
+    async def scenario() -> float:
+        finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        finished.set_result(None)  # the stage-0 driver reached max_steps
+        d.service = SimpleNamespace(driver_task=finished)  # type: ignore[assignment]
+        d.driver = SimpleNamespace(final_evaluate=never_returns)  # type: ignore[assignment]
+        asyncio.get_running_loop().call_later(0.2, d._on_signal, signal.SIGTERM)
+        t0 = time.monotonic()
+        await asyncio.wait_for(d._serve(), timeout=10)
+        return time.monotonic() - t0
+
+    try:
+        assert asyncio.run(scenario()) < 2.0
+        assert cancelled == [True] and d.final_val_loss is None and d.exit_reason == "SIGTERM"
     finally:
         d.executor.shutdown(wait=True)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from swarm_utils import REPO, swarm  # noqa: F401  (fixture)
 
-STEPS = 60
+STEPS = 100  # stage 0 stops here: long enough for a few averaging rounds on each stage (1.5-s clock)
 RARE_AVG = REPO / "tests" / "runs" / "tiny_rare_avg.toml"  # no averaging round falls inside a test
 
 
@@ -51,8 +51,8 @@ def test_two_by_two_swarm_trains_averages_evaluates_and_restarts_from_checkpoint
         assert s["final_val_loss"] is not None and s["final_val_loss"] < uniform - 1.0, s
         assert s["final_val_loss_from"] == "final evaluation", s  # not an early periodic one standing in
         assert s["tokens_per_s"] > 0
-    rounds_ok = sum(s["averaging_rounds_ok"] for s in sums.values())
-    assert rounds_ok >= 2, sums  # each stage's replicas averaged at least once
+    for pair in (("a", "c"), ("b", "d")):  # each stage's replicas averaged at least once
+        assert sum(sums[n]["averaging_rounds_ok"] for n in pair) >= 1, sums
     assert sums["b"]["steps"] + sums["d"]["steps"] >= STEPS
     for p in (a, b, c, d):
         _no_traceback(p)
@@ -74,10 +74,14 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     # weights stay frozen while the joiner copies them
     keep = ("record_ttl_s=60",)
     short = ("record_ttl_s=4", "state_snapshot_max_age_s=2")
+    # both stage-0 replicas load step 0 before stage 1 exists to train them: one that joined later would load a
+    # donor already some steps on, and with no averaging rounds the two would drift apart in activation norm until
+    # stage 1's guard refused the laggard, so its throughput (and stage 0's capacity) would read near zero
     a = swarm.start("a", stage="0", extra=keep, run=RARE_AVG)
     first = a.wait_maddrs()[:1]
-    b = swarm.start("b", stage="1", initial=first, extra=short, run=RARE_AVG)
     c = swarm.start("c", stage="0", initial=first, extra=keep, run=RARE_AVG)
+    c.wait_status(lambda s: s.get("state") == "training", 90, "training state")
+    b = swarm.start("b", stage="1", initial=first, extra=short, run=RARE_AVG)
     d = swarm.start("d", stage="1", initial=first, extra=short, run=RARE_AVG)
     a.wait_status(lambda s: s["local_step"] >= 10, 120, "10 steps")
     d.proc.kill()  # kill -9 one replica mid-run
