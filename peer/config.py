@@ -7,6 +7,7 @@ The CLI only builds this dataclass; the daemon reads nothing else.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -188,11 +189,13 @@ class PeerConfig:
     """Share of a trusted next hop's micro-batches also sent to a second replica and compared (untrusted: all)."""
     spot_check_min_cosine: float = 0.1
     """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
-    rechecks: bool = False
+    rechecks: bool = True
     """Re-compute a sample of the last stage's gradients from the held copy of it (peer/pipeline/recheck.py; the
-    stage before the last, with backup_every_s > 0 and spot checks on); off frees the copy's module and compute.
-    Off by default for now: against a copy of a stage early in training, honest gradients failed 2 of 8 re-checks
-    once (docs/security.md), and 3 failures in a row would ban an honest lone next stage."""
+    stage before the last, with backup_every_s > 0 and spot checks on); off frees the copy's module and compute."""
+    recheck_after_warmups: float = 4.0
+    """Re-checks use only copies received once this peer's local step reached this many times the run's warm-up
+    steps: against a copy of a stage that young, honest gradients failed re-checks (2 of 392 comparisons in the
+    tiny run, docs/security.md), and 3 failures in a row would ban an honest lone next stage."""
     recheck_fraction: float = 0.02
     """Share of a trusted next hop's micro-batches whose gradient is re-computed from the held copy (untrusted:
     every one)."""
@@ -255,6 +258,8 @@ class PeerConfig:
             raise ValueError("spot_check_fraction must be in [0, 1] and spot_check_min_cosine in [-1, 1)")
         if not 0.0 <= self.recheck_fraction <= 1.0 or not -1.0 <= self.recheck_min_cosine < 1.0:
             raise ValueError("recheck_fraction must be in [0, 1] and recheck_min_cosine in [-1, 1)")
+        if not 0.0 <= self.recheck_after_warmups < math.inf:
+            raise ValueError(f"recheck_after_warmups must be finite and >= 0, got {self.recheck_after_warmups}")
         if self.ban_max_s < self.ban_base_s:
             raise ValueError("ban_max_s must be >= ban_base_s")
 

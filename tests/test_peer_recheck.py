@@ -67,6 +67,22 @@ def test_the_copy_recomputes_the_last_stages_gradient(corpus):  # noqa: F811
     assert copy.module() is not module  # a newer copy replaces it
 
 
+def test_a_copy_received_before_our_step_reached_the_minimum_is_not_used():
+    """Early in training an honest gradient can disagree with a copy a few dozen steps old: a copy first seen while
+    our own step was below min_step serves no re-check (nor blocks spot checks); the next copy, seen later, does."""
+    step = [3]
+    spares = SpareStore(RUN, None)
+    copy = HeldCopy(RUN, 1, spares, local_step=lambda: step[0], min_step=40)
+    assert not copy.available() and copy.module() is None  # nothing held
+    w1 = StageWorker(RUN, 1)
+    assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time())
+    assert not copy.available() and copy.module() is None  # held, but received at our step 3
+    step[0] = 100
+    assert not copy.available()  # still the same copy: our step when it came is what counts
+    assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time() + 1)
+    assert copy.available() and copy.module() is not None  # a newer copy, received at step 100
+
+
 @pytest.mark.parametrize("compression", [{}, {"activations": "subspace", "gradients": "subspace", "subspace_rank": 4}],
                          ids=["int8", "subspace"])
 def test_the_copys_gradient_is_compared_as_the_wire_delivers_it(compression):
@@ -146,7 +162,7 @@ def _fabricators(net: Net, a0: PipelineServicer, names: list[str]) -> list[Fabri
 def _liars_run(corpus, names: list[str], *, rechecks: bool):  # noqa: F811
     torch.manual_seed(0)
     net = Net()
-    cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0)
+    cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0, recheck_after_warmups=0)
     pool = build(net, [["a0"], []], cfg)
     a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)) if rechecks else None)
     fabs = _fabricators(net, a0, names)
@@ -202,7 +218,7 @@ def test_without_the_copy_colluders_are_trained_on(corpus):  # noqa: F811
 def test_an_honest_lone_next_stage_passes_with_a_stale_copy(corpus):  # noqa: F811
     torch.manual_seed(0)
     net = Net()
-    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0)
     pool = build(net, [["a0"], ["b1"]], cfg)
     a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)))  # the copy is of the seeded init; b1 trains away from it
     vouched: set[str] = set()
@@ -223,7 +239,7 @@ def test_the_stage_before_the_last_rechecks_in_a_three_stage_pipeline(corpus):  
     comes back under the id it was sent with."""
     torch.manual_seed(0)
     net = Net()
-    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0)
     run = RUN.replace(n_stages=3, model={"n_layer": 3})
     pool = build(net, [["a0"], ["b1"], ["c2"]], cfg, run)
     old = net.stages["b1"]

@@ -11,7 +11,7 @@ import pytest
 from swarm_utils import swarm  # noqa: F401  (fixture)
 
 # a copy every 2 s, from a state snapshot at most 2 s old (the server's snapshot age bounds how far behind a copy is)
-BACKUP = ("backup_every_s=2", "state_snapshot_max_age_s=2", "rechecks=true")
+BACKUP = ("backup_every_s=2", "state_snapshot_max_age_s=2", "recheck_after_warmups=0")
 
 
 @pytest.mark.timeout(150)

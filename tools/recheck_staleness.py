@@ -115,7 +115,8 @@ def main() -> None:
                for lag in lags if (rs := [r for r in rows if r["lag"] == lag])}
     print(json.dumps(summary, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"run": run.name, "steps": args.steps, "summary": summary, "rows": rows},
+        args.json.write_text(json.dumps({"command": "python tools/recheck_staleness.py " + " ".join(sys.argv[1:]),
+                                         "run": run.name, "steps": args.steps, "summary": summary, "rows": rows},
                                         indent=1) + "\n")
 
 

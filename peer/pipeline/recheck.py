@@ -98,24 +98,39 @@ def as_sent(boundary: Boundary, g: torch.Tensor, share: float = 1.0) -> torch.Te
 class HeldCopy:
     """The held copy of stage ``stage`` (``spares``) as a module on ``device``, rebuilt when the copy changes and
     freed when it is gone. ``module()`` is blocking (it may read the copy from disk and build the module): call it in
-    an executor, not on the compute thread; it is thread-safe."""
+    an executor, not on the compute thread; it is thread-safe.
 
-    def __init__(self, run: RunConfig, stage: int, spares: SpareStore, *, device: torch.device | str = "cpu") -> None:
+    A copy first seen before this peer's own ``local_step()`` reached ``min_step`` is not used: early in training a
+    stage moves so fast that an honest gradient can disagree with a copy a few dozen steps old (the tiny run: 2 of
+    392 comparisons failed the thresholds, copies of steps 0 and 20 against the stage at step 40, none with a copy
+    of step 40 or later; docs/security.md). Our own step, not the copy's announced one, decides: the replica
+    that served the copy could announce any step."""
+
+    def __init__(self, run: RunConfig, stage: int, spares: SpareStore, *, device: torch.device | str = "cpu",
+                 local_step: Callable[[], int] = lambda: 0, min_step: int = 0) -> None:
         self.run, self.stage, self.spares, self.device = run, stage, spares, torch.device(device)
+        self.local_step, self.min_step = local_step, min_step
         self._module: StageBase | None = None
         self._key: tuple[int, float] | None = None
         self._lock = threading.Lock()  # two re-checks in executor threads build one module
+        self._seen: tuple[int, float] | None = None  # the copy last seen, and whether we had made min_step then
+        self._mature = False
 
     def available(self) -> bool:
-        """Whether a copy of the stage is held (cheap: read from the store's announcement)."""
+        """Whether a copy of the stage is held and usable (cheap: read from the store's announcement)."""
         info = self.spares.info
-        return info is not None and info.stage == self.stage
+        if info is None or info.stage != self.stage:
+            return False
+        key = (info.step, info.taken_at)
+        if key != self._seen:
+            self._seen, self._mature = key, self.local_step() >= self.min_step
+        return self._mature
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
         with self._lock:
             info = self.spares.info
-            if info is None or info.stage != self.stage:
+            if info is None or info.stage != self.stage or not self.available():
                 self._module = self._key = None
                 return None
             key = (info.step, info.taken_at)

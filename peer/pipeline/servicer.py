@@ -122,7 +122,9 @@ class PipelineServicer:
         # the last stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py)
         self.recheck = None if self.spot is None or spares is None or stage != run.n_stages - 2 else Rechecks(
             self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
-            copy=HeldCopy(run, stage + 1, spares, device=worker.device), boundary=self.boundary,
+            copy=HeldCopy(run, stage + 1, spares, device=worker.device, local_step=lambda: worker.local_step,
+                          min_step=math.ceil(cfg.recheck_after_warmups * run.optim.warmup_steps)),
+            boundary=self.boundary,
             tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
             spawn=self.spawn, held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
             vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
