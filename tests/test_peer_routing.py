@@ -78,3 +78,32 @@ def test_forget_bounds_memory():
     router.success("here", 0.1)
     router.forget(["here"])
     assert set(router.stats) == {"here"}
+
+
+def test_a_hop_that_never_answered_holds_one_micro_batch_while_another_can_take_them():
+    """A black hole must not collect every slot in flight one by one (the stage would stall for the whole wait
+    before it is judged): until its first answer a hop gets at most one of our micro-batches, unless it is the only
+    hop; one overdue micro-batch is then enough to judge it."""
+    from peer.membership.routing import BLACKHOLE_UNMEASURED_S
+
+    clock = Clock()
+    router = Router([1.0, 1.0], rng=random.Random(0), clock=clock)
+    for i in range(5):  # the honest hop has answered
+        router.sent("honest", i)
+        clock.t += 0.1
+        router.returned("honest", i)
+    recs = [rec("honest"), rec("new")]
+    router.sent("new", 100)  # the newcomer took one
+    assert {router.choose(recs, 1).peer_id for _ in range(200)} == {"honest"}
+    assert {router.choose([rec("new")], 1).peer_id for _ in range(20)} == {"new"}  # the only hop: no cap
+    with router.sending("new2"):  # a send not yet acknowledged counts: concurrent micro-batches choose in one RTT
+        assert {router.choose([rec("honest"), rec("new2")], 1).peer_id for _ in range(200)} == {"honest"}
+    assert "new2" in {router.choose([rec("honest"), rec("new2")], 1).peer_id for _ in range(200)}
+    clock.t += BLACKHOLE_UNMEASURED_S + 0.1
+    assert router.black_holes() == [("new", [100])]
+    router.sent("other", 200)  # a newcomer that answers is measured and capped no longer
+    clock.t += 0.2
+    router.returned("other", 200)
+    router.sent("other", 201)
+    router.sent("other", 202)
+    assert "other" in {router.choose([rec("honest"), rec("other")], 1).peer_id for _ in range(200)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -123,3 +124,60 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     assert "fake1" not in vouched and "b1" in vouched  # known only through work that was checked and trained
     assert revoked == {"fake1"}  # and a stranger for good once banned
     assert a0.worker.local_step >= 60
+
+
+class BlackHole:
+    """A fake stage-1 replica that acks every forward and never answers."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+
+    async def rpc_forward(self, msg, peer_id):
+        self.taken.append(msg.mb_id)
+        return Ack()
+
+    async def rpc_backward(self, msg, peer_id):
+        return Ack()
+
+    async def serve(self) -> None:
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_black_hole_beside_an_unchecked_replica_holds_one_micro_batch_and_stalls_nothing(corpus):  # noqa: F811
+    """Regression: stage 1's honest replica had passed no check yet (it was alone), so every micro-batch sent to it
+    was also sent to a newly announced black hole as the check's second replica; three such held every slot in
+    flight and stage 0 made no step for the 10 s a hop that never answered is waited for. A hop that never answered
+    now holds at most one micro-batch, as a primary or as a check's second replica."""
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=30.0)
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    a0 = net.stages["a0"]
+    hole = BlackHole()
+    net.stages["hole"] = hole  # type: ignore[assignment]
+    records = a0.swarm()
+    gaps: list[float] = []
+
+    async def watch() -> None:
+        while a0.worker.local_step < 15:  # b1 alone first
+            await asyncio.sleep(0.02)
+        records["hole"] = PeerRecord(peer_id="hole", stage=1, throughput=1e9, queue=0, version=0, state="training")
+        step, last, end = a0.worker.local_step, time.monotonic(), time.monotonic() + 5.0
+        while time.monotonic() < end:
+            await asyncio.sleep(0.02)
+            if a0.worker.local_step != step:
+                step, last = a0.worker.local_step, time.monotonic()
+            gaps.append(time.monotonic() - last)
+
+    async def both() -> None:
+        watching = asyncio.ensure_future(watch())
+        driving = asyncio.ensure_future(_run_driver(net, corpus, cfg, steps=10**6, run_for=30.0))
+        await watching
+        driving.cancel()
+        await asyncio.gather(driving, return_exceptions=True)
+    asyncio.run(both())
+    pool.shutdown()
+    assert hole.taken, "the black hole got no traffic: the test tests nothing"
+    assert len(hole.taken) == 1, hole.taken  # one held; no second until it answers or is judged (after 10 s)
+    assert max(gaps) < 2.0, f"stage 0 made no step for {max(gaps):.1f} s"

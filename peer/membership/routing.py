@@ -9,14 +9,17 @@ most ``ANNOUNCED_CAP`` times the median announced (SWARM's stochastic wiring, bo
 slow or far peer still gets some traffic so its estimate stays fresh. A failing peer is banned with exponential
 backoff, a Busy one skipped for the time it asked, and a black hole (``black_holes``: micro-batches unanswered for
 ``BLACKHOLE_RTTS`` of its own round trips, ``BLACKHOLE_UNMEASURED_S`` while it never answered) for the longest ban.
+A hop that never answered holds at most ``UNANSWERED_MAX_OUTSTANDING`` of our micro-batches while another can take
+them: otherwise a black hole collects every slot in flight one by one and stalls the stage for the whole wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from peer.lifecycle import PeerState
@@ -31,6 +34,7 @@ BLACKHOLE_MIN_ITEMS = 3
 BLACKHOLE_RTTS = 3.0
 BLACKHOLE_MIN_S = 2.0  # floor of the black-hole wait once round trips are measured
 BLACKHOLE_UNMEASURED_S = 10.0  # the wait while no round trip at all was measured (first micro-batches are slow)
+UNANSWERED_MAX_OUTSTANDING = 1  # micro-batches a hop that never answered may hold while another hop can take them
 MAX_OUTSTANDING = 4096
 
 
@@ -49,6 +53,8 @@ class HopStats:
     """Moving average of send -> gradient back, seconds (None until measured)."""
     outstanding: dict[int, float] = field(default_factory=dict)
     """Micro-batches it accepted and has not answered: id -> when sent."""
+    sending: int = 0
+    """Sends to it not yet acknowledged (several micro-batches may choose it during one round trip)."""
     last_return: float = 0.0
 
 
@@ -95,6 +101,7 @@ class Router:
         cands = self.candidates(records, stage, exclude=exclude)
         if not cands:
             raise NoRouteError(f"no reachable peer serves stage {stage}")
+        cands = [r for r in cands if not self.unanswered_full(r.peer_id)] or cands
         rates = [r.throughput / self.costs[r.stage] for r in cands if r.throughput > 0]
         announced = statistics.median(rates) if rates else None
         measured = self._measured_median()
@@ -102,6 +109,23 @@ class Router:
         if cap is not None:
             weights = cap([r.peer_id for r in cands], weights)
         return self.rng.choices(cands, weights=weights, k=1)[0]
+
+    def unanswered_full(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` never answered us and already holds (or is being sent) all the micro-batches such a
+        hop may."""
+        st = self.stats.get(peer_id)
+        return st is not None and st.service_s is None and \
+            len(st.outstanding) + st.sending >= UNANSWERED_MAX_OUTSTANDING
+
+    @contextlib.contextmanager
+    def sending(self, peer_id: str) -> Iterator[None]:
+        """Around a send to ``peer_id``: it counts as held until acknowledged (``unanswered_full``)."""
+        st = self._stats(peer_id)
+        st.sending += 1
+        try:
+            yield
+        finally:
+            st.sending -= 1
 
     def sent(self, peer_id: str, mb_id: int) -> None:
         """``peer_id`` accepted micro-batch ``mb_id``: its gradient is now owed."""
@@ -131,7 +155,10 @@ class Router:
         now, measured = self.clock(), self._measured_median()
         found = []
         for pid, st in self.stats.items():
-            if len(st.outstanding) < BLACKHOLE_MIN_ITEMS:
+            # a hop that never answered holds one micro-batch while others serve (UNANSWERED_MAX_OUTSTANDING), so that
+            # one is enough to judge it by
+            need = BLACKHOLE_MIN_ITEMS if st.service_s is not None else 1
+            if len(st.outstanding) < need:
                 continue
             if st.service_s is not None:
                 wait = max(BLACKHOLE_RTTS * st.service_s, BLACKHOLE_MIN_S)
@@ -139,7 +166,7 @@ class Router:
                 # so it is not judged by how fast the others answer
                 wait = max(BLACKHOLE_RTTS * (measured or 0.0), BLACKHOLE_UNMEASURED_S)
             overdue = [mb for mb, t in st.outstanding.items() if now - t > wait and t > st.last_return]
-            if len(overdue) >= BLACKHOLE_MIN_ITEMS:
+            if len(overdue) >= need:
                 st.failures += 1
                 st.banned_until = now + self.ban_max_s
                 for mb in overdue:

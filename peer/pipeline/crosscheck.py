@@ -69,6 +69,10 @@ class CrossChecks:
         mb_id = msg.mb_id if local_id is None else local_id
         stage = self.stage + 1
         others = [r.peer_id for r in self.router.candidates(self.hops.next_hops(stage), stage, exclude={peer})]
+        # not with a hop that never answered and holds one of ours already: a black hole would collect every slot in
+        # flight as the second replica of checks (it is judged, and banned, by the one it holds); a primary left
+        # without a partner is judged like a lone replica (the re-checks and the last stage's loss check)
+        others = [o for o in others if not self.router.unanswered_full(o)]
         partner = self.spot.partner(peer, others)
         if partner is None:  # a lone replica: nothing to compare with (the last stage's loss check still applies)
             return

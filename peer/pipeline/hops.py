@@ -96,7 +96,8 @@ class Hops:
             t0 = time.monotonic()
             sent_to.add(record.peer_id)
             try:
-                reply = await self.send(record.peer_id, FORWARD_RPC, msg)
+                with self.router.sending(record.peer_id):
+                    reply = await self.send(record.peer_id, FORWARD_RPC, msg)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -126,7 +127,8 @@ class Hops:
         reply: Message | None = None
         for _ in range(PARTNER_TRIES):
             try:
-                reply = await self.send(peer, FORWARD_RPC, msg)
+                with self.router.sending(peer):
+                    reply = await self.send(peer, FORWARD_RPC, msg)
             except asyncio.CancelledError:
                 raise
             except Exception:
