@@ -48,6 +48,7 @@ def test_bad_stage_is_a_one_line_user_error(stage, match):
     (dict(rpc_timeout_s=0), "rpc_timeout_s"), (dict(record_ttl_s=5, announce_every_s=5), "record_ttl_s"),
     (dict(rebalance_quality=1.5), "rebalance_quality"), (dict(metrics_port=70000), "metrics-port"),
     (dict(max_queue=0), "max_queue"), (dict(eval_every_s=-1), "eval_every_s"),
+    (dict(recheck_after_warmups=-1.0), "recheck_after_warmups"),
 ])
 def test_peer_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -61,7 +62,8 @@ def test_inflight_fills_the_pipeline_unless_set():
 
 def test_swarm_summary_sums_stage0_throughput_and_counters():
     peers = [dict(stage=0, tokens_per_s=100.0, steps=10, initial_loss=5.0, final_loss=3.0, final_val_loss=3.1,
-                  microbatches_dropped=1, microbatches_requeued=1, averaging_rounds_ok=2, spotcheck_sent=5),
+                  microbatches_dropped=1, microbatches_requeued=1, averaging_rounds_ok=2, spotcheck_sent=5,
+                  recheck_passed=7, recheck_failed=1),
              dict(stage=0, tokens_per_s=50.0, steps=12, initial_loss=5.2, final_loss=3.2, final_val_loss=None,
                   microbatches_dropped=0, microbatches_requeued=0, averaging_rounds_ok=3),
              dict(stage=1, tokens_per_s=999.0, steps=30, final_loss=3.0, averaging_rounds_failed=1),
@@ -71,6 +73,7 @@ def test_swarm_summary_sums_stage0_throughput_and_counters():
     assert s["initial_loss"] == pytest.approx(5.1) and s["final_val_loss"] == pytest.approx(3.1)
     assert s["averaging_rounds_ok"] == 5 and s["averaging_rounds_failed"] == 1 and s["microbatches_dropped"] == 1
     assert s["spotcheck_sent"] == 5  # micro-batches stage 1 trained twice: its tokens exceed stage 0's by them
+    assert s["recheck_passed"] == 7 and s["recheck_failed"] == 1 and s["spotcheck_failed"] == 0
 
 
 def test_swarm_refuses_fewer_peers_than_stages():
