@@ -67,7 +67,8 @@ def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "fake_next_stage", "--phase-s", "20", timeout=280)
     ev = res["fake_next_stage"]["evidence"]
     assert ev["forwards_taken"] >= 1, ev  # it did win traffic
-    assert ev["stage0_counters"]["spotcheck_banned"] >= 1 and ev["stage0_counters"]["spotcheck_passed"] == 0, ev
+    # three failed checks in a row ban it (stage 0's counters: the honest replicas' sampled checks pass beside it)
+    assert ev["stage0_counters"]["spotcheck_banned"] >= 1 and ev["stage0_counters"]["spotcheck_failed"] >= 3, ev
     assert res["fake_next_stage"]["outcome"] == "refused"
 
 
