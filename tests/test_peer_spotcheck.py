@@ -51,7 +51,18 @@ def test_untrusted_hops_get_a_capped_share():
     assert spot.cap_weights(["x", "y"], [1.0, 100.0]) == [1.0, 100.0]  # nobody trusted yet: no cap
 
 
-class Fabricator:
+class FakeReplica:
+    """A stranger posing as a stage-1 replica: what it does with a forward is the subclass's; it acks backwards and
+    serves nothing else."""
+
+    async def rpc_backward(self, msg, peer_id):
+        return Ack()
+
+    async def serve(self) -> None:
+        await asyncio.Event().wait()
+
+
+class Fabricator(FakeReplica):
     """A fake stage-1 replica: it acks every forward at once and returns, within a millisecond, the negation of the
     gradient an honest replica would compute (a plausible norm, the wrong direction)."""
 
@@ -74,12 +85,6 @@ class Fabricator:
         task = asyncio.ensure_future(self.send(peer_id, "backward", reply))
         self.tasks.add(task)
         return Ack()
-
-    async def rpc_backward(self, msg, peer_id):
-        return Ack()
-
-    async def serve(self) -> None:
-        await asyncio.Event().wait()
 
 
 @pytest.mark.timeout(150)
@@ -126,7 +131,7 @@ def test_a_fake_next_stage_is_caught_and_none_of_its_gradients_is_trained_on(cor
     assert a0.worker.local_step >= 60
 
 
-class BlackHole:
+class BlackHole(FakeReplica):
     """A fake stage-1 replica that acks every forward and never answers."""
 
     def __init__(self) -> None:
@@ -135,12 +140,6 @@ class BlackHole:
     async def rpc_forward(self, msg, peer_id):
         self.taken.append(msg.mb_id)
         return Ack()
-
-    async def rpc_backward(self, msg, peer_id):
-        return Ack()
-
-    async def serve(self) -> None:
-        await asyncio.Event().wait()
 
 
 @pytest.mark.timeout(120)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -25,7 +24,7 @@ import torch
 
 from peer.ids import short_id
 from peer.pipeline.crosscheck import ban_hop
-from peer.pipeline.spotcheck import agreement
+from peer.pipeline.spotcheck import agreement, quantiles
 from peer.pipeline.work import BackwardWork, Pending
 from protocol.codecs.registry import decode, encode
 from trainer.model import build_stage
@@ -258,8 +257,6 @@ class Rechecks:
         out: dict[str, object] = {"rechecks": self.judged, "copy_bytes": self.copy.nbytes(),
                                "compute_s": round(self.compute_s, 3)}
         for i, name in enumerate(("cosine", "norm_ratio")):
-            vs = sorted(v[i] for v in self.seen if not math.isnan(v[i]))
-            for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
-                out[f"{name}_{label}"] = vs[min(len(vs) - 1, int(q * len(vs)))] if vs else None
+            out.update(quantiles(name, [v[i] for v in self.seen]))
         return out
 

@@ -116,7 +116,7 @@ class PipelineServicer:
         # the spot checks in flight: second sends, answers held until both are in (peer/pipeline/crosscheck.py)
         self.checks = None if self.spot is None else CrossChecks(
             self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
-            held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
+            held=self.holds, requeue=self._queue_backward,
             drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer),
             revoke=lambda peer: self.revoke(peer))
         # the last stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py)
@@ -126,7 +126,7 @@ class PipelineServicer:
                           min_step=math.ceil(cfg.recheck_after_warmups * run.optim.warmup_steps)),
             boundary=self.boundary,
             tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
-            spawn=self.spawn, held=lambda mb_id, p: self.pending.get(mb_id) is p, requeue=self._queue_backward,
+            spawn=self.spawn, held=self.holds, requeue=self._queue_backward,
             vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
             bf16=worker.precision == "bf16")
 
@@ -159,6 +159,10 @@ class PipelineServicer:
         """Forget ``mb_id`` without telling anyone (stage 0's own micro-batch finished or abandoned); whether it was
         held."""
         return self.pending.pop(mb_id, None) is not None
+
+    def holds(self, mb_id: int, pending: Pending) -> bool:
+        """Whether ``mb_id`` is still held here as ``pending`` (not dropped, expired or replaced meanwhile)."""
+        return self.pending.get(mb_id) is pending
 
     def holds_flush(self, flush: int) -> bool:
         """Sync mode: training micro-batches of ``flush`` or an earlier one are still held here."""

@@ -12,6 +12,7 @@ and what they were set from: docs/security.md, "Spot checks of the next stage".
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -80,6 +81,14 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return float(torch.dot(a, b)) / (na * nb), max(na, nb) / min(na, nb)
 
 
+def quantiles(name: str, values: Sequence[float]) -> dict[str, float | None]:
+    """``{name}_min``, ``_p10``, ``_p50``, ``_p90``, ``_max`` of ``values`` (NaNs left out; None when empty): the
+    figures /status gives of recent checks."""
+    vs = sorted(v for v in values if not math.isnan(v))
+    return {f"{name}_{label}": vs[min(len(vs) - 1, int(q * len(vs)))] if vs else None
+            for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0))}
+
+
 class SpotChecker:
     """Trust in the next stage's hops, earned by checks. ``count(name)`` is told of every check and its outcome."""
 
@@ -131,14 +140,8 @@ class SpotChecker:
             hop.strikes = hop.re_strikes = 0
             self.count("recheck_passed")
             return False
-        hop.failed += 1
-        hop.passed = hop.rechecked = 0
-        hop.re_strikes += 1
-        self.count("recheck_failed")
-        ban = hop.re_strikes >= self.config.ban_after
-        if ban:
-            hop.re_strikes = 0
-        return ban
+        hop.rechecked = 0
+        return self._strike(hop, recheck=True)
 
     def partner(self, primary: str, candidates: Sequence[str]) -> str | None:
         """A second replica for a check of ``primary``: a trusted one when there is one, else any other."""
@@ -177,15 +180,23 @@ class SpotChecker:
             self.count("spotcheck_passed")
             return None, False
         caught = a if (ha.passed, -ha.first_seen) < (hb.passed, -hb.first_seen) else b
-        hop = self._hops[caught]
+        return caught, self._strike(self._hops[caught], recheck=False)
+
+    def _strike(self, hop: _Hop, *, recheck: bool) -> bool:
+        """A failed check of ``hop`` (``recheck``: from the held copy, else a spot check): its trust is gone and one
+        more strike of that kind counted; whether that makes ``ban_after`` in a row (then counted afresh)."""
         hop.failed += 1
-        hop.strikes += 1
         hop.passed = 0
-        self.count("spotcheck_failed")
-        ban = hop.strikes >= self.config.ban_after
-        if ban:
-            hop.strikes = 0
-        return caught, ban
+        self.count("recheck_failed" if recheck else "spotcheck_failed")
+        if recheck:
+            hop.re_strikes += 1
+            ban = hop.re_strikes >= self.config.ban_after
+            hop.re_strikes = 0 if ban else hop.re_strikes
+        else:
+            hop.strikes += 1
+            ban = hop.strikes >= self.config.ban_after
+            hop.strikes = 0 if ban else hop.strikes
+        return ban
 
     def snapshot(self) -> dict[str, object]:
         """Figures for /status: the last checks' cosines, norm ratios and relative distances (quantiles), and how
@@ -195,7 +206,5 @@ class SpotChecker:
                                   "trusted_hops": sum(1 for h in self._hops.values()
                                                       if h.passed >= self.config.trust_after)}
         for i, name in enumerate(("cosine", "norm_ratio", "distance")):
-            vs = sorted(v[i] for v in self.seen)
-            for label, q in (("min", 0.0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0)):
-                out[f"{name}_{label}"] = vs[min(len(vs) - 1, int(q * len(vs)))] if vs else None
+            out.update(quantiles(name, [v[i] for v in self.seen]))
         return out
