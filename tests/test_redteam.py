@@ -34,6 +34,9 @@ def test_quick_campaign_forged_records_and_malformed_frames_are_refused(tmp_path
         judged = res[name]["val_loss"]
         assert set(judged["attacked"]["losses"]) == set(judged["twin"]["losses"]) == {"r0"}, judged
         assert res[name]["honest_val_loss_ratio"] is not None
+        assert res[name]["carried_in_loss_ratio"] is not None  # judged as the phase began too
+        assert res[name]["phase_loss_ratio"] >= res[name]["worst_victim_loss_ratio"] / max(
+            1.0, res[name]["carried_in_loss_ratio"]) - 1e-3
     assert res["forged_record"]["evidence"]["forged_records_seen_by_honest_reader"] == 0
     assert res["malformed"]["evidence"]["accepted_or_internal"] == {}
     assert res["malformed"]["evidence"]["cells"] == 2 * 6 * 8  # victims x handlers x payloads

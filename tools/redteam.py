@@ -13,13 +13,18 @@ per swarm) fetches every honest peer's stage weights through the state RPC, as a
 pipelines (replica r of every stage; a peer the attack added in place of replica 0 of its stage) and evaluates them on
 fixed validation batches in this process, both swarms at the same moment. Per attack it reports:
 
-* ``outcome``: ``stalled`` (a stage-0 peer made no progress for more than 5 s), else ``degraded`` (the worst victim's
-  loss more than 5 % above the twin's, or the attack's evidence shows harm the losses miss: a joiner that loaded a
-  liar's state), else ``refused`` (the victims refused what the attack needed: ``evidence``), else ``harmless``;
+* ``outcome``: ``stalled`` (a stage-0 peer made no progress for more than 5 s), else ``degraded`` (the phase's own
+  loss ratio, ``phase_loss_ratio``, above 1.05, or the attack's evidence shows harm the losses miss: a joiner
+  that loaded a liar's state), else ``refused`` (the victims refused what the attack needed: ``evidence``), else
+  ``harmless``;
 * ``max_stall_s`` (``twin_max_stall_s``): the longest gap between two optimiser steps of a stage-0 peer;
 * ``honest_val_loss_ratio``: the attacked swarm's mean judged loss over its pipelines ÷ the twin's, at the same
   moment; ``worst_victim_loss_ratio``: its worst pipeline (a joiner's included) ÷ the twin's worst;
   ``reported_val_loss_ratio``: the same for the losses the first stage-0 peers report on ``/status``, for contrast;
+* ``carried_in_loss_ratio``: the worst ratio when the phase began (both swarms are judged then too: one attacked
+  swarm takes every phase of its group, so a phase starts with what the earlier ones left); ``phase_loss_ratio``:
+  ``worst_victim_loss_ratio`` ÷ the carried-in ratio where that is above 1 (never below the plain ratio otherwise),
+  the phase's own harm, which decides the outcome;
 * ``steps``: every layout peer's ``local_step`` in both swarms (a ratio above 1 with fewer steps is lost compute);
 * ``rss_growth_mib``: the largest growth of a victim's resident memory over the phase.
 
@@ -400,8 +405,10 @@ class Campaign:
         self.verdicts = tuple(await asyncio.gather(self.judges[0].judge(self.attacked),  # type: ignore[assignment]
                                                    self.judges[1].judge(self.twin)))
 
-    async def figures(self, t0: float, t1: float) -> dict[str, Any]:
-        """The phase's figures: stalls, the judged losses of both swarms and their ratios, reported losses."""
+    async def figures(self, t0: float, t1: float, before: tuple[Verdict, Verdict] | None = None) -> dict[str, Any]:
+        """The phase's figures: stalls, the judged losses of both swarms and their ratios, reported losses; with
+        ``before`` (both swarms judged as the phase began) also the damage carried in from earlier phases and the
+        phase's own: the worst ratio at the end over the worst at the start, when the start was behind the twin."""
         stall, reported = self.attacked.window(t0, t1)
         twin_stall, twin_reported = self.twin.window(t0, t1)
         attacked, twin = self.verdicts or (Verdict(), Verdict())
@@ -411,9 +418,14 @@ class Campaign:
         mean_ratio = ratio(attacked.mean(layout), twin.mean(layout))
         worst_ratio = ratio(worst, twin_worst)
         reported_ratio = ratio(reported, twin_reported)
+        carried = None if before is None else ratio(max(before[0].losses.values(), default=None),
+                                                    max(before[1].losses.values(), default=None))
+        own = None if worst_ratio is None else worst_ratio / max(1.0, carried or 1.0)
         return {"max_stall_s": round(stall, 2), "twin_max_stall_s": round(twin_stall, 2),
                 "honest_val_loss_ratio": None if mean_ratio is None else round(mean_ratio, 3),
                 "worst_victim_loss_ratio": None if worst_ratio is None else round(worst_ratio, 3),
+                "carried_in_loss_ratio": None if carried is None else round(carried, 3),
+                "phase_loss_ratio": None if own is None else round(own, 3),
                 "reported_val_loss_ratio": None if reported_ratio is None else round(reported_ratio, 3),
                 "val_loss": {"attacked": attacked.to_json(), "twin": twin.to_json()},
                 "steps": {"attacked": await asyncio.to_thread(self.attacked.steps),
@@ -443,6 +455,8 @@ class Campaign:
                     results["control"].append(await self.control(self.args.phase_s))
                     progress(results)
                 seconds = max(self.args.phase_s, MIN_PHASE_S.get(name, 0.0))
+                await self.judge()  # what earlier phases left: this phase is judged on its own change too
+                before = self.verdicts
                 logger.info("attack %s (%.0f s) starts", name, seconds)
                 t0, rss0, self.verdicts = time.monotonic(), self.attacked.rss_mib(), None
                 try:
@@ -453,14 +467,14 @@ class Campaign:
                 t1 = time.monotonic()
                 if self.verdicts is None:
                     await self.judge()
-                fig = await self.figures(t0, t1)
-                verdict = outcome(fig["max_stall_s"], fig["worst_victim_loss_ratio"], evidence.pop("refused"),
+                fig = await self.figures(t0, t1, before)
+                verdict = outcome(fig["max_stall_s"], fig["phase_loss_ratio"], evidence.pop("refused"),
                                   evidence.pop("degraded", False))
                 results[name] = {"outcome": verdict, **fig, "replicas": self.attacked.replicas,
                                  "rss_growth_mib": round(max(0.0, self.attacked.rss_mib() - rss0), 1),
                                  "phase_s": round(t1 - t0, 1), "evidence": evidence}
                 logger.info("%s: %s", name, {k: results[name][k] for k in (
-                    "outcome", "max_stall_s", "honest_val_loss_ratio", "worst_victim_loss_ratio")})
+                    "outcome", "max_stall_s", "honest_val_loss_ratio", "worst_victim_loss_ratio", "phase_loss_ratio")})
                 progress(results)
                 await asyncio.sleep(1.0)  # let the attack's last streams drain before the next phase
         finally:
