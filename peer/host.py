@@ -61,6 +61,8 @@ class StageNetwork(Protocol):
 
     def trusted_peers(self) -> list[str]: ...
 
+    async def ask_anchors(self) -> list[str]: ...
+
 
 @dataclass(kw_only=True)
 class StageContext:

@@ -5,7 +5,8 @@ of the swarm.
 its RPC server and the one handler table everything registers through (``handlers``: ``reach`` for the life of the
 server, ``forward`` and ``backward`` reserved until a stage binds them), checks that others can dial it, joins
 again through a relay when they cannot (``--relay auto``), reads the run's records (``refresh_swarm``: the DHT's and
-those peers gossip, ``peer.membership.gossip``), writes this
+those peers gossip, ``peer.membership.gossip``), asks the initial peers whom they vouch for
+(``ask_anchors``, ``peer.membership.vouches``), writes this
 peer's own (``announce``, ``withdraw``) and sends RPCs to others (``send``). The records' content (step,
 throughput, spare copy) is the daemon's to say.
 """
@@ -38,6 +39,7 @@ from peer.membership.relay import RelayMode, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
+from peer.membership.vouches import VOUCHES_RPC, ask_vouches, serve_vouches
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
@@ -78,6 +80,7 @@ class Presence:
         self.book = RecordBook(run.run_id, admission_check(run.run_id, organiser_key(run)))
         self._gossiped_at = -float("inf")
         self._gossip: asyncio.Task[int] | None = None
+        self.anchor_vouches: list[str] = []  # the initial peers that answered and the peers they vouch for
 
     # ----- start-up --------------------------------------------------------------------------------------------------
     async def start(self, *, rejoin: bool = False) -> None:
@@ -114,14 +117,20 @@ class Presence:
             local_swarm=lambda: swarm_is_local([m for r in self.swarm.values() for m in r.maddrs] + self.maddrs))
         await self.handlers.serve(REACH_RPC, helper.handle)
         await self.handlers.serve(RECORDS_RPC, serve_records(self.book, self.run.run_id, self.metrics.inc))
+        await self.handlers.serve(VOUCHES_RPC, serve_vouches(self.trusted_peers_own, self.run.run_id,
+                                                             self.metrics.inc))
+
+    @property
+    def initial_ids(self) -> list[str]:
+        """The peer ids of ``--initial-peers`` (those that name one), this peer's own left out."""
+        ids = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m]
+        return [i for i in dict.fromkeys(ids) if i != self.my_id]
 
     async def check_reachability(self) -> None:
         """Ask the initial peers to dial us back; unreachable is a warning (and, with --relay auto, a relay).
         Meeting a swarm of another run is an error."""
-        helpers = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m]
-        helpers = [h for h in helpers if h != self.my_id]
         try:
-            ok, message = await self._reach(helpers)
+            ok, message = await self._reach(self.initial_ids)
         except Exception as e:  # the check is advice; it must never stop the peer
             ok, message = None, f"reachability could not be checked: {e!r}"
         if (wrong := self.run_guard.error()) is not None:  # ...but a swarm of another run must
@@ -174,13 +183,31 @@ class Presence:
             self.rpc.vouch(peer_id)
 
     def revoke(self, peer_id: str) -> None:
-        """``peer_id`` was caught doing bad work: a stranger again, and no longer a preferred state witness."""
+        """``peer_id`` was caught doing bad work: a stranger again, and no longer a preferred state witness (whoever
+        vouched for it)."""
+        self.anchor_vouches = [p for p in self.anchor_vouches if p != peer_id]
         if self.rpc is not None:
             self.rpc.revoke(peer_id)
 
-    def trusted_peers(self) -> list[str]:
-        """Peers that did validated work for us (the RPC server's known peers): the preferred witnesses of a state."""
+    def trusted_peers_own(self) -> list[str]:
+        """Peers that did validated work for us (the RPC server's known peers), the most recent last."""
         return self.rpc.known_peers() if self.rpc is not None else []
+
+    def trusted_peers(self) -> list[str]:
+        """The preferred witnesses of a state: the peers that did validated work for us, then the initial peers and
+        the peers they vouch for (as of the last ``ask_anchors``)."""
+        return list(dict.fromkeys([*self.trusted_peers_own(), *self.anchor_vouches]))
+
+    async def ask_anchors(self) -> list[str]:
+        """Ask the initial peers whom they know by validated work (``peer.membership.vouches``) and keep the answer
+        for ``trusted_peers`` (added to what they said before: an anchor that does not answer now, or is asked
+        again within its rate limit, takes back nothing): a joiner has no history of its own to draw a state's
+        witnesses from. Returns the vouches held."""
+        fresh = await ask_vouches(
+            self.initial_ids, self.run.run_id,
+            lambda pid, name, msg: self.send(pid, name, msg, timeout=self.cfg.dht_timeout_s), self.metrics.inc)
+        self.anchor_vouches = list(dict.fromkeys([*fresh, *self.anchor_vouches]))
+        return self.anchor_vouches
 
     async def refresh_swarm(self) -> dict[str, PeerRecord]:
         """Read the run's records from the DHT, with those gossip brought (the last good view is kept when both come
@@ -206,8 +233,7 @@ class Presence:
         if (self.cfg.gossip_every_s <= 0 or now - self._gossiped_at < self.cfg.gossip_every_s
                 or (self._gossip is not None and not self._gossip.done())):
             return
-        others = [p for p in records if p != self.my_id] or [
-            m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m and not m.endswith(self.my_id)]
+        others = [p for p in records if p != self.my_id] or self.initial_ids
         if not others:
             return
         self._gossiped_at = now

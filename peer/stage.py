@@ -80,6 +80,10 @@ class StageService:
         host = self.host
         assert self.worker is not None
         reference = await host.compute(self.worker.state_dict)
+        if host.cfg.initial_peers:  # a joiner has no validated work of its own yet: borrow the initial peers'
+            anchors = await host.net.ask_anchors()
+            logger.info("witnesses of a state are drawn from %d peers: the initial peers that answered and those "
+                        "they vouch for", len(anchors))
         try:
             restored = await restore_state(
                 run=host.run, stage=self.stage, my_id=host.net.my_id, refresh=host.net.refresh_swarm, p2p=host.p2p,

@@ -296,9 +296,31 @@ class Records(Message):
     records: list[dict[str, Any]]
 
 
+#: peers one `Vouches` reply names at most
+MAX_VOUCHES = 256
+
+
+@_message(15, run_id=s.text())
+class VouchesRequest(Message):
+    """Ask a peer which peers did validated work for it (a trained gradient, a passed check, an accepted averaging
+    part): a joiner with no history of its own draws the witnesses of a state from the peers its initial peers vouch
+    for. The reply is `Vouches`."""
+
+    run_id: str
+
+
+@_message(16, run_id=s.text(), peers=s.sequence(s.text(), MAX_VOUCHES))
+class Vouches(Message):
+    """The reply to `VouchesRequest`: the peer ids the answering peer knows by validated work, the most recent last."""
+
+    run_id: str
+    peers: list[str]
+
+
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
-                              Infer, InferResult, StateDigestRequest, RecordsRequest, Records)
+                              Infer, InferResult, StateDigestRequest, RecordsRequest, Records,
+                              VouchesRequest, Vouches)
 }
 
 

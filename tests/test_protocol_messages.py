@@ -29,6 +29,8 @@ from protocol.messages import (
     StateChunk,
     StateDigestRequest,
     StateRequest,
+    Vouches,
+    VouchesRequest,
     pack,
     unpack,
 )
@@ -55,6 +57,8 @@ SAMPLES = [
     RecordsRequest("run"),
     Records("run", [{"p": "QmA", "e": 1e9, "b": b"body", "k": b"key", "s": b"sig"},
                     {"p": "QmB", "e": 2e9, "b": b"", "k": b"k", "s": b"s", "c": b"credential"}]),
+    VouchesRequest("run"),
+    Vouches("run", ["QmA", "QmB"]),
 ]
 
 

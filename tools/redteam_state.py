@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -163,7 +164,9 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
     """A liar announces a zeroed stage-1 state at version 10^6, and four sybil identities announce themselves as
     stage-1 replicas serving the same zeros, so that a joiner's witnesses are mostly theirs. Before, two witnesses
     drawn at random judged only chunk 0 and two chunks, and a silent one prevented any outvote; now every announced
-    replica (up to 8) is asked and each must agree, so the honest b refuses the zeros."""
+    replica (up to 8) is asked and a strict majority must agree, so five identities outvote the honest b and d;
+    now the joiner draws its witnesses from the peers its initial peer vouches for (peer.membership.vouches), which
+    the sybils did no work for."""
     zeros = _zeros(att, 1)
     zeros.local_step = 10**6
     servers = [await _serve_state(att, att.p2p, 1, zeros)]
@@ -177,9 +180,11 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
         records.append((signer, PeerRecord(peer_id=signer.peer_id, stage=1, throughput=1.0, queue=0, version=10**5,
                                            state="training", maddrs=[])))
     seen = await _joiner_phase(att, "pw", 1, until, records, servers, sybils)
-    from_liar = _loaded_from(seen.log, 1, att.signer.peer_id)
+    from_liar = any(_loaded_from(seen.log, 1, signer.peer_id) for signer, _rec in records)
+    vouched = re.search(r"witnesses of a state are drawn from (\d+) peers", seen.log)
     return {"refused": not from_liar and seen.counters.get("state_sync_outvoted", 0) >= 1, "degraded": from_liar,
             "joiner_loaded_from_liar": from_liar, "joiner_outvoted": seen.counters.get("state_sync_outvoted", 0),
+            "joiner_vouched_peers": int(vouched.group(1)) if vouched else None,
             "joiner_started_from_init": "starting from the run's seeded init" in seen.log
             or "seeded init" in seen.log, "sybil_records": len(records) - 1}
 

@@ -22,6 +22,7 @@ from peer.averaging.loop import AVG_RPC
 from peer.averaging.sync import SYNC_RPC
 from peer.membership.gossip import RECORDS_RPC
 from peer.membership.reachability import REACH_RPC
+from peer.membership.vouches import VOUCHES_RPC
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC
@@ -37,6 +38,7 @@ from protocol.messages import (
     RecordsRequest,
     StateDigestRequest,
     StateRequest,
+    VouchesRequest,
     pack,
 )
 from protocol.rpc import RpcServer
@@ -70,7 +72,7 @@ def averaging_request_bytes(run: RunConfig) -> int:
 
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     """Largest request of every handler (bytes, framing excluded) for this run: ``forward``, ``backward``, ``reach``,
-    ``infer``, ``state``, ``avg_part``, ``sync`` and ``records``."""
+    ``infer``, ``state``, ``avg_part``, ``sync``, ``records`` and ``vouches``."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
     boundary = Boundary(run, None)
@@ -87,7 +89,8 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     return {FORWARD_RPC: len(pack(forward)) + SLACK_BYTES, BACKWARD_RPC: len(pack(backward)) + SLACK_BYTES,
             REACH_RPC: max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
             INFER_RPC: infer_message_bytes(run)["request"], STATE_RPC: state + SLACK_BYTES, AVG_RPC: averaging,
-            SYNC_RPC: averaging, RECORDS_RPC: len(pack(RecordsRequest(run_id=run.run_id))) + SLACK_BYTES}
+            SYNC_RPC: averaging, RECORDS_RPC: len(pack(RecordsRequest(run_id=run.run_id))) + SLACK_BYTES,
+            VOUCHES_RPC: len(pack(VouchesRequest(run_id=run.run_id))) + SLACK_BYTES}
 
 
 def infer_message_bytes(run: RunConfig) -> dict[str, int]:
@@ -106,7 +109,7 @@ def infer_message_bytes(run: RunConfig) -> dict[str, int]:
 #: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
 HANDLER_KINDS = {FORWARD_RPC: (Forward,), BACKWARD_RPC: (Backward,), REACH_RPC: (Hello,),
                  STATE_RPC: (StateRequest, StateDigestRequest), AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,),
-                 INFER_RPC: (Infer,), RECORDS_RPC: (RecordsRequest,)}
+                 INFER_RPC: (Infer,), RECORDS_RPC: (RecordsRequest,), VOUCHES_RPC: (VouchesRequest,)}
 
 
 def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:

@@ -9,17 +9,39 @@ reserved or unbound answers NOT_READY and counts ``rejected:not_ready``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from protocol.errors import ErrorCode
+from protocol.limits import PeerBudgets
 from protocol.messages import Error, Message
 from protocol.rpc import Counting, Handler, HandlerTable, RpcLimits
 
-__all__ = ["Handlers", "not_ready_error"]
+__all__ = ["Handlers", "not_ready_error", "once_per"]
 
 
 def not_ready_error() -> Error:
     return Error(code=ErrorCode.NOT_READY, message="this peer has not chosen its stage yet; retry elsewhere")
+
+
+def once_per(name: str, request: type[Message], run_id: str, interval_s: float, answer: Callable[[], Message],
+             count: Callable[[str, int], None], max_peers: int = 4096) -> Callable[[Message, str], Awaitable[Message]]:
+    """A handler that answers a ``request`` of run ``run_id`` with ``answer()`` at most once per ``interval_s`` to
+    each peer (``RATE_LIMITED`` and ``rejected:{name}_rate_limited`` otherwise; another kind or run: BAD_REQUEST,
+    ``rejected:bad_request``); each answer counts ``{name}_served``."""
+    budget = PeerBudgets(rate=1.0 / interval_s, burst=1, max_peers=max_peers)
+
+    async def handle(msg: Message, peer_id: str) -> Message:
+        if not isinstance(msg, request) or getattr(msg, "run_id", None) != run_id:
+            count("rejected:bad_request", 1)
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"{name}: expected a {request.__name__} of this run")
+        if budget.empty(peer_id):
+            count(f"rejected:{name}_rate_limited", 1)
+            return Error(code=ErrorCode.RATE_LIMITED, message=f"{name}: at most one request per {interval_s:.0f} s")
+        budget.spend(peer_id)
+        count(f"{name}_served", 1)
+        return answer()
+
+    return handle
 
 
 class Handlers:

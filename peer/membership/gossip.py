@@ -19,12 +19,11 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from peer.handlers.table import once_per
 from peer.lifecycle import PeerState
 from peer.membership.records import PeerRecord, RecordError, swarm_key
 from peer.membership.signing import SignatureError, open_envelope
-from protocol.errors import ErrorCode
-from protocol.limits import PeerBudgets
-from protocol.messages import MAX_GOSSIP_RECORDS, Error, Message, Records, RecordsRequest
+from protocol.messages import MAX_GOSSIP_RECORDS, Message, Records, RecordsRequest
 
 logger = logging.getLogger(__name__)
 
@@ -110,21 +109,8 @@ class RecordBook:
 
 def serve_records(book: RecordBook, run_id: str, count: Count) -> Callable[[Message, str], Awaitable[Message]]:
     """The ``records`` handler: the book's records to a peer of the run, at most once per SERVE_MIN_INTERVAL_S each."""
-    budget = PeerBudgets(rate=1.0 / SERVE_MIN_INTERVAL_S, burst=1, max_peers=MAX_BOOK)
-
-    async def handle(msg: Message, peer_id: str) -> Message:
-        if not isinstance(msg, RecordsRequest) or msg.run_id != run_id:
-            count("rejected:bad_request", 1)
-            return Error(code=ErrorCode.BAD_REQUEST, message="records: expected a RecordsRequest of this run")
-        if budget.empty(peer_id):
-            count("rejected:records_rate_limited", 1)
-            return Error(code=ErrorCode.RATE_LIMITED,
-                         message=f"records: at most one request per {SERVE_MIN_INTERVAL_S:.0f} s")
-        budget.spend(peer_id)
-        count("records_served", 1)
-        return Records(run_id=run_id, records=book.entries())
-
-    return handle
+    return once_per("records", RecordsRequest, run_id, SERVE_MIN_INTERVAL_S,
+                    lambda: Records(run_id=run_id, records=book.entries()), count, max_peers=MAX_BOOK)
 
 
 async def ask_records(book: RecordBook, run_id: str, peer_id: str,

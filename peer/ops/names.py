@@ -23,6 +23,8 @@ COUNTERS = (
     "spotcheck_banned",
     # re-checks of the last stage from the held copy of it (peer/pipeline/recheck.py)
     "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
+    # stage 0's forwards re-computed by the last stage of a 2-stage run (peer/pipeline/fwdcheck.py)
+    "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "avg_slots_missed",
@@ -35,6 +37,8 @@ COUNTERS = (
     "backup_restores", "backup_bytes_in", "backup_bytes_out",
     # membership gossip (peer/membership/gossip.py)
     "records_served", "records_learnt", "gossip_failed",
+    # the initial peers' vouches a joiner draws a state's witnesses from (peer/membership/vouches.py)
+    "vouches_served", "vouches_failed",
     # generation through the swarm
     "infer_served", "infer_busy", "infer_compute_ms",
     # data shards of streamed datasets (peer/pipeline/shards.py)
@@ -62,7 +66,7 @@ REJECTIONS = (
     # neighbour backups
     "backup_shape",
     # membership gossip
-    "records_rate_limited", "gossiped_record",
+    "records_rate_limited", "gossiped_record", "vouches_rate_limited",
     *(f"avg_{r}" for r in _AVG_REASONS),
     *(f"state_{r}" for r in _STATE_REASONS),
     *(f"infer_{r}" for r in _INFER_REASONS),
