@@ -110,8 +110,10 @@ def test_frames_are_validated():
     assert targets is None and torch.equal(window, seq)  # the targets ride in the window: one id per row more
     with pytest.raises(ValueError, match="shifted"):
         b.first_hop(x_in, torch.zeros_like(y_in))
-    plain_targets, no_window = Boundary(TINY, None).first_hop(x_in, y_in)
-    assert no_window is None and plain_targets is not None and plain_targets.dtype == "int64"  # plain runs as ever
+    plain_targets, plain_window = Boundary(TINY, None).first_hop(x_in, y_in)
+    assert plain_targets is not None and plain_targets.dtype == "int64"  # plain runs: the targets as ever,
+    assert torch.equal(plain_window, seq)  # and the window, for forward re-checks
+    assert Boundary(TINY, None).first_hop(x_in, torch.zeros_like(y_in))[1] is None  # not shifted: no window
     acts, tokens = b.encode_forward(y, window)
     assert acts.shape == (*ids.shape, 4) and tokens.dtype == "uint8" and tokens.shape == seq.shape
 

@@ -11,7 +11,8 @@ maximum), the check counters, optimiser steps and bytes sent. Run once per ``--v
 ``on`` is the default settings, ``off`` sets ``spot_checks=false`` (the cost baseline), ``all`` checks every
 micro-batch (``spot_check_fraction=1``: the most distance samples, to set the tolerance). ``recheck`` and
 ``norecheck`` take backups every 5 s, with and without re-checks from the held copy (peer/pipeline/recheck.py);
-``--layout 2x1`` runs a lone stage-1 replica, which only re-checks check.
+``--layout 2x1`` runs a lone stage-1 replica, which only re-checks check. With backups, the stage-1 peers also
+re-check stage 0's forwards from their copy of stage 0 (peer/pipeline/fwdcheck.py): ``fwdchecks``.
 """
 
 from __future__ import annotations
@@ -54,10 +55,9 @@ def swarm(root: Path, variant: str, train_s: float, layout: str = "2x2") -> dict
                                            root / name, port, cwd=REPO))
         for p in peers:
             p.wait_status(lambda s: s.get("state") == "training" and (s.get("local_step") or 0) > 0, 180, "training")
-        if "backup_every_s=5" in settings:  # measured once stage 0 holds its copy of stage 1
+        if "backup_every_s=5" in settings:  # measured once every peer holds its copy of the neighbour stage
             for p in peers:
-                if p.name.endswith("0"):
-                    p.wait_status(lambda s: s.get("backup") is not None, 60, "a copy of stage 1")
+                p.wait_status(lambda s: s.get("backup") is not None, 60, "a copy of the neighbour stage")
         before = {p.name: p.status() or {} for p in peers}
         t0 = time.monotonic()
         time.sleep(train_s)
@@ -68,6 +68,10 @@ def swarm(root: Path, variant: str, train_s: float, layout: str = "2x2") -> dict
 
     def delta(name: str, key: str) -> float:
         return float(after[name].get("counters", {}).get(key, 0) - before[name].get("counters", {}).get(key, 0))
+
+    def compute_s(names: tuple[str, ...], key: str) -> float:
+        return round(sum(((after[n].get(key) or {}).get("compute_s") or 0)
+                         - ((before[n].get(key) or {}).get("compute_s") or 0) for n in names), 3)
 
     def steps(name: str) -> int:
         return int((after[name].get("local_step") or 0) - (before[name].get("local_step") or 0))
@@ -84,9 +88,11 @@ def swarm(root: Path, variant: str, train_s: float, layout: str = "2x2") -> dict
         "rechecks": {k: sum(delta(n, f"recheck_{k}") for n in stage0)
                      for k in ("sampled", "passed", "failed", "banned", "unavailable", "errors")},
         "recheck_figures": {n: after[n].get("rechecks") for n in stage0},
-        "recheck_compute_s": round(sum(((after[n].get("rechecks") or {}).get("compute_s") or 0)
-                                       - ((before[n].get("rechecks") or {}).get("compute_s") or 0)
-                                       for n in stage0), 3),
+        "recheck_compute_s": compute_s(stage0, "rechecks"),
+        "fwdchecks": {k: sum(delta(n, f"fwdcheck_{k}") for n in stage1)
+                      for k in ("passed", "failed", "unavailable", "errors")},
+        "fwdcheck_figures": {n: after[n].get("fwdchecks") for n in stage1},
+        "fwdcheck_compute_s": compute_s(stage1, "fwdchecks"),
         "distances": {n: after[n].get("spot_checks") for n in stage0},
         "val_loss": {n: after[n].get("val_loss") for n in stage0},
         "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],

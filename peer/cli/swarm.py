@@ -53,7 +53,8 @@ exit codes:
   130  stopped by Ctrl-C or SIGTERM before every stage had a peer"""
 
 SUMMED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok", "averaging_rounds_failed",
-          "spotcheck_sent", "spotcheck_failed", "recheck_passed", "recheck_failed")
+          "spotcheck_sent", "spotcheck_failed", "recheck_passed", "recheck_failed",
+          "fwdcheck_passed", "fwdcheck_failed")
 STARTING_STOP_S = 5.0  # a peer still starting has no work to drain: it must be gone within this
 DRAIN_MARGIN_S = 20.0  # beyond a training peer's drain_timeout_s: final checkpoint, DHT withdrawal, p2pd shutdown
 POLL_S = 0.5

@@ -98,6 +98,7 @@ class PeerMetrics:
         self.memory: dict[str, Any] | None = None  # peer.budget.MemoryBudget.as_dict(): estimates against the limit
         self.spot_checks: dict[str, Any] | None = None  # peer.pipeline.spotcheck figures (distances, trusted hops)
         self.rechecks: dict[str, object] | None = None  # peer.pipeline.recheck figures (cosines, the copy's bytes)
+        self.fwdchecks: dict[str, object] | None = None  # peer.pipeline.fwdcheck figures (the same, of forwards)
         self.backup: tuple[int, int, float] | None = None  # the neighbour copy held: stage, step, taken at (Unix s)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
@@ -365,6 +366,7 @@ class PeerMetrics:
             "memory": self._memory(),
             "spot_checks": self.spot_checks,
             "rechecks": self.rechecks,
+            "fwdchecks": self.fwdchecks,
             "backup": None if self.backup is None else {
                 "stage": self.backup[0], "step": self.backup[1], "age_s": max(0.0, time.time() - self.backup[2])},
             "warnings": [{"text": w["text"], "count": w["count"], "age_s": now - w["at"]} for w in self._warnings

@@ -18,10 +18,12 @@ logger = logging.getLogger(__name__)
 COUNTED = ("microbatches_dropped", "microbatches_requeued", "retries", "averaging_rounds_ok",
            "averaging_rounds_failed", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "samples_refused",
            "microbatches_refused", "stage_moves", "spotcheck_sent", "spotcheck_failed", "recheck_passed",
-           "recheck_failed", "avg_exchange_refused", "avg_exchange_failed", "avg_slots_missed")
+           "recheck_failed", "fwdcheck_passed", "fwdcheck_failed", "avg_exchange_refused", "avg_exchange_failed",
+           "avg_slots_missed")
 """Counters copied into the summary as they are (``spotcheck_sent``: micro-batches this stage also sent to a second
 replica of the next stage, which trains them too, so that stage counts their tokens twice; ``recheck_*``: the next
-stage's gradients re-computed from the held copy of it, and how many disagreed)."""
+stage's gradients re-computed from the held copy of it, and how many disagreed; ``fwdcheck_*``: the same of the
+forwards the last stage of a 2-stage run received)."""
 
 
 def peer_summary(metrics: PeerMetrics, *, head: dict[str, Any], elapsed_s: float, steps: int,

@@ -7,8 +7,10 @@ receiver rebuilds the residual stream from, its last ``block`` the targets the l
 subspace run carries ``targets`` (the same ids again). Decoding validates every received frame before anything
 reaches the model: a coefficient frame has the shape ``[batch, block, rank]`` the run fixes and bounded values, the
 window ``[batch, block + 1]`` in the smallest integer dtype that holds the vocabulary and ids inside it, and the
-rebuilt activations pass the same bounds full activations do. The methods are synchronous CPU work; the servicer
-runs them in an executor.
+rebuilt activations pass the same bounds full activations do. A plain run's forward carries its ``targets`` and,
+since they came to 1-2 bytes a token next to a hundred or more of activations, the same window: the last stage of a
+2-stage run re-computes a sample of stage 0's forwards from the input ids (peer.pipeline.fwdcheck), and checks
+that the targets are the window's. The methods are synchronous CPU work; the servicer runs them in an executor.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Boundary:
         self.run = run
         b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
         self.act_spec = TensorSpec((b, t, d), torch.float32, max_abs=MAX_ACT_ABS)
+        self.ids_spec = TensorSpec((b, t + 1), ids_dtype(run.model.vocab_size))
         self.subspace = None
         if run.compression.subspace:
             self.subspace = subspace if subspace is not None and subspace.device.type == "cpu" else Subspace(run)
@@ -55,7 +58,6 @@ class Boundary:
             # activations the act_spec accepts
             self.coef_spec = TensorSpec((b, t, k), torch.float32, max_abs=math.sqrt(d) * 2 * MAX_ACT_ABS)
             self.grad_spec = TensorSpec((b, t, k), torch.float32)
-            self.ids_spec = TensorSpec((b, t + 1), ids_dtype(run.model.vocab_size))
 
     @property
     def coefficient_codec(self) -> str:
@@ -64,11 +66,13 @@ class Boundary:
     # --- forward ----------------------------------------------------------------------------------------------------
     def first_hop(self, x: torch.Tensor, y: torch.Tensor) -> tuple[TensorEnvelope | None, torch.Tensor | None]:
         """What stage 0 sends with a micro-batch's activations, from its inputs x and targets y [B, T]:
-        (the targets envelope, the window for ``encode_forward``). Plain runs: int64 targets, no window; subspace
-        runs: no targets, the window ``[x | y[:, -1]]`` [B, T+1] (y is x shifted by one, data.BatchStream)."""
+        (the targets envelope, the window for ``encode_forward``). Plain runs: int64 targets, and the window
+        ``[x | y[:, -1]]`` [B, T+1] when y is x shifted by one (data.BatchStream's always are); subspace runs: no
+        targets, the window, which they must have."""
+        shifted = torch.equal(x[:, 1:], y[:, :-1])
         if self.subspace is None:
-            return encode(y.to(torch.int64), "none"), None
-        if not torch.equal(x[:, 1:], y[:, :-1]):
+            return encode(y.to(torch.int64), "none"), torch.cat([x, y[:, -1:]], dim=1) if shifted else None
+        if not shifted:
             raise ValueError("a subspace run's targets must be its inputs shifted by one position (the window the "
                              "last stage rebuilds them from); this micro-batch's are not")
         return None, torch.cat([x, y[:, -1:]], dim=1)
@@ -76,9 +80,10 @@ class Boundary:
     def encode_forward(self, y: torch.Tensor,
                        window: torch.Tensor | None) -> tuple[TensorEnvelope, TensorEnvelope | None]:
         """(activations envelope, window envelope or None) for an output [B, T, d] of the micro-batch whose token
-        window [B, T+1] is ``window`` (subspace runs; ignored otherwise)."""
+        window [B, T+1] is ``window`` (None: a plain run's forward without one)."""
         if self.subspace is None:
-            return encode(y, self.run.compression.activations), None
+            ids = None if window is None else encode(window.cpu().to(self.ids_spec.dtype), "none")
+            return encode(y, self.run.compression.activations), ids
         if window is None:
             raise ValueError("a subspace run sends the token window with every forward; this micro-batch has none")
         c = self.subspace.coefficients(y.detach().cpu(), window[:, :-1].cpu())
@@ -88,19 +93,25 @@ class Boundary:
         """(activations [B, T, d] fp32, token window [B, T+1] int64 or None); ValidationError names what was
         wrong."""
         if self.subspace is None:
-            return decode(msg.activations, self.act_spec, peer=peer, field="activations"), None
+            x = decode(msg.activations, self.act_spec, peer=peer, field="activations")
+            return x, None if msg.tokens is None else self._window(msg, peer)
         if msg.tokens is None:
             raise ValidationError("tokens", peer, "a subspace run's forward must carry the token window")
         if msg.targets is not None:
             raise ValidationError("targets", peer, "a subspace run's forward carries its targets in `tokens`, "
                                   "not in `targets`")
+        window = self._window(msg, peer)
+        c = decode(msg.activations, self.coef_spec, peer=peer, field="activations")
+        x = self.subspace.rebuild(c, window[:, :-1])
+        return check_values(x, self.act_spec, peer=peer, field="activations"), window
+
+    def _window(self, msg: Forward, peer: str) -> torch.Tensor:
+        assert msg.tokens is not None
         window = decode(msg.tokens, self.ids_spec, peer=peer, field="tokens").long()
         if int(window.min()) < 0 or int(window.max()) >= self.run.model.vocab_size:
             raise ValidationError("tokens", peer, f"token ids must be in [0, {self.run.model.vocab_size}), the "
                                   "vocabulary")
-        c = decode(msg.activations, self.coef_spec, peer=peer, field="activations")
-        x = self.subspace.rebuild(c, window[:, :-1])
-        return check_values(x, self.act_spec, peer=peer, field="activations"), window
+        return window
 
     # --- backward ---------------------------------------------------------------------------------------------------
     def encode_gradient(self, g: torch.Tensor) -> TensorEnvelope:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from protocol.codecs.registry import decode, encode
 from trainer.model import build_stage
 
 if TYPE_CHECKING:
+    from peer.config import PeerConfig
     from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
     from peer.pipeline.boundary import Boundary
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from protocol.validation import TensorSpec
     from trainer.config import RunConfig
     from trainer.model import StageBase
+    from trainer.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,13 @@ class HeldCopy:
         self._lock = threading.Lock()  # two re-checks in executor threads build one module
         self._seen: tuple[int, float] | None = None  # the copy last seen, and whether we had made min_step then
         self._mature = False
+
+    @classmethod
+    def of(cls, run: RunConfig, stage: int, spares: SpareStore, worker: StageWorker, cfg: PeerConfig) -> HeldCopy:
+        """The copy of ``stage`` a peer training ``worker`` re-checks with: on its device, used once the peer's own
+        step reached ``cfg.recheck_after_warmups`` x the run's warm-up steps."""
+        return cls(run, stage, spares, device=worker.device, local_step=lambda: worker.local_step,
+                   min_step=math.ceil(cfg.recheck_after_warmups * run.optim.warmup_steps))
 
     def available(self) -> bool:
         """Whether a copy of the stage is held and usable (cheap: read from the store's announcement)."""

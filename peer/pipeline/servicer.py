@@ -27,6 +27,7 @@ from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.crosscheck import CrossChecks
+from peer.pipeline.fwdcheck import ForwardCheckConfig, ForwardChecks
 from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
@@ -122,13 +123,16 @@ class PipelineServicer:
         # the last stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py)
         self.recheck = None if self.spot is None or spares is None or stage != run.n_stages - 2 else Rechecks(
             self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
-            copy=HeldCopy(run, stage + 1, spares, device=worker.device, local_step=lambda: worker.local_step,
-                          min_step=math.ceil(cfg.recheck_after_warmups * run.optim.warmup_steps)),
-            boundary=self.boundary,
+            copy=HeldCopy.of(run, stage + 1, spares, worker, cfg), boundary=self.boundary,
             tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
             spawn=self.spawn, held=self.holds, requeue=self._queue_backward,
             vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
             bf16=worker.precision == "bf16")
+        # a 2-stage run's last stage re-computes stage 0's forwards from its copy of it (peer/pipeline/fwdcheck.py)
+        self.fwdcheck = None if spares is None or run.n_stages != 2 or not self.is_last or cfg.mode == Mode.SYNC \
+            else ForwardChecks(ForwardCheckConfig(fraction=cfg.recheck_fraction),
+                               copy=HeldCopy.of(run, 0, spares, worker, cfg), boundary=self.boundary,
+                               compute=compute, queued=self.queued, metrics=metrics, bf16=worker.precision == "bf16")
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -239,8 +243,11 @@ class PipelineServicer:
             x, window = await asyncio.get_running_loop().run_in_executor(
                 None, self.boundary.decode_forward, msg, peer_id)
             targets = None
-            if self.is_last and window is not None:  # subspace runs: the window's last T ids, checked with it
+            if self.is_last and window is not None:  # the window's last T ids (plain runs: the targets are them)
                 targets = window[:, 1:]
+                if msg.targets is not None and not torch.equal(
+                        (await self._decode(msg.targets, self.tok_spec, peer_id)).long(), targets):
+                    return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets other than the token window's")
             elif self.is_last:
                 if msg.targets is None:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "the last stage needs targets")
@@ -258,6 +265,8 @@ class PipelineServicer:
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
                                           is_eval=msg.is_eval, flush=msg.flush)
+        if self.fwdcheck is not None and not msg.is_eval:  # decided on arrival: its timing tells the sender nothing
+            self.pending[msg.mb_id].fwdcheck = self.fwdcheck.wants(peer_id)
         self.forward_q.put_nowait(ForwardWork(msg, x, targets, window))
         self._wake.set()
         return Ack()
@@ -343,6 +352,12 @@ class PipelineServicer:
                 return
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
+            if p.fwdcheck and self.fwdcheck is not None and p.prev_peer is not None \
+                    and not await self.fwdcheck.judge(p.prev_peer, msg.mb_id, x, window):
+                self.pending.pop(msg.mb_id, None)  # not computed by stage 0: a refusal, as by the loss check
+                self.guard.share.refused(p.prev_peer)
+                self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, None, None, False, refused=True))
+                return
             ceiling = self.guard.loss_ceiling()
             try:
                 loss, grad = await self.meter.timed(msg.mb_id, True, functools.partial(
