@@ -39,7 +39,7 @@ from peer.membership.relay import RelayMode, wait_relayed
 from peer.membership.routing import Router
 from peer.membership.run_guard import RunGuard
 from peer.membership.signing import Signer
-from peer.membership.vouches import VOUCHES_RPC, ask_vouches, serve_vouches
+from peer.membership.vouches import VOUCHES_RPC, ask_vouches, peer_ids_of, serve_vouches
 from peer.ops.metrics import PeerMetrics
 from peer.ops.progress import SwarmProgress, from_records
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
@@ -123,8 +123,7 @@ class Presence:
     @property
     def initial_ids(self) -> list[str]:
         """The peer ids of ``--initial-peers`` (those that name one), this peer's own left out."""
-        ids = [m.rsplit("/p2p/", 1)[1] for m in self.cfg.initial_peers if "/p2p/" in m]
-        return [i for i in dict.fromkeys(ids) if i != self.my_id]
+        return peer_ids_of(list(self.cfg.initial_peers), self.my_id)
 
     async def check_reachability(self) -> None:
         """Ask the initial peers to dial us back; unreachable is a warning (and, with --relay auto, a relay).

@@ -113,3 +113,35 @@ def test_sybils_that_outvote_a_stage_lose_to_a_joiner_that_asked_its_anchor():
         assert metrics.snapshot()["counters"].get("state_sync_outvoted", 0) >= 1
 
     asyncio.run(main())
+
+
+def test_generate_uses_the_vouched_replica_of_a_stage_the_sybils_announce_more_of():
+    """``asyncmesh-peer generate``'s witnesses (RemotePipeline.witness_stages): three identical liars and one honest
+    replica of stage 0. Judged among all announced replicas the liars are the majority and the honest one is
+    excluded; judged among the replicas the initial peers vouch for, the liars are."""
+    from test_state_sync import RUN as SYNC_RUN
+    from test_state_sync import Direct
+
+    from peer.membership.records import PeerRecord
+    from peer.pipeline.remote import RemotePipeline
+
+    async def main() -> None:
+        liar = _liar("zeros")
+        servers = {"h1": _server(_trained_worker(1, 2)), **{f"s{i}": _server(liar) for i in (1, 2, 3)}}
+        direct = Direct(servers)
+        records = {p: PeerRecord(peer_id=p, stage=0, throughput=1.0, queue=0, version=5, state="training")
+                   for p in servers}
+
+        async def read() -> dict[str, PeerRecord]:
+            return records
+
+        async def call(peer_id: str, name: str, msg: Message, timeout: float) -> Message:
+            return await direct.call(peer_id, name, msg, timeout=timeout)
+
+        for vouched, excluded in ((None, ["h1"]), (["QmAnchor", "h1"], ["s1", "s2", "s3"])):
+            pipe = RemotePipeline(run=SYNC_RUN, call=call, read_swarm=read)
+            await pipe.refresh()
+            assert (await pipe.witness_stages(vouched)).get(0) == excluded, vouched
+            assert pipe.excluded == set(excluded)
+
+    asyncio.run(main())

@@ -192,7 +192,9 @@ def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
 
         from peer.membership.admission import organiser_key
         from peer.membership.records import fetch_swarm, record_validator
+        from peer.membership.vouches import ask_vouches, peer_ids_of
         from peer.ops.metrics import PeerMetrics
+        from peer.pipeline.remote import rpc_call
         from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
         from peer.state.witness import witness_vetter
 
@@ -206,6 +208,9 @@ def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
         try:
             p2p = await dht.replicate_p2p()
             records = await fetch_swarm(dht, run_cfg.run_id, timeout=10.0)
+            call = rpc_call(p2p, 2**20)  # the witnesses: the initial peers' vouches first (peer.membership.vouches)
+            vouched = await ask_vouches(peer_ids_of(list(args.initial_peers)), run_cfg.run_id,
+                                        lambda pid, name, msg: call(pid, name, msg, 10.0), lambda name, n: None)
             best: Stages = {}
             for stage in range(run_cfg.n_stages):
                 donors = choose_donors(records, stage, p2p.peer_id.to_base58())
@@ -217,7 +222,7 @@ def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
                     config = StateSyncConfig()
                     metrics = PeerMetrics("export", stage)
                     vet = witness_vetter(run=run_cfg, stage=stage, config=config, metrics=metrics, announced=donors,
-                                         what="the state")
+                                         trusted=vouched, what="the state")
                     state = await load_state_from_peers(p2p=p2p, run=run_cfg, stage=stage, metrics=metrics,
                                                         donors=[donor], config=config, vet=vet)
                     if state is not None:

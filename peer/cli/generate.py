@@ -174,6 +174,7 @@ async def _generate(args: argparse.Namespace, run_cfg: RunConfig, tok: Tokenizer
     from peer.ids import short_id
     from peer.membership.admission import organiser_key
     from peer.membership.records import fetch_swarm, record_validator
+    from peer.membership.vouches import ask_vouches, peer_ids_of
     from peer.pipeline.remote import RemotePipeline, rpc_call
     from trainer.export import next_token
 
@@ -192,13 +193,17 @@ async def _generate(args: argparse.Namespace, run_cfg: RunConfig, tok: Tokenizer
                               read_swarm=lambda: fetch_swarm(dht, run_cfg.run_id, timeout=min(10.0, args.timeout)),
                               timeout_s=args.timeout, where=args.initial_peers[0])
         await pipe.refresh()
+        anchors = peer_ids_of(list(args.initial_peers))
         if not pipe.records:  # nobody of this run: perhaps the swarm trains another run (a wrong --run)
-            await pipe.probe_run([m.rsplit("/p2p/", 1)[1] for m in args.initial_peers])
+            await pipe.probe_run(anchors)
         await pipe.wait_for_stages(args.timeout)
-        for stage, excluded in (await pipe.witness_stages()).items():
+        vouched = await ask_vouches(anchors, run_cfg.run_id, lambda pid, name, msg: pipe.call(
+            pid, name, msg, min(10.0, args.timeout)), lambda name, n: None)
+        for stage, excluded in (await pipe.witness_stages(vouched)).items():
             if excluded:
                 print(f"asyncmesh-peer generate: stage {stage}: not using {', '.join(map(short_id, excluded))}: "
-                      "the stage's other replicas do not vouch for its state", file=sys.stderr)
+                      "no peer the initial peers vouch for, or the stage's other replicas, vouches for its "
+                      "state", file=sys.stderr)
         ids, t0 = list(prompt), time.monotonic()
         out.add(prompt)
         written = True

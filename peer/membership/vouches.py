@@ -21,7 +21,7 @@ from protocol.messages import MAX_VOUCHES, Message, Vouches, VouchesRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VOUCHES_RPC", "ask_vouches", "serve_vouches"]
+__all__ = ["VOUCHES_RPC", "ask_vouches", "peer_ids_of", "serve_vouches"]
 
 VOUCHES_RPC = "vouches"
 #: the shortest interval between two ``vouches`` requests of one peer that we answer
@@ -29,6 +29,12 @@ SERVE_MIN_INTERVAL_S = 2.0
 
 Count = Callable[[str, int], None]
 Send = Callable[[str, str, Message], Awaitable[Message]]
+
+
+def peer_ids_of(maddrs: list[str], me: str = "") -> list[str]:
+    """The peer ids the multiaddrs name (``/p2p/<id>``), each once, ``me`` left out."""
+    ids = [m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m]
+    return [i for i in dict.fromkeys(ids) if i != me]
 
 
 def serve_vouches(known: Callable[[], list[str]], run_id: str,

@@ -113,10 +113,13 @@ class RemotePipeline:
             self.router.forget(records)
         return self.records
 
-    async def witness_stages(self) -> dict[int, list[str]]:
+    async def witness_stages(self, vouched: list[str] | None = None) -> dict[int, list[str]]:
         """Keep, per stage, only the replicas whose state a majority of the stage's replicas vouch for (digests,
-        ``peer.state.witness.agreeing_replicas``): a liar announcing the most progress serves no token. Returns the
-        replicas excluded per stage; ``SwarmUnavailable`` when no replica of a stage is vouched for."""
+        ``peer.state.witness.agreeing_replicas``): a liar announcing the most progress serves no token. With
+        ``vouched`` (the initial peers and the peers they know by validated work, ``peer.membership.vouches``), a
+        stage where any of them is a replica is judged among those only, so announced identities that did no work
+        cannot outvote it. Returns the replicas excluded per stage; ``SwarmUnavailable`` when no replica of a stage
+        is vouched for."""
         from peer.state.sync import StateSyncConfig
         from peer.state.witness import agreeing_replicas
 
@@ -128,16 +131,22 @@ class RemotePipeline:
 
         out: dict[int, list[str]] = {}
         for stage in range(self.run.n_stages):
-            peers = [r.peer_id for r in self.records.values() if r.stage == stage and r.state == PeerState.TRAINING]
-            if len(peers) < 2:
+            announced = [r.peer_id for r in self.records.values()
+                         if r.stage == stage and r.state == PeerState.TRAINING]
+            if not announced:  # wait_for_stages says so
                 continue
-            kept = await agreeing_replicas(transport=_Transport(), run=self.run, stage=stage, peers=peers,
-                                           config=StateSyncConfig(witness_timeout_s=min(10.0, self.timeout_s)))
+            peers = [p for p in announced if p in set(vouched or ())] or announced
+            if len(peers) < 2:
+                kept = peers
+            else:
+                kept = await agreeing_replicas(transport=_Transport(), run=self.run, stage=stage, peers=peers,
+                                               config=StateSyncConfig(witness_timeout_s=min(10.0, self.timeout_s)))
             if not kept:
                 raise SwarmUnavailable(f"no replica of stage {stage} is vouched for by the others ({len(peers)} "
                                        "announced): they disagree, or none answered; try again later")
-            out[stage] = sorted(set(peers) - set(kept))
-            self.excluded.update(out[stage])
+            if set(kept) != set(announced):
+                out[stage] = sorted(set(announced) - set(kept))
+                self.excluded.update(out[stage])
         return out
 
     def missing(self) -> list[int]:
