@@ -145,3 +145,14 @@ def test_generate_uses_the_vouched_replica_of_a_stage_the_sybils_announce_more_o
             assert pipe.excluded == set(excluded)
 
     asyncio.run(main())
+
+
+def test_vouched_donors_are_asked_first_so_sybils_cannot_use_up_the_attempts():
+    """Five identities announcing the highest versions would take all 4 donor attempts (StateSyncConfig.max_donors)
+    and the joiner would start from the init; donors the initial peers vouch for are asked first."""
+    from peer.state.sync import StateSyncConfig, vouched_first
+
+    ranked = ["liar", "s1", "s2", "s3", "s4", "h1", "h2"]  # by announced version
+    assert vouched_first(ranked, ["QmAnchor", "h2", "h1"])[:2] == ["h1", "h2"]  # rank order kept within each group
+    assert vouched_first(ranked, None) == ranked
+    assert len(ranked) - 2 > StateSyncConfig().max_donors  # the sybils alone would use up every attempt

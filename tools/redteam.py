@@ -311,8 +311,9 @@ async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> di
 async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger announces itself as a stage-1 replica far ahead of everyone (state version 10^6) and serves a
     stage-1 state whose weights are zeros. A second honest stage-1 replica (c) joins first, then a joiner (d): it
-    asks the most advanced donor first, the liar, and must not load what it serves (its witnesses, b and c, outvote
-    it). Both extra peers leave at the end of the phase."""
+    asks the donors its initial peer vouches for first (b), then the most advanced, the liar, whose state its
+    witnesses outvote; it must load an honest state, never the liar's. Both extra peers leave at the end of the
+    phase."""
     liar = StageWorker(att.run, 1)
     with torch.no_grad():
         for weight in liar.model.parameters():
@@ -355,7 +356,7 @@ async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> d
             announcing.cancel()
         await server.shutdown()
     from_liar = att.signer.peer_id[:16] in loaded
-    return {"refused": counters.get("state_sync_outvoted", 0) >= 1 and bool(loaded) and not from_liar,
+    return {"refused": bool(loaded) and not from_liar,
             "degraded": from_liar, "train_loss_at_end": losses,
             "joiner_outvoted": counters.get("state_sync_outvoted", 0), "joiner_loaded_from_liar": from_liar,
             "liar_chunks_served": served, "liar_visible_in_dht": visible}

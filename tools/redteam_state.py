@@ -166,7 +166,8 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
     drawn at random judged only chunk 0 and two chunks, and a silent one prevented any outvote; now every announced
     replica (up to 8) is asked and a strict majority must agree, so five identities outvote the honest b and d;
     now the joiner draws its witnesses from the peers its initial peer vouches for (peer.membership.vouches), which
-    the sybils did no work for."""
+    the sybils did no work for, and asks those donors first (``vouched_first``: five identities ranked above them
+    would otherwise use up every donor attempt, and the joiner would start from the init)."""
     zeros = _zeros(att, 1)
     zeros.local_step = 10**6
     servers = [await _serve_state(att, att.p2p, 1, zeros)]
@@ -182,11 +183,11 @@ async def witness_sybils(att: Attacker, victims: dict[str, str], until: float) -
     seen = await _joiner_phase(att, "pw", 1, until, records, servers, sybils)
     from_liar = any(_loaded_from(seen.log, 1, signer.peer_id) for signer, _rec in records)
     vouched = re.search(r"witnesses of a state are drawn from (\d+) peers", seen.log)
-    return {"refused": not from_liar and seen.counters.get("state_sync_outvoted", 0) >= 1, "degraded": from_liar,
+    from_init = "seeded init" in seen.log  # every honest donor vetoed, or never asked: the stage's training lost
+    return {"refused": not from_liar and not from_init, "degraded": from_liar or from_init,
             "joiner_loaded_from_liar": from_liar, "joiner_outvoted": seen.counters.get("state_sync_outvoted", 0),
             "joiner_vouched_peers": int(vouched.group(1)) if vouched else None,
-            "joiner_started_from_init": "starting from the run's seeded init" in seen.log
-            or "seeded init" in seen.log, "sybil_records": len(records) - 1}
+            "joiner_started_from_init": from_init, "sybil_records": len(records) - 1}
 
 
 async def bounds_reset(att: Attacker, victims: dict[str, str], until: float) -> Evidence:

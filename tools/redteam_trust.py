@@ -28,6 +28,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
 from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
+from peer.pipeline.boundary import Boundary
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.state.sync import load_state_from_peers
 from protocol.codecs.registry import decode, encode
@@ -224,6 +225,38 @@ async def costly_keys(att: Any, victims: dict[str, str], until: float) -> dict[s
 
 
 
+class _Stage0Pose:
+    """A stranger posing as a stage-0 peer: its ``verdict`` handler takes the Backwards the last stage sends it,
+    ``announce()`` re-announces its stage-0 record (at most once a second) and ``send`` forwards a micro-batch to a
+    victim, counting the reply's kind in ``replies``."""
+
+    def __init__(self, att: Any, verdict: Callable[[Message, str], Any]) -> None:
+        self.att, self.verdict = att, verdict
+        self.server = RpcServer(att.p2p, RpcLimits())
+        self.rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=0,
+                              state="training", maddrs=[])
+        self.replies: dict[str, int] = {}
+        self._announced = 0.0
+
+    async def start(self) -> None:
+        await self.server.add_handler(BACKWARD_RPC, self.verdict)
+        await self.announce()
+        await asyncio.sleep(2.0)  # the record reaches the last stage before the first forward
+
+    async def announce(self) -> None:
+        if time.monotonic() - self._announced > 1.0:
+            await announce(self.att.dht, self.att.run.run_id, self.rec, 4.0, signer=self.att.signer)
+            self._announced = time.monotonic()
+
+    async def send(self, peer: str, msg: Forward) -> str:
+        try:
+            name = type(await call(self.att.p2p, peer, FORWARD_RPC, msg, timeout=5)).__name__
+        except Exception as e:  # a refusal
+            name = getattr(getattr(e, "code", None), "name", type(e).__name__)
+        self.replies[name] = self.replies.get(name, 0) + 1
+        return name
+
+
 async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger fetches stage 0's weights from a (as any joiner may), announces itself as a stage-0 peer and sends
     the last stage forwards of real data through that honest copy, with a share of each micro-batch's targets
@@ -253,29 +286,26 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     t0 = time.monotonic()
     sent: dict[int, float] = {}  # mb_id -> the scrambled share it carried
     verdicts: list[tuple[float, float, bool, float]] = []  # (time since start, loss, trained, share)
-    share = [0.3]
+    share, unjudged = [0.3], [0]
+    boundary = Boundary(run, None)
     before = await _counters(att.status_b)
 
     async def verdict(msg: Message, peer: str) -> Message:
-        if isinstance(msg, Backward) and msg.mb_id in sent and msg.loss is not None:
+        if isinstance(msg, Backward) and msg.mb_id in sent:
             f = sent.pop(msg.mb_id)
-            verdicts.append((time.monotonic() - t0, float(msg.loss), not msg.refused, f))
+            if msg.loss is None:  # refused before any loss was computed (a failed forward re-check)
+                unjudged[0] += 1
+            else:
+                verdicts.append((time.monotonic() - t0, float(msg.loss), not msg.refused, f))
             share[0] = min(1.0, share[0] + 0.02) if not msg.refused else max(0.0, share[0] - 0.06)
         return Ack()
 
-    server = RpcServer(att.p2p, RpcLimits())
-    await server.add_handler(BACKWARD_RPC, verdict)
-    rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=0, state="training",
-                     maddrs=[])
-    await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
-    await asyncio.sleep(2.0)  # the record reaches the last stage before the first forward
-    replies: dict[str, int] = {}
-    mb, last_announce = 2**41, 0.0
+    pose = _Stage0Pose(att, verdict)
+    await pose.start()
+    mb = 2**41
     try:
         while time.monotonic() < until - 1.0:
-            if time.monotonic() - last_announce > 1.0:
-                await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
-                last_announce = time.monotonic()
+            await pose.announce()
             if time.monotonic() - fetched_at > 15.0:
                 fetched_at = time.monotonic()
                 copy = await load_state_from_peers(p2p=att.p2p, run=run, stage=1, donors=[victims["b"]],
@@ -284,30 +314,28 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
                     stage1.load_state_dict(copy["model"])
                     have_copy = True
             x, y = stream.next()
-            with torch.no_grad():
-                h = stage0(x)
-                if have_copy:
-                    honest.append(float(loss_of(stage1(h), y)))
+            if have_copy:
+                with torch.no_grad():
+                    honest.append(float(loss_of(stage1(stage0(x)), y)))
             mask = torch.rand(y.shape, generator=gen) < share[0]
             y = torch.where(mask, torch.randint(0, run.model.vocab_size, y.shape, generator=gen), y)
+            # the token window its targets agree with, and activations of that window's inputs through the honest
+            # copy: the last stage's forward re-check (peer.pipeline.fwdcheck) then finds them stage 0's own
+            window = torch.cat([x[:, :1], y], dim=1)
+            with torch.no_grad():
+                h = stage0(window[:, :-1])
+            acts, tokens = boundary.encode_forward(h, window)
             mb += 1
             sent[mb] = share[0]
-            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id],
-                          activations=encode(h, run.compression.activations), targets=encode(y, "none"),
-                          is_eval=False, sent_at=time.time())
-            try:
-                reply = await call(att.p2p, victims["b"], FORWARD_RPC, msg, timeout=5)
-                name = type(reply).__name__
-            except Exception as e:  # a refusal
-                name = getattr(getattr(e, "code", None), "name", type(e).__name__)
-            replies[name] = replies.get(name, 0) + 1
-            if name != "Ack":
+            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id], activations=acts,
+                          targets=encode(y, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
+            if await pose.send(victims["b"], msg) != "Ack":
                 sent.pop(mb, None)
                 await asyncio.sleep(0.2)
             else:
                 await asyncio.sleep(0.05)
     finally:
-        await server.shutdown()
+        await pose.server.shutdown()
     after = await _counters(att.status_b)
     span = max(1e-9, time.monotonic() - t0)
     trained = [(t, loss, f) for t, loss, ok, f in verdicts if ok]
@@ -318,7 +346,8 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
     drift = (max(late) / ceiling) if late and ceiling else None
     return {"refused": drift is not None and drift < 1.1 or not late,
             "honest_ceiling_estimate": round(ceiling, 3) if ceiling else None,
-            "forwards": replies, "verdicts": len(verdicts), "trained": len(trained),
+            "forwards": pose.replies, "verdicts": len(verdicts), "trained": len(trained),
+            "refused_without_loss": unjudged[0],
             "highest_trained_loss_first_third": round(max(early), 3) if early else None,
             "highest_trained_loss_last_third": round(max(late), 3) if late else None,
             "ceiling_drift": round(drift, 3) if drift else None,
@@ -327,6 +356,64 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             "b_refused_above_ceiling": int(after.get("rejected:loss_above_ceiling", 0)
                                            - before.get("rejected:loss_above_ceiling", 0))}
 
-TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "fake_next_stage_alone": fake_next_stage_alone,
+async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """A stranger announces itself as a stage-0 peer and sends the last stage forwards of real training text, with
+    their true targets and token window, whose activations come from another stage 0: the run's model with another
+    seed, which nobody trained (what a peer running a model of its own would send), scaled to the norm of stage 0's
+    own activations for the same batch (it fetches a's weights, as any joiner may) so that the norm bounds pass.
+    The last stage's forward re-checks refuse them, whatever their loss, once it holds a copy of stage 0
+    (``--victim-set backup_every_s=5``); without re-checks only the loss check stands. Nothing of the attacker's
+    may be trained."""
+    run = att.run
+    other = StageWorker(run.replace(seed=run.seed + 1), 0).model.eval()
+    state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
+                                        donors=[victims["a"]])
+    if state is None:
+        return {"refused": False, "error": "could not read a's stage-0 state"}
+    stage0 = build_stage(run, 0)
+    stage0.load_state_dict(state["model"])
+    stage0.eval()
+    boundary = Boundary(run, None)
+    corpus = load_corpus(run.data, run.model.vocab_size)
+    stream = BatchStream(corpus.train, run.model.block_size, run.data.batch_size, seed=12345)
+    before = await _counters(att.status_b)
+    verdicts = {"trained": 0, "refused_by_loss": 0, "refused_without_loss": 0}
+
+    async def verdict(msg: Message, peer: str) -> Message:
+        if isinstance(msg, Backward) and not msg.is_eval:
+            key = "trained" if not msg.refused else "refused_by_loss" if msg.loss is not None else \
+                "refused_without_loss"
+            verdicts[key] += 1
+        return Ack()
+
+    pose = _Stage0Pose(att, verdict)
+    await pose.start()
+    mb = 2**42
+    try:
+        while time.monotonic() < until - 1.0:
+            await pose.announce()
+            x, y = stream.next()
+            window = torch.cat([x, y[:, -1:]], dim=1)
+            with torch.no_grad():
+                foreign = other(x)
+                foreign = foreign * (stage0(x).norm() / foreign.norm())
+                acts, tokens = boundary.encode_forward(foreign, window)
+            mb += 1
+            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id], activations=acts,
+                          targets=encode(y, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
+            await asyncio.sleep(0.05 if await pose.send(victims["b"], msg) == "Ack" else 0.2)
+        await asyncio.sleep(1.0)  # the last verdicts
+    finally:
+        await pose.server.shutdown()
+    after = await _counters(att.status_b)
+    seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
+        "fwdcheck_passed", "fwdcheck_failed", "rejected:loss_above_ceiling", "share_bans")}
+    return {"refused": verdicts["trained"] == 0 and pose.replies.get("Ack", 0) > 0, "forwards": pose.replies,
+            **verdicts,
+            "victim_counters": seen}
+
+
+TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "foreign_forwards": foreign_forwards,
+                 "fake_next_stage_alone": fake_next_stage_alone,
                  "dht_flood": dht_flood, "costly_keys": costly_keys,
                  "loss_window_drift": loss_window_drift}

@@ -195,7 +195,7 @@ def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
         from peer.membership.vouches import ask_vouches, peer_ids_of
         from peer.ops.metrics import PeerMetrics
         from peer.pipeline.remote import rpc_call
-        from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
+        from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers, vouched_first
         from peer.state.witness import witness_vetter
 
         try:
@@ -213,12 +213,12 @@ def _fetch_live(args: argparse.Namespace, run_cfg: RunConfig) -> Stages:
                                         lambda pid, name, msg: call(pid, name, msg, 10.0), lambda name, n: None)
             best: Stages = {}
             for stage in range(run_cfg.n_stages):
-                donors = choose_donors(records, stage, p2p.peer_id.to_base58())
+                donors = vouched_first(choose_donors(records, stage, p2p.peer_id.to_base58()), vouched)
                 if not donors:
                     raise UserError(f"no training peer of stage {stage} of run {run_cfg.run_id} found through "
                                     f"{args.initial_peers[0]}; check --run (the peers' run file) or export from "
                                     "their checkpoint folders")
-                for donor in donors[:LIVE_DONORS]:  # the most advanced first; the next if it fails or is refused
+                for donor in donors[:LIVE_DONORS]:  # vouched, then most advanced first; the next if refused
                     config = StateSyncConfig()
                     metrics = PeerMetrics("export", stage)
                     vet = witness_vetter(run=run_cfg, stage=stage, config=config, metrics=metrics, announced=donors,

@@ -24,7 +24,7 @@ from peer.lifecycle import PeerState
 from peer.state.checkpoint import checkpoint_steps, load_checkpoint
 from peer.state.progress import StateSource, most_advanced, rank
 from peer.state.spare import SpareStore
-from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers
+from peer.state.sync import StateSyncConfig, choose_donors, load_state_from_peers, vouched_first
 from peer.state.witness import witness_vetter
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     logger.info("stage %d state sources, most advanced first: %s", stage, listed)
 
     delivered: dict[str, Any] | None = None
-    worth_asking = [d.label for d in rank(donors) if d.step >= best_file.step]
+    worth_asking = vouched_first([d.label for d in rank(donors) if d.step >= best_file.step], vouched)
     if worth_asking:
         try:
             config = StateSyncConfig()

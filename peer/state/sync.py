@@ -306,6 +306,14 @@ def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[s
     return [r.peer_id for r in donors]
 
 
+def vouched_first(donors: list[str], trusted: list[str] | None) -> list[str]:
+    """``donors`` in their order, those in ``trusted`` (validated work: ours, or our initial peers') first: a few
+    identities announcing the highest versions would otherwise take every one of the ``max_donors`` attempts, and
+    the joiner would start from the init with honest donors never asked."""
+    known = set(trusted or ())
+    return [d for d in donors if d in known] + [d for d in donors if d not in known]
+
+
 def state_nbytes(state: object) -> int:
     """Bytes of all tensors in a nested state (used to bound what a donor may send)."""
     _, tensors = flatten_state(state)
