@@ -205,7 +205,7 @@ def test_a_peer_serves_its_copy_for_the_copys_stage_and_counts_the_traffic(tmp_p
 
 
 # ----- restoring an emptied stage ------------------------------------------------------------------------------------
-def _restore(tmp_path, monkeypatch, records, delivered: dict, spare=None):
+def _restore(tmp_path, monkeypatch, records, delivered: dict, spare=None, trusted=None):
     asked: list[list[str]] = []
 
     async def fake_load(*, donors, **kw):
@@ -222,7 +222,8 @@ def _restore(tmp_path, monkeypatch, records, delivered: dict, spare=None):
     metrics = PeerMetrics()
     out = asyncio.run(restore_mod.restore_state(
         run=RUN, stage=1, my_id="me", refresh=refresh, p2p=None, dht=None, metrics=metrics,
-        reference={}, checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=0.0, spare=spare))
+        reference={}, checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=0.0, spare=spare,
+        trusted=None if trusted is None else lambda: trusted))
     return out, asked, metrics
 
 
@@ -255,6 +256,18 @@ def test_a_failed_copy_falls_to_the_next_and_a_checkpoint_ahead_wins(tmp_path, m
     save_checkpoint(tmp_path, RUN, 1, {"local_step": 600, "model": {}})
     out, asked, _ = _restore(tmp_path, monkeypatch, records, {"b": {"local_step": 450}})
     assert out.source.kind == "checkpoint" and asked == []  # no copy is ahead of it: nothing downloaded
+
+
+def test_copies_of_vouched_holders_are_asked_before_strangers_announcing_more(tmp_path, monkeypatch):
+    now = time.time()
+    records = {f"sybil{i}": rec(f"sybil{i}", 0, 500, backup_stage=1, backup_step=10**6, backup_taken_at=now)
+               for i in range(3)}
+    records["h"] = rec("h", 0, 500, backup_stage=1, backup_step=450, backup_taken_at=now)
+    delivered = {"h": {"local_step": 450}}  # the sybils' copies are refused by their witnesses: nothing delivered
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, delivered, trusted=["h"])
+    assert out.source.label == "h" and asked == [["h"]]  # no stranger's copy downloaded first
+    out, asked, _ = _restore(tmp_path, monkeypatch, records, delivered)  # nobody vouched for: by announced step
+    assert out.source.label == "h" and [a[0] for a in asked] == ["sybil0", "sybil1", "sybil2", "h"]
 
 
 def test_a_copy_behind_the_donor_is_not_fetched_one_ahead_wins_and_the_own_copy_counts(tmp_path, monkeypatch):

@@ -145,9 +145,9 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
                        metrics: PeerMetrics, reference: dict[str, Any], spare: SpareStore | None,
                        io: Compute, floor: int, timeout_s: float,
                        ahead_of_donor: bool = False, trusted: list[str] | None = None) -> Restored | None:
-    """The most advanced copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's
-    delivered state) that its witnesses vouch for, or None. ahead_of_donor: a donor delivered (only the log line
-    differs)."""
+    """A copy of ``stage`` ahead of ``floor`` (the best step of the local files and the donor's delivered state)
+    that its witnesses vouch for, or None: of the copies this peer or its vouched holders hold, the most advanced,
+    then of the others. ahead_of_donor: a donor delivered (only the log line differs)."""
     holders = {r.peer_id: r for r in records.values() if r.backup_stage == stage and r.state == PeerState.TRAINING
                and r.peer_id != my_id and r.backup_step is not None and r.backup_step > floor}
     held = spare.info if spare is not None else None
@@ -163,7 +163,11 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
     holding = [r.peer_id for r in records.values() if r.backup_stage == stage and r.state == PeerState.TRAINING
                and r.peer_id != my_id]
     own = await io(spare.read, stage) if held is not None and held.stage == stage and spare is not None else None
-    for copy in rank(copies):
+    # this peer's own copy and those of holders with validated work (ours or our initial peers') before the others,
+    # most advanced first within each: copies announced at huge steps by identities nobody vouches for would
+    # otherwise each cost a transfer, and the restore deadline, before an honest one is asked
+    order = vouched_first([c.label for c in rank(copies)], [my_id, *(trusted or [])])
+    for copy in sorted(copies, key=lambda c: order.index(c.label)):
         if copy.label == my_id:
             assert spare is not None and held is not None
             state, taken_at = await io(spare.read, stage), held.taken_at
