@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.ids import short_id
-from peer.pipeline.spotcheck import agreement, quantiles
+from peer.pipeline.recheck import check_figures, check_thresholds
+from peer.pipeline.spotcheck import agreement
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
@@ -65,12 +66,7 @@ class ForwardCheckConfig:
     """A sampled check of a trusted sender is skipped while this many items wait for the compute thread."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"ForwardCheckConfig: fraction must be in [0, 1], got {self.fraction}")
-        if not -1.0 <= self.min_cosine < 1.0 or not self.max_norm_ratio >= 1.0:
-            raise ValueError("ForwardCheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
-        if self.rows < 1 or self.trust_after < 1 or self.busy_queue < 1:
-            raise ValueError("ForwardCheckConfig: rows, trust_after and busy_queue must be >= 1")
+        check_thresholds(self, rows=self.rows, trust_after=self.trust_after, busy_queue=self.busy_queue)
 
 
 class ForwardChecks:
@@ -158,8 +154,4 @@ class ForwardChecks:
     def snapshot(self) -> dict[str, object]:
         """Figures for /status: checks made, the copy's bytes, compute seconds, the cosines' and ratios'
         quantiles."""
-        out: dict[str, object] = {"checks": self.judged, "copy_bytes": self.copy.nbytes(),
-                                  "compute_s": round(self.compute_s, 3)}
-        for i, name in enumerate(("cosine", "norm_ratio")):
-            out.update(quantiles(name, [v[i] for v in self.seen]))
-        return out
+        return check_figures("checks", self.judged, self.copy, self.compute_s, self.seen)

@@ -17,9 +17,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,12 +68,30 @@ class RecheckConfig:
     """A sampled re-check of a trusted hop is skipped while this many items wait for the compute thread."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"RecheckConfig: fraction must be in [0, 1], got {self.fraction}")
-        if not -1.0 <= self.min_cosine < 1.0 or not self.max_norm_ratio >= 1.0:
-            raise ValueError("RecheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
-        if self.busy_queue < 1 or self.rows < 1:
-            raise ValueError(f"RecheckConfig: busy_queue and rows must be >= 1, got {self.busy_queue}, {self.rows}")
+        check_thresholds(self, busy_queue=self.busy_queue, rows=self.rows)
+
+
+def check_thresholds(config: Any, **counts: int) -> None:
+    """The validation a re-check config (``RecheckConfig``, ``fwdcheck.ForwardCheckConfig``) shares: ``fraction`` in
+    [0, 1], ``min_cosine`` in [-1, 1), ``max_norm_ratio`` >= 1, and every one of ``counts`` >= 1."""
+    name = type(config).__name__
+    if not 0.0 <= config.fraction <= 1.0:
+        raise ValueError(f"{name}: fraction must be in [0, 1], got {config.fraction}")
+    if not -1.0 <= config.min_cosine < 1.0 or not config.max_norm_ratio >= 1.0:
+        raise ValueError(f"{name}: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
+    if (low := [k for k, v in counts.items() if v < 1]):
+        raise ValueError(f"{name}: {', '.join(low)} must be >= 1, got {', '.join(str(counts[k]) for k in low)}")
+
+
+def check_figures(count_key: str, judged: int, copy: HeldCopy, compute_s: float,
+                  seen: Iterable[tuple[float, float]]) -> dict[str, object]:
+    """What /status shows of a kind of re-check: how many (under ``count_key``), the copy's weights in bytes, the
+    compute seconds, and the quantiles of the recent (cosine, norm ratio) pairs ``seen``."""
+    pairs = list(seen)
+    out: dict[str, object] = {count_key: judged, "copy_bytes": copy.nbytes(), "compute_s": round(compute_s, 3)}
+    for i, name in enumerate(("cosine", "norm_ratio")):
+        out.update(quantiles(name, [v[i] for v in pairs]))
+    return out
 
 
 def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
@@ -264,9 +282,5 @@ class Rechecks:
     def snapshot(self) -> dict[str, object]:
         """Figures for /status: how many re-checks, the copy's weights in bytes, the cosines' and norm ratios'
         quantiles."""
-        out: dict[str, object] = {"rechecks": self.judged, "copy_bytes": self.copy.nbytes(),
-                               "compute_s": round(self.compute_s, 3)}
-        for i, name in enumerate(("cosine", "norm_ratio")):
-            out.update(quantiles(name, [v[i] for v in self.seen]))
-        return out
+        return check_figures("rechecks", self.judged, self.copy, self.compute_s, self.seen)
 

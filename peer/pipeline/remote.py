@@ -130,12 +130,13 @@ class RemotePipeline:
                 return await call(peer_id, name, msg, timeout)
 
         out: dict[int, list[str]] = {}
+        known = set(vouched or ())
         for stage in range(self.run.n_stages):
             announced = [r.peer_id for r in self.records.values()
                          if r.stage == stage and r.state == PeerState.TRAINING]
             if not announced:  # wait_for_stages says so
                 continue
-            peers = [p for p in announced if p in set(vouched or ())] or announced
+            peers = [p for p in announced if p in known] or announced
             if len(peers) < 2:
                 kept = peers
             else:

@@ -166,8 +166,7 @@ async def _from_copies(*, run: RunConfig, stage: int, my_id: str, records: dict[
     # this peer's own copy and those of holders with validated work (ours or our initial peers') before the others,
     # most advanced first within each: copies announced at huge steps by identities nobody vouches for would
     # otherwise each cost a transfer, and the restore deadline, before an honest one is asked
-    order = vouched_first([c.label for c in rank(copies)], [my_id, *(trusted or [])])
-    for copy in sorted(copies, key=lambda c: order.index(c.label)):
+    for copy in vouched_first(rank(copies), [my_id, *(trusted or [])], key=lambda c: c.label):
         if copy.label == my_id:
             assert spare is not None and held is not None
             state, taken_at = await io(spare.read, stage), held.taken_at

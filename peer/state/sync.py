@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -306,12 +306,16 @@ def choose_donors(records: dict[str, PeerRecord], stage: int, me: str) -> list[s
     return [r.peer_id for r in donors]
 
 
-def vouched_first(donors: list[str], trusted: list[str] | None) -> list[str]:
-    """``donors`` in their order, those in ``trusted`` (validated work: ours, or our initial peers') first: a few
-    identities announcing the highest versions would otherwise take every one of the ``max_donors`` attempts, and
-    the joiner would start from the init with honest donors never asked."""
+_T = TypeVar("_T")
+
+
+def vouched_first(donors: list[_T], trusted: list[str] | None,
+                  key: Callable[[_T], str] = str) -> list[_T]:
+    """``donors`` in their order, those whose peer id (``key``) is in ``trusted`` (validated work: ours, or our
+    initial peers') first: a few identities announcing the highest versions would otherwise take every one of the
+    ``max_donors`` attempts, and the joiner would start from the init with honest donors never asked."""
     known = set(trusted or ())
-    return [d for d in donors if d in known] + [d for d in donors if d not in known]
+    return [d for d in donors if key(d) in known] + [d for d in donors if key(d) not in known]
 
 
 def state_nbytes(state: object) -> int:
