@@ -78,6 +78,11 @@ class PeerConfig:
 
     stage: int | None = None
     """Pipeline stage to serve; None chooses automatically from the swarm's announced throughput."""
+    throughput: float = 0.0
+    """Work units per second this peer announces (a stage's cost per micro-batch over its compute seconds, as
+    ``peer/pipeline/meter.py`` measures it); 0 announces the measured figure. A fixed figure (petals' ``--throughput``)
+    suits a peer sharing its machine, whose measured speed swings with its neighbours' load. Stage choice and
+    rebalancing read it; routing measures every hop itself and reads it only until then."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of running peers to join through; empty starts a new swarm."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
@@ -222,6 +227,8 @@ class PeerConfig:
             raise ValueError(f"--stage must be 'auto' or a non-negative integer, got {self.stage}")
         object.__setattr__(self, "device", _member(Device, self.device, "--device"))
         object.__setattr__(self, "precision", _member(Precision, self.precision, "--precision"))
+        if not (math.isfinite(self.throughput) and self.throughput >= 0):
+            raise ValueError(f"throughput must be a finite number >= 0 (0: measured), got {self.throughput}")
         if not self.memory_gb >= 0:
             raise ValueError(f"--memory-gb must be >= 0 (0 detects it), got {self.memory_gb}")
         object.__setattr__(self, "mode", _member(Mode, self.mode, "--mode"))

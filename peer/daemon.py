@@ -199,7 +199,7 @@ class Daemon:
         return chosen
 
     def record(self, state: PeerState) -> PeerRecord:
-        thr = self.pipe.meter.throughput() if self.pipe else 0.0
+        thr = self.cfg.throughput or (self.pipe.meter.throughput() if self.pipe else 0.0)
         if thr <= 0:
             thr = estimate_throughput({k: v for k, v in self.swarm.items() if k != self.my_id})
         snap = self.metrics.snapshot()

@@ -48,7 +48,8 @@ def test_bad_stage_is_a_one_line_user_error(stage, match):
     (dict(rpc_timeout_s=0), "rpc_timeout_s"), (dict(record_ttl_s=5, announce_every_s=5), "record_ttl_s"),
     (dict(rebalance_quality=1.5), "rebalance_quality"), (dict(metrics_port=70000), "metrics-port"),
     (dict(max_queue=0), "max_queue"), (dict(eval_every_s=-1), "eval_every_s"),
-    (dict(recheck_after_warmups=-1.0), "recheck_after_warmups"),
+    (dict(recheck_after_warmups=-1.0), "recheck_after_warmups"), (dict(throughput=-1.0), "throughput"),
+    (dict(throughput=float("inf")), "throughput"),
 ])
 def test_peer_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
