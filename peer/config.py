@@ -195,8 +195,10 @@ class PeerConfig:
     spot_check_min_cosine: float = 0.1
     """Cosine similarity between two replicas' gradients of one micro-batch below which one of them is blamed."""
     rechecks: bool = True
-    """Re-compute a sample of the last stage's gradients from the held copy of it (peer/pipeline/recheck.py; the
-    stage before the last, with backup_every_s > 0 and spot checks on); off frees the copy's module and compute."""
+    """Re-compute a sample of the next stage's work from the held copy of it, with backup_every_s > 0 and spot checks
+    on: the last stage's gradients (peer/pipeline/recheck.py), a middle stage's output and gradient with the
+    testimony of the peer it sent them on to (peer/pipeline/testimony.py), and in a 2-stage run stage 0's forwards
+    (peer/pipeline/fwdcheck.py); off frees the copy's module and compute."""
     recheck_after_warmups: float = 4.0
     """Re-checks use only copies received once this peer's local step reached this many times the run's warm-up
     steps: against a copy of a stage that young, honest gradients failed re-checks (2 of 392 comparisons in the

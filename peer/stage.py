@@ -29,6 +29,7 @@ from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC, InferService
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.shards import move_if_shared, open_shard, reading_shard
+from peer.pipeline.testimony import TESTIMONY_RPC
 from peer.state.backup import backup_loop
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
@@ -121,6 +122,8 @@ class StageService:
                                             spares=host.spares if host.cfg.rechecks else None)
         await host.handlers.add_handler(FORWARD_RPC, pipe.rpc_forward)  # served from now (reserved at start-up)
         await host.handlers.add_handler(BACKWARD_RPC, pipe.rpc_backward)
+        if pipe.testimony is not None:  # what it received and returned, for the stage two before (re-checks)
+            await host.handlers.add_handler(TESTIMONY_RPC, pipe.testimony.rpc_testimony)
         # generation through the swarm (``infer``): forward only, at low priority, only while this stage trains
         self.infer = InferService(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                   metrics=host.metrics, queued=pipe.queued,

@@ -37,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 9  # the receiver is still joining or loading state
     TIMEOUT = 10  # the receiver gave up waiting for the rest of the request
     INTERNAL = 11  # the receiver's handler failed; not the sender's fault
+    NOT_FOUND = 12  # the receiver holds no such item (a testimony about a micro-batch it never trained)
 
 
 class ProtocolError(Exception):

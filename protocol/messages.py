@@ -38,6 +38,9 @@ __all__ = [
     "StateChunk",
     "RecordsRequest",
     "Records",
+    "TestimonyRequest",
+    "Testimony",
+    "MAX_TESTIMONY_ROWS",
     "MAX_GOSSIP_RECORDS",
     "StateDigestRequest",
     "Infer",
@@ -48,15 +51,17 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 9  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 10  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
 # 7: RecordsRequest and Records (membership gossip, peer/membership/gossip.py);
 # 8: a sync barrier's AveragingPart ends with the sender's weight digest (peer/averaging/fork.py), one tensor more;
 # 9: a subspace run's Forward.tokens is the [batch, block + 1] token window and `targets` is None (the last stage
-# cuts the targets from the window); codec int3 (id 7)
-SUPPORTED_VERSIONS: tuple[int, ...] = (9,)
+# cuts the targets from the window); codec int3 (id 7); 10: a middle stage's Backward names its downstream peer, which
+# the previous stage's re-checks require (a version-9 middle stage would fail every one), with TestimonyRequest and
+# Testimony (peer/pipeline/testimony.py)
+SUPPORTED_VERSIONS: tuple[int, ...] = (10,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -135,13 +140,19 @@ class Forward(Message):
 
 
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
-          loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean, refused=s.boolean)  # fmt: skip
+          loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean, refused=s.boolean,
+          downstream=s.optional(s.text()), downstream_id=s.optional(_count))  # fmt: skip
 class Backward(Message):
     """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed.
 
     `refused`: the last stage would not train on this micro-batch (its loss was far above recent ones): no gradient,
     every stage on the route drops it and holds it against the peer that sent it the micro-batch.
+    `downstream`, `downstream_id`: a middle stage's training gradient names the next-stage peer it sent the
+    micro-batch on to, and the id it sent it under, so that the previous stage can ask that peer what it received and
+    returned (`TestimonyRequest`); absent from the last stage and from peers that predate them.
     """
+
+    OPTIONAL_TAIL = 2
 
     run_id: str
     mb_id: int
@@ -150,6 +161,8 @@ class Backward(Message):
     loss: float | None
     is_eval: bool
     refused: bool = False
+    downstream: str | None = None
+    downstream_id: int | None = None
 
 
 @_message(4)
@@ -317,10 +330,38 @@ class Vouches(Message):
     peers: list[str]
 
 
+#: rows one `TestimonyRequest` may ask for
+MAX_TESTIMONY_ROWS = 8
+
+
+@_message(17, run_id=s.text(), sender=s.text(), mb_id=_count,
+          rows=s.sequence(s.integer(0, 2**20), MAX_TESTIMONY_ROWS))  # fmt: skip
+class TestimonyRequest(Message):
+    """Ask a peer what it received from `sender` as micro-batch `mb_id`, and what it returned: the rows `rows` of the
+    activations (as decoded here) and of the gradient sent back. Only a peer of the stage two before the answering
+    one asks (it holds a copy of `sender`'s stage and re-computes both from what it sent `sender` itself:
+    ``peer.pipeline.testimony``). The reply is `Testimony`, or `Error` NOT_FOUND when no such micro-batch was
+    trained here."""
+
+    run_id: str
+    sender: str
+    mb_id: int
+    rows: list[int]
+
+
+@_message(18, activations=s.envelope, gradient=s.envelope)
+class Testimony(Message):
+    """The reply to `TestimonyRequest`: the asked rows of the activations received [rows, T, d] and of the gradient
+    returned for them [rows, T, d], fp32."""
+
+    activations: TensorEnvelope
+    gradient: TensorEnvelope
+
+
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
                               Infer, InferResult, StateDigestRequest, RecordsRequest, Records,
-                              VouchesRequest, Vouches)
+                              VouchesRequest, Vouches, TestimonyRequest, Testimony)
 }
 
 

@@ -41,7 +41,11 @@ class Net:
             if peer in self.dead:
                 raise ConnectionError(f"{peer} is gone")
             target = self.stages[peer]
-            handler = target.rpc_forward if name == "forward" else target.rpc_backward
+            handler = {"forward": target.rpc_forward, "backward": target.rpc_backward}.get(name)
+            if name == "testimony":
+                handler = target.testimony.rpc_testimony if target.testimony is not None else None
+            if handler is None:
+                raise ConnectionError(f"{peer} serves no {name!r}")
             return unpack(pack(await handler(unpack(pack(msg)), me)))
         return send
 

@@ -29,6 +29,8 @@ from protocol.messages import (
     StateChunk,
     StateDigestRequest,
     StateRequest,
+    Testimony,
+    TestimonyRequest,
     Vouches,
     VouchesRequest,
     pack,
@@ -45,6 +47,7 @@ SAMPLES = [
     Forward("run", 19, ["QmA"], ENV, None, False, 0.0, 41),
     Backward("run", 17, ["QmA"], ENV, 3.25, False),
     Backward("run", 18, ["QmA"], None, None, True),
+    Backward("run", 19, ["QmA"], ENV, 3.25, False, False, "QmB", 2**63 - 1),
     Ack(),
     Busy(0.5),
     Error(ErrorCode.WRONG_STAGE, "I serve stage 1"),
@@ -59,6 +62,8 @@ SAMPLES = [
                     {"p": "QmB", "e": 2e9, "b": b"", "k": b"k", "s": b"s", "c": b"credential"}]),
     VouchesRequest("run"),
     Vouches("run", ["QmA", "QmB"]),
+    TestimonyRequest("run", "QmA", 17, [0, 7]),
+    Testimony(ENV, ENV),
 ]
 
 
@@ -257,3 +262,10 @@ def test_a_records_reply_is_bounded_and_shaped() -> None:
                 {**rec, "k": b"k" * 9000}, {**rec, "e": -1.0}, [rec]):
         with pytest.raises(SchemaError):
             Records("run", [bad])
+
+
+def test_a_backward_naming_no_downstream_packs_as_peers_before_the_field_read_it() -> None:
+    plain = pack(Backward("run", 17, ["QmA"], ENV, 3.25, False))
+    assert len(msgpack.unpackb(plain)[2]) == 7  # the two trailing fields are left out
+    named = unpack(pack(Backward("run", 17, ["QmA"], ENV, 3.25, False, downstream="QmB", downstream_id=5)))
+    assert isinstance(named, Backward) and (named.downstream, named.downstream_id) == ("QmB", 5)

@@ -26,9 +26,11 @@ from peer.membership.vouches import VOUCHES_RPC
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC
+from peer.pipeline.testimony import TESTIMONY_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
 from protocol.messages import (
+    MAX_TESTIMONY_ROWS,
     AveragingPart,
     Backward,
     Forward,
@@ -38,6 +40,7 @@ from protocol.messages import (
     RecordsRequest,
     StateDigestRequest,
     StateRequest,
+    TestimonyRequest,
     VouchesRequest,
     pack,
 )
@@ -72,7 +75,7 @@ def averaging_request_bytes(run: RunConfig) -> int:
 
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     """Largest request of every handler (bytes, framing excluded) for this run: ``forward``, ``backward``, ``reach``,
-    ``infer``, ``state``, ``avg_part``, ``sync``, ``records`` and ``vouches``."""
+    ``infer``, ``state``, ``avg_part``, ``sync``, ``records``, ``vouches`` and ``testimony``."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
     boundary = Boundary(run, None)
@@ -90,7 +93,9 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
             REACH_RPC: max(REACH_BYTES, len(pack(hello)) + SLACK_BYTES),
             INFER_RPC: infer_message_bytes(run)["request"], STATE_RPC: state + SLACK_BYTES, AVG_RPC: averaging,
             SYNC_RPC: averaging, RECORDS_RPC: len(pack(RecordsRequest(run_id=run.run_id))) + SLACK_BYTES,
-            VOUCHES_RPC: len(pack(VouchesRequest(run_id=run.run_id))) + SLACK_BYTES}
+            VOUCHES_RPC: len(pack(VouchesRequest(run_id=run.run_id))) + SLACK_BYTES,
+            TESTIMONY_RPC: len(pack(TestimonyRequest(run_id=run.run_id, sender="Q" * 64, mb_id=2**63 - 1,
+                                                     rows=[2**20] * MAX_TESTIMONY_ROWS))) + SLACK_BYTES}
 
 
 def infer_message_bytes(run: RunConfig) -> dict[str, int]:
@@ -109,7 +114,8 @@ def infer_message_bytes(run: RunConfig) -> dict[str, int]:
 #: the message kind each handler takes; anything else is refused as BAD_REQUEST before the handler runs
 HANDLER_KINDS = {FORWARD_RPC: (Forward,), BACKWARD_RPC: (Backward,), REACH_RPC: (Hello,),
                  STATE_RPC: (StateRequest, StateDigestRequest), AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,),
-                 INFER_RPC: (Infer,), RECORDS_RPC: (RecordsRequest,), VOUCHES_RPC: (VouchesRequest,)}
+                 INFER_RPC: (Infer,), RECORDS_RPC: (RecordsRequest,), VOUCHES_RPC: (VouchesRequest,),
+                 TESTIMONY_RPC: (TestimonyRequest,)}
 
 
 def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:

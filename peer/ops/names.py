@@ -25,6 +25,8 @@ COUNTERS = (
     "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
     # stage 0's forwards re-computed by the last stage of a 2-stage run (peer/pipeline/fwdcheck.py)
     "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
+    # what a stage received and returned, told to the stage two before (peer/pipeline/testimony.py)
+    "testimony_served", "testimony_not_found",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "avg_slots_missed",
@@ -67,6 +69,8 @@ REJECTIONS = (
     "backup_shape",
     # membership gossip
     "records_rate_limited", "gossiped_record", "vouches_rate_limited",
+    # middle-stage re-checks (peer/pipeline/testimony.py)
+    "testimony_rate_limited", "bad_testimony",
     *(f"avg_{r}" for r in _AVG_REASONS),
     *(f"state_{r}" for r in _STATE_REASONS),
     *(f"infer_{r}" for r in _INFER_REASONS),

@@ -255,14 +255,24 @@ class Rechecks:
             logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
             ref = None
+        verdict = None if ref is None else agreement(grad[rows], ref)
+        if verdict is not None:
+            self.seen.append(verdict)
+        self.conclude(p, peer, msg, grad, verdict,
+                      "" if verdict is None else f"cosine {verdict[0]:.3f}, norm ratio {verdict[1]:.2f}")
+
+    def conclude(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor,
+                 verdict: tuple[float, float] | None, why: str) -> None:
+        """Pass the re-checked gradient on, or drop it and hold it against ``peer``: ``verdict`` is the (cosine,
+        norm ratio) judged (None: nothing could be judged, trained as before re-checks; ``why`` says what
+        disagreed)."""
         if not self.held(msg.mb_id, p):  # the id held here (a later stage sends under ids of its own)
             return
-        if ref is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
+        if verdict is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
             self.metrics.inc("recheck_unavailable")
             self.requeue(BackwardWork(msg, grad))
             return
-        cos, ratio = agreement(grad[rows], ref)
-        self.seen.append((cos, ratio))
+        cos, ratio = verdict
         self.judged += 1
         passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
         ban = self.spot.recheck_verdict(peer, passed)
@@ -271,9 +281,8 @@ class Rechecks:
             self.vouch(peer)
             self.requeue(BackwardWork(msg, grad))
             return
-        logger.warning("re-check of micro-batch %d: the gradient of %s disagrees with the held copy's (cosine %.3f, "
-                       "norm ratio %.2f); not trained on%s", msg.mb_id, short_id(peer), cos, ratio,
-                       ", banned" if ban else "")
+        logger.warning("re-check of micro-batch %d: the work of %s disagrees with the held copy's (%s); not trained "
+                       "on%s", msg.mb_id, short_id(peer), why, ", banned" if ban else "")
         if ban:
             ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
                     revoke=self.revoke, kind="recheck", contradicted_by="the held copy of its stage")

@@ -33,6 +33,7 @@ from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
 from peer.pipeline.recheck import HeldCopy, RecheckConfig, Rechecks
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
+from peer.pipeline.testimony import MiddleRechecks, TestimonyStore
 from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, MicroBatchIds, Pending
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
@@ -120,14 +121,20 @@ class PipelineServicer:
             held=self.holds, requeue=self._queue_backward,
             drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer),
             revoke=lambda peer: self.revoke(peer))
-        # the last stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py)
-        self.recheck = None if self.spot is None or spares is None or stage != run.n_stages - 2 else Rechecks(
+        # the next stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py); a middle next
+        # stage's with the testimony of the peer it sent the micro-batch on to (peer/pipeline/testimony.py)
+        kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=send, swarm=swarm)
+                                         if stage < run.n_stages - 2 else Rechecks)
+        self.recheck = None if self.spot is None or spares is None or stage > run.n_stages - 2 else kind(
             self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
             copy=HeldCopy.of(run, stage + 1, spares, worker, cfg), boundary=self.boundary,
             tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
             spawn=self.spawn, held=self.holds, requeue=self._queue_backward,
             vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
             bf16=worker.precision == "bf16")
+        # what this stage received and returned, for the stage two before to re-check the one between
+        self.testimony = None if stage < 2 or cfg.mode == Mode.SYNC else TestimonyStore(
+            run_id=run.run_id, stage=stage, boundary=self.boundary, swarm=swarm, count=metrics.inc)
         # a 2-stage run's last stage re-computes stage 0's forwards from its copy of it (peer/pipeline/fwdcheck.py)
         self.fwdcheck = None if spares is None or run.n_stages != 2 or not self.is_last or cfg.mode == Mode.SYNC \
             else ForwardChecks(ForwardCheckConfig(fraction=cfg.recheck_fraction),
@@ -267,6 +274,8 @@ class PipelineServicer:
                                           is_eval=msg.is_eval, flush=msg.flush)
         if self.fwdcheck is not None and not msg.is_eval:  # decided on arrival: its timing tells the sender nothing
             self.pending[msg.mb_id].fwdcheck = self.fwdcheck.wants(peer_id)
+        if self.testimony is not None and not msg.is_eval:
+            self.testimony.received(peer_id, msg)
         self.forward_q.put_nowait(ForwardWork(msg, x, targets, window))
         self._wake.set()
         return Ack()
@@ -375,6 +384,7 @@ class PipelineServicer:
             self._backward_done(msg.flush)
             assert grad is not None  # a later stage's input has a gradient (stage 0 sends no forward to itself)
             env = await self._encode_gradient(grad)
+            self._returned(p, msg.mb_id, env)
             self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
             return
         if msg.is_eval:
@@ -434,7 +444,13 @@ class PipelineServicer:
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
             env = await self._encode_gradient(grad_in)
-            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False))
+            self._returned(p, msg.mb_id, env)
+            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False,
+                                          downstream=(p.next_peer, p.sent_id)))
+
+    def _returned(self, p: Pending, mb_id: int, env: TensorEnvelope) -> None:
+        if self.testimony is not None and p.prev_peer is not None:
+            self.testimony.returned(p.prev_peer, mb_id, env)
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
@@ -457,7 +473,7 @@ class PipelineServicer:
         peer = await self.hops.forward(msg, p.sent_to if p else set())
         if peer is not None:
             if p is not None:
-                p.next_peer = peer
+                p.next_peer, p.sent_id = peer, sent_id
                 if not is_eval:
                     self.router.sent(peer, mb_id)  # its gradient is owed now (black-hole detection)
                     learning = self.guard.learning("gradients")

@@ -68,6 +68,7 @@ class Pending:
     done: asyncio.Future[float | Refused | None] | None = None  # stage 0: the loss (None when dropped, REFUSED)
     checks: dict[str, tuple[Backward, torch.Tensor] | None] | None = None  # a spot check: hop -> its answer
     recheck: Forward | None = None  # what was sent to the next stage, kept for a re-check from the held copy
+    sent_id: int | None = None  # the id it went on under (a middle stage names it in the gradient it returns)
     fwdcheck: bool = False  # the last stage: its activations are re-computed from the held copy before training
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)

@@ -1,0 +1,256 @@
+"""Re-checks of a middle stage: the stage before it re-computes its work, and the stage after it testifies.
+
+A stage re-checks its next stage from the copy of it it holds (``peer.pipeline.recheck``), but where the next stage
+is not the last, neither half of its work can be judged from what the re-checking stage has: it knows the input it
+sent, not the gradient the stage after returned to it, nor what the hop sent on. The peer the hop sent the
+micro-batch to can say both. So a middle stage names that peer and the id it used in every training gradient it
+returns (``Backward.downstream``, ``downstream_id``), and for a sampled micro-batch the re-checking stage asks that
+peer for a few rows of what it received and returned (``TestimonyRequest``). With the copy it then re-computes the
+hop's output from its own input rows, and the hop's input gradient from the witness's gradient rows, and compares
+both with what the hop delivered. A transformer stage adds to its input (the residual stream), so each comparison is
+of what the stage added: (received - input) against (copy's output - input), and (returned gradient - witness's
+gradient) against (copy's input gradient - witness's gradient); a hop that passes its input on untouched, or its
+gradient back, agrees with nothing.
+
+What it catches: a hop that fabricates the gradient it returns, sends on activations it did not compute, or names no
+peer, a peer of another stage, or one that never trained the micro-batch. What it does not: a hop and a witness of
+the next stage that collude (two identities on two stages). A witness that does not answer (gone, rate-limited)
+leaves the micro-batch unjudged and trained as before, counted ``recheck_unavailable``.
+
+``TestimonyStore`` is the witness's side: the last forwards it received from each peer and the gradients it returned
+for them, bounded in count and bytes, answered only to peers announcing the stage two before its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.pipeline.recheck import Rechecks, as_sent
+from peer.pipeline.spotcheck import agreement
+from protocol.codecs.registry import decode, encode
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import PeerBudgets
+from protocol.messages import Error, Message, Testimony, TestimonyRequest, payload_bytes
+from protocol.validation import TensorSpec
+
+if TYPE_CHECKING:
+    from peer.membership.records import PeerRecord
+    from peer.pipeline.boundary import Boundary
+    from peer.pipeline.work import Pending
+    from peer.seams import Send
+    from protocol.envelope import TensorEnvelope
+    from protocol.messages import Backward, Forward
+    from trainer.model import StageBase
+
+logger = logging.getLogger(__name__)
+
+TESTIMONY_RPC = "testimony"
+#: micro-batches a witness remembers, and the bytes of their encoded activations and gradients at most
+MAX_KEPT = 256
+MAX_KEPT_BYTES = 64 * 2**20
+#: testimonies one peer may ask for per second (burst: twice that); a re-checking stage asks for every micro-batch
+#: of an untrusted hop (a few in a row), then for a sample
+TESTIMONY_RATE = 20.0
+
+
+class TestimonyStore:
+    """What this stage received from each peer and returned to it, for the stage two before to ask about.
+
+    Args:
+        stage: the stage this peer serves (only peers announcing ``stage - 2`` are answered).
+        boundary: decodes a kept forward and gradient as the sender saw them.
+        swarm: the latest validated records.
+        count: ``count(name, n)`` the peer's counters.
+    """
+
+    def __init__(self, *, run_id: str, stage: int, boundary: Boundary, swarm: Callable[[], dict[str, PeerRecord]],
+                 count: Callable[[str, int], None], max_kept: int = MAX_KEPT,
+                 max_bytes: int = MAX_KEPT_BYTES) -> None:
+        self.run_id, self.stage, self.boundary, self.swarm, self.count = run_id, stage, boundary, swarm, count
+        self.max_kept, self.max_bytes = max_kept, max_bytes
+        self._kept: OrderedDict[tuple[str, int], tuple[Forward, TensorEnvelope | None, int]] = OrderedDict()
+        self._bytes = 0
+        self._budget = PeerBudgets(rate=TESTIMONY_RATE, burst=int(2 * TESTIMONY_RATE))
+
+    def received(self, sender: str, msg: Forward) -> None:
+        """A training forward from ``sender`` was accepted (kept until its gradient is returned, or evicted)."""
+        self._put((sender, msg.mb_id), msg, None)
+
+    def returned(self, sender: str, mb_id: int, gradient: TensorEnvelope) -> None:
+        """The gradient of ``sender``'s micro-batch ``mb_id`` went back to it."""
+        kept = self._kept.get((sender, mb_id))
+        if kept is not None:
+            self._put((sender, mb_id), kept[0], gradient)
+
+    def _put(self, key: tuple[str, int], msg: Forward, gradient: TensorEnvelope | None) -> None:
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self._bytes -= old[2]
+        size = payload_bytes(msg) + (len(gradient.data) if gradient is not None else 0)
+        self._kept[key] = (msg, gradient, size)
+        self._bytes += size
+        while self._kept and (len(self._kept) > self.max_kept or self._bytes > self.max_bytes):
+            self._bytes -= self._kept.popitem(last=False)[1][2]
+
+    def _testify(self, sender: str, msg: Forward, gradient: TensorEnvelope, rows: list[int]) -> Testimony:
+        x, _ = self.boundary.decode_forward(msg, sender)
+        g = self.boundary.decode_gradient(gradient, sender)
+        return Testimony(activations=encode(x[rows].contiguous(), "none"),
+                         gradient=encode(g[rows].contiguous(), "none"))
+
+    async def rpc_testimony(self, msg: Message, peer_id: str) -> Message:
+        if not isinstance(msg, TestimonyRequest) or msg.run_id != self.run_id:
+            self.count("rejected:bad_request", 1)
+            return Error(code=ErrorCode.BAD_REQUEST, message="testimony: expected a TestimonyRequest of this run")
+        record = self.swarm().get(peer_id)
+        if record is None or record.stage != self.stage - 2:
+            self.count("rejected:unauthorized", 1)
+            return Error(code=ErrorCode.UNAUTHORIZED, message=f"testimony: only peers of stage {self.stage - 2} "
+                         "may ask this stage")
+        if self._budget.empty(peer_id):
+            self.count("rejected:testimony_rate_limited", 1)
+            return Error(code=ErrorCode.RATE_LIMITED, message=f"testimony: at most {TESTIMONY_RATE:.0f} per second")
+        self._budget.spend(peer_id)
+        b = self.boundary.act_spec.shape[0]
+        if not msg.rows or len(set(msg.rows)) != len(msg.rows) or max(msg.rows) >= b:
+            self.count("rejected:bad_request", 1)
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"testimony: rows must be distinct and below {b}")
+        kept = self._kept.get((msg.sender, msg.mb_id))
+        if kept is None or kept[1] is None:
+            self.count("testimony_not_found", 1)
+            return Error(code=ErrorCode.NOT_FOUND, message=f"no trained micro-batch {msg.mb_id} from that sender here")
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(None, self._testify, msg.sender, kept[0],
+                                                                     kept[1], list(msg.rows))
+        except ProtocolError as e:  # what we kept passed these checks once; never the asker's fault
+            logger.warning("testimony about micro-batch %d failed here: %s", msg.mb_id, e)
+            return Error(code=ErrorCode.INTERNAL, message="testimony: could not decode what was kept")
+        self.count("testimony_served", 1)
+        return reply
+
+
+def middle_reference(module: StageBase, x: torch.Tensor, g_out: torch.Tensor, *,
+                     bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A middle stage's output for input rows ``x`` [r, T, d] and its input gradient for output gradient ``g_out``
+    (same shape), at ``module``'s weights (fp32, on the CPU)."""
+    device = next(module.parameters()).device
+    xr = x.detach().to(device, torch.float32).requires_grad_(True)
+    with torch.enable_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        y = module(xr)
+    (g,) = torch.autograd.grad(y.float(), [xr], grad_outputs=g_out.to(device, torch.float32))
+    return y.detach().float().cpu(), g.float().cpu()
+
+
+def output_as_sent(boundary: Boundary, y: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Activation rows as the next stage would decode them: through the run's activation codec, or projected into
+    its subspace (which needs the rows' input ids)."""
+    sub = boundary.subspace
+    if sub is not None:
+        assert ids is not None  # subspace runs' forwards carry their window
+        return sub.rebuild(sub.coefficients(y, ids), ids).cpu()
+    return decode(encode(y, boundary.run.compression.activations))
+
+
+Agreement = tuple[float, float]  # (cosine similarity, norm ratio)
+
+
+def middle_agreement(x: torch.Tensor, received: torch.Tensor, copy_out: torch.Tensor, g_out: torch.Tensor,
+                     returned: torch.Tensor, copy_grad: torch.Tensor) -> tuple[Agreement, Agreement]:
+    """((cosine, norm ratio) of what the stage added to the activations, the same of what it added to the gradient):
+    ``received`` (the witness's rows) against ``copy_out`` over input ``x``; ``returned`` (the hop's gradient rows)
+    against ``copy_grad`` over the witness's ``g_out``."""
+    return agreement(received - x, copy_out - x), agreement(returned - g_out, copy_grad - g_out)
+
+
+class MiddleRechecks(Rechecks):
+    """``Rechecks`` of a next stage that is not the last: its work is judged with a witness's testimony (above).
+
+    Args (beyond ``Rechecks``'):
+        send: ``await send(peer, name, msg)`` one RPC.
+        swarm: the latest validated records (a named witness must announce the stage after the hop's).
+    """
+
+    def __init__(self, *args: Any, send: Send, swarm: Callable[[], dict[str, PeerRecord]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send, self.swarm = send, swarm
+        d = self.boundary.act_spec.shape[2]
+        self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
+
+    def _rows(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        x, window = self.boundary.decode_forward(fwd, self.my_id)
+        rows = torch.randperm(x.shape[0])[: self.config.rows].tolist()
+        return x[rows], None if window is None else window[rows, :-1], rows
+
+    async def _testimony(self, peer: str, msg: Backward, rows: list[int]) -> tuple[str, Any]:
+        """("ok", (received rows, gradient rows)), ("fail", why) when the hop's answer cannot be true, or
+        ("unavailable", why) when the witness could not be heard."""
+        witness, wid = msg.downstream, msg.downstream_id
+        if witness is None or wid is None:
+            return "fail", "it named no peer it sent the micro-batch on to"
+        record = self.swarm().get(witness)
+        if witness in (peer, self.my_id) or record is None or record.stage != self.stage + 2:
+            return "fail", f"the peer it named ({witness[-8:]}) does not serve stage {self.stage + 2}"
+        req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=peer, mb_id=wid, rows=rows)
+        try:
+            reply = await self.send(witness, TESTIMONY_RPC, req)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug("testimony of %s failed", witness, exc_info=True)
+            return "unavailable", f"the witness did not answer ({type(e).__name__})"
+        if isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND:
+            return "fail", f"the peer it named ({witness[-8:]}) never trained it"
+        if not isinstance(reply, Testimony):
+            return "unavailable", f"the witness answered {type(reply).__name__}"
+        try:
+            spec = TensorSpec((len(rows), *self.row_spec.shape[1:]), torch.float32)
+            y = decode(reply.activations, spec, peer=witness, field="activations")
+            g = decode(reply.gradient, spec, peer=witness, field="gradient")
+        except ProtocolError as e:
+            self.metrics.inc("rejected:bad_testimony")
+            return "unavailable", f"the witness's testimony was malformed ({e})"
+        return "ok", (y, g)
+
+    def _recompute_middle(self, module: StageBase, x: torch.Tensor,
+                          g_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = middle_reference(module, x, g_out, bf16=self.bf16)
+        self.compute_s += time.perf_counter() - t0
+        return out
+
+    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+        loop = asyncio.get_running_loop()
+        verdict: tuple[float, float] | None = None
+        why = ""
+        try:
+            x, ids, rows = await loop.run_in_executor(None, self._rows, fwd)
+            kind, said = await self._testimony(peer, msg, rows)
+            if kind == "fail":
+                why, verdict = said, (-1.0, float("inf"))
+            elif kind == "ok":
+                module = await loop.run_in_executor(None, self.copy.module)
+                if module is not None:
+                    received, g_out = said
+                    y, g = await self.compute(self._recompute_middle, module, x, g_out)
+                    y = await loop.run_in_executor(None, output_as_sent, self.boundary, y, ids)
+                    g = await loop.run_in_executor(None, as_sent, self.boundary, g)
+                    fwd_agree, bwd_agree = middle_agreement(x, received, y, g_out, grad[rows], g)
+                    verdict = (min(fwd_agree[0], bwd_agree[0]), max(fwd_agree[1], bwd_agree[1]))  # both must pass
+                    self.seen.append(fwd_agree)
+                    self.seen.append(bwd_agree)
+                    why = (f"output cosine {fwd_agree[0]:.3f}, norm ratio {fwd_agree[1]:.2f}; gradient cosine "
+                           f"{bwd_agree[0]:.3f}, norm ratio {bwd_agree[1]:.2f}")
+            else:
+                logger.info("re-check of micro-batch %d left unjudged: %s", msg.mb_id, said)
+        except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
+            logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
+            self.metrics.inc("recheck_errors")
+            verdict = None
+        self.conclude(p, peer, msg, grad, verdict, why)

@@ -1,0 +1,208 @@
+"""Re-checks of a middle stage (peer/pipeline/testimony.py): the copy re-computes what the middle stage added to the
+activations and to the gradient; the witness answers only the stage two before it, about micro-batches it trained;
+in process, an honest middle stage passes with a stale copy, and one that does no work, or names nobody it sent the
+micro-batch to, is banned with none of its gradients trained on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from peer.config import PeerConfig
+from peer.membership.records import PeerRecord
+from peer.membership.routing import Router
+from peer.ops.metrics import PeerMetrics
+from peer.pipeline import testimony
+from peer.pipeline.boundary import Boundary
+from peer.pipeline.recheck import HeldCopy, RecheckConfig, as_sent
+from peer.pipeline.servicer import PipelineServicer
+from peer.pipeline.spotcheck import distance
+from peer.pipeline.testimony import middle_agreement, middle_reference, output_as_sent
+from peer.state.spare import SpareStore
+from protocol import messages
+from protocol.codecs.registry import decode, encode
+from protocol.errors import ErrorCode
+from protocol.messages import Error, Forward
+from tests.test_peer_pipeline import RUN, Net, _run_driver, build, corpus  # noqa: F401  (fixture)
+from trainer.data import BatchStream
+from trainer.worker import StageWorker
+
+RUN3 = RUN.replace(n_stages=3, model={"n_layer": 3})
+
+
+def _step(w0: StageWorker, w1: StageWorker, w2: StageWorker, mb: int, x, y) -> tuple:
+    """One micro-batch through the three live stages: (stage 1's input, its output, stage 2's returned gradient,
+    stage 1's input gradient)."""
+    a = w0.forward(mb, x)
+    b = w1.forward(mb, a)
+    _, g2 = w2.forward_loss(mb, b, y)
+    g1 = w1.backward(mb, g2)
+    w0.backward(mb, g1)
+    return a, b, g2, g1
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):  # noqa: F811
+    """The three stages after 40 micro-batches (4 x the tiny run's warm-up: the copies re-checks use are this old at
+    least), and the batches they were trained on."""
+    torch.manual_seed(0)
+    workers = [StageWorker(RUN3, s) for s in range(3)]
+    stream = BatchStream(corpus.train, 32, 8, seed=1)
+    for mb in range(40):
+        _step(*workers, mb, *stream.next())
+    return [w.state_dict() for w in workers], stream
+
+
+def test_the_copy_recomputes_what_a_middle_stage_adds(trained):
+    states, stream = trained
+    w0, w1, w2 = (StageWorker(RUN3, s) for s in range(3))
+    for w, state in zip((w0, w1, w2), states, strict=True):
+        w.load_state_dict(state)
+    spares = SpareStore(RUN3, None)
+    assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time())
+    module = HeldCopy(RUN3, 1, spares).module()
+    assert module is not None
+    x, y = stream.next()
+    a, b, g2, g1 = _step(w0, w1, w2, 0, x, y)
+    rows = [6, 1]  # rows are independent: the copy's rows are the live stage's, exactly
+    ref_y, ref_g = middle_reference(module, a[rows], g2[rows])
+    assert distance(ref_y, b[rows]) < 1e-5 and distance(ref_g, g1[rows]) < 1e-5
+    for p in module.parameters():
+        assert p.grad is None and not p.requires_grad
+    for mb in range(1, 30):  # the live stage trains on; the copy stays where it was taken
+        _step(w0, w1, w2, mb, *stream.next())
+    x, y = stream.next()
+    a, b, g2, g1 = _step(w0, w1, w2, 99, x, y)
+    boundary = Boundary(RUN3, None)
+    ref_y, ref_g = middle_reference(module, a[rows], g2[rows])
+    ref_y, ref_g = output_as_sent(boundary, ref_y, None), as_sent(boundary, ref_g)
+    assert distance(ref_y, b[rows]) > 1e-3  # stale
+    cfg = RecheckConfig()
+    honest = middle_agreement(a[rows], b[rows], ref_y, g2[rows], g1[rows], ref_g)
+    assert all(cos >= cfg.min_cosine and ratio <= cfg.max_norm_ratio for cos, ratio in honest), honest
+    # a hop that passes its input on and the gradient back untouched agrees with nothing: it added nothing
+    lazy = middle_agreement(a[rows], a[rows], ref_y, g2[rows], g2[rows], ref_g)
+    assert lazy == ((-1.0, float("inf")), (-1.0, float("inf")))
+    noise = middle_agreement(a[rows], a[rows] + torch.randn_like(b[rows]) * (b - a)[rows].std(), ref_y, g2[rows],
+                             -g1[rows], ref_g)
+    assert noise[0][0] < cfg.min_cosine and noise[1][0] < cfg.min_cosine, noise
+
+
+def _store(records: dict[str, PeerRecord], **kw) -> testimony.TestimonyStore:
+    return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, boundary=Boundary(RUN3, None), swarm=lambda: records,
+                          count=lambda name, n: None, **kw)
+
+
+def _forward(mb_id: int, x: torch.Tensor) -> Forward:
+    return Forward(run_id=RUN3.run_id, mb_id=mb_id, route=["a0", "b1"], activations=encode(x, "int8"), targets=None,
+                   is_eval=False, sent_at=time.time())
+
+
+def test_the_witness_answers_the_stage_two_before_about_what_it_trained():
+    records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
+               for pid, s in (("a0", 0), ("b1", 1), ("c2", 2))}
+    store = _store(records, max_kept=3)
+    b, t, d = RUN3.data.batch_size, RUN3.model.block_size, RUN3.model.n_embd
+    x, g = torch.randn(b, t, d), torch.randn(b, t, d)
+    def request(sender: str, rows: list[int]) -> messages.TestimonyRequest:
+        return messages.TestimonyRequest(run_id=RUN3.run_id, sender=sender, mb_id=7, rows=rows)
+    ask = request("b1", [3, 0])
+
+    async def go():
+        store.received("b1", _forward(7, x))
+        not_yet = await store.rpc_testimony(ask, "a0")  # received, but its gradient not returned: not trained yet
+        store.returned("b1", 7, encode(g, "int8"))
+        ok = await store.rpc_testimony(ask, "a0")
+        strangers = [await store.rpc_testimony(ask, peer) for peer in ("b1", "c2", "zz")]
+        bad_rows = [await store.rpc_testimony(request("b1", r), "a0") for r in ([b], [1, 1], [])]
+        other = await store.rpc_testimony(request("zz", [0]), "a0")
+        for mb in range(8, 11):  # three more: the oldest is evicted
+            store.received("b1", _forward(mb, x))
+        evicted = await store.rpc_testimony(ask, "a0")
+        limited = [await store.rpc_testimony(ask, "a0") for _ in range(60)]
+        return not_yet, ok, strangers, bad_rows, other, evicted, limited
+    not_yet, ok, strangers, bad_rows, other, evicted, limited = asyncio.run(go())
+    assert isinstance(not_yet, Error) and not_yet.code == ErrorCode.NOT_FOUND
+    assert isinstance(ok, messages.Testimony)
+    got_x = decode(ok.activations)
+    got_g = decode(ok.gradient)
+    assert got_x.shape == (2, t, d) and distance(got_x, x[[3, 0]]) < 0.05 and distance(got_g, g[[3, 0]]) < 0.05
+    assert all(isinstance(r, Error) and r.code == ErrorCode.UNAUTHORIZED for r in strangers)
+    assert all(isinstance(r, Error) and r.code == ErrorCode.BAD_REQUEST for r in bad_rows)
+    assert isinstance(other, Error) and other.code == ErrorCode.NOT_FOUND
+    assert isinstance(evicted, Error) and evicted.code == ErrorCode.NOT_FOUND
+    assert any(isinstance(r, Error) and r.code == ErrorCode.RATE_LIMITED for r in limited)
+
+
+def _three_stages(corpus, cfg: PeerConfig, states):  # noqa: F811
+    """a0 -> b1 -> c2 at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives it none)."""
+    net = Net()
+    pool = build(net, [["a0"], ["b1"], ["c2"]], cfg, RUN3)
+    for pid, state in zip(("a0", "b1", "c2"), states, strict=True):
+        net.stages[pid].worker.load_state_dict(state)
+    old = net.stages["a0"]
+    spares = SpareStore(RUN3, None)
+    assert spares.offer(1, states[1], source="b1", taken_at=time.time())
+    a0 = PipelineServicer(run=RUN3, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+                          router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
+                          my_id="a0", cost=1.0, spares=spares)
+    net.stages["a0"] = a0
+    return net, pool, a0
+
+
+@pytest.mark.timeout(90)
+def test_an_honest_middle_stage_passes_with_a_stale_copy_and_its_witness_testifies(corpus, trained):  # noqa: F811
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0])
+    start = a0.worker.local_step
+    asyncio.run(_run_driver(net, corpus, cfg, steps=start + 30))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
+    assert counters.get("recheck_unavailable", 0) == 0, counters
+    assert net.stages["c2"].metrics.snapshot()["counters"].get("testimony_served", 0) >= 4
+    assert a0.worker.local_step >= start + 30 and net.stages["b1"].worker.local_step >= start + 30
+
+
+def _lazy(pipe: PipelineServicer) -> None:
+    """The middle stage does no work: it sends its input on and returns the next stage's gradient unchanged."""
+    pipe.worker.forward = lambda mb_id, x: x.clone()  # type: ignore[method-assign]
+    pipe.worker.backward = lambda mb_id, g: g.clone()  # type: ignore[method-assign]
+
+
+def _mute(pipe: PipelineServicer) -> None:
+    """The middle stage computes honestly but names nobody it sent the micro-batch on to (a peer that predates the
+    field reads the same)."""
+    backward = pipe.hops.backward
+
+    async def unnamed(*args, **kwargs):
+        kwargs.pop("downstream", None)
+        return await backward(*args, **kwargs)
+    pipe.hops.backward = unnamed  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("attack", [_lazy, _mute], ids=["lazy", "mute"])
+def test_a_middle_stage_that_does_no_work_or_names_nobody_is_banned(corpus, trained, attack):  # noqa: F811
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0, recheck_after_warmups=0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0])
+    start = a0.worker.local_step
+    attack(net.stages["b1"])
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+
+    async def go() -> None:
+        asyncio.get_running_loop().call_later(4.0, a0.stop_accepting)
+        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=4.0)
+    asyncio.run(go())
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("recheck_failed", 0) >= 1 and counters.get("recheck_passed", 0) == 0, counters
+    assert a0.worker.local_step == start, "stage 0 trained on a gradient of the hop that failed every re-check"
+    assert counters.get("recheck_banned", 0) == 1 and revoked == {"b1"}, counters
