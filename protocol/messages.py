@@ -139,17 +139,22 @@ class Forward(Message):
     tokens: TensorEnvelope | None = None
 
 
+#: next-stage peers one `Backward` names as the source of its gradient (a spot check's two replicas)
+MAX_DOWNSTREAM = 2
+
+
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
           loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean, refused=s.boolean,
-          downstream=s.optional(s.text()), downstream_id=s.optional(_count))  # fmt: skip
+          downstream=s.optional(s.sequence(s.text(), MAX_DOWNSTREAM)), downstream_id=s.optional(_count))  # fmt: skip
 class Backward(Message):
     """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed.
 
     `refused`: the last stage would not train on this micro-batch (its loss was far above recent ones): no gradient,
     every stage on the route drops it and holds it against the peer that sent it the micro-batch.
-    `downstream`, `downstream_id`: a middle stage's training gradient names the next-stage peer it sent the
-    micro-batch on to, and the id it sent it under, so that the previous stage can ask that peer what it received and
-    returned (`TestimonyRequest`); absent from the last stage and from peers that predate them.
+    `downstream`, `downstream_id`: a middle stage's training gradient names the next-stage peers whose gradients it
+    was computed from (one, or the two replicas of a spot check, whose mean it trained on) and the id it sent the
+    micro-batch to them under, so that the previous stage can ask them what they received and returned
+    (`TestimonyRequest`); absent from the last stage.
     """
 
     OPTIONAL_TAIL = 2
@@ -161,7 +166,7 @@ class Backward(Message):
     loss: float | None
     is_eval: bool
     refused: bool = False
-    downstream: str | None = None
+    downstream: list[str] | None = None
     downstream_id: int | None = None
 
 

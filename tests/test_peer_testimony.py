@@ -138,11 +138,12 @@ def test_the_witness_answers_the_stage_two_before_about_what_it_trained():
     assert any(isinstance(r, Error) and r.code == ErrorCode.RATE_LIMITED for r in limited)
 
 
-def _three_stages(corpus, cfg: PeerConfig, states):  # noqa: F811
-    """a0 -> b1 -> c2 at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives it none)."""
+def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2",)):  # noqa: F811
+    """a0 -> b1 -> ``last`` at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives it
+    none)."""
     net = Net()
-    pool = build(net, [["a0"], ["b1"], ["c2"]], cfg, RUN3)
-    for pid, state in zip(("a0", "b1", "c2"), states, strict=True):
+    pool = build(net, [["a0"], ["b1"], list(last)], cfg, RUN3)
+    for pid, state in [("a0", states[0]), ("b1", states[1]), *((pid, states[2]) for pid in last)]:
         net.stages[pid].worker.load_state_dict(state)
     old = net.stages["a0"]
     spares = SpareStore(RUN3, None)
@@ -155,17 +156,24 @@ def _three_stages(corpus, cfg: PeerConfig, states):  # noqa: F811
 
 
 @pytest.mark.timeout(90)
-def test_an_honest_middle_stage_passes_with_a_stale_copy_and_its_witness_testifies(corpus, trained):  # noqa: F811
+@pytest.mark.parametrize("last", [("c2",), ("c2", "d2")], ids=["one-witness", "spot-checked-pair"])
+def test_an_honest_middle_stage_passes_with_a_stale_copy_and_its_witness_testifies(corpus, trained,  # noqa: F811
+                                                                                  last):
+    """With two replicas of stage 2, stage 1 spot-checks them and trains on the mean of their gradients: it names
+    both, and stage 0 asks both."""
     torch.manual_seed(0)
     cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0)
-    net, pool, a0 = _three_stages(corpus, cfg, trained[0])
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0], last)
     start = a0.worker.local_step
     asyncio.run(_run_driver(net, corpus, cfg, steps=start + 30))
     pool.shutdown()
     counters = a0.metrics.snapshot()["counters"]
     assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
     assert counters.get("recheck_unavailable", 0) == 0, counters
-    assert net.stages["c2"].metrics.snapshot()["counters"].get("testimony_served", 0) >= 4
+    served = [net.stages[pid].metrics.snapshot()["counters"].get("testimony_served", 0) for pid in last]
+    assert sum(served) >= 4 and all(served), served
+    if len(last) == 2:  # the pair was spot-checked, and the gradients trained on named both
+        assert net.stages["b1"].metrics.snapshot()["counters"].get("spotcheck_passed", 0) >= 4
     assert a0.worker.local_step >= start + 30 and net.stages["b1"].worker.local_step >= start + 30
 
 

@@ -47,7 +47,7 @@ SAMPLES = [
     Forward("run", 19, ["QmA"], ENV, None, False, 0.0, 41),
     Backward("run", 17, ["QmA"], ENV, 3.25, False),
     Backward("run", 18, ["QmA"], None, None, True),
-    Backward("run", 19, ["QmA"], ENV, 3.25, False, False, "QmB", 2**63 - 1),
+    Backward("run", 19, ["QmA"], ENV, 3.25, False, False, ["QmB", "QmC"], 2**63 - 1),
     Ack(),
     Busy(0.5),
     Error(ErrorCode.WRONG_STAGE, "I serve stage 1"),
@@ -267,5 +267,7 @@ def test_a_records_reply_is_bounded_and_shaped() -> None:
 def test_a_backward_naming_no_downstream_packs_as_peers_before_the_field_read_it() -> None:
     plain = pack(Backward("run", 17, ["QmA"], ENV, 3.25, False))
     assert len(msgpack.unpackb(plain)[2]) == 7  # the two trailing fields are left out
-    named = unpack(pack(Backward("run", 17, ["QmA"], ENV, 3.25, False, downstream="QmB", downstream_id=5)))
-    assert isinstance(named, Backward) and (named.downstream, named.downstream_id) == ("QmB", 5)
+    named = unpack(pack(Backward("run", 17, ["QmA"], ENV, 3.25, False, downstream=["QmB"], downstream_id=5)))
+    assert isinstance(named, Backward) and (named.downstream, named.downstream_id) == (["QmB"], 5)
+    with pytest.raises(ValueError, match="downstream"):  # a spot check's two replicas at most
+        Backward("run", 17, ["QmA"], ENV, 3.25, False, downstream=["QmB", "QmC", "QmD"], downstream_id=5)

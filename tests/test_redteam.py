@@ -109,6 +109,18 @@ def test_a_lone_fake_next_stage_is_caught_by_rechecks_from_the_held_copy(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_lone_fake_middle_stage_that_does_no_work_is_caught_with_the_witness_testimony(tmp_path: Path) -> None:
+    res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny3.toml"), "--attacks", "fake_middle_stage",
+                    "--phase-s", "20", "--victim-set", "backup_every_s=5", timeout=340)
+    ev = res["fake_middle_stage"]["evidence"]
+    seen = ev["stage0_counters"]
+    assert ev["gradients_returned"] >= 1, ev  # it was stage 1's only replica and relayed stage 2's gradients
+    assert seen["recheck_banned"] >= 1 and seen["recheck_failed"] >= 3 and seen["recheck_passed"] == 0, ev
+    assert res["fake_middle_stage"]["outcome"] == "refused"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "dht_flood,costly_keys", "--phase-s", "15", timeout=280)

@@ -397,7 +397,7 @@ class Campaign:
 
     def __init__(self, args: argparse.Namespace, attacked: Swarm, twin: Swarm, root: Path) -> None:
         self.args, self.attacked, self.twin, self.root = args, attacked, twin, root
-        self.run = RunConfig.from_toml(TINY)
+        self.run = RunConfig.from_toml(args.run)
         self.judges = (Judge(self.run, root / "judge-a.key", args.eval_batches),
                        Judge(self.run, root / "judge-t.key", args.eval_batches))
         self.verdicts: tuple[Verdict, Verdict] | None = None
@@ -444,6 +444,8 @@ class Campaign:
         att = Attacker(self.root, self.attacked.initial, self.run)
         att.status_a, att.status_b, att.swarm, att.judge = a.status, b.status, self.attacked, self.judge
         victims = {"a": peer_id_of(a), "b": peer_id_of(b)}
+        if len(self.attacked.peers) > 2:  # the first peer of stage 2
+            victims["c"] = peer_id_of(self.attacked.peers[2][0])
         await att.start()
         await self.judges[0].start(self.attacked.initial)
         await self.judges[1].start(self.twin.initial)
@@ -502,9 +504,9 @@ def run_group(args: argparse.Namespace, names: list[str], replicas: int, root: P
               progress: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Start the attacked swarm and its twin together (``replicas`` peers per stage each), let them train for
     ``--warmup-s``, run ``names`` against the first, reap both."""
-    run = RunConfig.from_toml(TINY)
+    run = RunConfig.from_toml(args.run)
     settings = (*SETTINGS, *args.victim_set)
-    swarms = [Swarm(name, root / f"{name}{replicas}", TINY, run.n_stages, replicas, settings, REPO)
+    swarms = [Swarm(name, root / f"{name}{replicas}", args.run, run.n_stages, replicas, settings, REPO)
               for name in ("v", "t")]
     try:
         for s in swarms:
@@ -528,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of: {', '.join(ATTACKS)}")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--run", type=Path, default=TINY,
+                   help="run TOML of both swarms (default tests/runs/tiny.toml; fake_middle_stage needs 3 stages or "
+                        "more: tests/runs/tiny3.toml)")
     p.add_argument("--warmup-s", type=float, default=20.0,
                    help="seconds both swarms train before the first phase (default 20)")
     p.add_argument("--replicas", type=int, default=2,
@@ -567,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     for replicas, names in groups.items():
         if not names:
             continue
-        key = f"{replicas}x{RunConfig.from_toml(TINY).n_stages}"
+        key = f"{replicas}x{RunConfig.from_toml(args.run).n_stages}"
         try:
             group = run_group(args, names, replicas, root, functools.partial(_write, args, results, key))
         except Exception as e:  # a swarm that would not start: say so, run the next group

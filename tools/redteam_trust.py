@@ -10,13 +10,14 @@ and the stage-1 peer ("b"), and ``until`` the end of the phase (``time.monotonic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import random
 import signal
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,19 +48,34 @@ async def _counters(status: Any) -> dict[str, float]:
     return ((await asyncio.to_thread(status)) or {}).get("counters", {})
 
 
+RECHECK_COUNTERS = ("recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable")
+
+
+async def _changed(status: Any, before: dict[str, float], keys: tuple[str, ...]) -> dict[str, int]:
+    """How much each of the counters ``keys`` of a victim grew since ``before``."""
+    after = await _counters(status)
+    return {k: int(after.get(k, 0) - before.get(k, 0)) for k in keys}
+
+
+@contextlib.contextmanager
+def _stopped(pids: list[int]) -> Iterator[None]:
+    """The processes ``pids`` stopped (SIGSTOP) for the block, resumed after it."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 async def fake_next_stage_alone(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
     """``fake_next_stage`` with the attacker as the next stage's only replica: the attacked swarm's honest stage-1
     peers are stopped (SIGSTOP) for the phase, so their records expire and stage 0 has no replica to spot-check the
     attacker against; it holds the copy of stage 1 it took from them before (with ``--victim-set backup_every_s=5``).
     They are resumed when the phase ends, before the judge fetches their weights."""
-    stopped = [p.proc.pid for p in att.swarm.peers[1]]
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with _stopped([p.proc.pid for p in att.swarm.peers[1]]):
         return await fake_next_stage(att, victims, until, alone=True)
-    finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
 
 
 async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, alone: bool = False) -> dict[str, Any]:
@@ -117,14 +133,80 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, al
         await server.shutdown()
         for task in list(tasks):
             task.cancel()
-    after = await _counters(att.status_a)
-    seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
+    seen = await _changed(att.status_a, before, (
         "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_banned", "spotcheck_unavailable",
-        "rejected:gradients_norm", "relearnt:gradients_norm", "recheck_sampled", "recheck_passed", "recheck_failed",
-        "recheck_banned", "recheck_unavailable")}
+        "rejected:gradients_norm", "relearnt:gradients_norm", *RECHECK_COUNTERS))
     return {"refused": seen["spotcheck_banned"] + seen["recheck_banned"] >= 1, "forwards_taken": taken,
             "fabricated_gradients_delivered": sent,
             "scale_used": SCALES[scale[0]], "stage0_counters": seen}
+
+
+async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """In a run of 3 stages or more (``--run tests/runs/tiny3.toml``): a stranger announces itself as stage 1's only
+    replica (the honest stage-1 peers are stopped for the phase, as in ``fake_next_stage_alone``, so stage 0 has
+    nobody to spot-check it against) and does no work: it sends every training forward of stage 0 on to the honest
+    stage-2 peer untouched (under an id of its own, as a middle stage does) and returns the gradient stage 2 sends
+    back untouched, naming stage 2's peer and the id as the protocol asks. Stage 1's weights never touch the
+    micro-batch, and the residual stream makes its output and gradient look plausible in norm and direction. Stage 0
+    must not train on its gradients: its re-checks from the copy of stage 1 (``--victim-set backup_every_s=5``), with
+    stage 2's testimony, find that the hop added nothing."""
+    if "c" not in victims:
+        raise ValueError("fake_middle_stage needs a run of 3 stages or more (--run tests/runs/tiny3.toml)")
+    run, me = att.run, att.signer.peer_id
+    before = await _counters(att.status_a)
+    server = RpcServer(att.p2p, RpcLimits())
+    held: dict[int, tuple[str, Forward]] = {}  # our id -> (the stage-0 sender, its forward)
+    counts = {"forwards_taken": 0, "forwarded": 0, "gradients_returned": 0, "returns_refused": 0}
+    tasks: set[asyncio.Task] = set()
+
+    async def pass_on(peer: str, msg: Forward) -> None:
+        mine = random.getrandbits(62)
+        held[mine] = (peer, msg)
+        onward = Forward(run_id=run.run_id, mb_id=mine, route=[*msg.route, me], activations=msg.activations,
+                         targets=msg.targets, is_eval=False, sent_at=time.time(), tokens=msg.tokens)
+        try:
+            if isinstance(await call(att.p2p, victims["c"], FORWARD_RPC, onward, timeout=5), Ack):
+                counts["forwarded"] += 1
+        except Exception:  # refused by stage 2: stage 0's micro-batch times out
+            held.pop(mine, None)
+
+    async def take(msg: Message, peer: str) -> Message:
+        if not isinstance(msg, Forward) or msg.is_eval:
+            return Busy(retry_after_s=0.0)
+        counts["forwards_taken"] += 1
+        task = asyncio.ensure_future(pass_on(peer, msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return Ack()
+
+    async def give_back(msg: Message, peer: str) -> Message:
+        if not isinstance(msg, Backward) or msg.mb_id not in held:
+            return Ack()
+        sender, fwd = held.pop(msg.mb_id)
+        back = Backward(run_id=run.run_id, mb_id=fwd.mb_id, route=fwd.route, gradient=msg.gradient, loss=msg.loss,
+                        is_eval=False, refused=msg.refused, downstream=[peer], downstream_id=msg.mb_id)
+        try:
+            await call(att.p2p, sender, BACKWARD_RPC, back, timeout=5)
+            counts["gradients_returned"] += 1
+        except Exception:
+            counts["returns_refused"] += 1
+        return Ack()
+
+    await server.add_handler(FORWARD_RPC, take)
+    await server.add_handler(BACKWARD_RPC, give_back)
+    rec = PeerRecord(peer_id=me, stage=1, throughput=1e9, queue=0, version=0, state="training", maddrs=[])
+    try:
+        with _stopped([p.proc.pid for p in att.swarm.peers[1]]):
+            while time.monotonic() < until:
+                await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
+                await asyncio.sleep(1.0)
+    finally:
+        await server.shutdown()
+        for task in list(tasks):
+            task.cancel()
+    seen = await _changed(att.status_a, before, (*RECHECK_COUNTERS, "spotcheck_sent", "spotcheck_banned",
+                                                  "rejected:gradients_norm"))
+    return {"refused": seen["recheck_banned"] >= 1, **counts, "stage0_counters": seen}
 
 
 Items = list[tuple[str, bytes | int, float, str | None]]
@@ -414,6 +496,7 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
 
 
 TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "foreign_forwards": foreign_forwards,
+                 "fake_middle_stage": fake_middle_stage,
                  "fake_next_stage_alone": fake_next_stage_alone,
                  "dht_flood": dht_flood, "costly_keys": costly_keys,
                  "loss_window_drift": loss_window_drift}

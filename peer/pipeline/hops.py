@@ -141,10 +141,11 @@ class Hops:
 
     async def backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
                        loss: float | None, is_eval: bool, *, refused: bool = False,
-                       downstream: tuple[str | None, int | None] = (None, None)) -> None:
+                       downstream: tuple[list[str] | None, int | None] = (None, None)) -> None:
         """Send a ``Backward`` to ``peer`` (the previous hop; None: nobody to tell), twice at most: a lost one times
-        the micro-batch out upstream, whose sample stage 0 re-sends. ``downstream``: the peer this stage sent the
-        micro-batch on to and the id it used (``Backward.downstream``)."""
+        the micro-batch out upstream, whose sample stage 0 re-sends. ``downstream``: the next-stage peers whose
+        gradients this one was computed from, and the id it sent the micro-batch to them under
+        (``Backward.downstream``)."""
         if peer is None:
             return
         msg = Backward(run_id=self.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,

@@ -316,7 +316,9 @@ class PipelineServicer:
         self.router.returned(peer_id, msg.mb_id)
         if msg.mb_id not in self.pending:  # dropped while we decoded
             return Ack()
+        p.trained_from = [peer_id]  # named in the gradient we return (a middle stage's re-checks ask them)
         if p.checks is not None and peer_id in p.checks and self.checks is not None:
+            p.trained_from = list(p.checks)  # both replicas: a gradient trained on is their mean
             checked = self.checks.answer(p, peer_id, msg, grad)
             if checked is None:
                 return Ack()  # held until its partner's gradient is here
@@ -446,7 +448,7 @@ class PipelineServicer:
             env = await self._encode_gradient(grad_in)
             self._returned(p, msg.mb_id, env)
             self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False,
-                                          downstream=(p.next_peer, p.sent_id)))
+                                          downstream=(p.trained_from, p.sent_id)))
 
     def _returned(self, p: Pending, mb_id: int, env: TensorEnvelope) -> None:
         if self.testimony is not None and p.prev_peer is not None:

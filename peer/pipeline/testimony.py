@@ -189,21 +189,33 @@ class MiddleRechecks(Rechecks):
         return x[rows], None if window is None else window[rows, :-1], rows
 
     async def _testimony(self, peer: str, msg: Backward, rows: list[int]) -> tuple[str, Any]:
-        """("ok", (received rows, gradient rows)), ("fail", why) when the hop's answer cannot be true, or
-        ("unavailable", why) when the witness could not be heard."""
-        witness, wid = msg.downstream, msg.downstream_id
-        if witness is None or wid is None:
+        """("ok", (the rows each witness received, the mean of the gradient rows they returned)), ("fail", why) when
+        the hop's answer cannot be true, or ("unavailable", why) when a witness could not be heard. The witnesses are
+        the peers the hop names: one, or the two replicas of a spot check whose mean gradient it trained on."""
+        witnesses, wid = msg.downstream, msg.downstream_id
+        if not witnesses or wid is None:
             return "fail", "it named no peer it sent the micro-batch on to"
-        record = self.swarm().get(witness)
-        if witness in (peer, self.my_id) or record is None or record.stage != self.stage + 2:
-            return "fail", f"the peer it named ({witness[-8:]}) does not serve stage {self.stage + 2}"
+        if len(set(witnesses)) != len(witnesses):
+            return "fail", "it named one peer twice"
+        swarm = self.swarm()
+        for w in witnesses:
+            record = swarm.get(w)
+            if w in (peer, self.my_id) or record is None or record.stage != self.stage + 2:
+                return "fail", f"a peer it named ({w[-8:]}) does not serve stage {self.stage + 2}"
+        said = await asyncio.gather(*(self._ask(w, peer, wid, rows) for w in witnesses))
+        for kind, what in said:
+            if kind != "ok":
+                return kind, what
+        received = [what[0] for _, what in said]
+        return "ok", (received, torch.stack([what[1] for _, what in said]).mean(dim=0))
+
+    async def _ask(self, witness: str, peer: str, wid: int, rows: list[int]) -> tuple[str, Any]:
         req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=peer, mb_id=wid, rows=rows)
         try:
             reply = await self.send(witness, TESTIMONY_RPC, req)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            logger.debug("testimony of %s failed", witness, exc_info=True)
             return "unavailable", f"the witness did not answer ({type(e).__name__})"
         if isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND:
             return "fail", f"the peer it named ({witness[-8:]}) never trained it"
@@ -241,12 +253,13 @@ class MiddleRechecks(Rechecks):
                     y, g = await self.compute(self._recompute_middle, module, x, g_out)
                     y = await loop.run_in_executor(None, output_as_sent, self.boundary, y, ids)
                     g = await loop.run_in_executor(None, as_sent, self.boundary, g)
-                    fwd_agree, bwd_agree = middle_agreement(x, received, y, g_out, grad[rows], g)
-                    verdict = (min(fwd_agree[0], bwd_agree[0]), max(fwd_agree[1], bwd_agree[1]))  # both must pass
-                    self.seen.append(fwd_agree)
-                    self.seen.append(bwd_agree)
-                    why = (f"output cosine {fwd_agree[0]:.3f}, norm ratio {fwd_agree[1]:.2f}; gradient cosine "
-                           f"{bwd_agree[0]:.3f}, norm ratio {bwd_agree[1]:.2f}")
+                    # what every witness received, and the gradient the hop returned: each must pass
+                    judged = [middle_agreement(x, r, y, g_out, grad[rows], g) for r in received]
+                    pairs = [fwd for fwd, _ in judged] + [judged[0][1]]
+                    verdict = (min(c for c, _ in pairs), max(r for _, r in pairs))
+                    self.seen.extend(pairs)
+                    why = "; ".join(f"{what} cosine {c:.3f}, norm ratio {r:.2f}" for what, (c, r) in zip(
+                        ["output"] * len(received) + ["gradient"], pairs, strict=True))
             else:
                 logger.info("re-check of micro-batch %d left unjudged: %s", msg.mb_id, said)
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled

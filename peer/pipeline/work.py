@@ -69,6 +69,7 @@ class Pending:
     checks: dict[str, tuple[Backward, torch.Tensor] | None] | None = None  # a spot check: hop -> its answer
     recheck: Forward | None = None  # what was sent to the next stage, kept for a re-check from the held copy
     sent_id: int | None = None  # the id it went on under (a middle stage names it in the gradient it returns)
+    trained_from: list[str] | None = None  # the next-stage peers whose gradients were averaged (a spot check's two)
     fwdcheck: bool = False  # the last stage: its activations are re-computed from the held copy before training
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
