@@ -32,6 +32,7 @@ from trainer.data import BatchStream
 from trainer.worker import StageWorker
 
 RUN3 = RUN.replace(n_stages=3, model={"n_layer": 3})
+SUB3 = RUN3.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 8})
 
 
 def _step(w0: StageWorker, w1: StageWorker, w2: StageWorker, mb: int, x, y) -> tuple:
@@ -45,16 +46,20 @@ def _step(w0: StageWorker, w1: StageWorker, w2: StageWorker, mb: int, x, y) -> t
     return a, b, g2, g1
 
 
-@pytest.fixture(scope="module")
-def trained(corpus):  # noqa: F811
-    """The three stages after 40 micro-batches (4 x the tiny run's warm-up: the copies re-checks use are this old at
-    least), and the batches they were trained on."""
+def _pretrain(run, corpus):  # noqa: F811
     torch.manual_seed(0)
-    workers = [StageWorker(RUN3, s) for s in range(3)]
+    workers = [StageWorker(run, s) for s in range(3)]
     stream = BatchStream(corpus.train, 32, 8, seed=1)
     for mb in range(40):
         _step(*workers, mb, *stream.next())
     return [w.state_dict() for w in workers], stream
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):  # noqa: F811
+    """The three stages after 40 micro-batches (4 x the tiny run's warm-up: the copies re-checks use are this old at
+    least), and the batches they were trained on."""
+    return _pretrain(RUN3, corpus)
 
 
 def test_the_copy_recomputes_what_a_middle_stage_adds(trained):
@@ -138,17 +143,17 @@ def test_the_witness_answers_the_stage_two_before_about_what_it_trained():
     assert any(isinstance(r, Error) and r.code == ErrorCode.RATE_LIMITED for r in limited)
 
 
-def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2",)):  # noqa: F811
+def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2",), run=RUN3):  # noqa: F811
     """a0 -> b1 -> ``last`` at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives it
     none)."""
     net = Net()
-    pool = build(net, [["a0"], ["b1"], list(last)], cfg, RUN3)
+    pool = build(net, [["a0"], ["b1"], list(last)], cfg, run)
     for pid, state in [("a0", states[0]), ("b1", states[1]), *((pid, states[2]) for pid in last)]:
         net.stages[pid].worker.load_state_dict(state)
     old = net.stages["a0"]
-    spares = SpareStore(RUN3, None)
+    spares = SpareStore(run, None)
     assert spares.offer(1, states[1], source="b1", taken_at=time.time())
-    a0 = PipelineServicer(run=RUN3, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+    a0 = PipelineServicer(run=run, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
                           router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
                           my_id="a0", cost=1.0, spares=spares)
     net.stages["a0"] = a0
@@ -175,6 +180,20 @@ def test_an_honest_middle_stage_passes_with_a_stale_copy_and_its_witness_testifi
     if len(last) == 2:  # the pair was spot-checked, and the gradients trained on named both
         assert net.stages["b1"].metrics.snapshot()["counters"].get("spotcheck_passed", 0) >= 4
     assert a0.worker.local_step >= start + 30 and net.stages["b1"].worker.local_step >= start + 30
+
+
+@pytest.mark.timeout(90)
+def test_an_honest_middle_stage_passes_in_a_subspace_run(corpus):  # noqa: F811
+    """Activations and gradients cross as subspace coefficients: the witness rebuilds what it received, the copy's
+    output and gradient are projected as the wire does, and the comparison holds."""
+    cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0)
+    net, pool, a0 = _three_stages(corpus, cfg, _pretrain(SUB3, corpus)[0], run=SUB3)
+    start = a0.worker.local_step
+    asyncio.run(_run_driver(net, corpus, cfg, steps=start + 20))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
+    assert counters.get("recheck_unavailable", 0) == 0 and counters.get("recheck_errors", 0) == 0, counters
 
 
 def _lazy(pipe: PipelineServicer) -> None:
