@@ -97,6 +97,20 @@ def test_the_copy_recomputes_what_a_middle_stage_adds(trained):
     assert noise[0][0] < cfg.min_cosine and noise[1][0] < cfg.min_cosine, noise
 
 
+def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_at_a_third_of_our_step_or_later():
+    step = [100]
+    spares = SpareStore(RUN3, None)
+    copy = HeldCopy(RUN3, 1, spares, local_step=lambda: step[0])
+    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time())
+    assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH)  # first seen at our step 100
+    step[0] = 300
+    assert copy.recent(testimony.MAX_COPY_GROWTH)
+    step[0] = 301
+    assert copy.available() and not copy.recent(testimony.MAX_COPY_GROWTH)  # too old for a middle stage now
+    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 1)
+    assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH)  # the next backup: seen at 301
+
+
 def _store(records: dict[str, PeerRecord], **kw) -> testimony.TestimonyStore:
     return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, boundary=Boundary(RUN3, None), swarm=lambda: records,
                           count=lambda name, n: None, **kw)

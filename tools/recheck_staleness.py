@@ -26,12 +26,16 @@ gradient back unchanged), ``noise`` (adds random noise of the norm the live stag
 the negation of what the live stage adds), ``other_seed`` (a stage 1 of another seed, untrained) and
 ``other_seed_trained`` (one of another seed trained beside the live one, on the same inputs and on gradients of the
 same downstream stages; ``--no-trained-impostor`` leaves it out). Each attack's witness answers what it received
-from the attacker, and the gradient it returned for that. The JSON's ``middle`` holds, per lag, the quantiles of
-each case (honest comparisons only from copies of step >= ``recheck_after_warmups`` x warm-up steps, those of
-earlier copies apart), and what the re-check's thresholds make of them:
+from the attacker, and the gradient it returned for that. The JSON's ``middle`` holds, per lag and case, the
+quantiles of each figure and the share the re-check's thresholds fail (``summary``, ``separation``: copies of step
+>= ``recheck_after_warmups`` x warm-up steps, the ones a peer uses; ``early_copies``: honest checks of earlier
+copies), and every check (``rows``):
 
     python tools/recheck_staleness.py --run tests/runs/tiny.toml --middle --steps 2000 --every 50 \
-        --measure-every 250 --lags 0,50,100,250,500,1000,2000 --json docs/bench/recheck_staleness_middle_tiny.json
+        --measure-every 250 --batches 8 --lags 0,50,100,250,500,1000,1500,1950,2000 \
+        --json docs/bench/recheck_staleness_middle_tiny.json
+    python tools/recheck_staleness.py --middle --steps 2500 --every 50 --measure-every 250 \
+        --lags 0,100,250,500,1000,1500,2000 --json docs/bench/recheck_staleness_middle_default.json
 """
 
 from __future__ import annotations

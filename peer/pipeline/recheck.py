@@ -135,6 +135,7 @@ class HeldCopy:
         self._lock = threading.Lock()  # two re-checks in executor threads build one module
         self._seen: tuple[int, float] | None = None  # the copy last seen, and whether we had made min_step then
         self._mature = False
+        self._seen_step = 0  # our own step when the copy held now was first seen
 
     @classmethod
     def of(cls, run: RunConfig, stage: int, spares: SpareStore, worker: StageWorker, cfg: PeerConfig) -> HeldCopy:
@@ -150,8 +151,14 @@ class HeldCopy:
             return False
         key = (info.step, info.taken_at)
         if key != self._seen:
-            self._seen, self._mature = key, self.local_step() >= self.min_step
+            self._seen_step = self.local_step()
+            self._seen, self._mature = key, self._seen_step >= self.min_step
         return self._mature
+
+    def recent(self, growth: float) -> bool:
+        """Whether our own step is at most ``growth`` times what it was when the copy held now was first seen (our
+        step stands for the copied stage's progress: a hop's announced step is its own word)."""
+        return self.local_step() <= growth * max(self._seen_step, 1)
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
@@ -208,14 +215,18 @@ class Rechecks:
     def untrusted(self, peer: str) -> bool:
         """Whether every micro-batch sent to ``peer`` is re-computed here (it has not yet passed ``trust_after``
         re-checks in a row): a spot check would then let a colluding partner vouch for it, so none is sent."""
-        return self.copy.available() and not self.spot.recheck_trusted(peer)
+        return self.usable() and not self.spot.recheck_trusted(peer)
+
+    def usable(self) -> bool:
+        """Whether the held copy can judge the next stage's work now."""
+        return self.copy.available()
 
     def answer(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor | None, learning: bool) -> bool:
         """``peer``'s answer to a micro-batch sent with a copy held: whether it is held here until re-computed
         (decided now, so a hop cannot tell by its timing whether it is re-checked; ``learning``: the gradient norm
         bound is being learnt, everything is re-checked)."""
         fwd, p.recheck = p.recheck, None
-        if fwd is None or grad is None or not self.copy.available():
+        if fwd is None or grad is None or not self.usable():
             return False
         busy = self.queued() >= self.config.busy_queue
         if not self.spot.wants_recheck(peer, fraction=self.config.fraction, learning=learning, busy=busy):

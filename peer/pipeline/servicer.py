@@ -470,7 +470,7 @@ class PipelineServicer:
         msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
                       is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
         p = self.pending.get(mb_id)
-        if p is not None and not is_eval and self.recheck is not None and self.recheck.copy.available():
+        if p is not None and not is_eval and self.recheck is not None and self.recheck.usable():
             p.recheck = msg  # the gradient may be re-computed from it when it comes back
         peer = await self.hops.forward(msg, p.sent_to if p else set())
         if peer is not None:

@@ -169,8 +169,15 @@ def middle_agreement(x: torch.Tensor, received: torch.Tensor, copy_out: torch.Te
     return agreement(received - x, copy_out - x), agreement(returned - g_out, copy_grad - g_out)
 
 
+#: a middle stage is judged only from a copy first seen at a third of our current step or later: what a middle stage
+#: adds drifts from an older copy's faster than a last stage's gradient does (the tiny run: honest cosines as low as
+#: -0.13 against copies 1,950 steps old, at least 0.21 within this bound; docs/security.md)
+MAX_COPY_GROWTH = 3.0
+
+
 class MiddleRechecks(Rechecks):
-    """``Rechecks`` of a next stage that is not the last: its work is judged with a witness's testimony (above).
+    """``Rechecks`` of a next stage that is not the last: its work is judged with a witness's testimony (above), from
+    a copy recent enough (``MAX_COPY_GROWTH``; else the hop is treated as when no copy is held).
 
     Args (beyond ``Rechecks``'):
         send: ``await send(peer, name, msg)`` one RPC.
@@ -182,6 +189,9 @@ class MiddleRechecks(Rechecks):
         self.send, self.swarm = send, swarm
         d = self.boundary.act_spec.shape[2]
         self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
+
+    def usable(self) -> bool:
+        return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH)
 
     def _rows(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         x, window = self.boundary.decode_forward(fwd, self.my_id)
