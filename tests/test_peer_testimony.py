@@ -18,10 +18,10 @@ from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline import testimony
 from peer.pipeline.boundary import Boundary
-from peer.pipeline.recheck import HeldCopy, RecheckConfig, as_sent
+from peer.pipeline.recheck import HeldCopy, RecheckConfig
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.spotcheck import distance
-from peer.pipeline.testimony import middle_agreement, middle_reference, output_as_sent
+from peer.pipeline.testimony import as_carried, middle_agreement, middle_reference
 from peer.state.spare import SpareStore
 from protocol import messages
 from protocol.codecs.registry import decode, encode
@@ -50,15 +50,15 @@ def _pretrain(run, corpus):  # noqa: F811
     torch.manual_seed(0)
     workers = [StageWorker(run, s) for s in range(3)]
     stream = BatchStream(corpus.train, 32, 8, seed=1)
-    for mb in range(40):
+    for mb in range(testimony.MIN_COPY_WARMUPS * run.optim.warmup_steps):
         _step(*workers, mb, *stream.next())
     return [w.state_dict() for w in workers], stream
 
 
 @pytest.fixture(scope="module")
 def trained(corpus):  # noqa: F811
-    """The three stages after 40 micro-batches (4 x the tiny run's warm-up: the copies re-checks use are this old at
-    least), and the batches they were trained on."""
+    """The three stages after 80 micro-batches (8 x the tiny run's warm-up: the copies middle-stage re-checks use are
+    this old at least), and the batches they were trained on."""
     return _pretrain(RUN3, corpus)
 
 
@@ -84,7 +84,7 @@ def test_the_copy_recomputes_what_a_middle_stage_adds(trained):
     a, b, g2, g1 = _step(w0, w1, w2, 99, x, y)
     boundary = Boundary(RUN3, None)
     ref_y, ref_g = middle_reference(module, a[rows], g2[rows])
-    ref_y, ref_g = output_as_sent(boundary, ref_y, None), as_sent(boundary, ref_g)
+    ref_y, ref_g = as_carried(boundary, ref_y), as_carried(boundary, ref_g, gradient=True)
     assert distance(ref_y, b[rows]) > 1e-3  # stale
     cfg = RecheckConfig()
     honest = middle_agreement(a[rows], b[rows], ref_y, g2[rows], g1[rows], ref_g)
@@ -97,17 +97,20 @@ def test_the_copy_recomputes_what_a_middle_stage_adds(trained):
     assert noise[0][0] < cfg.min_cosine and noise[1][0] < cfg.min_cosine, noise
 
 
-def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_at_a_third_of_our_step_or_later():
-    step = [100]
+def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_after_8_warmups_and_at_a_third_of_our_step():
+    step = [70]
     spares = SpareStore(RUN3, None)
     copy = HeldCopy(RUN3, 1, spares, local_step=lambda: step[0])
     assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time())
-    assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH)  # first seen at our step 100
+    assert copy.available() and not copy.recent(testimony.MAX_COPY_GROWTH, after=80)  # first seen at our step 70
+    step[0] = 100
+    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 0.5)
+    assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH, after=80)  # first seen at our step 100
     step[0] = 300
     assert copy.recent(testimony.MAX_COPY_GROWTH)
     step[0] = 301
     assert copy.available() and not copy.recent(testimony.MAX_COPY_GROWTH)  # too old for a middle stage now
-    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 1)
+    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 1.0)
     assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH)  # the next backup: seen at 301
 
 
@@ -227,23 +230,41 @@ def _mute(pipe: PipelineServicer) -> None:
     pipe.hops.backward = unnamed  # type: ignore[method-assign]
 
 
+def _silent(pipe: PipelineServicer) -> None:
+    """The middle stage does no work (``_lazy``) and names as its witness a second identity that announces stage 2
+    and never answers."""
+    _lazy(pipe)
+    backward = pipe.hops.backward
+    pipe.swarm()["z2"] = PeerRecord(peer_id="z2", stage=2, throughput=1.0, queue=0, version=0, state="training")
+
+    async def sybil(*args, **kwargs):
+        kwargs["downstream"] = (["z2"], kwargs.get("downstream", (None, 0))[1])
+        return await backward(*args, **kwargs)
+    pipe.hops.backward = sybil  # type: ignore[method-assign]
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("attack", [_lazy, _mute], ids=["lazy", "mute"])
+@pytest.mark.parametrize("attack", [_lazy, _mute, _silent], ids=["lazy", "mute", "silent-witness"])
 def test_a_middle_stage_that_does_no_work_or_names_nobody_is_banned(corpus, trained, attack):  # noqa: F811
     torch.manual_seed(0)
     cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0, recheck_after_warmups=0)
     net, pool, a0 = _three_stages(corpus, cfg, trained[0])
     start = a0.worker.local_step
+    net.dead.add("z2")  # the silent identity: every call to it fails
     attack(net.stages["b1"])
     revoked: set[str] = set()
     a0.revoke = revoked.add
 
+    seconds = 12.0 if attack is _silent else 4.0  # a silent witness takes 4 re-checks per strike, 3 strikes to ban
+
     async def go() -> None:
-        asyncio.get_running_loop().call_later(4.0, a0.stop_accepting)
-        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=4.0)
+        asyncio.get_running_loop().call_later(seconds, a0.stop_accepting)
+        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=seconds)
     asyncio.run(go())
     pool.shutdown()
     counters = a0.metrics.snapshot()["counters"]
     assert counters.get("recheck_failed", 0) >= 1 and counters.get("recheck_passed", 0) == 0, counters
     assert a0.worker.local_step == start, "stage 0 trained on a gradient of the hop that failed every re-check"
     assert counters.get("recheck_banned", 0) == 1 and revoked == {"b1"}, counters
+    if attack is _silent:  # every re-check was left unheard; each 4th in a row counted as a failure
+        assert counters.get("recheck_unavailable", 0) >= 3 * testimony.UNHEARD_STRIKE - 3, counters

@@ -56,9 +56,9 @@ import torch  # noqa: E402
 
 from peer.config import PeerConfig  # noqa: E402
 from peer.pipeline.boundary import Boundary  # noqa: E402
-from peer.pipeline.recheck import RecheckConfig, as_sent, input_gradient  # noqa: E402
+from peer.pipeline.recheck import RecheckConfig, input_gradient  # noqa: E402
 from peer.pipeline.spotcheck import agreement, quantiles  # noqa: E402
-from peer.pipeline.testimony import middle_agreement, middle_reference, output_as_sent  # noqa: E402
+from peer.pipeline.testimony import as_carried, middle_agreement, middle_reference  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.data import BatchStream, load_corpus  # noqa: E402
 from trainer.model import StageBase, build_stage  # noqa: E402
@@ -348,8 +348,8 @@ def _middle_checks(run: RunConfig, boundary: Boundary, workers: list[StageWorker
         for case, (received, g_out, ret) in cases.items():
             c_out, c_grad = middle_reference(copy, xin[rows], g_out[rows])
             (a_cos, a_ratio), (g_cos, g_ratio) = middle_agreement(
-                xin[rows], received[rows], output_as_sent(boundary, c_out, ids), g_out[rows], ret[rows],
-                as_sent(boundary, c_grad))
+                xin[rows], received[rows], as_carried(boundary, c_out, ids), g_out[rows], ret[rows],
+                as_carried(boundary, c_grad, gradient=True))
             out.append({"step": step, "lag": lag, "copy_step": step - lag, "case": case, "act_cos": a_cos,
                         "act_ratio": a_ratio, "grad_cos": g_cos, "grad_ratio": g_ratio})
     return out

@@ -155,10 +155,11 @@ class HeldCopy:
             self._seen, self._mature = key, self._seen_step >= self.min_step
         return self._mature
 
-    def recent(self, growth: float) -> bool:
-        """Whether our own step is at most ``growth`` times what it was when the copy held now was first seen (our
-        step stands for the copied stage's progress: a hop's announced step is its own word)."""
-        return self.local_step() <= growth * max(self._seen_step, 1)
+    def recent(self, growth: float, *, after: int = 0) -> bool:
+        """Whether the copy held now was first seen once our own step reached ``after``, and our step is at most
+        ``growth`` times what it was then (our step stands for the copied stage's progress: a hop's announced step
+        is its own word)."""
+        return self._seen_step >= after and self.local_step() <= growth * max(self._seen_step, 1)
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
@@ -273,15 +274,16 @@ class Rechecks:
                       "" if verdict is None else f"cosine {verdict[0]:.3f}, norm ratio {verdict[1]:.2f}")
 
     def conclude(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor,
-                 verdict: tuple[float, float] | None, why: str) -> None:
+                 verdict: tuple[float, float] | None, why: str, *, unheard: bool = False) -> None:
         """Pass the re-checked gradient on, or drop it and hold it against ``peer``: ``verdict`` is the (cosine,
         norm ratio) judged (None: nothing could be judged, trained as before re-checks; ``why`` says what
-        disagreed)."""
+        disagreed). ``unheard``: nothing could be judged because someone the hop named did not answer: dropped,
+        not held against the hop."""
         if not self.held(msg.mb_id, p):  # the id held here (a later stage sends under ids of its own)
             return
         if verdict is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
             self.metrics.inc("recheck_unavailable")
-            self.requeue(BackwardWork(msg, grad))
+            self.requeue(BackwardWork(msg, None if unheard else grad))
             return
         cos, ratio = verdict
         self.judged += 1

@@ -15,7 +15,9 @@ gradient back, agrees with nothing.
 What it catches: a hop that fabricates the gradient it returns, sends on activations it did not compute, or names no
 peer, a peer of another stage, or one that never trained the micro-batch. What it does not: a hop and a witness of
 the next stage that collude (two identities on two stages). A witness that does not answer (gone, rate-limited)
-leaves the micro-batch unjudged and trained as before, counted ``recheck_unavailable``.
+leaves the micro-batch unjudged: it is dropped (stage 0 re-sends its sample), counted ``recheck_unavailable``, and
+every ``UNHEARD_STRIKE``-th in a row from one hop counts as a failed re-check: a hop that names a silent identity of
+the next stage must not have its work trained unjudged, nor go on forever.
 
 ``TestimonyStore`` is the witness's side: the last forwards it received from each peer and the gradients it returned
 for them, bounded in count and bytes, answered only to peers announcing the stage two before its own.
@@ -24,6 +26,7 @@ for them, bounded in count and bytes, answered only to peers announcing the stag
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -32,8 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.pipeline.recheck import Rechecks, as_sent
-from peer.pipeline.spotcheck import agreement
+from peer.pipeline.recheck import Rechecks
 from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import PeerBudgets
@@ -148,31 +150,56 @@ def middle_reference(module: StageBase, x: torch.Tensor, g_out: torch.Tensor, *,
     return y.detach().float().cpu(), g.float().cpu()
 
 
-def output_as_sent(boundary: Boundary, y: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """Activation rows as the next stage would decode them: through the run's activation codec, or projected into
-    its subspace (which needs the rows' input ids)."""
+def as_carried(boundary: Boundary, t: torch.Tensor, ids: torch.Tensor | None = None, *,
+               gradient: bool = False) -> torch.Tensor:
+    """Activation rows (``ids``: their input ids) or gradient rows as far as the wire can carry them: projected into
+    the run's subspace where it has one, else as they are. The codec's rounding is left out: it is noise that would
+    only blur the comparison (``along``)."""
     sub = boundary.subspace
-    if sub is not None:
-        assert ids is not None  # subspace runs' forwards carry their window
-        return sub.rebuild(sub.coefficients(y, ids), ids).cpu()
-    return decode(encode(y, boundary.run.compression.activations))
+    if sub is None:
+        return t.cpu()
+    if gradient:
+        return sub.grad_rebuild(sub.grad_coefficients(t.cpu())).cpu()
+    assert ids is not None  # subspace runs' forwards carry their window
+    return sub.rebuild(sub.coefficients(t.cpu(), ids), ids).cpu()
 
 
-Agreement = tuple[float, float]  # (cosine similarity, norm ratio)
+Agreement = tuple[float, float]  # (share of the copy's change carried, norm ratio)
+
+
+def along(delivered: torch.Tensor, expected: torch.Tensor) -> Agreement:
+    """How much of the change ``expected`` (the copy's) the change ``delivered`` carries, <d, e> / |e|^2 (1 when
+    they agree, 0 for a change orthogonal to it or none, -1 negated), and the ratio of the larger norm to the smaller;
+    a zero or non-finite change gives (-1, inf).
+
+    Not a cosine: the codec's rounding adds noise of a fixed size to what a hop delivers, which can exceed what a
+    middle stage adds to a gradient that is mostly the residual stream's (the tiny run: the stage's part 5 % of the
+    gradient, int8's rounding 9 %), and a cosine then falls to the noise's level for honest and lazy hops alike. The
+    noise is spread over every coordinate, so its projection on the copy's change is that small share only."""
+    d, e = delivered.float().flatten(), expected.float().flatten()
+    nd, ne = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(e))
+    if not (nd > 0 and ne > 0 and nd < float("inf") and ne < float("inf")):
+        return -1.0, float("inf")
+    return float(torch.dot(d, e)) / (ne * ne), max(nd, ne) / min(nd, ne)
 
 
 def middle_agreement(x: torch.Tensor, received: torch.Tensor, copy_out: torch.Tensor, g_out: torch.Tensor,
                      returned: torch.Tensor, copy_grad: torch.Tensor) -> tuple[Agreement, Agreement]:
-    """((cosine, norm ratio) of what the stage added to the activations, the same of what it added to the gradient):
+    """(``along`` of what the stage added to the activations, the same of what it added to the gradient):
     ``received`` (the witness's rows) against ``copy_out`` over input ``x``; ``returned`` (the hop's gradient rows)
     against ``copy_grad`` over the witness's ``g_out``."""
-    return agreement(received - x, copy_out - x), agreement(returned - g_out, copy_grad - g_out)
+    return along(received - x, copy_out - x), along(returned - g_out, copy_grad - g_out)
 
 
 #: a middle stage is judged only from a copy first seen at a third of our current step or later: what a middle stage
 #: adds drifts from an older copy's faster than a last stage's gradient does (the tiny run: honest cosines as low as
 #: -0.13 against copies 1,950 steps old, at least 0.21 within this bound; docs/security.md)
 MAX_COPY_GROWTH = 3.0
+#: ... and first seen once our step reached this many times the run's warm-up steps: the tiny run's honest middle
+#: stage failed 34 of 248 checks against copies of steps 40-79 (4-8 x its warm-up), none of 1,872 against later ones
+MIN_COPY_WARMUPS = 8
+#: re-checks of one hop left unjudged in a row (a witness it named did not answer) that count as one failed re-check
+UNHEARD_STRIKE = 4
 
 
 class MiddleRechecks(Rechecks):
@@ -187,11 +214,13 @@ class MiddleRechecks(Rechecks):
     def __init__(self, *args: Any, send: Send, swarm: Callable[[], dict[str, PeerRecord]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send, self.swarm = send, swarm
+        self._unheard: dict[str, int] = {}  # hop -> re-checks left unjudged in a row (its witnesses were silent)
         d = self.boundary.act_spec.shape[2]
         self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
 
     def usable(self) -> bool:
-        return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH)
+        after = MIN_COPY_WARMUPS * self.copy.run.optim.warmup_steps
+        return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH, after=after)
 
     def _rows(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         x, window = self.boundary.decode_forward(fwd, self.my_id)
@@ -250,10 +279,11 @@ class MiddleRechecks(Rechecks):
     async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
         loop = asyncio.get_running_loop()
         verdict: tuple[float, float] | None = None
-        why = ""
+        why, unheard = "", False
         try:
             x, ids, rows = await loop.run_in_executor(None, self._rows, fwd)
             kind, said = await self._testimony(peer, msg, rows)
+            unheard = kind == "unavailable"
             if kind == "fail":
                 why, verdict = said, (-1.0, float("inf"))
             elif kind == "ok":
@@ -261,19 +291,30 @@ class MiddleRechecks(Rechecks):
                 if module is not None:
                     received, g_out = said
                     y, g = await self.compute(self._recompute_middle, module, x, g_out)
-                    y = await loop.run_in_executor(None, output_as_sent, self.boundary, y, ids)
-                    g = await loop.run_in_executor(None, as_sent, self.boundary, g)
+                    y = await loop.run_in_executor(None, as_carried, self.boundary, y, ids)
+                    g = await loop.run_in_executor(None, functools.partial(as_carried, self.boundary, g,
+                                                                           gradient=True))
                     # what every witness received, and the gradient the hop returned: each must pass
                     judged = [middle_agreement(x, r, y, g_out, grad[rows], g) for r in received]
                     pairs = [fwd for fwd, _ in judged] + [judged[0][1]]
                     verdict = (min(c for c, _ in pairs), max(r for _, r in pairs))
                     self.seen.extend(pairs)
-                    why = "; ".join(f"{what} cosine {c:.3f}, norm ratio {r:.2f}" for what, (c, r) in zip(
-                        ["output"] * len(received) + ["gradient"], pairs, strict=True))
+                    names = ["output"] * len(received) + ["gradient"]
+                    why = "; ".join(f"{what} carries {c:.3f} of the copy's change, norm ratio {r:.2f}"
+                                    for what, (c, r) in zip(names, pairs, strict=True))
             else:
-                logger.info("re-check of micro-batch %d left unjudged: %s", msg.mb_id, said)
+                logger.info("re-check of micro-batch %d left unjudged and dropped: %s", msg.mb_id, said)
         except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
             logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
-            verdict = None
-        self.conclude(p, peer, msg, grad, verdict, why)
+            verdict, unheard = None, False
+        streak = self._unheard.pop(peer, 0) + 1  # any judged verdict ends the streak
+        if not unheard:
+            streak = 0
+        if streak >= UNHEARD_STRIKE:  # a silent witness again and again: held against the hop that named it
+            verdict, why, streak = (-1.0, float("inf")), f"{UNHEARD_STRIKE} of its witnesses in a row were silent", 0
+        if streak:
+            self._unheard[peer] = streak
+            while len(self._unheard) > 4096:
+                del self._unheard[next(iter(self._unheard))]
+        self.conclude(p, peer, msg, grad, verdict, why, unheard=unheard and verdict is None)
