@@ -75,12 +75,20 @@ def test_a_copy_received_before_our_step_reached_the_minimum_is_not_used():
     copy = HeldCopy(RUN, 1, spares, local_step=lambda: step[0], min_step=40)
     assert not copy.available() and copy.module() is None  # nothing held
     w1 = StageWorker(RUN, 1)
+    w1.local_step = 50
     assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time())
     assert not copy.available() and copy.module() is None  # held, but received at our step 3
     step[0] = 100
     assert not copy.available()  # still the same copy: our step when it came is what counts
     assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time() + 1)
-    assert copy.available() and copy.module() is not None  # a newer copy, received at step 100
+    assert not copy.available()  # the same state taken again (one snapshot served for a while): still seen at 3
+    w1.local_step = 60
+    assert spares.offer(1, w1.state_dict(), source="b1", taken_at=time.time() + 2)
+    assert copy.available() and copy.module() is not None  # a newer state, received at step 100
+    w0 = StageWorker(RUN, 1)  # a young state received late (a stale snapshot): of a step below the minimum
+    fresh = SpareStore(RUN, None)
+    late = HeldCopy(RUN, 1, fresh, local_step=lambda: step[0], min_step=40)
+    assert fresh.offer(1, w0.state_dict(), source="b1", taken_at=time.time()) and not late.available()
 
 
 @pytest.mark.parametrize("compression", [{}, {"activations": "subspace", "gradients": "subspace", "subspace_rank": 4}],

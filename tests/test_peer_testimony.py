@@ -101,17 +101,30 @@ def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_after_8_warmups_an
     step = [70]
     spares = SpareStore(RUN3, None)
     copy = HeldCopy(RUN3, 1, spares, local_step=lambda: step[0])
-    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time())
+
+    def offer(copy_step: int, taken_at: float) -> None:
+        w = StageWorker(RUN3, 1)
+        w.local_step = copy_step
+        assert spares.offer(1, w.state_dict(), source="b1", taken_at=taken_at)
+    t = time.time()
+    offer(90, t)
     assert copy.available() and not copy.recent(testimony.MAX_COPY_GROWTH, after=80)  # first seen at our step 70
     step[0] = 100
-    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 0.5)
+    offer(90, t + 1)  # the same state taken again: still first seen at our step 70
+    assert not copy.recent(testimony.MAX_COPY_GROWTH, after=80)
+    offer(95, t + 2)
     assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH, after=80)  # first seen at our step 100
     step[0] = 300
     assert copy.recent(testimony.MAX_COPY_GROWTH)
     step[0] = 301
     assert copy.available() and not copy.recent(testimony.MAX_COPY_GROWTH)  # too old for a middle stage now
-    assert spares.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=time.time() + 1.0)
+    offer(280, t + 3)
     assert copy.available() and copy.recent(testimony.MAX_COPY_GROWTH)  # the next backup: seen at 301
+    step[0] = 400
+    young = SpareStore(RUN3, None)  # a stale snapshot of step 2, first received at our step 400
+    late = HeldCopy(RUN3, 1, young, local_step=lambda: step[0])
+    assert young.offer(1, StageWorker(RUN3, 1).state_dict(), source="b1", taken_at=t)
+    assert late.available() and not late.recent(testimony.MAX_COPY_GROWTH, after=80)
 
 
 def _store(records: dict[str, PeerRecord], **kw) -> testimony.TestimonyStore:

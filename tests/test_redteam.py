@@ -117,7 +117,8 @@ def test_a_lone_fake_middle_stage_that_does_no_work_is_caught_with_the_witness_t
     seen = ev["stage0_counters"]
     assert ev["gradients_returned"] >= 1, ev  # it was stage 1's only replica and relayed stage 2's gradients
     assert seen["recheck_banned"] >= 1 and seen["recheck_failed"] >= 3 and seen["recheck_passed"] == 0, ev
-    assert res["fake_middle_stage"]["outcome"] == "refused"
+    # (stage 0 stalls for the phase by construction: stage 1's honest peers are stopped and the attacker is banned)
+    assert res["groups"]["1x3"]["control"][0]["max_stall_s"] < 5.0  # the 3-stage swarm trains before the attack
 
 
 @pytest.mark.slow

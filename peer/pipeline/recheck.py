@@ -145,21 +145,29 @@ class HeldCopy:
                    min_step=math.ceil(cfg.recheck_after_warmups * run.optim.warmup_steps))
 
     def available(self) -> bool:
-        """Whether a copy of the stage is held and usable (cheap: read from the store's announcement)."""
+        """Whether a copy of the stage is held and usable (cheap: read from the store's announcement): one first seen
+        once our step reached ``min_step``, of a step that high too. A copy of the step already held, taken again
+        (a replica serves one snapshot for a while), keeps the step at which that state was first seen: a red-team
+        run had stage 0 take the copy of stage 1's step 2 again and again while both trained on, then judge stage 1
+        at step 150 by it."""
         info = self.spares.info
         if info is None or info.stage != self.stage:
             return False
         key = (info.step, info.taken_at)
         if key != self._seen:
-            self._seen_step = self.local_step()
-            self._seen, self._mature = key, self._seen_step >= self.min_step
+            if self._seen is None or info.step != self._seen[0]:
+                self._seen_step = self.local_step()
+            self._seen = key
+            self._mature = self._seen_step >= self.min_step and info.step >= self.min_step
         return self._mature
 
     def recent(self, growth: float, *, after: int = 0) -> bool:
-        """Whether the copy held now was first seen once our own step reached ``after``, and our step is at most
-        ``growth`` times what it was then (our step stands for the copied stage's progress: a hop's announced step
-        is its own word)."""
-        return self._seen_step >= after and self.local_step() <= growth * max(self._seen_step, 1)
+        """Whether the state held now was first seen once our own step reached ``after``, is of a step that high
+        too, and our step is at most ``growth`` times what it was then (our step stands for the copied stage's
+        progress: a hop's announced step is its own word)."""
+        step = self._seen[0] if self._seen is not None else -1
+        return (self._seen_step >= after and step >= after
+                and self.local_step() <= growth * max(self._seen_step, 1))
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
