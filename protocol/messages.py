@@ -343,10 +343,10 @@ MAX_TESTIMONY_ROWS = 8
           rows=s.sequence(s.integer(0, 2**20), MAX_TESTIMONY_ROWS))  # fmt: skip
 class TestimonyRequest(Message):
     """Ask a peer what it received from `sender` as micro-batch `mb_id`, and what it returned: the rows `rows` of the
-    activations (as decoded here) and of the gradient sent back. Only a peer of the stage two before the answering
-    one asks (it holds a copy of `sender`'s stage and re-computes both from what it sent `sender` itself:
-    ``peer.pipeline.testimony``). The reply is `Testimony`, or `Error` NOT_FOUND when no such micro-batch was
-    trained here."""
+    activations (as decoded here) and of the gradient sent back. The peer that asks serves the stage two before the
+    answering one (it holds a copy of `sender`'s stage and re-computes both from what it sent `sender` itself:
+    ``peer.pipeline.testimony``); anyone may ask, within a rate limit. The reply is `Testimony`, or `Error`
+    NOT_FOUND when no such micro-batch was trained here."""
 
     run_id: str
     sender: str

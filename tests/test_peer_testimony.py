@@ -127,9 +127,9 @@ def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_after_8_warmups_an
     assert late.available() and not late.recent(testimony.MAX_COPY_GROWTH, after=80)
 
 
-def _store(records: dict[str, PeerRecord], **kw) -> testimony.TestimonyStore:
-    return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, boundary=Boundary(RUN3, None), swarm=lambda: records,
-                          count=lambda name, n: None, **kw)
+def _store(**kw) -> testimony.TestimonyStore:
+    return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, boundary=Boundary(RUN3, None),
+                                    count=lambda name, n: None, **kw)
 
 
 def _forward(mb_id: int, x: torch.Tensor) -> Forward:
@@ -137,10 +137,8 @@ def _forward(mb_id: int, x: torch.Tensor) -> Forward:
                    is_eval=False, sent_at=time.time())
 
 
-def test_the_witness_answers_the_stage_two_before_about_what_it_trained():
-    records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
-               for pid, s in (("a0", 0), ("b1", 1), ("c2", 2))}
-    store = _store(records, max_kept=3)
+def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
+    store = _store(max_kept=3)
     b, t, d = RUN3.data.batch_size, RUN3.model.block_size, RUN3.model.n_embd
     x, g = torch.randn(b, t, d), torch.randn(b, t, d)
     def request(sender: str, rows: list[int]) -> messages.TestimonyRequest:
@@ -152,21 +150,21 @@ def test_the_witness_answers_the_stage_two_before_about_what_it_trained():
         not_yet = await store.rpc_testimony(ask, "a0")  # received, but its gradient not returned: not trained yet
         store.returned("b1", 7, encode(g, "int8"))
         ok = await store.rpc_testimony(ask, "a0")
-        strangers = [await store.rpc_testimony(ask, peer) for peer in ("b1", "c2", "zz")]
+        others = [await store.rpc_testimony(ask, peer) for peer in ("b1", "zz")]  # whoever asks: views lag
         bad_rows = [await store.rpc_testimony(request("b1", r), "a0") for r in ([b], [1, 1], [])]
         other = await store.rpc_testimony(request("zz", [0]), "a0")
         for mb in range(8, 11):  # three more: the oldest is evicted
             store.received("b1", _forward(mb, x))
         evicted = await store.rpc_testimony(ask, "a0")
         limited = [await store.rpc_testimony(ask, "a0") for _ in range(60)]
-        return not_yet, ok, strangers, bad_rows, other, evicted, limited
-    not_yet, ok, strangers, bad_rows, other, evicted, limited = asyncio.run(go())
+        return not_yet, ok, others, bad_rows, other, evicted, limited
+    not_yet, ok, others, bad_rows, other, evicted, limited = asyncio.run(go())
     assert isinstance(not_yet, Error) and not_yet.code == ErrorCode.NOT_FOUND
     assert isinstance(ok, messages.Testimony)
     got_x = decode(ok.activations)
     got_g = decode(ok.gradient)
     assert got_x.shape == (2, t, d) and distance(got_x, x[[3, 0]]) < 0.05 and distance(got_g, g[[3, 0]]) < 0.05
-    assert all(isinstance(r, Error) and r.code == ErrorCode.UNAUTHORIZED for r in strangers)
+    assert all(isinstance(r, messages.Testimony) for r in others)
     assert all(isinstance(r, Error) and r.code == ErrorCode.BAD_REQUEST for r in bad_rows)
     assert isinstance(other, Error) and other.code == ErrorCode.NOT_FOUND
     assert isinstance(evicted, Error) and evicted.code == ErrorCode.NOT_FOUND

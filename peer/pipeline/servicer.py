@@ -123,7 +123,7 @@ class PipelineServicer:
             revoke=lambda peer: self.revoke(peer))
         # the next stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py); a middle next
         # stage's with the testimony of the peer it sent the micro-batch on to (peer/pipeline/testimony.py)
-        kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=send, swarm=swarm)
+        kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=send)
                                          if stage < run.n_stages - 2 else Rechecks)
         self.recheck = None if self.spot is None or spares is None or stage > run.n_stages - 2 else kind(
             self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
@@ -134,7 +134,7 @@ class PipelineServicer:
             bf16=worker.precision == "bf16")
         # what this stage received and returned, for the stage two before to re-check the one between
         self.testimony = None if stage < 2 or cfg.mode == Mode.SYNC else TestimonyStore(
-            run_id=run.run_id, stage=stage, boundary=self.boundary, swarm=swarm, count=metrics.inc)
+            run_id=run.run_id, stage=stage, boundary=self.boundary, count=metrics.inc)
         # a 2-stage run's last stage re-computes stage 0's forwards from its copy of it (peer/pipeline/fwdcheck.py)
         self.fwdcheck = None if spares is None or run.n_stages != 2 or not self.is_last or cfg.mode == Mode.SYNC \
             else ForwardChecks(ForwardCheckConfig(fraction=cfg.recheck_fraction),

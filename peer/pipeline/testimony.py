@@ -13,14 +13,15 @@ gradient) against (copy's input gradient - witness's gradient); a hop that passe
 gradient back, agrees with nothing.
 
 What it catches: a hop that fabricates the gradient it returns, sends on activations it did not compute, or names no
-peer, a peer of another stage, or one that never trained the micro-batch. What it does not: a hop and a witness of
+peer, itself, or a peer that never trained the micro-batch. What it does not: a hop and a witness of
 the next stage that collude (two identities on two stages). A witness that does not answer (gone, rate-limited)
 leaves the micro-batch unjudged: it is dropped (stage 0 re-sends its sample), counted ``recheck_unavailable``, and
 every ``UNHEARD_STRIKE``-th in a row from one hop counts as a failed re-check: a hop that names a silent identity of
 the next stage must not have its work trained unjudged, nor go on forever.
 
 ``TestimonyStore`` is the witness's side: the last forwards it received from each peer and the gradients it returned
-for them, bounded in count and bytes, answered only to peers announcing the stage two before its own.
+for them, bounded in count and bytes, answered to any peer within a rate limit (the rows are training activations any
+peer of an open run sees anyway; a request costs one decode).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from protocol.messages import Error, Message, Testimony, TestimonyRequest, paylo
 from protocol.validation import TensorSpec
 
 if TYPE_CHECKING:
-    from peer.membership.records import PeerRecord
     from peer.pipeline.boundary import Boundary
     from peer.pipeline.work import Pending
     from peer.seams import Send
@@ -66,16 +66,15 @@ class TestimonyStore:
     """What this stage received from each peer and returned to it, for the stage two before to ask about.
 
     Args:
-        stage: the stage this peer serves (only peers announcing ``stage - 2`` are answered).
+        stage: the stage this peer serves.
         boundary: decodes a kept forward and gradient as the sender saw them.
-        swarm: the latest validated records.
         count: ``count(name, n)`` the peer's counters.
     """
 
-    def __init__(self, *, run_id: str, stage: int, boundary: Boundary, swarm: Callable[[], dict[str, PeerRecord]],
-                 count: Callable[[str, int], None], max_kept: int = MAX_KEPT,
+    def __init__(self, *, run_id: str, stage: int, boundary: Boundary, count: Callable[[str, int], None],
+                 max_kept: int = MAX_KEPT,
                  max_bytes: int = MAX_KEPT_BYTES) -> None:
-        self.run_id, self.stage, self.boundary, self.swarm, self.count = run_id, stage, boundary, swarm, count
+        self.run_id, self.stage, self.boundary, self.count = run_id, stage, boundary, count
         self.max_kept, self.max_bytes = max_kept, max_bytes
         self._kept: OrderedDict[tuple[str, int], tuple[Forward, TensorEnvelope | None, int]] = OrderedDict()
         self._bytes = 0
@@ -111,11 +110,6 @@ class TestimonyStore:
         if not isinstance(msg, TestimonyRequest) or msg.run_id != self.run_id:
             self.count("rejected:bad_request", 1)
             return Error(code=ErrorCode.BAD_REQUEST, message="testimony: expected a TestimonyRequest of this run")
-        record = self.swarm().get(peer_id)
-        if record is None or record.stage != self.stage - 2:
-            self.count("rejected:unauthorized", 1)
-            return Error(code=ErrorCode.UNAUTHORIZED, message=f"testimony: only peers of stage {self.stage - 2} "
-                         "may ask this stage")
         if self._budget.empty(peer_id):
             self.count("rejected:testimony_rate_limited", 1)
             return Error(code=ErrorCode.RATE_LIMITED, message=f"testimony: at most {TESTIMONY_RATE:.0f} per second")
@@ -208,12 +202,11 @@ class MiddleRechecks(Rechecks):
 
     Args (beyond ``Rechecks``'):
         send: ``await send(peer, name, msg)`` one RPC.
-        swarm: the latest validated records (a named witness must announce the stage after the hop's).
     """
 
-    def __init__(self, *args: Any, send: Send, swarm: Callable[[], dict[str, PeerRecord]], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, send: Send, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.send, self.swarm = send, swarm
+        self.send = send
         self._unheard: dict[str, int] = {}  # hop -> re-checks left unjudged in a row (its witnesses were silent)
         d = self.boundary.act_spec.shape[2]
         self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
@@ -236,11 +229,11 @@ class MiddleRechecks(Rechecks):
             return "fail", "it named no peer it sent the micro-batch on to"
         if len(set(witnesses)) != len(witnesses):
             return "fail", "it named one peer twice"
-        swarm = self.swarm()
-        for w in witnesses:
-            record = swarm.get(w)
-            if w in (peer, self.my_id) or record is None or record.stage != self.stage + 2:
-                return "fail", f"a peer it named ({w[-8:]}) does not serve stage {self.stage + 2}"
+        if peer in witnesses or self.my_id in witnesses:
+            return "fail", "it named itself or us as the next hop"
+        # whatever stage our view of a named peer's record shows: a record seconds old may still show a peer's
+        # previous stage (a 6-peer swarm banned an honest hop for it), and a record proves nothing anyway (a sybil's
+        # costs a key pair); a peer of another stage holds no such micro-batch and says so, or stays silent
         said = await asyncio.gather(*(self._ask(w, peer, wid, rows) for w in witnesses))
         for kind, what in said:
             if kind != "ok":
