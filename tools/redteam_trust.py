@@ -312,8 +312,8 @@ class _Stage0Pose:
     ``announce()`` re-announces its stage-0 record (at most once a second) and ``send`` forwards a micro-batch to a
     victim, counting the reply's kind in ``replies``."""
 
-    def __init__(self, att: Any, verdict: Callable[[Message, str], Any]) -> None:
-        self.att, self.verdict = att, verdict
+    def __init__(self, att: Any, verdict: Callable[[Message, str], Any], first_id: int) -> None:
+        self.att, self.verdict, self.mb = att, verdict, first_id
         self.server = RpcServer(att.p2p, RpcLimits())
         self.rec = PeerRecord(peer_id=att.signer.peer_id, stage=0, throughput=1.0, queue=0, version=0,
                               state="training", maddrs=[])
@@ -329,6 +329,14 @@ class _Stage0Pose:
         if time.monotonic() - self._announced > 1.0:
             await announce(self.att.dht, self.att.run.run_id, self.rec, 4.0, signer=self.att.signer)
             self._announced = time.monotonic()
+
+    async def forward(self, peer: str, acts: Any, targets: torch.Tensor, tokens: Any) -> tuple[int, str]:
+        """Send ``peer`` a training forward of activations ``acts`` (an envelope), ``targets`` and token window
+        ``tokens`` under the next id of our own; (that id, the reply's kind)."""
+        self.mb += 1
+        msg = Forward(run_id=self.att.run.run_id, mb_id=self.mb, route=[self.att.signer.peer_id], activations=acts,
+                      targets=encode(targets, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
+        return self.mb, await self.send(peer, msg)
 
     async def send(self, peer: str, msg: Forward) -> str:
         try:
@@ -382,9 +390,8 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             share[0] = min(1.0, share[0] + 0.02) if not msg.refused else max(0.0, share[0] - 0.06)
         return Ack()
 
-    pose = _Stage0Pose(att, verdict)
+    pose = _Stage0Pose(att, verdict, 2**41)
     await pose.start()
-    mb = 2**41
     try:
         while time.monotonic() < until - 1.0:
             await pose.announce()
@@ -407,18 +414,14 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             with torch.no_grad():
                 h = stage0(window[:, :-1])
             acts, tokens = boundary.encode_forward(h, window)
-            mb += 1
-            sent[mb] = share[0]
-            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id], activations=acts,
-                          targets=encode(y, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
-            if await pose.send(victims["b"], msg) != "Ack":
+            sent[pose.mb + 1] = share[0]  # before the send: its verdict may come back before the reply
+            mb, reply = await pose.forward(victims["b"], acts, y, tokens)
+            if reply != "Ack":
                 sent.pop(mb, None)
-                await asyncio.sleep(0.2)
-            else:
-                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05 if reply == "Ack" else 0.2)
     finally:
         await pose.server.shutdown()
-    after = await _counters(att.status_b)
+    seen = await _changed(att.status_b, before, ("rejected:loss_above_ceiling",))
     span = max(1e-9, time.monotonic() - t0)
     trained = [(t, loss, f) for t, loss, ok, f in verdicts if ok]
     early = [loss for t, loss, _ in trained if t < span / 3]
@@ -435,8 +438,7 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             "ceiling_drift": round(drift, 3) if drift else None,
             "scrambled_share_at_end": round(share[0], 3),
             "highest_scrambled_share_trained": round(max((f for _, _, f in trained), default=0.0), 3),
-            "b_refused_above_ceiling": int(after.get("rejected:loss_above_ceiling", 0)
-                                           - before.get("rejected:loss_above_ceiling", 0))}
+            "b_refused_above_ceiling": seen["rejected:loss_above_ceiling"]}
 
 async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger announces itself as a stage-0 peer and sends the last stage forwards of real training text, with
@@ -468,9 +470,8 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
             verdicts[key] += 1
         return Ack()
 
-    pose = _Stage0Pose(att, verdict)
+    pose = _Stage0Pose(att, verdict, 2**42)
     await pose.start()
-    mb = 2**42
     try:
         while time.monotonic() < until - 1.0:
             await pose.announce()
@@ -480,16 +481,13 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
                 foreign = other(x)
                 foreign = foreign * (stage0(x).norm() / foreign.norm())
                 acts, tokens = boundary.encode_forward(foreign, window)
-            mb += 1
-            msg = Forward(run_id=run.run_id, mb_id=mb, route=[att.signer.peer_id], activations=acts,
-                          targets=encode(y, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
-            await asyncio.sleep(0.05 if await pose.send(victims["b"], msg) == "Ack" else 0.2)
+            _, reply = await pose.forward(victims["b"], acts, y, tokens)
+            await asyncio.sleep(0.05 if reply == "Ack" else 0.2)
         await asyncio.sleep(1.0)  # the last verdicts
     finally:
         await pose.server.shutdown()
-    after = await _counters(att.status_b)
-    seen = {k: int(after.get(k, 0) - before.get(k, 0)) for k in (
-        "fwdcheck_passed", "fwdcheck_failed", "rejected:loss_above_ceiling", "share_bans")}
+    seen = await _changed(att.status_b, before, ("fwdcheck_passed", "fwdcheck_failed", "rejected:loss_above_ceiling",
+                                                  "share_bans"))
     return {"refused": verdicts["trained"] == 0 and pose.replies.get("Ack", 0) > 0, "forwards": pose.replies,
             **verdicts,
             "victim_counters": seen}

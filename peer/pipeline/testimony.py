@@ -82,19 +82,18 @@ class TestimonyStore:
 
     def received(self, sender: str, msg: Forward) -> None:
         """A training forward from ``sender`` was accepted (kept until its gradient is returned, or evicted)."""
-        self._put((sender, msg.mb_id), msg, None)
+        self._put((sender, msg.mb_id), msg, None, payload_bytes(msg))
 
     def returned(self, sender: str, mb_id: int, gradient: TensorEnvelope) -> None:
         """The gradient of ``sender``'s micro-batch ``mb_id`` went back to it."""
         kept = self._kept.get((sender, mb_id))
-        if kept is not None:
-            self._put((sender, mb_id), kept[0], gradient)
+        if kept is not None and kept[1] is None:
+            self._put((sender, mb_id), kept[0], gradient, kept[2] + len(gradient.data))
 
-    def _put(self, key: tuple[str, int], msg: Forward, gradient: TensorEnvelope | None) -> None:
+    def _put(self, key: tuple[str, int], msg: Forward, gradient: TensorEnvelope | None, size: int) -> None:
         old = self._kept.pop(key, None)
         if old is not None:
             self._bytes -= old[2]
-        size = payload_bytes(msg) + (len(gradient.data) if gradient is not None else 0)
         self._kept[key] = (msg, gradient, size)
         self._bytes += size
         while self._kept and (len(self._kept) > self.max_kept or self._bytes > self.max_bytes):
