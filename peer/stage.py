@@ -14,6 +14,7 @@ the peer's one handler table (``peer.handlers.table``) and unbound when it leave
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -30,10 +31,10 @@ from peer.pipeline.infer import INFER_RPC, InferService
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.shards import move_if_shared, open_shard, reading_shard
 from peer.pipeline.testimony import TESTIMONY_RPC
-from peer.state.backup import backup_loop
+from peer.state.backup import backup_loop, upstream_stage
 from peer.state.checkpoint import CheckpointError
 from peer.state.restore import restore_state
-from peer.state.spare import adopt_checkpoint
+from peer.state.spare import SpareStore, adopt_checkpoint
 from peer.state.sync import StateServer, StateSyncConfig
 from peer.sync_schedule import SyncSchedule
 from trainer.data import BatchStream, load_corpus, shard_seed, val_batches
@@ -60,6 +61,7 @@ class StageService:
         self.host, self.stage = host, stage
         self.worker: StageWorker | None = None
         self.pipe: PipelineServicer | None = None
+        self.upstream: SpareStore | None = None  # stage 1 of a 3+ stage run: its copy of stage 0 (forward re-checks)
         self.infer: InferService | None = None
         self.state_server: StateServer | None = None
         self.averager: AveragingLoop | None = None
@@ -115,11 +117,14 @@ class StageService:
         await asyncio.get_running_loop().run_in_executor(  # a former stage's checkpoint, offered to the swarm
             None, adopt_checkpoint, host.spares, host.cfg.checkpoint_dir, host.run, stage)
         host.metrics.local_step = self.worker.local_step
+        # stage 1 of a longer run re-checks stage 0's forwards from a private copy of it (peer.state.backup)
+        upstream = upstream_stage(host.run.n_stages, stage) if host.cfg.rechecks and not sync else None
+        self.upstream = SpareStore(host.run, None) if upstream is not None else None
         self.pipe = pipe = PipelineServicer(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                             send=host.net.send, swarm=lambda: host.net.swarm, router=host.router,
                                             metrics=host.metrics, cfg=host.cfg, my_id=host.net.my_id,
                                             cost=host.costs[stage],
-                                            spares=host.spares if host.cfg.rechecks else None)
+                                            spares=host.spares if host.cfg.rechecks else None, upstream=self.upstream)
         await host.handlers.add_handler(FORWARD_RPC, pipe.rpc_forward)  # served from now (reserved at start-up)
         await host.handlers.add_handler(BACKWARD_RPC, pipe.rpc_backward)
         if pipe.testimony is not None:  # what it received and returned, for the stage two before (re-checks)
@@ -154,11 +159,14 @@ class StageService:
             self.sync = await SyncSchedule.start(host, stage, self.worker, pipe)
         self.tasks = [asyncio.ensure_future(pipe.serve())]
         if host.cfg.backup_every_s > 0 and host.run.n_stages > 1:  # a copy of the next stage (peer.state.backup)
-            self.tasks.append(asyncio.ensure_future(backup_loop(
-                run=host.run, stage=stage, my_id=host.net.my_id, period_s=host.cfg.backup_every_s,
-                spares=host.spares, metrics=host.metrics, p2p=host.p2p, swarm=lambda: host.net.swarm,
+            backups = functools.partial(
+                backup_loop, run=host.run, stage=stage, my_id=host.net.my_id, period_s=host.cfg.backup_every_s,
+                metrics=host.metrics, p2p=host.p2p, swarm=lambda: host.net.swarm,
                 busy=lambda: not host.life.serving or pipe.queued() >= max(2, host.cfg.max_queue // 2),
-                trusted=host.net.trusted_peers)))
+                trusted=host.net.trusted_peers)
+            self.tasks.append(asyncio.ensure_future(backups(spares=host.spares)))
+            if self.upstream is not None:
+                self.tasks.append(asyncio.ensure_future(backups(spares=self.upstream, of=upstream, weights_only=True)))
         host.life.enter(PeerState.TRAINING)
         await host.announce()
         await host.net.refresh_swarm()

@@ -1,6 +1,7 @@
-"""Forward re-checks (peer/pipeline/fwdcheck.py): the last stage of a 2-stage run re-computes a sample of stage 0's
-forwards from its held copy of stage 0 and refuses activations the copy does not reproduce; in process, an honest
-stage 0 passes with a stale copy and a fabricating one has none of its micro-batches trained."""
+"""Forward re-checks (peer/pipeline/fwdcheck.py): stage 1 re-computes a sample of stage 0's forwards from its held
+copy of stage 0 (a 2-stage run's last stage: its neighbour copy; a longer run's stage 1: a private copy) and refuses
+activations the copy does not reproduce; in process, an honest stage 0 passes with a stale copy and a fabricating
+one has none of its micro-batches trained, nor sent on."""
 
 from __future__ import annotations
 
@@ -87,25 +88,31 @@ def test_a_sender_is_checked_every_time_until_trusted_then_sampled(corpus):  # n
         ForwardCheckConfig(fraction=2.0)
 
 
-def _last_stage_with_copy(net: Net, cfg: PeerConfig, spares: SpareStore) -> PipelineServicer:
-    """Stage 1 ("b1") rebuilt with the held copy of stage 0 (build() makes it without)."""
+RUN3 = RUN.replace(n_stages=3, model={"n_layer": 3})
+
+
+def _stage1_with_copy(net: Net, cfg: PeerConfig, spares: SpareStore, run=RUN) -> PipelineServicer:
+    """Stage 1 ("b1") rebuilt with the held copy of stage 0 (build() makes it without): as its neighbour copy in a
+    2-stage run, as its private copy in a longer one."""
     old = net.stages["b1"]
-    b1 = PipelineServicer(run=RUN, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
-                          router=old.router, metrics=PeerMetrics("b1", 1), cfg=cfg, my_id="b1", cost=1.0,
-                          spares=spares)
+    copies = {"spares": spares} if run.n_stages == 2 else {"upstream": spares}
+    b1 = PipelineServicer(run=run, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
+                          router=old.router, metrics=PeerMetrics("b1", 1), cfg=cfg, my_id="b1", cost=1.0, **copies)
     net.stages["b1"] = b1
     return b1
 
 
-def _pipeline(corpus, *, fabricate: bool, steps: int, run_for: float):  # noqa: F811
+def _pipeline(corpus, *, fabricate: bool, steps: int, run_for: float, run=RUN):  # noqa: F811
     torch.manual_seed(0)
     net = Net()
     cfg = PeerConfig(microbatch_timeout_s=5.0, drain_timeout_s=1.0, recheck_after_warmups=0)
-    pool = build(net, [["a0"], ["b1"]], cfg)
+    pool = build(net, [["a0"], ["b1"], ["c2"]][: run.n_stages], cfg, run)
     a0 = net.stages["a0"]
-    b1 = _last_stage_with_copy(net, cfg, _copy_of_stage0(StageWorker(RUN, 0)))  # the seeded init: a stale copy
+    stale = SpareStore(run, None)  # the seeded init: a stale copy
+    assert stale.offer(0, StageWorker(run, 0).state_dict(), source="a0", taken_at=time.time())
+    b1 = _stage1_with_copy(net, cfg, stale, run)
     if fabricate:  # stage 0 trains honestly but sends another model's activations
-        other = StageWorker(RUN.replace(seed=RUN.seed + 1), 0).model
+        other = StageWorker(run.replace(seed=run.seed + 1), 0).model
         forward = a0.worker.forward
 
         def fabricated(mb_id, x):
@@ -116,11 +123,12 @@ def _pipeline(corpus, *, fabricate: bool, steps: int, run_for: float):  # noqa: 
         a0.worker.forward = fabricated  # type: ignore[method-assign]
     asyncio.run(_run_driver(net, corpus, cfg, steps=steps, run_for=run_for))
     pool.shutdown()
-    return a0, b1
+    return a0, b1, net
 
 
-def test_an_honest_stage0_passes_with_a_stale_copy(corpus):  # noqa: F811
-    a0, b1 = _pipeline(corpus, fabricate=False, steps=30, run_for=60.0)
+@pytest.mark.parametrize("run", [RUN, RUN3], ids=["2-stages", "3-stages"])
+def test_an_honest_stage0_passes_with_a_stale_copy(corpus, run):  # noqa: F811
+    a0, b1, _ = _pipeline(corpus, fabricate=False, steps=30, run_for=60.0, run=run)
     counters = b1.metrics.snapshot()["counters"]
     assert counters.get("fwdcheck_failed", 0) == 0 and counters.get("fwdcheck_passed", 0) >= 4, counters
     assert b1.worker.local_step >= 30
@@ -129,10 +137,14 @@ def test_an_honest_stage0_passes_with_a_stale_copy(corpus):  # noqa: F811
     assert figures["norm_ratio_max"] <= ForwardCheckConfig().max_norm_ratio, figures
 
 
-def test_a_fabricating_stage0_is_never_trained_on(corpus):  # noqa: F811
-    a0, b1 = _pipeline(corpus, fabricate=True, steps=30, run_for=6.0)
+@pytest.mark.parametrize("run", [RUN, RUN3], ids=["2-stages", "3-stages"])
+def test_a_fabricating_stage0_is_never_trained_on(corpus, run):  # noqa: F811
+    a0, b1, net = _pipeline(corpus, fabricate=True, steps=30, run_for=6.0, run=run)
     counters = b1.metrics.snapshot()["counters"]
     assert counters.get("fwdcheck_failed", 0) >= 3 and counters.get("fwdcheck_passed", 0) == 0, counters
     assert b1.worker.local_step == 0  # none of its micro-batches was trained on
+    if run.n_stages == 3:  # nor computed and sent on: the later stages never saw one
+        assert net.stages["c2"].worker.local_step == 0
+        assert net.stages["c2"].metrics.snapshot()["counters"].get("tokens", 0) == 0
     assert b1.guard.share.snapshot()["a0"]["refused"] >= 3
     assert a0.metrics.snapshot()["counters"].get("microbatches_refused", 0) >= 3  # told, and it re-sent the samples

@@ -17,7 +17,7 @@ import peer.state.restore as restore_mod
 from peer.membership.records import PeerRecord, RecordError, record_validator, swarm_key
 from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
-from peer.state.backup import neighbour_stage, take_backup
+from peer.state.backup import neighbour_stage, take_backup, upstream_stage
 from peer.state.checkpoint import checkpoint_path, checkpoint_steps, save_checkpoint
 from peer.state.spare import SpareStore, adopt_checkpoint, spare_fields, spare_path
 from peer.state.sync import StateServer, StateSyncConfig, load_state_from_peers
@@ -155,6 +155,27 @@ def test_a_backup_is_fetched_from_the_neighbour_kept_and_only_fetched_again_when
     assert copy["local_step"] == 4 and copy["model"].keys() == original["model"].keys()
     assert all(torch.equal(copy["model"][k], original["model"][k]) for k in original["model"])
     assert neighbour_stage(1, 0) is None and neighbour_stage(3, 2) == 0
+
+
+def test_stage1_of_a_longer_run_keeps_a_private_copy_of_stage0_of_its_weights_only():
+    """Stage 1 re-checks stage 0's forwards: in runs of 3+ stages its neighbour copy is of stage 2, so it takes a
+    second copy of stage 0 by the same rules, weights and step only, kept in memory apart from the announced one."""
+    assert [upstream_stage(3, s) for s in range(3)] == [None, 0, None]
+    assert upstream_stage(2, 1) is None and upstream_stage(5, 1) == 0  # 2 stages: the neighbour copy is of stage 0
+
+    async def main():
+        trained = worker(0, 3)
+        private, announced, metrics = SpareStore(RUN, None), SpareStore(RUN, None), PeerMetrics("me", 1)
+        kw = dict(run=RUN, stage=1, my_id="me", metrics=metrics, p2p=None, transport=Direct({"d": server(trained)}),
+                  config=SMALL, records={"d": rec("d", 0, version=3)}, trusted=["d"])
+        assert await take_backup(spares=private, of=0, weights_only=True, **kw)
+        assert announced.info is None and private.info.stage == 0 and private.info.step == 3
+        return private.read(0), trained.state_dict()
+
+    copy, original = asyncio.run(main())
+    assert set(copy) <= {"format", "run_id", "stage", "model", "local_step"} and "model" in copy
+    assert "optimizer" in original  # what a full copy would have held besides
+    assert all(torch.equal(copy["model"][k], original["model"][k]) for k in original["model"])
 
 
 def test_the_backup_loop_copies_only_a_witnessed_state(tmp_path):

@@ -1,16 +1,19 @@
-"""Forward re-checks: the last stage of a 2-stage run re-computes a sample of the forwards stage 0 sends it.
+"""Forward re-checks: stage 1 re-computes a sample of the forwards stage 0 sends it.
 
 Every peer holds a witnessed copy of its neighbour stage (peer.state.spare); the last stage's neighbour is stage 0,
-and in a 2-stage run stage 0 is also who sends it activations. A forward carries its micro-batch's token window, so
-the last stage can run the copy on the input ids of a few rows and compare the outputs with the activations it
-received, before it trains on them: activations not computed by stage 0 (another model's, scaled, random, or
-inconsistent with their targets) disagree. The copy is up to a backup period stale and the wire quantizes, so the
-comparison is a cosine and a norm ratio (``ForwardCheckConfig``), with the same rule as the gradient re-checks for
-which copies are used (``HeldCopy``: only copies first seen once this peer passed 4 x the run's warm-up steps;
-measured honest disagreement: docs/security.md, "Forward re-checks"). A sender is re-checked on every micro-batch
-until it passed ``trust_after`` in a row, then on ``fraction`` of them; a failed one is not trained on and counts
-as a refusal in the sender's work share (``peer.pipeline.guard.WorkShare``: its allowance halves, and refusals in
-a row ban it).
+so in a 2-stage run stage 1 re-checks from that copy. In a run of 3 or more stages stage 1's neighbour is stage 2,
+and it keeps a second, private copy of stage 0's weights by the same witnessed rules (``peer.state.backup``,
+``upstream_stage``). Later stages' inputs are not re-checked here: they come from a middle stage, whose work the
+stage before it re-checks with the next stage's testimony (peer/pipeline/testimony.py). A forward carries its
+micro-batch's token window, so stage 1 can run the copy on the input ids of a few rows and compare the outputs with
+the activations it received, before it computes on them (and, in a longer run, before it sends anything on):
+activations not computed by stage 0 (another model's, scaled, random, or inconsistent with their targets) disagree.
+The copy is up to a backup period stale and the wire quantizes, so the comparison is a cosine and a norm ratio
+(``ForwardCheckConfig``), with the same rule as the gradient re-checks for which copies are used (``HeldCopy``: only
+copies first seen once this peer passed 4 x the run's warm-up steps; measured honest disagreement: docs/security.md,
+"Forward re-checks"). A sender is re-checked on every micro-batch until it passed ``trust_after`` in a row, then on
+``fraction`` of them; a failed one is not trained on and counts as a refusal in the sender's work share
+(``peer.pipeline.guard.WorkShare``: its allowance halves, and refusals in a row ban it).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ MAX_SENDERS = 4096
 
 @dataclass(frozen=True, kw_only=True)
 class ForwardCheckConfig:
-    """How often and how strictly the last stage re-computes stage 0's forwards from its held copy."""
+    """How often and how strictly stage 1 re-computes stage 0's forwards from its held copy."""
 
     fraction: float = 0.02
     """Share of a trusted sender's training forwards re-computed (untrusted: every one)."""
@@ -70,9 +73,8 @@ class ForwardCheckConfig:
 
 
 class ForwardChecks:
-    """The forward re-checks of the last stage of a 2-stage run, for the servicer: ``wants`` decides when a
-    forward arrives (so a sender cannot tell by timing whether it is checked), ``judge`` runs before the micro-batch
-    is trained.
+    """The forward re-checks of stage 1, for the servicer: ``wants`` decides when a forward arrives (so a sender
+    cannot tell by timing whether it is checked), ``judge`` runs before the micro-batch is computed.
 
     Args:
         copy: the held copy of stage 0.

@@ -69,12 +69,14 @@ class PipelineServicer:
         swarm: returns the latest validated DHT snapshot.
         router, metrics, cfg: next-hop choice, PeerMetrics, PeerConfig.
         my_id: this peer's id (base58).
-        spares: the held copy of the neighbour stage, to re-check the last stage's gradients from (None: no re-checks).
+        spares: the held copy of the neighbour stage, to re-check the next stage's gradients from (None: no re-checks).
+        upstream: stage 1 of a run of 3+ stages: its private copy of stage 0, to re-check stage 0's forwards from.
     """
 
     def __init__(self, *, run: RunConfig, stage: int, worker: StageWorker, compute: Compute, send: Send,
                  swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics, cfg: PeerConfig,
-                 my_id: str, cost: float, spares: SpareStore | None = None) -> None:
+                 my_id: str, cost: float, spares: SpareStore | None = None,
+                 upstream: SpareStore | None = None) -> None:
         self.run, self.stage, self.worker, self.compute, self.send = run, stage, worker, compute, send
         self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
@@ -135,10 +137,12 @@ class PipelineServicer:
         # what this stage received and returned, for the stage two before to re-check the one between
         self.testimony = None if stage < 2 or cfg.mode == Mode.SYNC else TestimonyStore(
             run_id=run.run_id, stage=stage, boundary=self.boundary, count=metrics.inc)
-        # a 2-stage run's last stage re-computes stage 0's forwards from its copy of it (peer/pipeline/fwdcheck.py)
-        self.fwdcheck = None if spares is None or run.n_stages != 2 or not self.is_last or cfg.mode == Mode.SYNC \
+        # stage 1 re-computes stage 0's forwards from a copy of it (peer/pipeline/fwdcheck.py): in a 2-stage run its
+        # neighbour copy, in longer runs a private one
+        source = spares if run.n_stages == 2 and self.is_last else upstream if stage == 1 else None
+        self.fwdcheck = None if source is None or cfg.mode == Mode.SYNC \
             else ForwardChecks(ForwardCheckConfig(fraction=cfg.recheck_fraction),
-                               copy=HeldCopy.of(run, 0, spares, worker, cfg), boundary=self.boundary,
+                               copy=HeldCopy.of(run, 0, source, worker, cfg), boundary=self.boundary,
                                compute=compute, queued=self.queued, metrics=metrics, bf16=worker.precision == "bf16")
 
     # ----- helpers ------------------------------------------------------------------------------------------------
@@ -363,11 +367,7 @@ class PipelineServicer:
                 return
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
-            if p.fwdcheck and self.fwdcheck is not None and p.prev_peer is not None \
-                    and not await self.fwdcheck.judge(p.prev_peer, msg.mb_id, x, window):
-                self.pending.pop(msg.mb_id, None)  # not computed by stage 0: a refusal, as by the loss check
-                self.guard.share.refused(p.prev_peer)
-                self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, None, None, False, refused=True))
+            if await self._forward_refused(p, msg.mb_id, x, window):
                 return
             ceiling = self.guard.loss_ceiling()
             try:
@@ -395,9 +395,22 @@ class PipelineServicer:
         else:
             if self.on_flush is not None and msg.flush is not None:  # sync mode: every training forward has one
                 await self.on_flush(msg.flush)
+            if await self._forward_refused(p, msg.mb_id, x, window):
+                return
             y = await self.meter.timed(msg.mb_id, False, self.worker.forward, msg.mb_id, x)
         self.spawn(self.forward_next(msg.mb_id, y, msg.targets, msg.route + [self.my_id], msg.is_eval, msg.flush,
                                      window=window))
+
+    async def _forward_refused(self, p: Pending, mb_id: int, x: torch.Tensor, window: torch.Tensor | None) -> bool:
+        """Re-check a forward marked on arrival against the copy of stage 0; one the copy does not reproduce is
+        refused, as by the loss check: not computed, not sent on, the sender told and its share halved."""
+        if not p.fwdcheck or self.fwdcheck is None or p.prev_peer is None \
+                or await self.fwdcheck.judge(p.prev_peer, mb_id, x, window):
+            return False
+        self.pending.pop(mb_id, None)
+        self.guard.share.refused(p.prev_peer)
+        self.spawn(self.hops.backward(p.prev_peer, mb_id, p.route, None, None, False, refused=True))
+        return True
 
     def _backward_done(self, flush: int | None) -> None:
         if self.on_backward_done is not None and flush is not None:

@@ -10,6 +10,10 @@ stage; a neighbour stage of one replica is copied only when that replica did val
 priority: skipped while the peer is not training, while its compute queue is busy, and when no peer of the neighbour
 stage is ahead of the copy held. The traffic is counted: ``backup_bytes_in`` and ``backups_taken`` here,
 ``backup_bytes_out`` and ``backups_served`` at the serving peer (``peer.state.sync``).
+
+The same loop keeps a second, private copy where a stage re-checks forwards from a stage that is not its neighbour:
+stage 1 of a run of three or more stages copies stage 0 (``peer.pipeline.fwdcheck``). That copy holds the weights
+only, stays in memory, is neither announced nor served, and is taken by the same witnessed rules.
 """
 
 from __future__ import annotations
@@ -50,6 +54,19 @@ def neighbour_stage(n_stages: int, stage: int) -> int | None:
     return None if n_stages < 2 else (stage + 1) % n_stages
 
 
+def upstream_stage(n_stages: int, stage: int) -> int | None:
+    """The stage whose forwards a peer of ``stage`` re-checks from a private copy (its neighbour copy cannot serve):
+    stage 0 for stage 1 of a run of three or more stages, else None (in a 2-stage run the last stage's neighbour copy
+    is of stage 0 already; stage 0 receives no forwards; later stages' inputs are re-checked by the stage two
+    before, ``peer.pipeline.testimony``)."""
+    return 0 if n_stages >= 3 and stage == 1 else None
+
+
+def weights_of(state: dict[str, Any]) -> dict[str, Any]:
+    """What a copy that only re-computes needs of a delivered state: the weights and the step they are of."""
+    return {k: state[k] for k in ("format", "run_id", "stage", "model", "local_step") if k in state}
+
+
 def shape_reference(run: RunConfig, stage: int) -> tuple[dict[str, Any], int]:
     """What a copy of ``stage`` must look like (parameter names, shapes, dtypes as meta tensors, no memory) and the
     bytes of its parameters (blocking: builds the stage's module once)."""
@@ -62,12 +79,13 @@ def shape_reference(run: RunConfig, stage: int) -> tuple[dict[str, Any], int]:
 async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[str, PeerRecord], spares: SpareStore,
                       metrics: PeerMetrics, p2p: P2P | None, reference: tuple[dict[str, Any], int] | None = None,
                       transport: Transport | None = None, config: StateSyncConfig | None = None,
-                      trusted: list[str] | None = None) -> bool:
-    """Fetch the neighbour stage of ``stage`` from one of its training peers and offer it to ``spares``. Returns
-    whether a new copy is kept (False: no neighbour, nobody ahead of the held copy, no peer delivered, or less
-    advanced than the held copy, or not witnessed). reference: ``shape_reference`` of the neighbour stage (built when
-    None). trusted: the peers this peer has validated work from (preferred as witnesses)."""
-    neighbour = neighbour_stage(run.n_stages, stage)
+                      trusted: list[str] | None = None, of: int | None = None, weights_only: bool = False) -> bool:
+    """Fetch the neighbour stage of ``stage`` (or stage ``of``) from one of its training peers and offer it to
+    ``spares``. Returns whether a new copy is kept (False: no neighbour, nobody ahead of the held copy, no peer
+    delivered, or less advanced than the held copy, or not witnessed). reference: ``shape_reference`` of the copied
+    stage (built when None). trusted: the peers this peer has validated work from (preferred as witnesses).
+    weights_only: keep the weights and step only (``weights_of``), for a copy that only re-computes."""
+    neighbour = neighbour_stage(run.n_stages, stage) if of is None else of
     if neighbour is None:
         return False
     replicas = holders = choose_donors(records, neighbour, my_id)
@@ -98,6 +116,8 @@ async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[s
         nbytes = await loop.run_in_executor(None, state_nbytes, state)
         metrics.inc("backup_bytes_in", nbytes)
         metrics.inc("backups_taken")
+        if weights_only:
+            state = weights_of(state)
         try:
             kept = await loop.run_in_executor(None, functools.partial(spares.offer, neighbour, state, source=holder,
                                                                       taken_at=time.time()))
@@ -107,18 +127,21 @@ async def take_backup(*, run: RunConfig, stage: int, my_id: str, records: dict[s
             metrics.warn(text)
             return False
         step = state.get("local_step", -1)
-        logger.info("copy of neighbour stage %d at step %s from %s: %d bytes, %s", neighbour, step, holder[:16],
-                    nbytes, "kept" if kept else "less advanced than the one held, dropped")
+        logger.info("copy of %s stage %d at step %s from %s: %d bytes, %s", "neighbour" if of is None else "checked",
+                    neighbour, step, holder[:16], nbytes,
+                    "kept" if kept else "less advanced than the one held, dropped")
         return kept
     return False
 
 
 async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float, spares: SpareStore,
                       metrics: PeerMetrics, p2p: P2P, swarm: Callable[[], dict[str, PeerRecord]],
-                      busy: Callable[[], bool], trusted: Callable[[], list[str]] | None = None) -> None:
-    """Take a backup of the neighbour stage every ``period_s`` (jittered) unless ``busy()``; runs until cancelled.
-    trusted: the peers this peer has validated work from, read at each backup."""
-    neighbour = neighbour_stage(run.n_stages, stage)
+                      busy: Callable[[], bool], trusted: Callable[[], list[str]] | None = None,
+                      of: int | None = None, weights_only: bool = False) -> None:
+    """Take a backup of the neighbour stage (or stage ``of``) every ``period_s`` (jittered) unless ``busy()``; runs
+    until cancelled. trusted: the peers this peer has validated work from, read at each backup. weights_only: as
+    ``take_backup``."""
+    neighbour = neighbour_stage(run.n_stages, stage) if of is None else of
     if neighbour is None or period_s <= 0:
         return
     reference = await asyncio.get_running_loop().run_in_executor(None, shape_reference, run, neighbour)
@@ -129,7 +152,8 @@ async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float
             continue
         try:
             await take_backup(run=run, stage=stage, my_id=my_id, records=swarm(), spares=spares, metrics=metrics,
-                              p2p=p2p, reference=reference, trusted=trusted() if trusted is not None else None)
+                              p2p=p2p, reference=reference, trusted=trusted() if trusted is not None else None,
+                              of=of, weights_only=weights_only)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a failed backup costs the next period, never the peer
