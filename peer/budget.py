@@ -5,7 +5,10 @@ The limit is, in this order: ``--memory-gb`` given by the operator; on a CUDA de
 memory (``MemAvailable``). A stage fits when ``trainer.memory.HEADROOM`` times its estimate (``trainer.memory``, at
 this peer's precision and micro-batches in flight) is at most the limit: on a GPU only what the device holds counts;
 on the CPU the host-only part too, and the copy of the neighbour stage's state (weights, optimiser and EMA state)
-that a peer without a checkpoint folder keeps in memory for the swarm (peer/state/spare.py). Stage choice and
+that a peer without a checkpoint folder keeps in memory for the swarm (peer/state/spare.py). With re-checks on,
+the held copies a stage re-computes its neighbours' work with are built on its device and count too
+(``recheck_stages``: the next stage's weights for every stage but the last, stage 0's for stage 1); on the CPU a
+copy that is also the neighbour copy kept in memory shares its tensors and counts once. Stage choice and
 rebalancing never pick a stage outside ``fitting`` (``peer.membership.stage_choice``); a fixed ``--stage`` that does
 not fit, or a run of which no stage fits, is refused at start with what fits and what to do.
 """
@@ -68,11 +71,18 @@ class MemoryBudget:
     estimates: tuple[StageMemory, ...]
     spare_bytes: tuple[int, ...] = ()
     """Per stage: the neighbour stage's state kept in host memory while serving it (0: kept on disk, or none)."""
+    copy_bytes: tuple[int, ...] = ()
+    """Per stage: the weights of the held copies its re-checks compute with, on its device (none: re-checks off)."""
+    shared_bytes: tuple[int, ...] = ()
+    """Per stage, on the CPU: the part of ``copy_bytes`` that is the neighbour copy kept in memory (counted once)."""
 
     def needs(self, stage: int) -> int:
         """Bytes ``stage`` needs on this peer (before the headroom)."""
-        spare = self.spare_bytes[stage] if self.device_type == "cpu" and self.spare_bytes else 0
-        return self.estimates[stage].needs(self.device_type) + spare
+        cpu = self.device_type == "cpu"
+        spare = self.spare_bytes[stage] if cpu and self.spare_bytes else 0
+        copies = self.copy_bytes[stage] if self.copy_bytes else 0
+        shared = self.shared_bytes[stage] if cpu and self.spare_bytes and self.shared_bytes else 0
+        return self.estimates[stage].needs(self.device_type) + spare + copies - shared
 
     def fits(self, stage: int) -> bool:
         return self.limit_bytes is None or self.needs(stage) * HEADROOM <= self.limit_bytes
@@ -117,11 +127,18 @@ class MemoryBudget:
                 "estimate_bytes": None if stage is None or not 0 <= stage < len(self.estimates) else self.needs(stage)}
 
 
+def recheck_stages(n_stages: int, stage: int) -> tuple[int, ...]:
+    """The stages whose held copies a peer of ``stage`` re-computes with: the next stage's work (gradient and
+    middle-stage re-checks, every stage but the last) and stage 0's forwards (stage 1)."""
+    return tuple(s for s in ((stage + 1) if stage <= n_stages - 2 else None, 0 if stage == 1 else None)
+                 if s is not None)
+
+
 def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_gb: float = 0.0,
-         spare_in_memory: bool = False) -> MemoryBudget:
+         spare_in_memory: bool = False, rechecks: bool = True) -> MemoryBudget:
     """Estimate every stage for this peer and read its limit (``precision`` resolved already: 'fp32' or 'bf16');
     ``spare_in_memory``: the peer keeps its copy of the neighbour stage in memory (backups on, no checkpoint
-    folder)."""
+    folder); ``rechecks``: it re-checks its neighbours' work from held copies (on by default, as in the peer)."""
     limit, source = memory_limit(device, memory_gb)
     try:
         estimates = tuple(estimate_stage(run, s, precision=precision, inflight=inflight) for s in range(run.n_stages))
@@ -133,7 +150,14 @@ def plan(run: RunConfig, *, device: str, precision: str, inflight: int, memory_g
         def state_bytes(e: StageMemory) -> int:
             return e.weights + e.optimizer + (e.weights if rule_of(run.averaging).ema else 0)
         spare = tuple(state_bytes(estimates[(s + 1) % run.n_stages]) for s in range(run.n_stages))
-    budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates, spare)
+    copies: tuple[int, ...] = ()
+    shared: tuple[int, ...] = ()
+    if rechecks and estimates:
+        n = run.n_stages
+        copies = tuple(sum(estimates[k].weights for k in recheck_stages(n, s)) for s in range(n))
+        shared = tuple(estimates[(s + 1) % n].weights if (s + 1) % n in recheck_stages(n, s) else 0 for s in range(n))
+    budget = MemoryBudget(limit, source, "cuda" if device.startswith("cuda") else "cpu", precision, estimates, spare,
+                          copies, shared)
     if estimates:
         logger.info("memory: may use %s; stages need %s at %s; fitting: %s", budget.describe_limit(),
                     ", ".join(gib(budget.needs(s)) for s in range(run.n_stages)), precision, budget.fitting)

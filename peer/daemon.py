@@ -29,7 +29,7 @@ import torch
 
 from peer.budget import plan as plan_memory
 from peer.compute import ComputeThread
-from peer.config import PeerConfig
+from peer.config import Mode, PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.host import StageContext
 from peer.lifecycle import Lifecycle, PeerState
@@ -100,7 +100,8 @@ class Daemon:
         # what each stage needs against what this peer may use: a stage that does not fit is never served
         self.budget = plan_memory(run, device=self.metrics.device, precision=self.precision,
                                   inflight=cfg.inflight_for(run.n_stages), memory_gb=cfg.memory_gb,
-                                  spare_in_memory=cfg.backup_every_s > 0 and cfg.checkpoint_dir is None)
+                                  spare_in_memory=cfg.backup_every_s > 0 and cfg.checkpoint_dir is None,
+                                  rechecks=cfg.rechecks and cfg.backup_every_s > 0 and cfg.mode == Mode.ASYNC)
         self.budget.check_stage(cfg.stage)
         self.metrics.memory = self.budget.as_dict()
         self.gate = AdmissionGate(run, cfg)  # closed runs: credentials; open runs: admits everyone

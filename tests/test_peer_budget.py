@@ -82,8 +82,28 @@ def test_a_neighbour_copy_kept_in_memory_counts_on_the_cpu_only():
     plain = plan(RUN, device="cpu", precision="fp32", inflight=3, memory_gb=64)
     kept = plan(RUN, device="cpu", precision="fp32", inflight=3, memory_gb=64, spare_in_memory=True)
     e1 = plain.estimates[1]
-    assert kept.needs(0) == plain.needs(0) + e1.weights + e1.optimizer + e1.weights  # stage 1's state, EMA included
+    # stage 1's state, EMA included; its weights are the re-check copy's already (the module shares them)
+    assert kept.needs(0) == plain.needs(0) + e1.weights + e1.optimizer + e1.weights - e1.weights
     assert kept.as_dict(0)["estimate_bytes"] == kept.needs(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_copies_re_checks_compute_with_count_on_the_device(device, monkeypatch):
+    """Every stage but the last holds the next stage's weights for its re-checks, and stage 1 stage 0's as well
+    (2 stages: the last stage's neighbour copy; 3 or more: a private copy)."""
+    import peer.budget
+
+    monkeypatch.setattr(peer.budget, "memory_limit", lambda device, gb: (64 * GiB, "test"))
+    run3 = RUN.replace(n_stages=3, model={"n_layer": 3})
+    assert [peer.budget.recheck_stages(3, s) for s in range(3)] == [(1,), (2, 0), ()]
+    assert [peer.budget.recheck_stages(2, s) for s in range(2)] == [(1,), (0,)]
+    for run in (RUN, run3):
+        on = plan(run, device=device, precision="fp32", inflight=3)
+        off = plan(run, device=device, precision="fp32", inflight=3, rechecks=False)
+        w = [e.weights for e in on.estimates]
+        n = run.n_stages
+        want = [w[1], w[0]] if n == 2 else [w[1], w[2] + w[0], 0]
+        assert [on.needs(s) - off.needs(s) for s in range(n)] == want, run.n_stages
 
 
 def test_a_model_the_estimate_cannot_build_trains_unchecked(monkeypatch):

@@ -167,6 +167,35 @@ def _fabricators(net: Net, a0: PipelineServicer, names: list[str]) -> list[Fabri
     return fabs
 
 
+def _recording(pipe: PipelineServicer) -> dict[int, torch.Tensor]:
+    """The gradients ``pipe``'s stage trains on from now, by micro-batch."""
+    applied: dict[int, torch.Tensor] = {}
+    backward = pipe.worker.backward
+
+    def recording(mb_id, grad):
+        applied[mb_id] = grad.clone()
+        return backward(mb_id, grad)
+
+    pipe.worker.backward = recording  # type: ignore[method-assign]
+    return applied
+
+
+def _drive(net: Net, a0: PipelineServicer, corpus, cfg: PeerConfig, *, steps: int, seconds: float) -> None:  # noqa: F811
+    """Stage 0 trains for ``seconds`` at most, with the daemon's timer dropping overdue micro-batches; once stopped,
+    it stops waiting for a route too (all its next hops may be banned)."""
+    async def expire() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await a0.expire()
+
+    async def go() -> None:
+        asyncio.get_running_loop().call_later(seconds, a0.stop_accepting)
+        timer = asyncio.ensure_future(expire())
+        await _run_driver(net, corpus, cfg, steps=steps, run_for=seconds)
+        timer.cancel()
+    asyncio.run(go())
+
+
 def _liars_run(corpus, names: list[str], *, rechecks: bool):  # noqa: F811
     torch.manual_seed(0)
     net = Net()
@@ -174,28 +203,10 @@ def _liars_run(corpus, names: list[str], *, rechecks: bool):  # noqa: F811
     pool = build(net, [["a0"], []], cfg)
     a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)) if rechecks else None)
     fabs = _fabricators(net, a0, names)
-    applied: dict[int, torch.Tensor] = {}
-    backward = a0.worker.backward
+    applied = _recording(a0)
     revoked: set[str] = set()
     a0.revoke = revoked.add
-
-    def recording(mb_id, grad):
-        applied[mb_id] = grad.clone()
-        return backward(mb_id, grad)
-
-    a0.worker.backward = recording  # type: ignore[method-assign]
-
-    async def expire() -> None:  # the daemon's timer: overdue micro-batches are dropped and re-sent
-        while True:
-            await asyncio.sleep(0.5)
-            await a0.expire()
-
-    async def go() -> None:  # once stopped, stage 0 stops waiting for a route too (all its next hops are banned)
-        asyncio.get_running_loop().call_later(4.0, a0.stop_accepting)
-        timer = asyncio.ensure_future(expire())
-        await _run_driver(net, corpus, cfg, steps=30, run_for=4.0)
-        timer.cancel()
-    asyncio.run(go())
+    _drive(net, a0, corpus, cfg, steps=30, seconds=4.0)
     pool.shutdown()
     sent = {mb: g for fab in fabs for mb, g in fab.sent.items()}
     trained = [mb for mb, g in applied.items() if mb in sent and distance(g, sent[mb]) < 0.5]
@@ -220,6 +231,45 @@ def test_without_the_copy_colluders_are_trained_on(corpus):  # noqa: F811
     """What re-checks close: two identities that agree with each other pass the spot checks."""
     a0, sent, trained, revoked = _liars_run(corpus, ["fake1", "fake2"], rechecks=False)
     assert sent and trained and not revoked
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("copy", [True, False], ids=["copy-decides", "history-decides"])
+def test_a_liar_with_a_longer_record_cannot_get_its_honest_partner_blamed(corpus, copy):  # noqa: F811
+    """A fabricating replica that earned more passed checks than its honest partner: when their spot check
+    disagrees, the history rule blames the partner (three such blames in a row ban it); the held copy decides
+    instead, blames the liar and trains on the partner's answer."""
+    torch.manual_seed(0)
+    net = Net()
+    # every micro-batch spot-checked, none re-checked by sampling: the disagreements are what is judged
+    cfg = PeerConfig(microbatch_timeout_s=10.0, recheck_after_warmups=0, spot_check_fraction=1.0,
+                     recheck_fraction=0.0)
+    pool = build(net, [["a0"], ["b1"]], cfg)
+    a0 = _with_copy(net, cfg, _held(StageWorker(RUN, 1)) if copy else None)
+    fab = Fabricator(net, "fake1")
+    net.stages["fake1"] = fab  # type: ignore[assignment]
+    a0.swarm()["fake1"] = PeerRecord(peer_id="fake1", stage=1, throughput=1e9, queue=0, version=0, state="training")
+    spot = a0.spot
+    assert spot is not None
+    for name, passed in (("fake1", 50), ("b1", 5)):  # both past the trust bars; the liar with the longer record
+        spot._hop(name).passed = passed
+        spot._hop(name).rechecked = spot.config.trust_after
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    applied = _recording(a0)
+    _drive(net, a0, corpus, cfg, steps=20, seconds=6.0)
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("spotcheck_failed", 0) >= 1, counters  # they disagreed: the test tests something
+    trained_fake = [mb for mb, g in applied.items() if mb in fab.sent and distance(g, fab.sent[mb]) < 0.5]
+    if copy:
+        assert trained_fake == []
+        assert counters.get("spotcheck_arbitrated", 0) >= 1, counters
+        assert "b1" not in revoked and "fake1" in revoked, (revoked, counters)
+        assert spot._hop("b1").strikes == 0 and spot._hop("b1").re_strikes == 0
+        assert a0.worker.local_step >= 10  # trained on the honest partner's answers
+    else:  # what the copy closes: the honest partner takes the blame, three times in a row, and is banned
+        assert "b1" in revoked and counters.get("spotcheck_banned", 0) >= 1, (revoked, counters)
 
 
 @pytest.mark.timeout(90)

@@ -20,10 +20,10 @@ COUNTERS = (
     "sync_resync_failed", "sync_resync_refused",
     # spot checks of the next stage (peer/pipeline/spotcheck.py)
     "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_unavailable", "spotcheck_void",
-    "spotcheck_banned",
+    "spotcheck_arbitrated", "spotcheck_banned",
     # re-checks of the last stage from the held copy of it (peer/pipeline/recheck.py)
     "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
-    # stage 0's forwards re-computed by the last stage of a 2-stage run (peer/pipeline/fwdcheck.py)
+    # stage 0's forwards re-computed by stage 1 (peer/pipeline/fwdcheck.py)
     "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
     # what a stage received and returned, told to the stage two before (peer/pipeline/testimony.py)
     "testimony_served", "testimony_not_found",

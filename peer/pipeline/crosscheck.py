@@ -57,6 +57,8 @@ class CrossChecks:
                  revoke: Callable[[str], None] = lambda peer: None) -> None:
         self.spot, self.stage, self.hops, self.router, self.metrics = spot, stage, hops, router, metrics
         self.held, self.requeue, self.drop, self.vouch, self.revoke = held, requeue, drop, vouch, revoke
+        self.arbiter: Callable[[Pending, dict[str, tuple[Backward, torch.Tensor]]], bool] | None = None
+        """Decides a disagreement from the held copy when it can (``Rechecks.arbitrate``; set by the servicer)."""
 
     def wants(self, peer: str, *, learning: bool) -> bool:
         """Whether a training micro-batch just sent to ``peer`` is checked (``learning``: the gradient norm bound is
@@ -97,8 +99,8 @@ class CrossChecks:
 
     def answer(self, p: Pending, peer_id: str, msg: Backward,
                grad: torch.Tensor | None) -> tuple[Backward, torch.Tensor | None] | None:
-        """One answer of a checked micro-batch: None while its partner's is missing, else what to train on (no
-        gradient: dropped here and upstream)."""
+        """One answer of a checked micro-batch: None while its partner's is missing (or while the held copy decides
+        between the two), else what to train on (no gradient: dropped here and upstream)."""
         assert p.checks is not None
         if grad is None:  # a drop or a refusal: nothing to compare; the micro-batch goes the way of that answer
             p.checks = None
@@ -108,14 +110,19 @@ class CrossChecks:
         answers = [(hop, answer) for hop, answer in p.checks.items() if answer is not None]
         if len(answers) < len(p.checks):
             return None
-        (a, (msg_a, grad_a)), (b, (_, grad_b)) = answers
+        (a, (msg_a, grad_a)), (b, (msg_b, grad_b)) = answers
         p.checks = None
-        caught, ban = self.spot.judge(a, grad_a, b, grad_b)
+        agree = self.spot.compare(a, grad_a, b, grad_b)
         self.metrics.spot_checks = self.spot.snapshot()
-        if caught is None:  # two replicas agree: validated work of both, trained on
+        if agree:  # two replicas agree: validated work of both, trained on
             self.vouch(a)
             self.vouch(b)
             return msg_a, (grad_a + grad_b) / 2
+        if self.arbiter is not None and self.arbiter(p, {a: (msg_a, grad_a), b: (msg_b, grad_b)}):
+            logger.info("spot check of micro-batch %d: the gradients of %s and %s disagree; the held copy decides",
+                        msg.mb_id, short_id(a), short_id(b))
+            return None  # held until the copy re-computed it: answered then, trained or dropped
+        caught, ban = self.spot.blame(a, b)
         logger.warning("spot check of micro-batch %d: the gradients of %s and %s disagree; neither is trained on, "
                        "%s is blamed%s", msg.mb_id, short_id(a), short_id(b), short_id(caught),
                        " and banned" if ban else "")

@@ -261,25 +261,81 @@ class Rechecks:
         rows = torch.randperm(x.shape[0])[: self.config.rows]
         return x[rows], targets[rows], rows
 
-    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+    async def _reference(self, fwd: Forward, mb_id: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the copy's gradient of a few rows as the wire delivers it, which rows), or None when the copy cannot
+        judge now (it went, or our own error: never the hop's fault)."""
         loop = asyncio.get_running_loop()
         try:
             x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
             # a new copy is read and built off the compute thread, which only runs the re-computation
             module = await loop.run_in_executor(None, self.copy.module)
-            ref = None
-            if module is not None:
-                ref = await self.compute(self._recompute, module, x, targets)
-                ref = await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / grad.shape[0])
-        except Exception as e:  # our own failure, never the hop's: its gradient goes on as if unsampled
-            logger.warning("re-check of micro-batch %d failed here: %s: %s", msg.mb_id, type(e).__name__, e)
+            if module is None:
+                return None
+            ref = await self.compute(self._recompute, module, x, targets)
+            return await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / batch), rows
+        except Exception as e:
+            logger.warning("re-check of micro-batch %d failed here: %s: %s", mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
-            ref = None
-        verdict = None if ref is None else agreement(grad[rows], ref)
+            return None
+
+    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+        ref = await self._reference(fwd, msg.mb_id, grad.shape[0])
+        verdict = None if ref is None else agreement(grad[ref[1]], ref[0])
         if verdict is not None:
             self.seen.append(verdict)
         self.conclude(p, peer, msg, grad, verdict,
                       "" if verdict is None else f"cosine {verdict[0]:.3f}, norm ratio {verdict[1]:.2f}")
+
+    def arbitrate(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]]) -> bool:
+        """A spot check's two answers disagree: whether the held copy decides who is wrong, instead of the spot
+        checks' history (``SpotChecker.blame``, which a liar with a longer record than its honest partner turns
+        against the partner). Then the copy re-computes a few rows, each hop takes a re-check verdict of its own (a
+        failure costs it its trust and counts towards its ban; a pass, a passed check), and the micro-batch is
+        trained on the answer the copy agrees with when exactly one does, else dropped. False (the history decides)
+        when no copy can judge now or the micro-batch was sent without a copy held."""
+        fwd, p.recheck = p.recheck, None
+        if fwd is None or not self.usable():
+            return False
+        self.metrics.inc("spotcheck_arbitrated")
+        self.spawn(self._arbitrate(p, fwd, answers))
+        return True
+
+    async def _arbitrate(self, p: Pending, fwd: Forward, answers: dict[str, tuple[Backward, torch.Tensor]]) -> None:
+        msg, grad0 = next(iter(answers.values()))
+        ref = await self._reference(fwd, msg.mb_id, grad0.shape[0])
+        if not self.held(msg.mb_id, p):
+            return
+        if ref is None:  # the copy went meanwhile: the history decides after all
+            caught, ban = self.spot.blame(*answers)
+            self._banned(caught, ban, "another replica")
+            self.requeue(BackwardWork(msg, None))
+            return
+        right = []
+        for peer, (_, grad) in answers.items():
+            cos, ratio = verdict = agreement(grad[ref[1]], ref[0])
+            self.seen.append(verdict)
+            self.judged += 1
+            passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
+            ban = self.spot.recheck_verdict(peer, passed)
+            if passed:
+                right.append(peer)
+            else:
+                logger.warning("spot check of micro-batch %d decided by the held copy: the gradient of %s disagrees "
+                               "with it (cosine %.3f, norm ratio %.2f)%s", msg.mb_id, short_id(peer), cos, ratio,
+                               ", banned" if ban else "")
+                self._banned(peer, ban, "the held copy of its stage")
+        self.metrics.rechecks = self.snapshot()
+        if len(right) != 1:  # both wrong, or both right by the copy while they disagree: nobody's to train on
+            self.requeue(BackwardWork(msg, None))
+            return
+        self.vouch(right[0])
+        p.trained_from = right  # named in the gradient we return: the one replica trained on
+        self.requeue(BackwardWork(*answers[right[0]]))
+
+    def _banned(self, peer: str, ban: bool, by: str) -> None:
+        if ban:
+            ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
+                    revoke=self.revoke, kind="recheck", contradicted_by=by)
 
     def conclude(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor,
                  verdict: tuple[float, float] | None, why: str, *, unheard: bool = False) -> None:
@@ -304,9 +360,7 @@ class Rechecks:
             return
         logger.warning("re-check of micro-batch %d: the work of %s disagrees with the held copy's (%s); not trained "
                        "on%s", msg.mb_id, short_id(peer), why, ", banned" if ban else "")
-        if ban:
-            ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
-                    revoke=self.revoke, kind="recheck", contradicted_by="the held copy of its stage")
+        self._banned(peer, ban, "the held copy of its stage")
         self.requeue(BackwardWork(msg, None))  # dropped here and upstream (stage 0 re-sends its sample)
 
     def snapshot(self) -> dict[str, object]:

@@ -134,6 +134,8 @@ class PipelineServicer:
             spawn=self.spawn, held=self.holds, requeue=self._queue_backward,
             vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
             bf16=worker.precision == "bf16")
+        if self.checks is not None and self.recheck is not None:
+            self.checks.arbiter = self.recheck.arbitrate  # a disagreement decided by the copy, not by history
         # what this stage received and returned, for the stage two before to re-check the one between
         self.testimony = None if stage < 2 or cfg.mode == Mode.SYNC else TestimonyStore(
             run_id=run.run_id, stage=stage, boundary=self.boundary, count=metrics.inc)

@@ -165,8 +165,14 @@ class SpotChecker:
 
     def judge(self, a: str, grad_a: torch.Tensor, b: str, grad_b: torch.Tensor) -> tuple[str | None, bool]:
         """Compare the two gradients of one micro-batch: (the hop that takes the blame, None when they agree;
-        whether it is now to be banned). The hop with fewer passed checks (on a tie, the one met later) is blamed and
-        loses its trust; ``ban_after`` blames in a row ban it, so one honest outlier bans nobody."""
+        whether it is now to be banned): ``compare``, then ``blame`` when they disagree."""
+        if self.compare(a, grad_a, b, grad_b):
+            return None, False
+        return self.blame(a, b)
+
+    def compare(self, a: str, grad_a: torch.Tensor, b: str, grad_b: torch.Tensor) -> bool:
+        """Whether the two gradients of one micro-batch agree (then both hops count a passed check); a disagreement
+        is counted, and blames nobody yet."""
         cos, ratio = agreement(grad_a, grad_b)
         d = distance(grad_a, grad_b)
         self.seen.append((cos, ratio, d))
@@ -178,7 +184,17 @@ class SpotChecker:
                 hop.passed += 1
                 hop.strikes = 0
             self.count("spotcheck_passed")
-            return None, False
+            return True
+        self.count("spotcheck_failed")
+        return False
+
+    def blame(self, a: str, b: str) -> tuple[str, bool]:
+        """Two hops disagreed and nothing better can tell which is wrong: (the one blamed, whether it is now to be
+        banned). The hop with fewer passed checks (on a tie, the one met later) is blamed and loses its trust;
+        ``ban_after`` blames in a row ban it, so one honest outlier bans nobody. A patient liar with more history
+        than an honest partner gets the partner blamed: the servicer asks the held copy first when it has one
+        (``peer.pipeline.recheck.Rechecks.arbitrate``)."""
+        ha, hb = self._hop(a), self._hop(b)
         caught = a if (ha.passed, -ha.first_seen) < (hb.passed, -hb.first_seen) else b
         return caught, self._strike(self._hops[caught], recheck=False)
 
@@ -187,8 +203,8 @@ class SpotChecker:
         more strike of that kind counted; whether that makes ``ban_after`` in a row (then counted afresh)."""
         hop.failed += 1
         hop.passed = 0
-        self.count("recheck_failed" if recheck else "spotcheck_failed")
         if recheck:
+            self.count("recheck_failed")
             hop.re_strikes += 1
             ban = hop.re_strikes >= self.config.ban_after
             hop.re_strikes = 0 if ban else hop.re_strikes

@@ -210,6 +210,12 @@ class MiddleRechecks(Rechecks):
         d = self.boundary.act_spec.shape[2]
         self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
 
+    def arbitrate(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]]) -> bool:
+        """A middle next stage's disagreeing spot check is left to the history rule (``SpotChecker.blame``): each
+        answer would need its own witnesses, and a hop with a colluding witness passes its own (docs/security.md,
+        "Middle-stage re-checks")."""
+        return False
+
     def usable(self) -> bool:
         after = MIN_COPY_WARMUPS * self.copy.run.optim.warmup_steps
         return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH, after=after)
