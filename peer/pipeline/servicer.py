@@ -5,8 +5,8 @@ full (backpressure), so no stream stays open across the pipeline. One consumer t
 work first (it frees stashed activations). Outputs go on through ``Hops`` (peer.pipeline.hops); when no hop takes a
 micro-batch, a ``Backward`` without a gradient travels back so that every stage forgets it and stage 0 re-sends its
 sample at once. The last stage computes the loss; a training micro-batch whose loss is far above its recent ones is
-refused everywhere (``refused``), and held against its sender (``PipelineGuard``). Some micro-batches also go to a
-second replica of the next stage, whose gradients must agree (``peer.pipeline.crosscheck``).
+refused everywhere (``refused``), and held against its sender (``PipelineGuard``). What a stage checks of its
+neighbours' work (spot checks, re-checks from held copies, testimony) is built in ``peer.pipeline.checks``.
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ from peer.config import Mode
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.pipeline.boundary import Boundary
-from peer.pipeline.crosscheck import CrossChecks
-from peer.pipeline.fwdcheck import ForwardCheckConfig, ForwardChecks
+from peer.pipeline.checks import neighbour_checks
 from peer.pipeline.guard import PipelineGuard
 from peer.pipeline.hops import Hops
 from peer.pipeline.meter import ComputeMeter
-from peer.pipeline.recheck import HeldCopy, RecheckConfig, Rechecks
-from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker
-from peer.pipeline.testimony import MiddleRechecks, TestimonyStore
 from peer.pipeline.work import REFUSED, BackwardWork, ForwardWork, MicroBatchIds, Pending
 from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
@@ -107,45 +103,16 @@ class PipelineServicer:
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
         self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
         self.guard.share.on_ban = lambda peer: self.revoke(peer)  # its work refused again and again
-        # whether the next stage's hops return honest gradients (peer/pipeline/spotcheck.py); not in sync mode, whose
-        # flushes pin each micro-batch to one replica
-        self.spot: SpotChecker | None = None
-        if cfg.spot_checks and cfg.mode != Mode.SYNC:
-            self.spot = SpotChecker(SpotCheckConfig(fraction=cfg.spot_check_fraction,
-                                                    min_cosine=cfg.spot_check_min_cosine), count=metrics.inc)
         # the sends to the next stage's peers and back to the previous one (peer/pipeline/hops.py)
         self.hops = Hops(run_id=run.run_id, stage=stage, my_id=my_id, cfg=cfg, send=send, swarm=swarm, router=router,
                          metrics=metrics, accepting=lambda: self._accepting)
+        # what this stage checks of its neighbours' work (peer/pipeline/checks.py): spot checks of the next stage's
+        # hops and the answers they hold, re-checks from the held copy, the testimony kept for the stage two before,
+        # and stage 1's re-checks of stage 0's forwards
+        checks = neighbour_checks(self, spares=spares, upstream=upstream)
+        self.spot, self.checks, self.recheck = checks.spot, checks.cross, checks.recheck
+        self.testimony, self.fwdcheck = checks.testimony, checks.fwdcheck
         self.hops.cap = self.spot.cap_weights if self.spot is not None else None
-        # the spot checks in flight: second sends, answers held until both are in (peer/pipeline/crosscheck.py)
-        self.checks = None if self.spot is None else CrossChecks(
-            self.spot, stage=stage, hops=self.hops, router=router, metrics=metrics,
-            held=self.holds, requeue=self._queue_backward,
-            drop=lambda mb_id: self.drop(mb_id, notify=not self.is_first), vouch=lambda peer: self.vouch(peer),
-            revoke=lambda peer: self.revoke(peer))
-        # the next stage's gradients re-computed from the held copy of it (peer/pipeline/recheck.py); a middle next
-        # stage's with the testimony of the peer it sent the micro-batch on to (peer/pipeline/testimony.py)
-        kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=send)
-                                         if stage < run.n_stages - 2 else Rechecks)
-        self.recheck = None if self.spot is None or spares is None or stage > run.n_stages - 2 else kind(
-            self.spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
-            copy=HeldCopy.of(run, stage + 1, spares, worker, cfg), boundary=self.boundary,
-            tok_spec=self.tok_spec, my_id=my_id, compute=compute, queued=self.queued, router=router, metrics=metrics,
-            spawn=self.spawn, held=self.holds, requeue=self._queue_backward,
-            vouch=lambda peer: self.vouch(peer), revoke=lambda peer: self.revoke(peer),
-            bf16=worker.precision == "bf16")
-        if self.checks is not None and self.recheck is not None:
-            self.checks.arbiter = self.recheck.arbitrate  # a disagreement decided by the copy, not by history
-        # what this stage received and returned, for the stage two before to re-check the one between
-        self.testimony = None if stage < 2 or cfg.mode == Mode.SYNC else TestimonyStore(
-            run_id=run.run_id, stage=stage, boundary=self.boundary, count=metrics.inc)
-        # stage 1 re-computes stage 0's forwards from a copy of it (peer/pipeline/fwdcheck.py): in a 2-stage run its
-        # neighbour copy, in longer runs a private one
-        source = spares if run.n_stages == 2 and self.is_last else upstream if stage == 1 else None
-        self.fwdcheck = None if source is None or cfg.mode == Mode.SYNC \
-            else ForwardChecks(ForwardCheckConfig(fraction=cfg.recheck_fraction),
-                               copy=HeldCopy.of(run, 0, source, worker, cfg), boundary=self.boundary,
-                               compute=compute, queued=self.queued, metrics=metrics, bf16=worker.precision == "bf16")
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -204,7 +171,7 @@ class PipelineServicer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _queue_backward(self, work: BackwardWork) -> None:
+    def queue_backward(self, work: BackwardWork) -> None:
         """Queue validated backward work for the compute thread (it goes before forwards)."""
         self.backward_q.put_nowait(work)
         self._wake.set()
@@ -331,7 +298,7 @@ class PipelineServicer:
             msg, grad = checked
         elif self.recheck is not None and self.recheck.answer(p, peer_id, msg, grad, self.guard.learning("gradients")):
             return Ack()  # held until the held copy of the next stage re-computed it
-        self._queue_backward(BackwardWork(msg, grad))
+        self.queue_backward(BackwardWork(msg, grad))
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
         return Ack()
