@@ -109,6 +109,19 @@ def test_a_lone_fake_next_stage_is_caught_by_rechecks_from_the_held_copy(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_patient_liar_is_banned_and_no_honest_replica_is(tmp_path: Path) -> None:
+    """It answers honestly for half the phase, then lies: the spot checks that pair it with an honest replica
+    disagree, and stage 0's held copy of stage 1 decides who is wrong."""
+    res = _campaign(tmp_path, "--attacks", "patient_liar", "--phase-s", "40", "--victim-set", "backup_every_s=5",
+                    timeout=380)
+    ev = res["patient_liar"]["evidence"]
+    assert ev["answered"]["honest"] >= 1 and ev["answered"]["fabricated"] >= 1, ev  # it took traffic in both halves
+    assert ev["liar_banned"] and ev["honest_replicas_banned"] == [], ev
+    assert res["patient_liar"]["outcome"] == "refused"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_a_lone_fake_middle_stage_that_does_no_work_is_caught_with_the_witness_testimony(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny3.toml"), "--attacks", "fake_middle_stage",

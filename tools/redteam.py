@@ -375,7 +375,7 @@ FLOOD = {"ids": 16, "streams": 16}
 
 
 REPLICATED = frozenset({"lying_donor", "poisoned_backup", "poisoned_donor_state", "witness_sybils", "phantom_quorum",
-                        "vouch_sybils", "fake_next_stage"})
+                        "vouch_sybils", "fake_next_stage", "patient_liar"})
 """Attacks on what replicas do together (averaging, witnesses, backups, spot checks): run against stages of
 ``--replicas`` peers; the others against one peer per stage."""
 MIN_PHASE_S = {"loss_window_drift": 50.0}

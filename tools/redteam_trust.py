@@ -78,16 +78,26 @@ async def fake_next_stage_alone(att: Any, victims: dict[str, str], until: float)
         return await fake_next_stage(att, victims, until, alone=True)
 
 
-async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, alone: bool = False) -> dict[str, Any]:
+async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, alone: bool = False,
+                          patient: bool = False) -> dict[str, Any]:
     """A stranger announces itself as a stage-1 replica with throughput 1e9, acks every training forward at once and
     returns within milliseconds the negation of the gradient its own (untrained) stage-1 copy computes: a gradient
     of the right shape that trains stage 0 the wrong way, with a plausible loss (the honest stage-1 peer's latest).
     It learns the norm stage 0 accepts from its replies: a gradient refused for its norm makes it try the next scale
     of ``SCALES`` until one passes.
-    Evaluation forwards are answered Busy (they go to the honest peer). Stage 0 must not train on its gradients."""
+    Evaluation forwards are answered Busy (they go to the honest peer). Stage 0 must not train on its gradients.
+
+    ``patient`` (``patient_liar``): for the first half of the phase it answers honestly, with the honest stage-1
+    peer's weights fetched every 2 s as any peer may, and so earns passed spot checks and re-checks, more of them
+    than each honest replica since it takes most of the traffic; then it lies as above. Under the spot checks' history
+    rule, the replica it disagrees with would be blamed and banned; stage 0's held copy must decide instead: the
+    liar is banned and no honest replica is."""
     run = att.run
     before = await _counters(att.status_a)
     worker = StageWorker(run, 1)
+    turn_at = (time.monotonic() + until) / 2 if patient else 0.0
+    answered = {"honest": 0, "fabricated": 0}
+    bans: set[str] = set()
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     act, tok = TensorSpec((b, t, d), torch.float32), TensorSpec((b, t), torch.int64)
     server = RpcServer(att.p2p, RpcLimits())
@@ -95,13 +105,21 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, al
     loss_seen, scale = [2.5], [0]
     tasks: set[asyncio.Task] = set()
 
+    async def sync_weights() -> None:  # the honest stage-1 peer's state, as any joiner may fetch it
+        state = await load_state_from_peers(p2p=att.p2p, run=run, stage=1, metrics=PeerMetrics("attacker", 1),
+                                            donors=[victims["b"]])
+        if state is not None:
+            worker.load_state_dict(state)
+
     async def answer(peer: str, msg: Forward) -> None:
         nonlocal sent
         x, targets = decode(msg.activations, act), decode(msg.targets, tok)
-        _, grad = worker.forward_loss(msg.mb_id, x, targets)
-        fake = -grad * SCALES[scale[0]]
+        loss, grad = worker.forward_loss(msg.mb_id, x, targets)
+        honest = time.monotonic() < turn_at
+        answered["honest" if honest else "fabricated"] += 1
+        fake = grad if honest else -grad * SCALES[scale[0]]
         reply = Backward(run_id=run.run_id, mb_id=msg.mb_id, route=msg.route, gradient=encode(fake, "int8"),
-                         loss=loss_seen[0], is_eval=False)
+                         loss=float(loss) if honest else loss_seen[0], is_eval=False)
         try:
             await call(att.p2p, peer, BACKWARD_RPC, reply, timeout=5)
             sent += 1
@@ -119,26 +137,46 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, al
         task.add_done_callback(tasks.discard)
         return Ack()
 
+    async def banned_seen() -> None:  # who the stage-0 peers banned for fabricated gradients (their warnings)
+        for peer in att.swarm.peers[0]:
+            status = (await asyncio.to_thread(peer.status)) or {}
+            bans.update(w["text"].split()[1] for w in status.get("warnings", []) if "; banned for" in w["text"])
+
+    if patient:
+        await sync_weights()
     await server.add_handler(FORWARD_RPC, take)
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1e9, queue=0, version=0, state="training",
                      maddrs=[])
     try:
+        tick = 0
         while time.monotonic() < until:
             await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
             if not alone:  # the honest stage-1 peer's latest loss (stopped when the attacker is alone)
                 loss = ((await asyncio.to_thread(att.status_b)) or {}).get("train_loss")
                 loss_seen[0] = float(loss) if loss else loss_seen[0]
+            if patient:
+                tick += 1
+                if tick % 2 == 0 and time.monotonic() < turn_at:
+                    await sync_weights()
+                await banned_seen()
             await asyncio.sleep(1.0)
     finally:
         await server.shutdown()
         for task in list(tasks):
             task.cancel()
     seen = await _changed(att.status_a, before, (
-        "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_banned", "spotcheck_unavailable",
-        "rejected:gradients_norm", "relearnt:gradients_norm", *RECHECK_COUNTERS))
-    return {"refused": seen["spotcheck_banned"] + seen["recheck_banned"] >= 1, "forwards_taken": taken,
-            "fabricated_gradients_delivered": sent,
-            "scale_used": SCALES[scale[0]], "stage0_counters": seen}
+        "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_arbitrated", "spotcheck_banned",
+        "spotcheck_unavailable", "rejected:gradients_norm", "relearnt:gradients_norm", *RECHECK_COUNTERS))
+    caught = seen["spotcheck_banned"] + seen["recheck_banned"] >= 1
+    evidence = {"refused": caught, "forwards_taken": taken, "fabricated_gradients_delivered": sent,
+                "scale_used": SCALES[scale[0]], "stage0_counters": seen}
+    if patient:
+        await banned_seen()
+        me = att.signer.peer_id[-8:]
+        honest_banned = sorted(b for b in bans if b != me)
+        evidence.update(answered=answered, liar_banned=me in bans, honest_replicas_banned=honest_banned,
+                        refused=me in bans and not honest_banned)
+    return evidence
 
 
 async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
@@ -494,6 +532,7 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
 
 
 TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "foreign_forwards": foreign_forwards,
+                 "patient_liar": functools.partial(fake_next_stage, patient=True),
                  "fake_middle_stage": fake_middle_stage,
                  "fake_next_stage_alone": fake_next_stage_alone,
                  "dht_flood": dht_flood, "costly_keys": costly_keys,
