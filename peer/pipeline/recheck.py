@@ -307,7 +307,7 @@ class Rechecks:
             return
         if ref is None:  # the copy went meanwhile: the history decides after all
             caught, ban = self.spot.blame(*answers)
-            self._banned(caught, ban, "another replica")
+            self._banned(caught, ban, "another replica", kind="spotcheck")
             self.requeue(BackwardWork(msg, None))
             return
         right = []
@@ -332,10 +332,10 @@ class Rechecks:
         p.trained_from = right  # named in the gradient we return: the one replica trained on
         self.requeue(BackwardWork(*answers[right[0]]))
 
-    def _banned(self, peer: str, ban: bool, by: str) -> None:
+    def _banned(self, peer: str, ban: bool, by: str, *, kind: str = "recheck") -> None:
         if ban:
             ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
-                    revoke=self.revoke, kind="recheck", contradicted_by=by)
+                    revoke=self.revoke, kind=kind, contradicted_by=by)
 
     def conclude(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor,
                  verdict: tuple[float, float] | None, why: str, *, unheard: bool = False) -> None:
