@@ -144,6 +144,9 @@ def test_memory_command_prints_every_stage_in_both_precisions(capsys, tmp_path):
     assert doc["inflight"] == 5
     assert doc["stages"] == [e.as_dict() for e in estimate_run(TINY, inflight=5)]
     assert doc["here"]["precision"] == "fp32" and doc["here"]["fits"] == [0, 1, 2]
+    w = [e["weights"] for e in doc["stages"][::2]]  # the re-checks' held copies: next stage's, and stage 0's at 1
+    assert doc["copies_bytes"] == [w[1], w[2] + w[0], 0]
+    assert rows[0][-1] != "0.0" and rows[-2][-1] == "0.0"  # the table's copies column: stage 0 holds one, 2 none
 
 
 def test_memory_command_errors_are_one_line(capsys, tmp_path):

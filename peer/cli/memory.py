@@ -23,7 +23,9 @@ EPILOG = """examples:
   asyncmesh-peer memory --run myrun.toml --inflight 8
   asyncmesh-peer memory --run myrun.toml --device cpu --memory-gb 16   # what fits in 16 GiB
   asyncmesh-peer memory --run myrun.toml --json
-The GPU must hold 'device'; a CPU peer 'device' + 'host'. join adds 15 % headroom when it decides what fits."""
+The GPU must hold 'device'; a CPU peer 'device' + 'host'. With re-checks on (the default) a peer also builds the
+held copies it re-checks its neighbours' work with on its device: 'copies' (counted in the last line, not in
+'device'). join adds 15 % headroom when it decides what fits."""
 
 COLUMNS = (("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("stash", "stash"),
            ("averaging", "avg"), ("inputs", "inputs"), ("backward", "backward"), ("device_bytes", "device"),
@@ -49,13 +51,15 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2f}"
 
 
-def table(estimates: list[StageMemory]) -> str:
-    """The estimates as a text table, one row per stage and precision, in MiB."""
-    head = ["stage", "prec", "params"] + [label for _, label in COLUMNS]
+def table(estimates: list[StageMemory], copies: tuple[int, ...] = ()) -> str:
+    """The estimates as a text table, one row per stage and precision, in MiB; ``copies``: per stage, the held
+    copies its re-checks build on the device (a column of its own when given)."""
+    head = ["stage", "prec", "params"] + [label for _, label in COLUMNS] + (["copies"] if copies else [])
     rows = [head]
     for e in estimates:
         d = e.as_dict()
-        rows.append([str(e.stage), e.precision, f"{e.params / 1e6:.2f}M"] + [mib(int(d[k])) for k, _ in COLUMNS])
+        rows.append([str(e.stage), e.precision, f"{e.params / 1e6:.2f}M"] + [mib(int(d[k])) for k, _ in COLUMNS]
+                    + ([mib(copies[e.stage])] if copies else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
@@ -81,11 +85,12 @@ def run(args: argparse.Namespace) -> int:
     here = plan(run_cfg, device=device, precision=precision, inflight=inflight, memory_gb=args.memory_gb)
     if args.json:
         print(json.dumps({"run": run_cfg.name, "run_id": run_cfg.run_id, "inflight": inflight,
-                          "stages": [e.as_dict() for e in estimates], "here": here.as_dict()}, indent=2))
+                          "stages": [e.as_dict() for e in estimates], "copies_bytes": list(here.copy_bytes),
+                          "here": here.as_dict()}, indent=2))
         return 0
     print(f"run {run_cfg.name!r} ({run_cfg.run_id}): {run_cfg.n_stages} stages, batch {run_cfg.data.batch_size} x "
           f"{run_cfg.model.block_size} tokens, {inflight} micro-batches in flight; MiB")
-    print(table(estimates))
+    print(table(estimates, here.copy_bytes))
     fitting = here.fitting or ()
     print(f"this machine ({device}, {precision}): may use {here.describe_limit()}; with "
           f"{round(HEADROOM * 100 - 100)} % headroom it can serve "
