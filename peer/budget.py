@@ -129,7 +129,8 @@ class MemoryBudget:
 
 def recheck_stages(n_stages: int, stage: int) -> tuple[int, ...]:
     """The stages whose held copies a peer of ``stage`` re-computes with: the next stage's work (gradient and
-    middle-stage re-checks, every stage but the last) and stage 0's forwards (stage 1)."""
+    middle-stage re-checks, every stage but the last) and stage 0's forwards (stage 1): the copies
+    ``peer.pipeline.checks.neighbour_checks`` builds."""
     return tuple(s for s in ((stage + 1) if stage <= n_stages - 2 else None, 0 if stage == 1 else None)
                  if s is not None)
 

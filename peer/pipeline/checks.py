@@ -107,7 +107,7 @@ def neighbour_checks(pipe: Stage, *, spares: SpareStore | None,
         cross.arbiter = recheck.arbitrate  # a disagreement decided by the copy, not by history
     testimony = None if stage < 2 or sync else TestimonyStore(
         run_id=run.run_id, stage=stage, boundary=pipe.boundary, count=metrics.inc)
-    source = spares if run.n_stages == 2 and pipe.is_last else upstream if stage == 1 else None
+    source = spares if run.n_stages == 2 and pipe.is_last else upstream  # upstream: stage 1 of 3+ stages only
     fwdcheck = None if source is None or sync else ForwardChecks(
         ForwardCheckConfig(fraction=cfg.recheck_fraction), copy=HeldCopy.of(run, 0, source, worker, cfg),
         boundary=pipe.boundary, compute=pipe.compute, queued=pipe.queued, metrics=metrics, bf16=bf16)
