@@ -23,6 +23,10 @@ def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: 
     # a copy of a trained stage 1 (the first copies can be of its step-0 state), announced in a's record
     held = a.wait_status(lambda s: (s.get("backup") or {}).get("step", 0) >= 8, 30, "a copy of stage 1 at step 8+")
     assert held["backup"]["stage"] == 1 and held["backup"]["age_s"] < 30
+    # with the copy held, stage 0 re-checks its lone next stage's gradients against it: the first verdict can come a
+    # moment after the copy is announced (a CI run killed b in between), so it is awaited, then asserted below
+    a.wait_status(lambda s: s["counters"].get("recheck_passed", 0) + s["counters"].get("recheck_failed", 0) >= 1,
+                  30, "a re-check of stage 1 against the copy")
     b.proc.kill()  # kill -9 the stage's only peer: no drain, no final checkpoint
     b.proc.wait()
     fetched = a.status()["counters"]
