@@ -223,6 +223,7 @@ class Presence:
         self.metrics.set_swarm(per_stage)
         self.metrics.swarm_progress = self.progress.update(from_records(self.swarm.values()))
         self.router.forget(self.swarm)
+        self.router.observe(self.swarm.values())  # restarted peers are judged afresh
         return self.swarm
 
     def _maybe_gossip(self, records: dict[str, PeerRecord]) -> None:

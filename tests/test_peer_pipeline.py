@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,9 +36,12 @@ class Net:
     def __init__(self) -> None:
         self.stages: dict[str, PipelineServicer] = {}
         self.dead: set[str] = set()
+        self.make = None  # build's factory of (re)started peers
 
     def sender(self, me: str):
         async def send(peer: str, name: str, msg):
+            if me in self.dead:  # a dead process sends nothing
+                raise ConnectionError(f"{me} is gone")
             if peer in self.dead:
                 raise ConnectionError(f"{peer} is gone")
             target = self.stages[peer]
@@ -58,13 +62,19 @@ def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig, run: RunConf
 
     records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
                for s, ids in enumerate(ids_by_stage) for pid in ids}
+
+    def make(pid: str, s: int) -> PipelineServicer:
+        """A fresh peer ``pid`` at stage ``s`` (also: one restarted with its identity, nothing of it kept)."""
+        net.stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute,
+                                           send=net.sender(pid), swarm=lambda: records,
+                                           router=Router([1.0] * run.n_stages, rng=random.Random(0)),
+                                           metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+        return net.stages[pid]
+
     for s, ids in enumerate(ids_by_stage):
         for pid in ids:
-            worker = StageWorker(run, s)
-            net.stages[pid] = PipelineServicer(run=run, stage=s, worker=worker, compute=compute, send=net.sender(pid),
-                                               swarm=lambda: records,
-                                               router=Router([1.0] * run.n_stages, rng=random.Random(0)),
-                                               metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+            make(pid, s)
+    net.make = make
     return pool
 
 
@@ -161,6 +171,65 @@ def test_dead_hop_is_retried_elsewhere_and_broken_route_requeues(corpus):
     m0 = net.stages["a0"].metrics.snapshot()["counters"]
     assert m0["microbatches_dropped"] >= 1 and m0["microbatches_requeued"] == m0["microbatches_dropped"]
     assert driver2.tokens == 0 and net.stages["a0"].worker.pending() == 0
+
+
+async def _until(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.timeout(150)
+def test_a_middle_hop_whose_next_stage_died_is_not_banned_and_training_resumes_when_it_returns(corpus):
+    """Stage 2 dies whole while stage 1 holds stage 0's micro-batches. Stage 1 forfeits what the dead peers held,
+    drops what it can no longer send on, tells stage 0, and answers Busy while it has no route; stage 0 does not judge
+    it a black hole (a 60-s ban would stall the run long after stage 2 is back), and training resumes within seconds
+    of stage 2's restart."""
+    torch.manual_seed(0)
+    net = Net()
+    cfg = PeerConfig(microbatch_timeout_s=60.0)
+    run = RUN.replace(n_stages=3, model={"n_layer": 3})
+    pool = build(net, [["a0"], ["b1"], ["d2", "e2"]], cfg, run)
+    pipe0 = net.stages["a0"]
+
+    async def main() -> float:
+        stop = asyncio.Event()
+        driver = Stage0Driver(pipe=pipe0, stream=BatchStream(corpus.train, 32, 8, seed=1), val=[], inflight=3,
+                              stop=stop, max_steps=100_000, metrics=pipe0.metrics)
+        tasks = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
+
+        async def expiring():  # the daemon's 1-s tick
+            while True:
+                await asyncio.sleep(1.0)
+                for p in list(net.stages.values()):
+                    await p.expire()
+
+        tasks.append(asyncio.ensure_future(expiring()))
+        running = asyncio.ensure_future(driver.run_async())
+        try:
+            assert await _until(lambda: pipe0.worker.local_step >= 15, 60.0), pipe0.metrics.snapshot()
+            net.dead |= {"d2", "e2"}  # killed with the micro-batches they hold
+            await asyncio.sleep(8.0)
+            for pid in ("d2", "e2"):  # restarted under their identities, nothing kept
+                tasks.append(asyncio.ensure_future(net.make(pid, 2).serve()))
+            net.dead -= {"d2", "e2"}
+            back, at = time.monotonic(), pipe0.worker.local_step
+            assert await _until(lambda: pipe0.worker.local_step >= at + 10, 40.0), pipe0.metrics.snapshot()
+            return time.monotonic() - back
+        finally:
+            stop.set()
+            for t in [running, *tasks]:
+                t.cancel()
+            await asyncio.gather(running, *tasks, return_exceptions=True)
+
+    resumed_s = asyncio.run(main())
+    pool.shutdown()
+    c0, c1 = (net.stages[pid].metrics.snapshot()["counters"] for pid in ("a0", "b1"))
+    assert c0.get("black_holes_banned", 0) == 0, c0
+    assert c1.get("busy_next_down", 0) >= 1, c1  # it took no work it could not send on
+    assert c1.get("microbatches_forfeited", 0) + c1.get("microbatches_dropped", 0) >= 1, c1
+    assert resumed_s < 15.0, resumed_s  # 10 steps within seconds of stage 2's return, not after a ban
 
 
 @pytest.mark.timeout(60)

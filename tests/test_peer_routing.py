@@ -69,7 +69,120 @@ def test_busy_skips_for_the_time_asked_without_failure():
     clock.t += 0.6
     assert router.candidates([rec("x")], 1) == [rec("x")]
     router.busy("x", 1e9)  # a remote cannot make us ignore it forever
-    assert router.stats["x"].banned_until <= clock.t + router.ban_max_s
+    assert router.stats["x"].busy_until <= clock.t + router.ban_max_s
+    assert not router.down([rec("x")], 1)  # busy is not down: it takes work again soon
+
+
+def test_the_next_stage_is_down_when_every_peer_of_it_failed_or_none_is_announced():
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock)
+    recs = [rec("a"), rec("b"), rec("other", stage=2)]
+    assert router.down([rec("other", stage=2)], 1)  # nobody announced for stage 1
+    assert not router.down(recs, 1)
+    router.failure("a")
+    assert not router.down(recs, 1)  # b still takes work
+    router.busy("b", 0.5)
+    assert not router.down(recs, 1)
+    router.failure("b")
+    assert router.down(recs, 1)
+    clock.t += 2.1  # the bans run out: worth trying again
+    assert not router.down(recs, 1)
+    assert router.down([rec("a", state="joining")], 1)
+
+
+def test_a_hop_whose_call_failed_forfeits_what_it_held_at_once():
+    """A dead peer answers nothing: what it held is dropped (and re-sent upstream) on its first failed call, not
+    after the black-hole wait or the micro-batch deadline."""
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock)
+    router.sent("dead", 1)
+    router.sent("dead", 2)
+    router.sent("alive", 3)
+    assert router.lost() == []
+    router.failure("dead")
+    assert router.lost() == [("dead", [1, 2])]
+    assert router.lost() == []  # forfeited once
+    router.success("dead", 0.01)  # it answers again: what it takes now is owed as usual
+    router.sent("dead", 4)
+    assert router.lost() == [] and router.stats["alive"].outstanding.keys() == {3}
+
+
+def test_a_hop_silent_past_its_wait_forfeits_fewer_micro_batches_than_the_black_hole_rule_needs():
+    """Two micro-batches held by a peer that stopped answering (dead, no call made to it since) were held until their
+    deadline; now they are forfeited one floor after the black-hole wait, with a failure's short ban, not the
+    longest: a peer restarted under its identity is routed to again soon. Not in sync mode (``silent=False``)."""
+    from peer.membership.routing import BLACKHOLE_MIN_S
+
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock, ban_max_s=60.0)
+    router.sent("p", 0)
+    clock.t += 0.1
+    router.returned("p", 0)
+    clock.t += 0.1
+    router.sent("p", 1)
+    router.sent("p", 2)
+    clock.t += 2 * BLACKHOLE_MIN_S - 0.1
+    assert router.lost() == [] and router.black_holes() == []  # still within the wait and the floor after it
+    clock.t += 0.2
+    assert router.lost(silent=False) == []
+    assert router.lost() == [("p", [1, 2])] and router.black_holes() == []
+    assert router.stats["p"].banned_until <= clock.t + router.ban_base_s
+
+
+def test_a_restarted_peer_forfeits_what_it_held_and_is_judged_afresh():
+    """A peer killed holding our micro-batches and restarted under its identity: once its record says it joins again
+    (or counts fewer tokens), its bans for failing or swallowing work end, what it held is dropped, and it is
+    capped as a newcomer until it answers; a ban for fabricated work stays."""
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock, ban_max_s=60.0)
+    for pid in ("p", "liar"):
+        router.sent(pid, 0)
+        clock.t += 0.1
+        router.returned(pid, 0)
+    router.observe([rec("p", thr=1.0), rec("liar")])
+    for i in range(1, 5):
+        router.sent("p", i)
+    clock.t += 10.0
+    assert [p for p, _ in router.black_holes()] == ["p"]  # banned for the longest ban
+    router.sent("p", 9)  # (one more it held, sent before the ban)
+    router.ban("liar", 600.0)
+    assert router.down([rec("p"), rec("liar")], 1)
+    router.observe([rec("p", state="joining"), rec("liar", state="joining")])
+    assert router.lost() == [("p", [9])]
+    assert [r.peer_id for r in router.candidates([rec("p"), rec("liar")], 1)] == ["p"]
+    assert router.stats["p"].service_s is None  # a newcomer again: one micro-batch until it answers
+    # a record counting fewer tokens than before is a restart too
+    router.observe([PeerRecord(peer_id="q", stage=1, throughput=1.0, queue=0, version=0, state="training",
+                               tokens=5000)])
+    router.sent("q", 20)
+    router.observe([PeerRecord(peer_id="q", stage=1, throughput=1.0, queue=0, version=0, state="training",
+                               tokens=5200)])
+    assert router.lost() == []
+    router.observe([PeerRecord(peer_id="q", stage=1, throughput=1.0, queue=0, version=0, state="training",
+                               tokens=40)])
+    assert router.lost() == [("q", [20])]
+
+
+def test_the_black_hole_wait_leaves_time_for_the_later_stages_to_judge_their_own_hops():
+    """A hop whose own next stage died holds our micro-batches for no fault of its own; the stage after it judges
+    that stage first (its wait is shorter by BLACKHOLE_STAGE_S per stage) and tells the hop, which tells us."""
+    from peer.membership.routing import BLACKHOLE_MIN_S, BLACKHOLE_STAGE_S
+
+    clock = Clock()
+    router = Router([1.0, 1.0, 1.0], clock=clock)
+    router.sent("hop", 0)
+    clock.t += 0.1
+    router.returned("hop", 0)  # measured: 0.1-s round trips, so the floor decides
+    clock.t += 0.1
+    for i in range(1, 4):
+        router.sent("hop", i)
+    clock.t += BLACKHOLE_MIN_S + 0.1
+    assert router.black_holes(later_stages=1) == []  # the stage after the hop had its turn first
+    assert [p for p, _ in router.black_holes(later_stages=0)] == ["hop"]  # the last stage: judged at the floor
+    for i in range(4, 7):
+        router.sent("hop", i)
+    clock.t += BLACKHOLE_MIN_S + BLACKHOLE_STAGE_S + 0.1
+    assert [p for p, _ in router.black_holes(later_stages=1)] == ["hop"]
 
 
 def test_forget_bounds_memory():

@@ -11,6 +11,12 @@ backoff, a Busy one skipped for the time it asked, and a black hole (``black_hol
 ``BLACKHOLE_RTTS`` of its own round trips, ``BLACKHOLE_UNMEASURED_S`` while it never answered) for the longest ban.
 A hop that never answered holds at most ``UNANSWERED_MAX_OUTSTANDING`` of our micro-batches while another can take
 them: otherwise a black hole collects every slot in flight one by one and stalls the stage for the whole wait.
+
+A hop's round trip covers every stage after it, and a hop whose own next stage died holds our micro-batches too, for
+no fault of its own. So the black-hole wait grows with the stages after the hop (``BLACKHOLE_STAGE_S`` each: theirs
+is judged, dropped and told upstream first), a hop whose call failed forfeits what it held at once (``lost``: a dead
+peer answers nothing), and a stage can ask whether its next stage is ``down`` (every announced peer of it banned for
+failing, none merely busy) to refuse work it could not send on instead of holding it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ BLACKHOLE_MIN_ITEMS = 3
 BLACKHOLE_RTTS = 3.0
 BLACKHOLE_MIN_S = 2.0  # floor of the black-hole wait once round trips are measured
 BLACKHOLE_UNMEASURED_S = 10.0  # the wait while no round trip at all was measured (first micro-batches are slow)
+BLACKHOLE_STAGE_S = 3.0  # added to the wait per stage after the hop: a later stage's own judgment (the floor plus the
+# daemon's 1-s expiry tick) and its drop notice arrive first
 UNANSWERED_MAX_OUTSTANDING = 1  # micro-batches a hop that never answered may hold while another hop can take them
 MAX_OUTSTANDING = 4096
 
@@ -53,9 +61,25 @@ class HopStats:
     """Moving average of send -> gradient back, seconds (None until measured)."""
     outstanding: dict[int, float] = field(default_factory=dict)
     """Micro-batches it accepted and has not answered: id -> when sent."""
+    busy_until: float = 0.0
+    """It said Busy: skipped until then, without counting as failed."""
+    penalty_until: float = 0.0
+    """Caught returning fabricated work: out of our routing until then, restart or not."""
+    tokens_seen: int = 0
+    """The training tokens its record counted when we last looked (fewer later: it restarted)."""
+    forfeit: list[int] = field(default_factory=list)
+    """Micro-batches it held when it restarted: dropped at the next ``lost``."""
     sending: int = 0
     """Sends to it not yet acknowledged (several micro-batches may choose it during one round trip)."""
     last_return: float = 0.0
+
+    def until(self) -> float:
+        """When it may be chosen again (bans, penalties and Busy skips)."""
+        return max(self.banned_until, self.penalty_until, self.busy_until)
+
+    def banned(self, now: float) -> bool:
+        """Whether it is banned or penalised at ``now`` (a Busy skip is not a ban)."""
+        return max(self.banned_until, self.penalty_until) > now
 
 
 class Router:
@@ -92,7 +116,14 @@ class Router:
                    exclude: Iterable[str] = ()) -> list[PeerRecord]:
         now, excluded = self.clock(), set(exclude)
         return [r for r in records if r.stage == stage and r.state == PeerState.TRAINING and r.peer_id not in excluded
-                and self._stats(r.peer_id).banned_until <= now]
+                and self._stats(r.peer_id).until() <= now]
+
+    def down(self, records: Iterable[PeerRecord], stage: int) -> bool:
+        """Whether no training peer of ``stage`` can take work for a while: none is announced, or every one is banned
+        for failing or swallowing work (one that only said Busy will take work soon)."""
+        now = self.clock()
+        return not any(r.stage == stage and r.state == PeerState.TRAINING and
+                       (r.peer_id not in self.stats or not self.stats[r.peer_id].banned(now)) for r in records)
 
     def choose(self, records: Iterable[PeerRecord], stage: int, *, exclude: Iterable[str] = (),
                cap: Callable[[list[str], list[float]], list[float]] | None = None) -> PeerRecord:
@@ -149,9 +180,45 @@ class Router:
         if st is not None:
             st.outstanding.pop(mb_id, None)
 
-    def black_holes(self) -> list[tuple[str, list[int]]]:
+    def _wait(self, st: HopStats, measured: float | None, later_stages: int) -> float:
+        """How long ``st``'s peer may hold a micro-batch before it is judged (see ``black_holes``)."""
+        if st.service_s is not None:
+            wait = max(BLACKHOLE_RTTS * st.service_s, BLACKHOLE_MIN_S)
+        else:  # never answered yet: its first round trips are slow (a deep pipeline warming up on a busy host), so it
+            # is not judged by how fast the others answer
+            wait = max(BLACKHOLE_RTTS * (measured or 0.0), BLACKHOLE_UNMEASURED_S)
+        return wait + BLACKHOLE_STAGE_S * max(later_stages, 0)
+
+    def lost(self, *, later_stages: int = 0, silent: bool = True) -> list[tuple[str, list[int]]]:
+        """Peers that will not answer what they hold, with those micro-batches, forfeited (a gradient that comes back
+        after all is ignored as late); the caller drops them and tells upstream. A peer is in the list when its last
+        call failed (it is already banned for that), when it restarted (``observe``), or when it answered nothing
+        for one ``BLACKHOLE_MIN_S`` longer than its black-hole wait while holding fewer micro-batches than that rule
+        needs (banned as for a failure: with backoff, not for the longest ban, as a dead peer restarted under its
+        identity must be routed to again soon; ``silent=False`` leaves that rule out)."""
+        now, measured = self.clock(), self._measured_median()
+        found = []
+        for pid, st in self.stats.items():
+            held = st.forfeit
+            st.forfeit = []
+            if st.failures > 0:
+                held += list(st.outstanding)
+            elif silent and st.service_s is not None and st.outstanding:
+                quiet_s = self._wait(st, measured, later_stages) + BLACKHOLE_MIN_S
+                if all(now - t > quiet_s and t > st.last_return for t in st.outstanding.values()):
+                    held += list(st.outstanding)
+                    self.failure(pid)
+            for mb in held:
+                st.outstanding.pop(mb, None)
+            if held:
+                found.append((pid, held))
+        return found
+
+    def black_holes(self, *, later_stages: int = 0) -> list[tuple[str, list[int]]]:
         """Peers that accepted work and answered none of it for several expected round trips: banned for the
-        longest ban; returned with the micro-batches they hold, which the caller drops (and re-sends upstream)."""
+        longest ban; returned with the micro-batches they hold, which the caller drops (and re-sends upstream).
+        ``later_stages``: the stages after the hop; each adds ``BLACKHOLE_STAGE_S`` to the wait, so that a later
+        stage judges its own next hop, drops and tells upstream first."""
         now, measured = self.clock(), self._measured_median()
         found = []
         for pid, st in self.stats.items():
@@ -160,11 +227,7 @@ class Router:
             need = BLACKHOLE_MIN_ITEMS if st.service_s is not None else 1
             if len(st.outstanding) < need:
                 continue
-            if st.service_s is not None:
-                wait = max(BLACKHOLE_RTTS * st.service_s, BLACKHOLE_MIN_S)
-            else:  # never answered yet: its first round trips are slow (a deep pipeline warming up on a busy host),
-                # so it is not judged by how fast the others answer
-                wait = max(BLACKHOLE_RTTS * (measured or 0.0), BLACKHOLE_UNMEASURED_S)
+            wait = self._wait(st, measured, later_stages)
             overdue = [mb for mb, t in st.outstanding.items() if now - t > wait and t > st.last_return]
             if len(overdue) >= need:
                 st.failures += 1
@@ -173,6 +236,22 @@ class Router:
                     del st.outstanding[mb]
                 found.append((pid, overdue))
         return found
+
+    def observe(self, records: Iterable[PeerRecord]) -> None:
+        """Look at the swarm's records: a peer that restarted (its record says it is joining or loading its state
+        again, or counts fewer tokens than before) holds nothing of ours any more, and is judged afresh, as a
+        newcomer: its bans for failing or swallowing work end (not those for fabricated work), it is measured again
+        and capped at one micro-batch until it answers (``unanswered_full``), as a new identity would be."""
+        for r in records:
+            st = self.stats.get(r.peer_id)
+            if st is None:
+                continue
+            restarted = r.state in (PeerState.JOINING, PeerState.LOADING_STATE) or r.tokens < st.tokens_seen
+            st.tokens_seen = r.tokens
+            if restarted and (st.service_s is not None or st.outstanding or st.banned_until or st.failures):
+                st.forfeit += list(st.outstanding)
+                st.outstanding.clear()
+                st.banned_until, st.failures, st.service_s = 0.0, 0, None
 
     def success(self, peer_id: str, latency_s: float) -> None:
         st = self._stats(peer_id)
@@ -189,15 +268,16 @@ class Router:
         return ban
 
     def ban(self, peer_id: str, seconds: float) -> None:
-        """Keep ``peer_id`` out of our routing for ``seconds`` (caught returning fabricated work)."""
+        """Keep ``peer_id`` out of our routing for ``seconds`` (caught returning fabricated work; a restart does not
+        end it)."""
         st = self._stats(peer_id)
         st.failures += 1
-        st.banned_until = max(st.banned_until, self.clock() + seconds)
+        st.penalty_until = max(st.penalty_until, self.clock() + seconds)
 
     def busy(self, peer_id: str, retry_after_s: float) -> None:
         """A peer said Busy: skip it for the time it asked (bounded), without counting a failure."""
         st = self._stats(peer_id)
-        st.banned_until = self.clock() + min(max(retry_after_s, 0.0), self.ban_max_s)
+        st.busy_until = self.clock() + min(max(retry_after_s, 0.0), self.ban_max_s)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop stats of peers no longer in the swarm (bounded memory)."""

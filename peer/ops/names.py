@@ -15,7 +15,8 @@ COUNTERS = (
     "tokens", "samples", "evaluations", "eval_failed", "nonfinite_loss", "compute_errors",
     # the pipeline
     "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
-    "late_backward", "busy_replies", "busy_received", "black_holes_banned", "share_bans",
+    "late_backward", "busy_replies", "busy_received", "busy_next_down", "black_holes_banned",
+    "microbatches_forfeited", "share_bans",
     "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete", "sync_fork_detected", "sync_resync_ok",
     "sync_resync_failed", "sync_resync_refused",
     # spot checks of the next stage (peer/pipeline/spotcheck.py)

@@ -72,6 +72,11 @@ class Hops:
         nxt = sorted((r for r in records if r.stage == stage), key=lambda r: r.peer_id)
         return [nxt[rank % len(nxt)]] if nxt else []
 
+    def next_down(self) -> bool:
+        """Whether the next stage cannot take work for a while (``Router.down``: none of its peers announced, or all
+        banned for failing)."""
+        return self.router.down(self.next_hops(self.stage + 1), self.stage + 1)
+
     async def forward(self, msg: Forward, sent_to: set[str]) -> str | None:
         """Send ``msg`` to a peer of the next stage that acknowledges it, retrying elsewhere; returns that peer, or
         None when none did (``hop_retries`` failures, or no route for a while). Every peer tried joins ``sent_to``
@@ -84,6 +89,10 @@ class Hops:
                 record = self.router.choose(self.next_hops(stage), stage, exclude=tried, cap=self.cap)
             except NoRouteError:
                 if not self.accepting():  # draining: do not wait for a route to appear
+                    break
+                if self.stage > 0 and self.next_down():  # a later stage holding the micro-batch while its next
+                    # stage is gone would be judged a black hole upstream: dropped now, upstream told, its sample
+                    # re-sent by stage 0 (which waits for the route itself)
                     break
                 waits += 1
                 if waits == NO_ROUTE_WARN_AFTER:  # ~4 s without a route: tell the operator what the peer waits for

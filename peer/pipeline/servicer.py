@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
+NEXT_DOWN_RETRY_S = 1.0  # the Busy a later stage answers while its next stage is down
 
 
 class PipelineServicer:
@@ -216,6 +217,10 @@ class PipelineServicer:
         if not msg.is_eval and (msg.flush is None) == (self.cfg.mode == Mode.SYNC):
             return self._reject("mode_mismatch", ErrorCode.BAD_REQUEST,
                                 f"this peer runs --mode {self.cfg.mode}; peers of one swarm must share the mode")
+        if not self.is_last and self.hops.next_down():  # work we could not send on: the sender keeps it (and
+            # does not count it against us while our next stage is gone)
+            self.metrics.inc("busy_next_down")
+            return Busy(retry_after_s=NEXT_DOWN_RETRY_S)
         if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
@@ -487,10 +492,19 @@ class PipelineServicer:
 
     async def expire(self) -> int:
         """Drop micro-batches whose gradient is overdue; returns how many (the daemon calls it on a timer)."""
-        # accepted work, answered none of it: banned, work re-sent. Not in sync mode: there the next hop is pinned
-        # (no other route) and a later stage rightly holds a flush's micro-batches while it waits at its barrier, so
-        # a ban would stall the pipeline for ban_max_s; a flush's lost micro-batches time out and are re-sent.
-        holes = self.router.black_holes() if self.cfg.mode == Mode.ASYNC else []
+        # a hop we cannot reach forfeits its micro-batches; one that accepted work and answered none of it is banned,
+        # work re-sent. Not in sync mode: there the next hop is pinned (no other route) and a later stage rightly
+        # holds a flush's micro-batches while it waits at its barrier, so a ban would stall the pipeline for
+        # ban_max_s; a flush's lost micro-batches time out and are re-sent.
+        later = self.run.n_stages - self.stage - 2  # the stages after our next hop, judged before it
+        asynchronous = self.cfg.mode == Mode.ASYNC
+        # failed, restarted, or silent too long (async only, as black holes): what they hold will not come back
+        for peer, held in self.router.lost(later_stages=later, silent=asynchronous):
+            self.metrics.inc("microbatches_forfeited", len(held))
+            logger.info("peer %s will not answer the %d micro-batches it holds; dropping them", peer, len(held))
+            for mb in held:
+                await self.drop(mb, notify=True)
+        holes = self.router.black_holes(later_stages=later) if asynchronous else []
         for peer, held in holes:
             self.metrics.inc("black_holes_banned")
             self.metrics.warn(f"peer {peer[-8:]} accepted {len(held)} micro-batches and answered none; banned")
