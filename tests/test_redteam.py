@@ -87,6 +87,18 @@ def test_foreign_activations_are_refused_by_the_forward_rechecks(tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_black_hole_that_announces_restarts_swallows_one_micro_batch_per_life(tmp_path: Path) -> None:
+    """A restart ends a black-hole ban (a peer killed and restarted under its identity must be routed to again),
+    so the attacker announces one after each ban: it comes back as a newcomer, capped at one micro-batch."""
+    res = _campaign(tmp_path, "--attacks", "restarting_black_hole", "--phase-s", "40", timeout=280)
+    ev = res["restarting_black_hole"]["evidence"]
+    assert ev["restarts"] >= 2 and ev["black_holes_banned_by_stage0"] >= 1, ev
+    # at most one micro-batch held per life (the cap of a hop that never answered), give or take a send in flight
+    assert ev["forwards_swallowed"] <= 2 * (ev["restarts"] + 1), ev
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "fake_next_stage", "--phase-s", "20", timeout=280)
     ev = res["fake_next_stage"]["evidence"]

@@ -140,10 +140,10 @@ def _forward(run: RunConfig, mb_id: int, route: list[str], x: torch.Tensor) -> F
                    sent_at=time.time())
 
 
-async def _own_record(att: Attacker, stage: int, throughput: float) -> None:
+async def _own_record(att: Attacker, stage: int, throughput: float, *, state: str = "training") -> None:
     """The attacker announces itself (a validly signed record of its own id: open runs allow it)."""
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=stage, throughput=throughput, queue=0, version=0,
-                     state="training", maddrs=[])
+                     state=state, maddrs=[])
     await announce(att.dht, att.run.run_id, rec, 4.0, signer=att.signer)
 
 
@@ -289,23 +289,43 @@ async def stranger_forwards(att: Attacker, victims: dict[str, str], until: float
     return {"refused": refused, "replies": counts, "replay_accepted": replay_acks, "victim_counters": seen}
 
 
-async def black_hole(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
-    """A stranger announces itself as a stage-1 peer with throughput 1e9, acks every forward and never answers."""
+RESTART_EVERY_S = 12.0  # restarting_black_hole: announces itself training this long (a newcomer is judged after 10 s)
+RESTART_JOINING_S = 2.5  # ... then joining this long (two of the victims' 1-s record refreshes), and again
+
+
+async def black_hole(att: Attacker, victims: dict[str, str], until: float, *,
+                     restarting: bool = False) -> dict[str, Any]:
+    """A stranger announces itself as a stage-1 peer with throughput 1e9, acks every forward and never answers.
+    ``restarting``: after each ``RESTART_EVERY_S`` it announces itself joining for a while, as a restarted peer does,
+    which ends a black-hole ban and makes it a newcomer again (``Router.observe``)."""
     server = RpcServer(att.p2p, RpcLimits())
-    taken = 0
+    taken, restarts = 0, 0
 
     async def swallow(msg: Message, peer: str) -> Message:
         nonlocal taken
         taken += 1
         return Ack()
     await server.add_handler(FORWARD_RPC, swallow)
+    before = await _counters(att.status_a)
+    since = time.monotonic()
     while time.monotonic() < until:
+        if restarting and time.monotonic() - since > RESTART_EVERY_S:
+            await _own_record(att, 1, 1e9, state="joining")
+            await asyncio.sleep(RESTART_JOINING_S)
+            restarts, since = restarts + 1, time.monotonic()
         await _own_record(att, 1, 1e9)
         await asyncio.sleep(1.0)
     await server.shutdown()
-    counters = ((await asyncio.to_thread(att.status_a)) or {}).get("counters", {})
-    banned = counters.get("black_holes_banned", 0)
-    return {"refused": banned > 0, "forwards_swallowed": taken, "black_holes_banned_by_stage0": banned}
+    after = await _counters(att.status_a)
+    banned = int(after.get("black_holes_banned", 0) - before.get("black_holes_banned", 0))
+    forfeited = int(after.get("microbatches_forfeited", 0) - before.get("microbatches_forfeited", 0))
+    return {"refused": banned > 0, "forwards_swallowed": taken, "black_holes_banned_by_stage0": banned,
+            "restarts": restarts, "forfeited_by_stage0": forfeited}
+
+
+async def restarting_black_hole(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """``black_hole`` that sheds each ban by announcing a restart."""
+    return await black_hole(att, victims, until, restarting=True)
 
 
 async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
@@ -366,7 +386,7 @@ ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[st
     "forged_record": forged_record, "budget_flood": budget_flood, "churn_flood": churn_flood,
     "stream_flood": stream_flood,
     "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole,
-    "lying_donor": lying_donor}
+    "restarting_black_hole": restarting_black_hole, "lying_donor": lying_donor}
 from tools.redteam_state import ATTACKS as _STATE_ATTACKS  # noqa: E402 (its attacks use this module's helpers)
 
 ATTACKS.update(_STATE_ATTACKS)
