@@ -171,19 +171,20 @@ def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
     assert any(isinstance(r, Error) and r.code == ErrorCode.RATE_LIMITED for r in limited)
 
 
-def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2",), run=RUN3):  # noqa: F811
-    """a0 -> b1 -> ``last`` at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives it
-    none)."""
+def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2",), run=RUN3,  # noqa: F811
+                  middle: tuple[str, ...] = ("b1",), copy: bool = True):
+    """a0 -> ``middle`` -> ``last`` at the trained states, a0 rebuilt with a copy of stage 1 as trained (build() gives
+    it none; ``copy=False``: none)."""
     net = Net()
-    pool = build(net, [["a0"], ["b1"], list(last)], cfg, run)
-    for pid, state in [("a0", states[0]), ("b1", states[1]), *((pid, states[2]) for pid in last)]:
+    pool = build(net, [["a0"], list(middle), list(last)], cfg, run)
+    for pid, state in [("a0", states[0]), *((pid, states[1]) for pid in middle), *((pid, states[2]) for pid in last)]:
         net.stages[pid].worker.load_state_dict(state)
     old = net.stages["a0"]
     spares = SpareStore(run, None)
-    assert spares.offer(1, states[1], source="b1", taken_at=time.time())
+    assert spares.offer(1, states[1], source=middle[0], taken_at=time.time())
     a0 = PipelineServicer(run=run, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
                           router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
-                          my_id="a0", cost=1.0, spares=spares)
+                          my_id="a0", cost=1.0, spares=spares if copy else None)
     net.stages["a0"] = a0
     return net, pool, a0
 
@@ -279,3 +280,56 @@ def test_a_middle_stage_that_does_no_work_or_names_nobody_is_banned(corpus, trai
     assert counters.get("recheck_banned", 0) == 1 and revoked == {"b1"}, counters
     if attack is _silent:  # every re-check was left unheard; each 4th in a row counted as a failure
         assert counters.get("recheck_unavailable", 0) >= 3 * testimony.UNHEARD_STRIKE - 3, counters
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copy", [True, False], ids=["copy-decides", "history-decides"])
+def test_a_middle_liar_with_a_longer_record_cannot_get_its_honest_partner_blamed(corpus, trained, copy):  # noqa: F811
+    """The middle-stage form of tests/test_peer_recheck.py's "longer_record": a stage-1 replica that computes and
+    forwards honestly but returns its input gradient negated, with 50 passed checks against its honest partner's 5,
+    every micro-batch spot-checked. The history rule blames the partner and bans it; the copy judges each answer as
+    a re-check of its own, with the testimony of the witness its hop names, bans the liar and trains on the honest
+    answers."""
+    from tests.test_peer_recheck import _drive, _recording
+
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=10.0, drain_timeout_s=1.0, recheck_after_warmups=0,
+                     spot_check_fraction=1.0, recheck_fraction=0.0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0], middle=("b1", "f1"), copy=copy)
+    liar = net.stages["f1"].worker
+    lied: dict[int, torch.Tensor] = {}
+    backward = liar.backward
+
+    def negated(mb_id, g):
+        out = -backward(mb_id, g)
+        lied[mb_id] = out.clone()
+        return out
+
+    liar.backward = negated  # type: ignore[method-assign]
+    spot = a0.spot
+    assert spot is not None
+    for name, passed in (("f1", 50), ("b1", 5)):  # both past the trust bars; the liar with the longer record
+        spot._hop(name).passed = passed
+        spot._hop(name).rechecked = spot.config.trust_after
+        # and both answered before: a hop that never did is no check's partner (routing.unanswered_full), and a
+        # trusted hop without a partner is trained on unchecked
+        a0.router.sent(name, -1)
+        a0.router.returned(name, -1)
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    applied = _recording(a0)
+    start = a0.worker.local_step
+    _drive(net, a0, corpus, cfg, steps=start + 40, seconds=12.0)
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("spotcheck_failed", 0) >= 1, counters  # they disagreed: the test tests something
+    trained_lies = [mb for mb, g in applied.items() if mb in lied and distance(g, lied[mb]) < 0.5]
+    if copy:
+        assert trained_lies == [], trained_lies
+        assert counters.get("spotcheck_arbitrated", 0) >= 1, counters
+        assert "b1" not in revoked and "f1" in revoked, (revoked, counters)
+        assert spot._hop("b1").strikes == 0 and spot._hop("b1").re_strikes == 0
+        assert a0.worker.local_step >= start + 5  # trained on the honest partner's answers
+    else:  # what the copy closes: the honest partner takes every blame (three in a row ban it), the liar none
+        assert "b1" in revoked or spot._hop("b1").strikes >= 1, (revoked, counters)
+        assert "f1" not in revoked and spot._hop("f1").strikes == 0, (revoked, counters)

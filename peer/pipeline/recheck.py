@@ -310,19 +310,37 @@ class Rechecks:
             self._banned(caught, ban, "another replica", kind="spotcheck")
             self.requeue(BackwardWork(msg, None))
             return
-        right = []
+        verdicts: dict[str, tuple[tuple[float, float] | None, str]] = {}
         for peer, (_, grad) in answers.items():
             cos, ratio = verdict = agreement(grad[ref[1]], ref[0])
             self.seen.append(verdict)
+            verdicts[peer] = verdict, f"cosine {cos:.3f}, norm ratio {ratio:.2f}"
+        self.decide(p, answers, verdicts)
+
+    def passes(self, verdict: tuple[float, float]) -> bool:
+        """Whether a (cosine or share carried, norm ratio) verdict passes the thresholds."""
+        return verdict[0] >= self.config.min_cosine and verdict[1] <= self.config.max_norm_ratio
+
+    def decide(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]],
+               verdicts: dict[str, tuple[tuple[float, float] | None, str]]) -> None:
+        """The end of an arbitration: each answer judged by the copy takes its re-check verdict (None: it could not be
+        judged, neither held against it nor trained on; ``why``: what disagreed), and the micro-batch is trained on
+        the one answer that passed, or dropped when none or both did."""
+        msg = next(iter(answers.values()))[0]
+        if not self.held(msg.mb_id, p):
+            return
+        right = []
+        for peer, (verdict, why) in verdicts.items():
+            if verdict is None:
+                continue
             self.judged += 1
-            passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
+            passed = self.passes(verdict)
             ban = self.spot.recheck_verdict(peer, passed)
             if passed:
                 right.append(peer)
             else:
-                logger.warning("spot check of micro-batch %d decided by the held copy: the gradient of %s disagrees "
-                               "with it (cosine %.3f, norm ratio %.2f)%s", msg.mb_id, short_id(peer), cos, ratio,
-                               ", banned" if ban else "")
+                logger.warning("spot check of micro-batch %d decided by the held copy: the work of %s disagrees with "
+                               "it (%s)%s", msg.mb_id, short_id(peer), why, ", banned" if ban else "")
                 self._banned(peer, ban, "the held copy of its stage")
         self.metrics.rechecks = self.snapshot()
         if len(right) != 1:  # both wrong, or both right by the copy while they disagree: nobody's to train on
@@ -349,9 +367,8 @@ class Rechecks:
             self.metrics.inc("recheck_unavailable")
             self.requeue(BackwardWork(msg, None if unheard else grad))
             return
-        cos, ratio = verdict
         self.judged += 1
-        passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio
+        passed = self.passes(verdict)
         ban = self.spot.recheck_verdict(peer, passed)
         self.metrics.rechecks = self.snapshot()
         if passed:

@@ -210,12 +210,6 @@ class MiddleRechecks(Rechecks):
         d = self.boundary.act_spec.shape[2]
         self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
 
-    def arbitrate(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]]) -> bool:
-        """A middle next stage's disagreeing spot check is left to the history rule (``SpotChecker.blame``): each
-        answer would need its own witnesses, and a hop with a colluding witness passes its own (docs/security.md,
-        "Middle-stage re-checks")."""
-        return False
-
     def usable(self) -> bool:
         after = MIN_COPY_WARMUPS * self.copy.run.optim.warmup_steps
         return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH, after=after)
@@ -274,7 +268,10 @@ class MiddleRechecks(Rechecks):
         self.compute_s += time.perf_counter() - t0
         return out
 
-    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+    async def _verdict(self, peer: str, fwd: Forward, msg: Backward,
+                       grad: torch.Tensor) -> tuple[tuple[float, float] | None, str, bool]:
+        """(the verdict on ``peer``'s answer or None, what disagreed, whether it was left unjudged because a witness
+        it named was silent); every ``UNHEARD_STRIKE``-th unjudged one in a row is a failure."""
         loop = asyncio.get_running_loop()
         verdict: tuple[float, float] | None = None
         why, unheard = "", False
@@ -315,4 +312,15 @@ class MiddleRechecks(Rechecks):
             self._unheard[peer] = streak
             while len(self._unheard) > 4096:
                 del self._unheard[next(iter(self._unheard))]
-        self.conclude(p, peer, msg, grad, verdict, why, unheard=unheard and verdict is None)
+        return verdict, why, unheard and verdict is None
+
+    async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
+        verdict, why, unheard = await self._verdict(peer, fwd, msg, grad)
+        self.conclude(p, peer, msg, grad, verdict, why, unheard=unheard)
+
+    async def _arbitrate(self, p: Pending, fwd: Forward, answers: dict[str, tuple[Backward, torch.Tensor]]) -> None:
+        """Each answer judged as a re-check of its own, with the testimony of the witnesses its hop names: a liar's
+        colluding witness can get its answer passed too (then neither is trained on), never the honest one failed."""
+        said = await asyncio.gather(*(self._verdict(peer, fwd, msg, grad) for peer, (msg, grad) in answers.items()))
+        self.decide(p, answers, {peer: (verdict, why) for peer, (verdict, why, _) in zip(answers, said, strict=True)})
+
