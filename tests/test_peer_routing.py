@@ -163,6 +163,34 @@ def test_a_restarted_peer_forfeits_what_it_held_and_is_judged_afresh():
     assert router.lost() == [("q", [20])]
 
 
+def test_a_hop_that_never_answered_is_banned_briefly_at_first_and_longer_each_time():
+    """An honest newcomer's first round trip can outlast the wait (a churn run banned one for 60 s); it held one
+    micro-batch, so its first ban is short, and doubles per verdict until the hop answers; a hop that answered before
+    and then swallows several is banned for the longest ban at once."""
+    from peer.membership.routing import BLACKHOLE_NEWCOMER_BAN_S, BLACKHOLE_UNMEASURED_S
+
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock, ban_max_s=60.0)
+    bans = []
+    for i in range(6):
+        router.sent("new", i)
+        clock.t += BLACKHOLE_UNMEASURED_S + 0.1
+        assert [p for p, _ in router.black_holes()] == ["new"]
+        bans.append(round(router.stats["new"].banned_until - clock.t, 1))
+        clock.t = router.stats["new"].banned_until
+    assert bans == [BLACKHOLE_NEWCOMER_BAN_S * 2**i for i in range(4)] + [60.0, 60.0], bans
+    router.sent("new", 10)  # it answers at last: judged afresh
+    clock.t += 0.5
+    router.returned("new", 10)
+    assert router.stats["new"].holes == 0
+    clock.t += 0.1
+    for i in range(11, 14):  # measured now, and swallowing 3
+        router.sent("new", i)
+    clock.t += 10.0
+    assert [p for p, _ in router.black_holes()] == ["new"]
+    assert router.stats["new"].banned_until - clock.t == pytest.approx(60.0)
+
+
 def test_the_black_hole_wait_leaves_time_for_the_later_stages_to_judge_their_own_hops():
     """A hop whose own next stage died holds our micro-batches for no fault of its own; the stage after it judges
     that stage first (its wait is shorter by BLACKHOLE_STAGE_S per stage) and tells the hop, which tells us."""

@@ -10,7 +10,9 @@ slow or far peer still gets some traffic so its estimate stays fresh. A failing 
 backoff, a Busy one skipped for the time it asked, and a black hole (``black_holes``: micro-batches unanswered for
 ``BLACKHOLE_RTTS`` of its own round trips, ``BLACKHOLE_UNMEASURED_S`` while it never answered) for the longest ban.
 A hop that never answered holds at most ``UNANSWERED_MAX_OUTSTANDING`` of our micro-batches while another can take
-them: otherwise a black hole collects every slot in flight one by one and stalls the stage for the whole wait.
+them: otherwise a black hole collects every slot in flight one by one and stalls the stage for the whole wait. Its
+ban starts at ``BLACKHOLE_NEWCOMER_BAN_S`` and doubles per verdict until it answers: an honest newcomer's first round
+trip can outlast the wait, and one micro-batch per verdict is all a real black hole gets.
 
 A hop's round trip covers every stage after it, and a hop whose own next stage died holds our micro-batches too, for
 no fault of its own. So the black-hole wait grows with the stages after the hop (``BLACKHOLE_STAGE_S`` each: theirs
@@ -40,6 +42,7 @@ BLACKHOLE_MIN_ITEMS = 3
 BLACKHOLE_RTTS = 3.0
 BLACKHOLE_MIN_S = 2.0  # floor of the black-hole wait once round trips are measured
 BLACKHOLE_UNMEASURED_S = 10.0  # the wait while no round trip at all was measured (first micro-batches are slow)
+BLACKHOLE_NEWCOMER_BAN_S = 5.0  # first ban of a hop that never answered and held its one micro-batch too long
 BLACKHOLE_STAGE_S = 3.0  # added to the wait per stage after the hop: a later stage's own judgment (the floor plus the
 # daemon's 1-s expiry tick) and its drop notice arrive first
 UNANSWERED_MAX_OUTSTANDING = 1  # micro-batches a hop that never answered may hold while another hop can take them
@@ -67,6 +70,8 @@ class HopStats:
     """Caught returning fabricated work: out of our routing until then, restart or not."""
     tokens_seen: int = 0
     """The training tokens its record counted when we last looked (fewer later: it restarted)."""
+    holes: int = 0
+    """Black-hole verdicts since it last answered (the ban of a hop that never answered doubles with them)."""
     forfeit: list[int] = field(default_factory=list)
     """Micro-batches it held when it restarted: dropped at the next ``lost``."""
     sending: int = 0
@@ -170,6 +175,7 @@ class Router:
         t = st.outstanding.pop(mb_id, None)
         now = self.clock()
         st.last_return = now
+        st.holes = 0
         if t is not None:
             rtt = max(now - t, 0.0)
             st.service_s = rtt if st.service_s is None else (1 - SERVICE_EMA) * st.service_s + SERVICE_EMA * rtt
@@ -231,7 +237,14 @@ class Router:
             overdue = [mb for mb, t in st.outstanding.items() if now - t > wait and t > st.last_return]
             if len(overdue) >= need:
                 st.failures += 1
-                st.banned_until = now + self.ban_max_s
+                st.holes += 1
+                if st.service_s is None:  # one micro-batch of a hop that never answered: an honest newcomer's first
+                    # round trip can be that slow, and the cap makes a real black hole cheap, so the ban starts short
+                    # and doubles per verdict until the hop answers
+                    ban = min(BLACKHOLE_NEWCOMER_BAN_S * 2 ** min(st.holes - 1, 16), self.ban_max_s)
+                else:
+                    ban = self.ban_max_s
+                st.banned_until = now + ban
                 for mb in overdue:
                     del st.outstanding[mb]
                 found.append((pid, overdue))
