@@ -14,7 +14,8 @@ gradient back, agrees with nothing.
 
 What it catches: a hop that fabricates the gradient it returns, sends on activations it did not compute, or names no
 peer, itself, or a peer that never trained the micro-batch. What it does not: a hop and a witness of
-the next stage that collude (two identities on two stages). A witness that does not answer (gone, rate-limited)
+the next stage that collude (two identities on two stages), nor a witness that lies about an honest hop it serves
+(the hop then fails; nothing here tells which of the two lied). A witness that does not answer (gone, rate-limited)
 leaves the micro-batch unjudged: it is dropped (stage 0 re-sends its sample), counted ``recheck_unavailable``, and
 every ``UNHEARD_STRIKE``-th in a row from one hop counts as a failed re-check: a hop that names a silent identity of
 the next stage must not have its work trained unjudged, nor go on forever.
@@ -319,8 +320,8 @@ class MiddleRechecks(Rechecks):
         self.conclude(p, peer, msg, grad, verdict, why, unheard=unheard)
 
     async def _arbitrate(self, p: Pending, fwd: Forward, answers: dict[str, tuple[Backward, torch.Tensor]]) -> None:
-        """Each answer judged as a re-check of its own, with the testimony of the witnesses its hop names: a liar's
-        colluding witness can get its answer passed too (then neither is trained on), never the honest one failed."""
+        """Each answer judged as a re-check of its own, with the testimony of the witnesses its own hop names: a liar's
+        colluding witness can get its answer passed too (then neither is trained on); an honest answer fails only
+        if a witness of its own lies."""
         said = await asyncio.gather(*(self._verdict(peer, fwd, msg, grad) for peer, (msg, grad) in answers.items()))
         self.decide(p, answers, {peer: (verdict, why) for peer, (verdict, why, _) in zip(answers, said, strict=True)})
-
