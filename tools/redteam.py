@@ -323,10 +323,6 @@ async def black_hole(att: Attacker, victims: dict[str, str], until: float, *,
             "restarts": restarts, "forfeited_by_stage0": forfeited}
 
 
-async def restarting_black_hole(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
-    """``black_hole`` that sheds each ban by announcing a restart."""
-    return await black_hole(att, victims, until, restarting=True)
-
 
 async def lying_donor(att: Attacker, victims: dict[str, str], until: float) -> dict[str, Any]:
     """A stranger announces itself as a stage-1 replica far ahead of everyone (state version 10^6) and serves a
@@ -386,7 +382,7 @@ ATTACKS: dict[str, Callable[[Attacker, dict[str, str], float], Awaitable[dict[st
     "forged_record": forged_record, "budget_flood": budget_flood, "churn_flood": churn_flood,
     "stream_flood": stream_flood,
     "malformed": malformed, "stranger_forwards": stranger_forwards, "black_hole": black_hole,
-    "restarting_black_hole": restarting_black_hole, "lying_donor": lying_donor}
+    "restarting_black_hole": functools.partial(black_hole, restarting=True), "lying_donor": lying_donor}
 from tools.redteam_state import ATTACKS as _STATE_ATTACKS  # noqa: E402 (its attacks use this module's helpers)
 
 ATTACKS.update(_STATE_ATTACKS)

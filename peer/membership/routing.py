@@ -87,6 +87,11 @@ class HopStats:
         return max(self.banned_until, self.penalty_until) > now
 
 
+def _training(records: Iterable[PeerRecord], stage: int) -> Iterator[PeerRecord]:
+    """The records of ``stage``'s peers that take micro-batches."""
+    return (r for r in records if r.stage == stage and r.state == PeerState.TRAINING)
+
+
 class Router:
     """Per-peer observations and the weighted choice. Lives on the event loop; not thread-safe."""
 
@@ -120,15 +125,15 @@ class Router:
     def candidates(self, records: Iterable[PeerRecord], stage: int, *,
                    exclude: Iterable[str] = ()) -> list[PeerRecord]:
         now, excluded = self.clock(), set(exclude)
-        return [r for r in records if r.stage == stage and r.state == PeerState.TRAINING and r.peer_id not in excluded
+        return [r for r in _training(records, stage) if r.peer_id not in excluded
                 and self._stats(r.peer_id).until() <= now]
 
     def down(self, records: Iterable[PeerRecord], stage: int) -> bool:
         """Whether no training peer of ``stage`` can take work for a while: none is announced, or every one is banned
         for failing or swallowing work (one that only said Busy will take work soon)."""
         now = self.clock()
-        return not any(r.stage == stage and r.state == PeerState.TRAINING and
-                       (r.peer_id not in self.stats or not self.stats[r.peer_id].banned(now)) for r in records)
+        return not any(r.peer_id not in self.stats or not self.stats[r.peer_id].banned(now)
+                       for r in _training(records, stage))
 
     def choose(self, records: Iterable[PeerRecord], stage: int, *, exclude: Iterable[str] = (),
                cap: Callable[[list[str], list[float]], list[float]] | None = None) -> PeerRecord:
