@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from peer.lifecycle import Lifecycle
     from peer.membership.records import PeerRecord
     from peer.membership.routing import Router
+    from peer.membership.signing import Signer
     from peer.ops.metrics import PeerMetrics
     from peer.pipeline.ledger import SampleLedger
     from peer.seams import Compute
@@ -50,6 +51,10 @@ class StageNetwork(Protocol):
 
     @property
     def swarm(self) -> dict[str, PeerRecord]: ...
+
+    @property
+    def signer(self) -> Signer | None:
+        """The identity key (signs our records and pipeline frames; None until the peer started)."""
 
     async def send(self, peer_id: str, name: str, msg: Message, *, timeout: float | None = None) -> Message: ...
 

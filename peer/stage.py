@@ -25,6 +25,7 @@ from peer.config import Mode
 from peer.errors import DaemonError
 from peer.host import StageContext
 from peer.lifecycle import PeerState
+from peer.pipeline.attest import FRAUD_RPC, KeyNotary
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC, InferService
@@ -124,11 +125,14 @@ class StageService:
                                             send=host.net.send, swarm=lambda: host.net.swarm, router=host.router,
                                             metrics=host.metrics, cfg=host.cfg, my_id=host.net.my_id,
                                             cost=host.costs[stage],
-                                            spares=host.spares if host.cfg.rechecks else None, upstream=self.upstream)
+                                            spares=host.spares if host.cfg.rechecks else None, upstream=self.upstream,
+                                            notary=KeyNotary(host.net.signer) if host.net.signer else None)
         await host.handlers.add_handler(FORWARD_RPC, pipe.rpc_forward)  # served from now (reserved at start-up)
         await host.handlers.add_handler(BACKWARD_RPC, pipe.rpc_backward)
         if pipe.testimony is not None:  # what it received and returned, for the stage two before (re-checks)
             await host.handlers.add_handler(TESTIMONY_RPC, pipe.testimony.rpc_testimony)
+        if 0 < stage < host.run.n_stages - 1:  # a middle stage is shown proof that a witness lied about its work
+            await host.handlers.add_handler(FRAUD_RPC, pipe.rpc_fraud)
         # generation through the swarm (``infer``): forward only, at low priority, only while this stage trains
         self.infer = InferService(run=host.run, stage=stage, worker=self.worker, compute=host.compute,
                                   metrics=host.metrics, queued=pipe.queued,

@@ -40,7 +40,10 @@ __all__ = [
     "Records",
     "TestimonyRequest",
     "Testimony",
-    "MAX_TESTIMONY_ROWS",
+    "Fraud",
+    "MAX_DOWNSTREAM",
+    "MAX_KEY_BYTES",
+    "MAX_SIGNATURE_BYTES",
     "MAX_GOSSIP_RECORDS",
     "StateDigestRequest",
     "Infer",
@@ -51,7 +54,7 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 10  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 11  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
@@ -60,13 +63,22 @@ PROTOCOL_VERSION = 10  # 2: Forward carries `flush` (the synchronous mode's step
 # 9: a subspace run's Forward.tokens is the [batch, block + 1] token window and `targets` is None (the last stage
 # cuts the targets from the window); codec int3 (id 7); 10: a middle stage's Backward names its downstream peer, which
 # the previous stage's re-checks require (a version-9 middle stage would fail every one), with TestimonyRequest and
-# Testimony (peer/pipeline/testimony.py)
-SUPPORTED_VERSIONS: tuple[int, ...] = (10,)
+# Testimony (peer/pipeline/testimony.py); 11: signed frames (peer/pipeline/attest.py): a later stage's training Forward
+# and the gradient a stage from 2 on returns carry their sender's signature, a middle stage relays its witnesses'
+# signatures in `Backward.relayed`, a Testimony is the witness's signed copy of both frames, and `Fraud` carries a
+# witness's self-contradiction to the hop it lied about
+SUPPORTED_VERSIONS: tuple[int, ...] = (11,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
 _route = s.sequence(s.text(), 64)
 _tensors = s.sequence(s.envelope, 4096)
+#: a libp2p-serialised public key and a signature (RSA-2048 or Ed25519: peer/membership/signing.py)
+MAX_KEY_BYTES = MAX_SIGNATURE_BYTES = 1024
+_key = s.optional(s.blob(MAX_KEY_BYTES))
+_signature = s.optional(s.blob(MAX_SIGNATURE_BYTES))
+#: a gradient's signature as relayed: [digest, signature, public key]
+_relayed = s.sequence(s.blob(max(MAX_KEY_BYTES, MAX_SIGNATURE_BYTES)), 3)
 
 
 class Message:
@@ -115,7 +127,7 @@ class Hello(Message):
 
 @_message(2, run_id=s.text(), mb_id=_count, route=_route, activations=s.envelope, targets=s.optional(s.envelope),
           is_eval=s.boolean, sent_at=s.real(0, 1e12), flush=s.optional(_count),
-          tokens=s.optional(s.envelope))  # fmt: skip
+          tokens=s.optional(s.envelope), signer=_key, signature=_signature)  # fmt: skip
 class Forward(Message):
     """Activations of micro-batch `mb_id` for the next stage; `route` lists the peer ids it went through so far.
 
@@ -124,9 +136,12 @@ class Forward(Message):
     `tokens`: in runs whose activations are subspace coefficients, the micro-batch's token window [batch, block + 1]:
     its first `block` ids are the inputs (each stage rebuilds the fixed embedding part of the residual stream from
     them), its last `block` the targets, so `targets` is None there; absent otherwise.
+    `signer`, `signature`: a training forward of a stage from 1 on is signed by its sender (public key, signature
+    over every other field: ``peer.pipeline.attest``), so that what its receiver later testifies of it is provably
+    what the sender sent.
     """
 
-    OPTIONAL_TAIL = 1
+    OPTIONAL_TAIL = 3
 
     run_id: str
     mb_id: int
@@ -137,6 +152,8 @@ class Forward(Message):
     sent_at: float
     flush: int | None = None
     tokens: TensorEnvelope | None = None
+    signer: bytes | None = None
+    signature: bytes | None = None
 
 
 #: next-stage peers one `Backward` names as the source of its gradient (a spot check's two replicas)
@@ -145,7 +162,9 @@ MAX_DOWNSTREAM = 2
 
 @_message(3, run_id=s.text(), mb_id=_count, route=_route, gradient=s.optional(s.envelope),
           loss=s.optional(s.real(-1e30, 1e30)), is_eval=s.boolean, refused=s.boolean,
-          downstream=s.optional(s.sequence(s.text(), MAX_DOWNSTREAM)), downstream_id=s.optional(_count))  # fmt: skip
+          downstream=s.optional(s.sequence(s.text(), MAX_DOWNSTREAM)), downstream_id=s.optional(_count),
+          signer=_key, signature=_signature,
+          relayed=s.optional(s.sequence(_relayed, MAX_DOWNSTREAM)))  # fmt: skip
 class Backward(Message):
     """Gradient w.r.t. the activations of `mb_id` (None on evaluation), and the loss the last stage computed.
 
@@ -155,9 +174,12 @@ class Backward(Message):
     was computed from (one, or the two replicas of a spot check, whose mean it trained on) and the id it sent the
     micro-batch to them under, so that the previous stage can ask them what they received and returned
     (`TestimonyRequest`); absent from the last stage.
+    `signer`, `signature`: a training gradient returned by a stage from 2 on is signed by its sender (as `Forward`'s).
+    `relayed`: with `downstream`, per named peer the [digest, signature, public key] of the signed gradient it
+    returned (so a witness that later testifies another gradient contradicts its own signature).
     """
 
-    OPTIONAL_TAIL = 2
+    OPTIONAL_TAIL = 5
 
     run_id: str
     mb_id: int
@@ -168,6 +190,9 @@ class Backward(Message):
     refused: bool = False
     downstream: list[str] | None = None
     downstream_id: int | None = None
+    signer: bytes | None = None
+    signature: bytes | None = None
+    relayed: list[list[bytes]] | None = None
 
 
 @_message(4)
@@ -335,38 +360,50 @@ class Vouches(Message):
     peers: list[str]
 
 
-#: rows one `TestimonyRequest` may ask for
-MAX_TESTIMONY_ROWS = 8
-
-
-@_message(17, run_id=s.text(), sender=s.text(), mb_id=_count,
-          rows=s.sequence(s.integer(0, 2**20), MAX_TESTIMONY_ROWS))  # fmt: skip
+@_message(17, run_id=s.text(), sender=s.text(), mb_id=_count)
 class TestimonyRequest(Message):
-    """Ask a peer what it received from `sender` as micro-batch `mb_id`, and what it returned: the rows `rows` of the
-    activations (as decoded here) and of the gradient sent back. The peer that asks serves the stage two before the
-    answering one (it holds a copy of `sender`'s stage and re-computes both from what it sent `sender` itself:
-    ``peer.pipeline.testimony``); anyone may ask, within a rate limit. The reply is `Testimony`, or `Error`
-    NOT_FOUND when no such micro-batch was trained here."""
+    """Ask a peer what it received from `sender` as micro-batch `mb_id`, and what it returned. The peer that asks
+    serves the stage two before the answering one (it holds a copy of `sender`'s stage and re-computes both from what
+    it sent `sender` itself: ``peer.pipeline.testimony``); anyone may ask, within a rate limit. The reply is
+    `Testimony`, or `Error` NOT_FOUND when no such micro-batch was trained here."""
 
     run_id: str
     sender: str
     mb_id: int
-    rows: list[int]
 
 
-@_message(18, activations=s.envelope, gradient=s.envelope)
+@_message(18, forward=s.blob(2**31), backward=s.blob(2**31), signer=s.blob(MAX_KEY_BYTES),
+          signature=s.blob(MAX_SIGNATURE_BYTES))  # fmt: skip
 class Testimony(Message):
-    """The reply to `TestimonyRequest`: the asked rows of the activations received [rows, T, d] and of the gradient
-    returned for them [rows, T, d], fp32."""
+    """The reply to `TestimonyRequest`: the packed `Forward` received (signed by its sender) and the packed
+    `Backward` returned for it (signed by the witness), both as they crossed the wire, and the witness's signature
+    over the two (``peer.pipeline.attest``). Frames are bounded by the handler limits of their own kinds."""
 
-    activations: TensorEnvelope
-    gradient: TensorEnvelope
+    forward: bytes
+    backward: bytes
+    signer: bytes
+    signature: bytes
+
+
+@_message(19, run_id=s.text(), witness=s.text(), mb_id=_count, testimony=s.blob(2**31),
+          relayed=_relayed)  # fmt: skip
+class Fraud(Message):
+    """A witness's self-contradiction, told to the hop it testified about (``peer.pipeline.attest``): the packed
+    `Testimony` the `witness` gave about the hop's micro-batch `mb_id`, and the [digest, signature, public key] of
+    the gradient it returned for it, as the hop relayed them. The hop checks it alone (nothing in it needs trust in
+    the teller)."""
+
+    run_id: str
+    witness: str
+    mb_id: int
+    testimony: bytes
+    relayed: list[bytes]
 
 
 MESSAGE_KINDS: dict[int, type[Message]] = {
     cls.KIND: cls for cls in (Hello, Forward, Backward, Ack, Busy, Error, AveragingPart, StateRequest, StateChunk,
                               Infer, InferResult, StateDigestRequest, RecordsRequest, Records,
-                              VouchesRequest, Vouches, TestimonyRequest, Testimony)
+                              VouchesRequest, Vouches, TestimonyRequest, Testimony, Fraud)
 }
 
 

@@ -97,7 +97,8 @@ def _stage1_with_copy(net: Net, cfg: PeerConfig, spares: SpareStore, run=RUN) ->
     old = net.stages["b1"]
     copies = {"spares": spares} if run.n_stages == 2 else {"upstream": spares}
     b1 = PipelineServicer(run=run, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
-                          router=old.router, metrics=PeerMetrics("b1", 1), cfg=cfg, my_id="b1", cost=1.0, **copies)
+                          router=old.router, metrics=PeerMetrics("b1", 1), cfg=cfg, my_id="b1", cost=1.0,
+                          notary=old.notary, **copies)
     net.stages["b1"] = b1
     return b1
 

@@ -23,6 +23,7 @@ from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.servicer import PipelineServicer
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Error, Forward, pack, unpack
+from tests.notaries import NamedNotary
 from trainer.config import RunConfig
 from trainer.data import BatchStream, load_corpus, val_batches
 from trainer.worker import StageWorker
@@ -37,6 +38,7 @@ class Net:
         self.stages: dict[str, PipelineServicer] = {}
         self.dead: set[str] = set()
         self.make = None  # build's factory of (re)started peers
+        self.book: dict = {}  # name -> identity key (tests/notaries.py)
 
     def sender(self, me: str):
         async def send(peer: str, name: str, msg):
@@ -48,6 +50,8 @@ class Net:
             handler = {"forward": target.rpc_forward, "backward": target.rpc_backward}.get(name)
             if name == "testimony":
                 handler = target.testimony.rpc_testimony if target.testimony is not None else None
+            elif name == "fraud":
+                handler = target.rpc_fraud
             if handler is None:
                 raise ConnectionError(f"{peer} serves no {name!r}")
             return unpack(pack(await handler(unpack(pack(msg)), me)))
@@ -68,7 +72,8 @@ def build(net: Net, ids_by_stage: list[list[str]], cfg: PeerConfig, run: RunConf
         net.stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute,
                                            send=net.sender(pid), swarm=lambda: records,
                                            router=Router([1.0] * run.n_stages, rng=random.Random(0)),
-                                           metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+                                           metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0,
+                                           notary=NamedNotary(pid, net.book))
         return net.stages[pid]
 
     for s, ids in enumerate(ids_by_stage):

@@ -129,7 +129,7 @@ def _with_copy(net: Net, cfg: PeerConfig, spares: SpareStore | None) -> Pipeline
     old = net.stages["a0"]
     a0 = PipelineServicer(run=RUN, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
                           router=Router([1.0, 1.0], rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
-                          my_id="a0", cost=1.0, spares=spares)
+                          my_id="a0", cost=1.0, spares=spares, notary=old.notary)
     net.stages["a0"] = a0
     return a0
 
@@ -305,7 +305,7 @@ def test_the_stage_before_the_last_rechecks_in_a_three_stage_pipeline(corpus):  
     assert spares.offer(2, StageWorker(run, 2).state_dict(), source="c2", taken_at=time.time())
     b1 = PipelineServicer(run=run, stage=1, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
                           router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("b1", 1), cfg=cfg,
-                          my_id="b1", cost=1.0, spares=spares)
+                          my_id="b1", cost=1.0, spares=spares, notary=old.notary)
     net.stages["b1"] = b1
     assert net.stages["a0"].recheck is None  # build() gives stage 0 no copy: only stage n - 2 could use one anyway
     asyncio.run(_run_driver(net, corpus, cfg, steps=30))

@@ -6,6 +6,7 @@ micro-batch to, is banned with none of its gradients trained on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -16,7 +17,7 @@ from peer.config import PeerConfig
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline import testimony
+from peer.pipeline import attest, testimony
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.recheck import HeldCopy, RecheckConfig
 from peer.pipeline.servicer import PipelineServicer
@@ -26,7 +27,8 @@ from peer.state.spare import SpareStore
 from protocol import messages
 from protocol.codecs.registry import decode, encode
 from protocol.errors import ErrorCode
-from protocol.messages import Error, Forward
+from protocol.messages import Backward, Error, Forward
+from tests.notaries import NamedNotary
 from tests.test_peer_pipeline import RUN, Net, _run_driver, build, corpus  # noqa: F401  (fixture)
 from trainer.data import BatchStream
 from trainer.worker import StageWorker
@@ -127,45 +129,58 @@ def test_a_middle_stage_is_judged_only_from_a_copy_first_seen_after_8_warmups_an
     assert late.available() and not late.recent(testimony.MAX_COPY_GROWTH, after=80)
 
 
+BOOK: dict = {}  # test identities by name (tests/notaries.py)
+
+
 def _store(**kw) -> testimony.TestimonyStore:
-    return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, boundary=Boundary(RUN3, None),
+    return testimony.TestimonyStore(run_id=RUN3.run_id, stage=2, my_id="c2", notary=NamedNotary("c2", BOOK),
                                     count=lambda name, n: None, **kw)
 
 
 def _forward(mb_id: int, x: torch.Tensor) -> Forward:
-    return Forward(run_id=RUN3.run_id, mb_id=mb_id, route=["a0", "b1"], activations=encode(x, "int8"), targets=None,
-                   is_eval=False, sent_at=time.time())
+    msg = Forward(run_id=RUN3.run_id, mb_id=mb_id, route=["a0", "b1"], activations=encode(x, "int8"), targets=None,
+                  is_eval=False, sent_at=time.time())
+    return attest.sign(NamedNotary("b1", BOOK), msg, "b1")
+
+
+def _backward(mb_id: int, g: torch.Tensor) -> Backward:
+    msg = Backward(run_id=RUN3.run_id, mb_id=mb_id, route=["a0", "b1"], gradient=encode(g, "int8"), loss=None,
+                   is_eval=False)
+    return attest.sign(NamedNotary("c2", BOOK), msg, "c2", "b1")
 
 
 def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
     store = _store(max_kept=3)
     b, t, d = RUN3.data.batch_size, RUN3.model.block_size, RUN3.model.n_embd
     x, g = torch.randn(b, t, d), torch.randn(b, t, d)
-    def request(sender: str, rows: list[int]) -> messages.TestimonyRequest:
-        return messages.TestimonyRequest(run_id=RUN3.run_id, sender=sender, mb_id=7, rows=rows)
-    ask = request("b1", [3, 0])
+
+    def request(sender: str) -> messages.TestimonyRequest:
+        return messages.TestimonyRequest(run_id=RUN3.run_id, sender=sender, mb_id=7)
+    ask = request("b1")
+    fwd, bwd = _forward(7, x), _backward(7, g)
 
     async def go():
-        store.received("b1", _forward(7, x))
+        store.received("b1", fwd)
         not_yet = await store.rpc_testimony(ask, "a0")  # received, but its gradient not returned: not trained yet
-        store.returned("b1", 7, encode(g, "int8"))
+        store.returned("b1", bwd)
         ok = await store.rpc_testimony(ask, "a0")
         others = [await store.rpc_testimony(ask, peer) for peer in ("b1", "zz")]  # whoever asks: views lag
-        bad_rows = [await store.rpc_testimony(request("b1", r), "a0") for r in ([b], [1, 1], [])]
-        other = await store.rpc_testimony(request("zz", [0]), "a0")
+        other = await store.rpc_testimony(request("zz"), "a0")
         for mb in range(8, 11):  # three more: the oldest is evicted
             store.received("b1", _forward(mb, x))
         evicted = await store.rpc_testimony(ask, "a0")
         limited = [await store.rpc_testimony(ask, "a0") for _ in range(60)]
-        return not_yet, ok, others, bad_rows, other, evicted, limited
-    not_yet, ok, others, bad_rows, other, evicted, limited = asyncio.run(go())
+        return not_yet, ok, others, other, evicted, limited
+    not_yet, ok, others, other, evicted, limited = asyncio.run(go())
     assert isinstance(not_yet, Error) and not_yet.code == ErrorCode.NOT_FOUND
     assert isinstance(ok, messages.Testimony)
-    got_x = decode(ok.activations)
-    got_g = decode(ok.gradient)
-    assert got_x.shape == (2, t, d) and distance(got_x, x[[3, 0]]) < 0.05 and distance(got_g, g[[3, 0]]) < 0.05
+    # the frames as they crossed the wire, and the verdict a re-checking stage reaches with what b1 relayed
+    assert messages.unpack(ok.forward) == fwd and messages.unpack(ok.backward) == bwd
+    relayed = attest.relay(bwd, attest.signed_by(NamedNotary("b1", BOOK), bwd, "c2", "b1"))
+    judged = attest.judge(NamedNotary("a0", BOOK), ok, run_id=RUN3.run_id, hop="b1", witness="c2", mb_id=7,
+                          relayed=relayed)
+    assert judged.verdict is attest.Verdict.OK and judged.forward == fwd, judged
     assert all(isinstance(r, messages.Testimony) for r in others)
-    assert all(isinstance(r, Error) and r.code == ErrorCode.BAD_REQUEST for r in bad_rows)
     assert isinstance(other, Error) and other.code == ErrorCode.NOT_FOUND
     assert isinstance(evicted, Error) and evicted.code == ErrorCode.NOT_FOUND
     assert any(isinstance(r, Error) and r.code == ErrorCode.RATE_LIMITED for r in limited)
@@ -184,7 +199,7 @@ def _three_stages(corpus, cfg: PeerConfig, states, last: tuple[str, ...] = ("c2"
     assert spares.offer(1, states[1], source=middle[0], taken_at=time.time())
     a0 = PipelineServicer(run=run, stage=0, worker=old.worker, compute=old.compute, send=old.send, swarm=old.swarm,
                           router=Router([1.0] * 3, rng=random.Random(1)), metrics=PeerMetrics("a0", 0), cfg=cfg,
-                          my_id="a0", cost=1.0, spares=spares if copy else None)
+                          my_id="a0", cost=1.0, spares=spares if copy else None, notary=old.notary)
     net.stages["a0"] = a0
     return net, pool, a0
 
@@ -231,28 +246,40 @@ def _lazy(pipe: PipelineServicer) -> None:
     pipe.worker.backward = lambda mb_id, g: g.clone()  # type: ignore[method-assign]
 
 
-def _mute(pipe: PipelineServicer) -> None:
-    """The middle stage computes honestly but names nobody it sent the micro-batch on to (a peer that predates the
-    field reads the same)."""
-    backward = pipe.hops.backward
+def _reframe(pipe: PipelineServicer, edit) -> None:
+    """The middle stage's gradient frames go out as ``edit(args, kwargs)`` makes them (``Hops.frame``'s arguments)."""
+    frame = pipe.hops.frame
 
-    async def unnamed(*args, **kwargs):
+    def patched(*args, **kwargs):
+        args, kwargs = edit(list(args), kwargs)
+        return frame(*args, **kwargs)
+    pipe.hops.frame = patched  # type: ignore[method-assign]
+
+
+def _mute(pipe: PipelineServicer) -> None:
+    """The middle stage computes honestly but names nobody it sent the micro-batch on to."""
+    def unnamed(args, kwargs):
         kwargs.pop("downstream", None)
-        return await backward(*args, **kwargs)
-    pipe.hops.backward = unnamed  # type: ignore[method-assign]
+        kwargs.pop("relayed", None)
+        return args, kwargs
+    _reframe(pipe, unnamed)
 
 
 def _silent(pipe: PipelineServicer) -> None:
-    """The middle stage does no work (``_lazy``) and names as its witness a second identity that announces stage 2
-    and never answers."""
+    """The middle stage does no work (``_lazy``) and names as its witness a second identity that announces stage 2,
+    signs what the hop relays for it, and never answers."""
     _lazy(pipe)
-    backward = pipe.hops.backward
     pipe.swarm()["z2"] = PeerRecord(peer_id="z2", stage=2, throughput=1.0, queue=0, version=0, state="training")
+    sybil = NamedNotary("z2", pipe.notary.book)
 
-    async def sybil(*args, **kwargs):
-        kwargs["downstream"] = (["z2"], kwargs.get("downstream", (None, 0))[1])
-        return await backward(*args, **kwargs)
-    pipe.hops.backward = sybil  # type: ignore[method-assign]
+    def named(args, kwargs):
+        _, _, route, env, loss = args[:5]
+        wid = kwargs.get("downstream", (None, 0))[1]
+        fake = attest.sign(sybil, Backward(run_id=RUN3.run_id, mb_id=wid, route=route, gradient=env, loss=loss,
+                                           is_eval=False), "z2", pipe.my_id)
+        kwargs["downstream"], kwargs["relayed"] = (["z2"], wid), [attest.relay(fake, attest.digest(fake))]
+        return args, kwargs
+    _reframe(pipe, named)
 
 
 @pytest.mark.timeout(90)
@@ -333,3 +360,85 @@ def test_a_middle_liar_with_a_longer_record_cannot_get_its_honest_partner_blamed
     else:  # what the copy closes: the honest partner takes every blame (three in a row ban it), the liar none
         assert "b1" in revoked or spot._hop("b1").strikes >= 1, (revoked, counters)
         assert "f1" not in revoked and spot._hop("f1").strikes == 0, (revoked, counters)
+
+
+def _lying_witness(pipe: PipelineServicer, lie: str) -> list[int]:
+    """The witness ``pipe`` testifies falsely about every micro-batch: activations the hop never sent (kept under
+    the hop's signature), or a gradient other than the one it returned (signed anew by itself). Returns the count of
+    lies told (a list, for the caller to read)."""
+    store, notary, told = pipe.testimony, pipe.notary, [0]
+    assert store is not None and notary is not None
+    honest = store.rpc_testimony
+
+    async def lying(msg, peer_id):
+        reply = await honest(msg, peer_id)
+        if not isinstance(reply, messages.Testimony):
+            return reply
+        fwd, bwd = messages.unpack(reply.forward), messages.unpack(reply.backward)
+        if lie == "activations":
+            x = decode(fwd.activations)
+            fwd = dataclasses.replace(fwd, activations=encode(torch.randn_like(x) * x.std(), "int8"))
+        else:
+            g = decode(bwd.gradient)
+            bwd = attest.sign(notary, dataclasses.replace(bwd, gradient=encode(-g, "int8"), signer=None,
+                                                          signature=None), pipe.my_id, msg.sender)
+        told[0] += 1
+        return attest.testify(notary, pipe.my_id, msg.sender, fwd, bwd)
+    store.rpc_testimony = lying  # type: ignore[method-assign]
+    return told
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lie", ["activations", "gradient"])
+def test_a_lying_witness_cannot_frame_an_honest_hop_and_the_hop_stops_using_it(corpus, trained, lie):  # noqa: F811
+    """An honest stage-1 hop sends on to a lying witness c2 and an honest d2. Every testimony of c2 contradicts a
+    signature (the hop's on the activations, its own on the gradient it returned): stage 0 holds nothing against the
+    hop, shows it the proof, and the hop sends c2 no more work; its re-checks pass with d2's testimony."""
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=10.0, drain_timeout_s=1.0, recheck_after_warmups=0,
+                     recheck_fraction=1.0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0], last=("c2", "d2"))
+    told = _lying_witness(net.stages["c2"], lie)
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    start = a0.worker.local_step
+    asyncio.run(_run_driver(net, corpus, cfg, steps=start + 30, run_for=40.0))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    b1 = net.stages["b1"]
+    assert told[0] >= 1, "the witness was never asked: the test tests nothing"
+    assert counters.get("liars_proven", 0) == 1 and counters.get("liars_shown", 0) == 1, counters
+    assert counters.get("recheck_failed", 0) == 0 and revoked == set(), counters
+    assert b1.metrics.snapshot()["counters"].get("liars_banned", 0) == 1
+    assert b1.router.penalised("c2", 3600.0) and not b1.router.penalised("d2", 0.0)
+    assert counters.get("recheck_passed", 0) >= 4, counters
+    assert a0.worker.local_step >= start + 30
+
+
+@pytest.mark.timeout(120)
+def test_a_hop_that_keeps_sending_to_a_witness_proven_to_lie_for_it_is_banned(corpus, trained):  # noqa: F811
+    """A lazy hop and a colluding witness that covers for it with activations the hop never signed: the lie is
+    proven, the hop is shown the proof and ignores it, and every later gradient it returns names the liar: failed
+    re-checks until it is banned, and nothing of its work is trained."""
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=2.0, drain_timeout_s=1.0, recheck_after_warmups=0, recheck_fraction=1.0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0])
+    _lazy(net.stages["b1"])
+    _lying_witness(net.stages["c2"], "activations")
+
+    async def ignored(msg, peer_id):  # takes the proof, and goes on sending to its partner
+        return messages.Ack()
+    net.stages["b1"].rpc_fraud = ignored  # type: ignore[method-assign]
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    start = a0.worker.local_step
+
+    async def go() -> None:
+        asyncio.get_running_loop().call_later(8.0, a0.stop_accepting)
+        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=8.0)
+    asyncio.run(go())
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("liars_proven", 0) == 1 and counters.get("liars_shown", 0) == 1, counters
+    assert counters.get("recheck_banned", 0) == 1 and revoked == {"b1"}, counters
+    assert a0.worker.local_step == start, "stage 0 trained on the lazy hop's gradient"

@@ -21,6 +21,7 @@ from protocol.messages import (
     Busy,
     Error,
     Forward,
+    Fraud,
     Hello,
     Infer,
     InferResult,
@@ -48,6 +49,8 @@ SAMPLES = [
     Backward("run", 17, ["QmA"], ENV, 3.25, False),
     Backward("run", 18, ["QmA"], None, None, True),
     Backward("run", 19, ["QmA"], ENV, 3.25, False, False, ["QmB", "QmC"], 2**63 - 1),
+    Forward("run", 20, ["QmA"], ENV, None, False, 0.0, None, None, b"key", b"sig"),
+    Backward("run", 20, ["QmA"], ENV, 3.25, False, False, ["QmB"], 9, b"key", b"sig", [[b"d" * 32, b"s", b"k"]]),
     Ack(),
     Busy(0.5),
     Error(ErrorCode.WRONG_STAGE, "I serve stage 1"),
@@ -62,8 +65,9 @@ SAMPLES = [
                     {"p": "QmB", "e": 2e9, "b": b"", "k": b"k", "s": b"s", "c": b"credential"}]),
     VouchesRequest("run"),
     Vouches("run", ["QmA", "QmB"]),
-    TestimonyRequest("run", "QmA", 17, [0, 7]),
-    Testimony(ENV, ENV),
+    TestimonyRequest("run", "QmA", 17),
+    Testimony(b"forward", b"backward", b"key", b"sig"),
+    Fraud("run", "QmW", 17, b"testimony", [b"d" * 32, b"s", b"k"]),
 ]
 
 

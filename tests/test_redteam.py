@@ -147,6 +147,20 @@ def test_a_lone_fake_middle_stage_that_does_no_work_is_caught_with_the_witness_t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lying_witness_cannot_get_the_honest_hop_banned_and_is_dropped_by_it(tmp_path: Path) -> None:
+    """A stage-2 stranger trains honestly but testifies falsely about stage 1's work: stage 0 proves the lie with
+    the signatures, stage 1 bans the liar, and nobody holds anything against stage 1."""
+    res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny3.toml"), "--attacks", "lying_witness",
+                    "--phase-s", "40", "--victim-set", "backup_every_s=5", timeout=380)
+    ev = res["lying_witness"]["evidence"]
+    assert ev["lies_told"] >= 1, ev  # stage 0 asked it about stage 1's work: the test tests something
+    assert ev["stage0_counters"]["liars_proven"] >= 1 and ev["stage1_counters"]["liars_banned"] >= 1, ev
+    assert not ev["honest_hop_framed"], ev
+    assert res["lying_witness"]["outcome"] == "refused", res["lying_witness"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "dht_flood,costly_keys", "--phase-s", "15", timeout=280)

@@ -22,6 +22,7 @@ from peer.pipeline.servicer import PipelineServicer
 from protocol.codecs.registry import decode, encode
 from protocol.errors import ValidationError
 from protocol.messages import Forward, pack, unpack
+from tests.notaries import NamedNotary
 from trainer.config import RunConfig
 from trainer.data import BatchStream, load_corpus, val_batches
 from trainer.export import gpt_state
@@ -192,10 +193,12 @@ def test_loopback_pipeline_trains_in_the_subspace(n_stages):
     records = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
                for s, pid in enumerate(pids)}
     cfg = PeerConfig(microbatch_timeout_s=30.0)
+    book: dict = {}  # signed frames between stages (tests/notaries.py)
     for s, pid in enumerate(pids):
         stages[pid] = PipelineServicer(run=run, stage=s, worker=StageWorker(run, s), compute=compute, send=sender(pid),
                                        swarm=lambda: records, router=Router([1.0] * n_stages, rng=random.Random(0)),
-                                       metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0)
+                                       metrics=PeerMetrics(pid, s), cfg=cfg, my_id=pid, cost=1.0,
+                                       notary=NamedNotary(pid, book))
 
     sent, trained = set(), []  # the last stage trains on the very targets stage 0 drew (cut from the window)
     stream = BatchStream(corpus.train, run.model.block_size, 8, seed=1)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import random
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,12 +30,16 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from peer.membership.records import PeerRecord, announce, fetch_swarm, swarm_key
 from peer.membership.signing import Signer, seal
 from peer.ops.metrics import PeerMetrics
+from peer.pipeline import attest
+from peer.pipeline.attest import KeyNotary
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
+from peer.pipeline.testimony import TESTIMONY_RPC
 from peer.state.sync import load_state_from_peers
 from protocol.codecs.registry import decode, encode
+from protocol.errors import ErrorCode
 from protocol.limits import RpcLimits
-from protocol.messages import Ack, Backward, Busy, Forward, Message
+from protocol.messages import Ack, Backward, Busy, Error, Forward, Message, TestimonyRequest
 from protocol.rpc import RpcServer, call
 from protocol.validation import TensorSpec
 from trainer.data import BatchStream, load_corpus
@@ -67,6 +72,25 @@ def _stopped(pids: list[int]) -> Iterator[None]:
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+
+
+def _inc(counts: dict[str, int], key: str) -> None:
+    counts[key] += 1
+
+
+def _taker(work: Callable[[str, Forward], Awaitable[None]], tasks: set[asyncio.Task], counted: Callable[[], None], *,
+           targets: bool = False) -> Callable[[Message, str], Awaitable[Message]]:
+    """The forward handler of a red-team stage: a training forward (one with targets where ``targets``) is acked at
+    once, counted and handed to ``work`` in the background; anything else is answered Busy (it goes elsewhere)."""
+    async def take(msg: Message, peer: str) -> Message:
+        if not isinstance(msg, Forward) or msg.is_eval or (targets and msg.targets is None):
+            return Busy(retry_after_s=0.0)
+        counted()
+        task = asyncio.ensure_future(work(peer, msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return Ack()
+    return take
 
 
 async def fake_next_stage_alone(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
@@ -127,15 +151,9 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, al
             if "norm" in str(e):
                 scale[0] = (scale[0] + 1) % len(SCALES)
 
-    async def take(msg: Message, peer: str) -> Message:
+    def took() -> None:
         nonlocal taken
-        if not isinstance(msg, Forward) or msg.is_eval or msg.targets is None:
-            return Busy(retry_after_s=0.0)
         taken += 1
-        task = asyncio.ensure_future(answer(peer, msg))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return Ack()
 
     async def banned_seen() -> None:  # who the stage-0 peers banned for fabricated gradients (their warnings)
         for peer in att.swarm.peers[0]:
@@ -144,7 +162,7 @@ async def fake_next_stage(att: Any, victims: dict[str, str], until: float, *, al
 
     if patient:
         await sync_weights()
-    await server.add_handler(FORWARD_RPC, take)
+    await server.add_handler(FORWARD_RPC, _taker(answer, tasks, took, targets=True))
     rec = PeerRecord(peer_id=att.signer.peer_id, stage=1, throughput=1e9, queue=0, version=0, state="training",
                      maddrs=[])
     try:
@@ -187,10 +205,11 @@ async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> 
     back untouched, naming stage 2's peer and the id as the protocol asks. Stage 1's weights never touch the
     micro-batch, and the residual stream makes its output and gradient look plausible in norm and direction. Stage 0
     must not train on its gradients: its re-checks from the copy of stage 1 (``--victim-set backup_every_s=5``), with
-    stage 2's testimony, find that the hop added nothing."""
+    stage 2's testimony, find that the hop added nothing. It signs its forwards and relays stage 2's signature of each
+    gradient, as the protocol asks (``peer.pipeline.attest``): an unsigned one would be refused before any check."""
     if "c" not in victims:
         raise ValueError("fake_middle_stage needs a run of 3 stages or more (--run tests/runs/tiny3.toml)")
-    run, me = att.run, att.signer.peer_id
+    run, me, notary = att.run, att.signer.peer_id, KeyNotary(att.signer)
     before = await _counters(att.status_a)
     server = RpcServer(att.p2p, RpcLimits())
     held: dict[int, tuple[str, Forward]] = {}  # our id -> (the stage-0 sender, its forward)
@@ -200,29 +219,23 @@ async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> 
     async def pass_on(peer: str, msg: Forward) -> None:
         mine = random.getrandbits(62)
         held[mine] = (peer, msg)
-        onward = Forward(run_id=run.run_id, mb_id=mine, route=[*msg.route, me], activations=msg.activations,
-                         targets=msg.targets, is_eval=False, sent_at=time.time(), tokens=msg.tokens)
+        onward = attest.sign(notary, Forward(run_id=run.run_id, mb_id=mine, route=[*msg.route, me],
+                                             activations=msg.activations, targets=msg.targets, is_eval=False,
+                                             sent_at=time.time(), tokens=msg.tokens), me)  # signed, as the code asks
         try:
             if isinstance(await call(att.p2p, victims["c"], FORWARD_RPC, onward, timeout=5), Ack):
                 counts["forwarded"] += 1
         except Exception:  # refused by stage 2: stage 0's micro-batch times out
             held.pop(mine, None)
 
-    async def take(msg: Message, peer: str) -> Message:
-        if not isinstance(msg, Forward) or msg.is_eval:
-            return Busy(retry_after_s=0.0)
-        counts["forwards_taken"] += 1
-        task = asyncio.ensure_future(pass_on(peer, msg))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return Ack()
-
     async def give_back(msg: Message, peer: str) -> Message:
         if not isinstance(msg, Backward) or msg.mb_id not in held:
             return Ack()
         sender, fwd = held.pop(msg.mb_id)
+        digest = attest.signed_by(notary, msg, peer, me)  # stage 2's signature, relayed as an honest hop does
         back = Backward(run_id=run.run_id, mb_id=fwd.mb_id, route=fwd.route, gradient=msg.gradient, loss=msg.loss,
-                        is_eval=False, refused=msg.refused, downstream=[peer], downstream_id=msg.mb_id)
+                        is_eval=False, refused=msg.refused, downstream=[peer], downstream_id=msg.mb_id,
+                        relayed=None if digest is None else [attest.relay(msg, digest)])
         try:
             await call(att.p2p, sender, BACKWARD_RPC, back, timeout=5)
             counts["gradients_returned"] += 1
@@ -230,7 +243,7 @@ async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> 
             counts["returns_refused"] += 1
         return Ack()
 
-    await server.add_handler(FORWARD_RPC, take)
+    await server.add_handler(FORWARD_RPC, _taker(pass_on, tasks, lambda: _inc(counts, "forwards_taken")))
     await server.add_handler(BACKWARD_RPC, give_back)
     rec = PeerRecord(peer_id=me, stage=1, throughput=1e9, queue=0, version=0, state="training", maddrs=[])
     try:
@@ -245,6 +258,85 @@ async def fake_middle_stage(att: Any, victims: dict[str, str], until: float) -> 
     seen = await _changed(att.status_a, before, (*RECHECK_COUNTERS, "spotcheck_sent", "spotcheck_banned",
                                                   "rejected:gradients_norm"))
     return {"refused": seen["recheck_banned"] >= 1, **counts, "stage0_counters": seen}
+
+
+async def lying_witness(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+    """In a run of 3 stages (``--run tests/runs/tiny3.toml``): a stranger announces itself as a replica of the last
+    stage (throughput 1e9, so stage 1 sends it most of its traffic once it earned trust) and trains honestly, with the
+    honest stage-2 peer's weights fetched every 2 s as any peer may: stage 1's re-checks of it pass. Asked by stage 0
+    to testify about stage 1's work, it lies: it testifies activations stage 1 never sent (noise of their scale, under
+    stage 1's signature). Unsigned, that lie got the honest stage-1 hop banned (docs/security.md, "A lying witness").
+    Stage 0 must hold nothing against the hop, prove the lie with the signatures, and show the hop, which must stop
+    sending work to the liar."""
+    if "c" not in victims:
+        raise ValueError("lying_witness needs a run of 3 stages (--run tests/runs/tiny3.toml)")
+    run, me, notary = att.run, att.signer.peer_id, KeyNotary(att.signer)
+    if run.n_stages != 3:
+        raise ValueError("lying_witness plays the last stage of a 3-stage run")
+    before_a, before_b = await _counters(att.status_a), await _counters(att.status_b)
+    worker = StageWorker(run, 2)
+    b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
+    act, tok = TensorSpec((b, t, d), torch.float32), TensorSpec((b, t), torch.int64)
+    server = RpcServer(att.p2p, RpcLimits())
+    kept: dict[tuple[str, int], tuple[Forward, Backward]] = {}
+    counts = {"forwards_taken": 0, "gradients_returned": 0, "testimonies_asked": 0, "lies_told": 0}
+    tasks: set[asyncio.Task] = set()
+
+    async def sync_weights() -> None:
+        state = await load_state_from_peers(p2p=att.p2p, run=run, stage=2, metrics=PeerMetrics("attacker", 2),
+                                            donors=[victims["c"]])
+        if state is not None:
+            worker.load_state_dict(state)
+
+    async def answer(peer: str, msg: Forward) -> None:
+        x, targets = decode(msg.activations, act), decode(msg.targets, tok)
+        loss, grad = await asyncio.to_thread(worker.forward_loss, msg.mb_id, x, targets)
+        reply = attest.sign(notary, Backward(run_id=run.run_id, mb_id=msg.mb_id, route=msg.route,
+                                             gradient=encode(grad, run.compression.gradients), loss=float(loss),
+                                             is_eval=False), me, peer)
+        kept[(peer, msg.mb_id)] = (msg, reply)
+        while len(kept) > 512:
+            del kept[next(iter(kept))]
+        try:
+            await call(att.p2p, peer, BACKWARD_RPC, reply, timeout=5)
+            counts["gradients_returned"] += 1
+        except Exception:
+            pass
+
+    async def testify(msg: Message, peer: str) -> Message:
+        counts["testimonies_asked"] += 1
+        if not isinstance(msg, TestimonyRequest) or (msg.sender, msg.mb_id) not in kept:
+            return Error(code=ErrorCode.NOT_FOUND, message="no such micro-batch")
+        fwd, bwd = kept[(msg.sender, msg.mb_id)]
+        x = decode(fwd.activations, act)
+        noise = encode(torch.randn_like(x) * x.std(), run.compression.activations)
+        forged = dataclasses.replace(fwd, activations=noise)  # stage 1's signature kept: it no longer fits
+        counts["lies_told"] += 1
+        return attest.testify(notary, me, msg.sender, forged, bwd)
+
+    await sync_weights()
+    await server.add_handler(FORWARD_RPC, _taker(answer, tasks, lambda: _inc(counts, "forwards_taken"), targets=True))
+    await server.add_handler(TESTIMONY_RPC, testify)
+    rec = PeerRecord(peer_id=me, stage=2, throughput=1e9, queue=0, version=0, state="training", maddrs=[])
+    try:
+        tick = 0
+        while time.monotonic() < until:
+            await announce(att.dht, run.run_id, rec, 4.0, signer=att.signer)
+            tick += 1
+            if tick % 2 == 0:
+                await sync_weights()
+            await asyncio.sleep(1.0)
+    finally:
+        await server.shutdown()
+        for task in list(tasks):
+            task.cancel()
+    keys = (*RECHECK_COUNTERS, "liars_proven", "liars_shown", "liar_proof_refused", "liar_named")
+    seen_a = await _changed(att.status_a, before_a, keys)
+    seen_b = await _changed(att.status_b, before_b, ("liars_banned", "rejected:unsigned"))
+    framed = seen_a["recheck_banned"] > 0 or seen_a["recheck_failed"] > 0
+    return {"refused": counts["lies_told"] > 0 and seen_a["liars_proven"] >= 1 and seen_b["liars_banned"] >= 1
+            and not framed, "honest_hop_framed": framed, **counts, "stage0_counters": seen_a,
+            "stage1_counters": seen_b}
 
 
 Items = list[tuple[str, bytes | int, float, str | None]]
@@ -533,7 +625,7 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
 
 TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "foreign_forwards": foreign_forwards,
                  "patient_liar": functools.partial(fake_next_stage, patient=True),
-                 "fake_middle_stage": fake_middle_stage,
+                 "fake_middle_stage": fake_middle_stage, "lying_witness": lying_witness,
                  "fake_next_stage_alone": fake_next_stage_alone,
                  "dht_flood": dht_flood, "costly_keys": costly_keys,
                  "loss_window_drift": loss_window_drift}

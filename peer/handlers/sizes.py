@@ -23,6 +23,7 @@ from peer.averaging.sync import SYNC_RPC
 from peer.membership.gossip import RECORDS_RPC
 from peer.membership.reachability import REACH_RPC
 from peer.membership.vouches import VOUCHES_RPC
+from peer.pipeline.attest import FRAUD_RPC
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC
@@ -30,16 +31,20 @@ from peer.pipeline.testimony import TESTIMONY_RPC
 from peer.state.sync import STATE_RPC
 from protocol.codecs.registry import encode
 from protocol.messages import (
-    MAX_TESTIMONY_ROWS,
+    MAX_DOWNSTREAM,
+    MAX_KEY_BYTES,
+    MAX_SIGNATURE_BYTES,
     AveragingPart,
     Backward,
     Forward,
+    Fraud,
     Hello,
     Infer,
     InferResult,
     RecordsRequest,
     StateDigestRequest,
     StateRequest,
+    Testimony,
     TestimonyRequest,
     VouchesRequest,
     pack,
@@ -75,16 +80,21 @@ def averaging_request_bytes(run: RunConfig) -> int:
 
 def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     """Largest request of every handler (bytes, framing excluded) for this run: ``forward``, ``backward``, ``reach``,
-    ``infer``, ``state``, ``avg_part``, ``sync``, ``records``, ``vouches`` and ``testimony``."""
+    ``infer``, ``state``, ``avg_part``, ``sync``, ``records``, ``vouches``, ``testimony`` and ``fraud``."""
     b, t, d = run.data.batch_size, run.model.block_size, run.model.n_embd
     x, ids = torch.zeros(b, t, d), torch.zeros(b, t, dtype=torch.int64)
     boundary = Boundary(run, None)
     targets, window = boundary.first_hop(ids, ids)
     acts, tokens = boundary.encode_forward(x, window)
+    key, signature = b"k" * MAX_KEY_BYTES, b"s" * MAX_SIGNATURE_BYTES  # signed frames (peer/pipeline/attest.py)
+    relayed = [b"r" * max(MAX_KEY_BYTES, MAX_SIGNATURE_BYTES)] * 3
     forward = Forward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, targets=targets, is_eval=False,
-                      activations=acts, sent_at=1e12, flush=2**63 - 1, tokens=tokens)
+                      activations=acts, sent_at=1e12, flush=2**63 - 1, tokens=tokens, signer=key, signature=signature)
     backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,
-                        gradient=boundary.encode_gradient(x))
+                        gradient=boundary.encode_gradient(x), downstream=["Q" * 64] * MAX_DOWNSTREAM,
+                        downstream_id=2**63 - 1, signer=key, signature=signature, relayed=[relayed] * MAX_DOWNSTREAM)
+    testimony = Testimony(forward=pack(forward), backward=pack(backward), signer=key, signature=signature)
+    fraud = Fraud(run_id=run.run_id, witness="Q" * 64, mb_id=2**63 - 1, testimony=pack(testimony), relayed=relayed)
     hello = Hello(protocol_version=1, run_id=run.run_id, stage=0, peer_id="Q" * 64, capabilities=["x" * 64] * 32)
     state = max(len(pack(StateRequest(run_id=run.run_id, stage=1023, chunk=2**20, version=2**63 - 1))),
                 len(pack(StateDigestRequest(run_id=run.run_id, stage=1023, seed=2**63 - 1, dims=256))))
@@ -94,8 +104,9 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
             INFER_RPC: infer_message_bytes(run)["request"], STATE_RPC: state + SLACK_BYTES, AVG_RPC: averaging,
             SYNC_RPC: averaging, RECORDS_RPC: len(pack(RecordsRequest(run_id=run.run_id))) + SLACK_BYTES,
             VOUCHES_RPC: len(pack(VouchesRequest(run_id=run.run_id))) + SLACK_BYTES,
-            TESTIMONY_RPC: len(pack(TestimonyRequest(run_id=run.run_id, sender="Q" * 64, mb_id=2**63 - 1,
-                                                     rows=[2**20] * MAX_TESTIMONY_ROWS))) + SLACK_BYTES}
+            TESTIMONY_RPC: len(pack(TestimonyRequest(run_id=run.run_id, sender="Q" * 64,
+                                                     mb_id=2**63 - 1))) + SLACK_BYTES,
+            FRAUD_RPC: len(pack(fraud)) + SLACK_BYTES}
 
 
 def infer_message_bytes(run: RunConfig) -> dict[str, int]:
@@ -115,7 +126,7 @@ def infer_message_bytes(run: RunConfig) -> dict[str, int]:
 HANDLER_KINDS = {FORWARD_RPC: (Forward,), BACKWARD_RPC: (Backward,), REACH_RPC: (Hello,),
                  STATE_RPC: (StateRequest, StateDigestRequest), AVG_RPC: (AveragingPart,), SYNC_RPC: (AveragingPart,),
                  INFER_RPC: (Infer,), RECORDS_RPC: (RecordsRequest,), VOUCHES_RPC: (VouchesRequest,),
-                 TESTIMONY_RPC: (TestimonyRequest,)}
+                 TESTIMONY_RPC: (TestimonyRequest,), FRAUD_RPC: (Fraud,)}
 
 
 def restrict_handlers(rpc: RpcServer, run: RunConfig) -> None:

@@ -285,6 +285,11 @@ class Router:
         st.banned_until = self.clock() + ban
         return ban
 
+    def penalised(self, peer_id: str, seconds: float) -> bool:
+        """Whether ``ban`` keeps ``peer_id`` out for at least ``seconds`` more."""
+        st = self.stats.get(peer_id)
+        return st is not None and st.penalty_until > self.clock() + seconds
+
     def ban(self, peer_id: str, seconds: float) -> None:
         """Keep ``peer_id`` out of our routing for ``seconds`` (caught returning fabricated work; a restart does not
         end it)."""

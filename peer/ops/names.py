@@ -28,6 +28,9 @@ COUNTERS = (
     "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
     # what a stage received and returned, told to the stage two before (peer/pipeline/testimony.py)
     "testimony_served", "testimony_not_found",
+    # witnesses proven to lie about a hop by their own signatures (peer/pipeline/attest.py): at the stage that re-checks
+    # (proven, shown to the hop, the hop refused the proof, a gradient named a liar) and at the hop (banned)
+    "liars_proven", "liars_shown", "liar_proof_refused", "liar_named", "liars_banned",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
     "avg_exchange_busy", "avg_pull_clipped", "avg_below_quorum", "avg_self_outlier", "avg_slots_missed",
@@ -72,6 +75,8 @@ REJECTIONS = (
     "records_rate_limited", "gossiped_record", "vouches_rate_limited",
     # middle-stage re-checks (peer/pipeline/testimony.py)
     "testimony_rate_limited", "bad_testimony",
+    # signed frames (peer/pipeline/attest.py)
+    "unsigned", "bad_fraud", "fraud_rate_limited",
     *(f"avg_{r}" for r in _AVG_REASONS),
     *(f"state_{r}" for r in _STATE_REASONS),
     *(f"infer_{r}" for r in _INFER_REASONS),

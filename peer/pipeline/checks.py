@@ -5,7 +5,8 @@
 * Re-checks (peer/pipeline/recheck.py): the next stage's gradients re-computed from the held copy of it; a middle
   next stage's with the testimony of the peer it sent the micro-batch on to (peer/pipeline/testimony.py). Where both
   run, a disagreeing spot check is decided by the copy when it can judge.
-* Testimony (stages from 2 on): what this stage received and returned, for the stage two before.
+* Testimony (stages from 2 on): what this stage received and returned, signed by their senders, for the stage two
+  before (peer/pipeline/attest.py).
 * Forward re-checks (stage 1, peer/pipeline/fwdcheck.py): stage 0's forwards re-computed from a copy of stage 0, the
   neighbour copy in a 2-stage run, a private one in longer runs.
 """
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from peer.config import PeerConfig
     from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.attest import Notary
     from peer.pipeline.boundary import Boundary
     from peer.pipeline.hops import Hops
     from peer.pipeline.work import BackwardWork, Pending
@@ -53,6 +55,7 @@ class Stage(Protocol):
     boundary: Boundary
     tok_spec: TensorSpec
     my_id: str
+    notary: Notary | None
     compute: Compute
     send: Send
     is_first: bool
@@ -95,7 +98,7 @@ def neighbour_checks(pipe: Stage, *, spares: SpareStore | None,
         spot, stage=stage, hops=pipe.hops, router=pipe.router, metrics=metrics, held=pipe.holds,
         requeue=pipe.queue_backward, drop=lambda mb_id: pipe.drop(mb_id, notify=not pipe.is_first),
         vouch=lambda peer: pipe.vouch(peer), revoke=lambda peer: pipe.revoke(peer))
-    kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=pipe.send)
+    kind: Callable[..., Rechecks] = (functools.partial(MiddleRechecks, send=pipe.send, notary=pipe.notary)
                                      if stage < run.n_stages - 2 else Rechecks)
     recheck = None if spot is None or spares is None or stage > run.n_stages - 2 else kind(
         spot, RecheckConfig(fraction=cfg.recheck_fraction, min_cosine=cfg.recheck_min_cosine), stage=stage,
@@ -105,8 +108,8 @@ def neighbour_checks(pipe: Stage, *, spares: SpareStore | None,
         revoke=lambda peer: pipe.revoke(peer), bf16=bf16)
     if cross is not None and recheck is not None:
         cross.arbiter = recheck.arbitrate  # a disagreement decided by the copy, not by history
-    testimony = None if stage < 2 or sync else TestimonyStore(
-        run_id=run.run_id, stage=stage, boundary=pipe.boundary, count=metrics.inc)
+    testimony = None if stage < 2 or sync or pipe.notary is None else TestimonyStore(
+        run_id=run.run_id, stage=stage, my_id=pipe.my_id, notary=pipe.notary, count=metrics.inc)
     source = spares if run.n_stages == 2 and pipe.is_last else upstream  # upstream: stage 1 of 3+ stages only
     fwdcheck = None if source is None or sync else ForwardChecks(
         ForwardCheckConfig(fraction=cfg.recheck_fraction), copy=HeldCopy.of(run, 0, source, worker, cfg),

@@ -18,6 +18,7 @@ from peer.config import Mode
 from peer.ids import short_id
 from peer.lifecycle import PeerState
 from peer.membership.routing import NoRouteError
+from peer.pipeline.attest import sign
 from protocol.messages import Ack, Backward, Busy, Forward, Message
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from peer.membership.records import PeerRecord
     from peer.membership.routing import Router
     from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.attest import Notary
     from peer.seams import Send
     from protocol.envelope import TensorEnvelope
 
@@ -51,13 +53,15 @@ class Hops:
         swarm: the latest validated DHT snapshot.
         router: the next-hop choice, told every outcome.
         accepting: False once the stage drains: a forward then stops waiting for a route that may never come.
+        notary: signs the training gradients a stage from 2 on returns (``peer.pipeline.attest``; None: unsigned).
     """
 
     def __init__(self, *, run_id: str, stage: int, my_id: str, cfg: PeerConfig, send: Send,
                  swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics,
-                 accepting: Callable[[], bool]) -> None:
+                 accepting: Callable[[], bool], notary: Notary | None = None) -> None:
         self.run_id, self.stage, self.my_id, self.cfg, self.send = run_id, stage, my_id, cfg, send
         self.swarm, self.router, self.metrics, self.accepting = swarm, router, metrics, accepting
+        self.notary = notary
         self.cap: Cap | None = None
         """Set when spot checks run: the share of choices a hop not yet trusted may get."""
 
@@ -148,17 +152,28 @@ class Hops:
             await asyncio.sleep(min(max(reply.retry_after_s, 0.0), 0.5))
         return reply
 
-    async def backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
-                       loss: float | None, is_eval: bool, *, refused: bool = False,
-                       downstream: tuple[list[str] | None, int | None] = (None, None)) -> None:
-        """Send a ``Backward`` to ``peer`` (the previous hop; None: nobody to tell), twice at most: a lost one times
-        the micro-batch out upstream, whose sample stage 0 re-sends. ``downstream``: the next-stage peers whose
-        gradients this one was computed from, and the id it sent the micro-batch to them under
-        (``Backward.downstream``)."""
-        if peer is None:
-            return
+    def frame(self, peer: str, mb_id: int, route: list[str], env: TensorEnvelope | None, loss: float | None,
+              is_eval: bool, *, refused: bool = False, downstream: tuple[list[str] | None, int | None] = (None, None),
+              relayed: list[list[bytes]] | None = None) -> Backward:
+        """The ``Backward`` for ``peer``: ``downstream``, the next-stage peers whose gradients this one was computed
+        from and the id it sent the micro-batch to them under (``Backward.downstream``), ``relayed`` their signatures
+        of those gradients; a training gradient of a stage from 2 on is signed (``peer.pipeline.attest``)."""
         msg = Backward(run_id=self.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,
-                       refused=refused, downstream=downstream[0], downstream_id=downstream[1])
+                       refused=refused, downstream=downstream[0], downstream_id=downstream[1], relayed=relayed)
+        if self.notary is not None and self.stage >= 2 and env is not None and not is_eval:
+            msg = sign(self.notary, msg, self.my_id, peer)
+        return msg
+
+    async def backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,
+                       loss: float | None, is_eval: bool, *, refused: bool = False) -> None:
+        """Send a ``Backward`` without a training gradient to ``peer`` (a drop, a refusal, an evaluation's loss;
+        None: nobody to tell)."""
+        if peer is not None:
+            await self.deliver(peer, self.frame(peer, mb_id, route, env, loss, is_eval, refused=refused))
+
+    async def deliver(self, peer: str, msg: Backward) -> None:
+        """Send ``msg`` to ``peer`` (the previous hop), twice at most: a lost one times the micro-batch out upstream,
+        whose sample stage 0 re-sends."""
         for attempt in range(2):
             try:
                 await self.send(peer, BACKWARD_RPC, msg)
@@ -166,6 +181,7 @@ class Hops:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                logger.debug("backward of %d to %s failed (attempt %d): %r", mb_id, short_id(peer), attempt + 1, e)
+                logger.debug("backward of %d to %s failed (attempt %d): %r", msg.mb_id, short_id(peer), attempt + 1,
+                             e)
                 self.metrics.inc("retries")
         self.router.failure(peer)

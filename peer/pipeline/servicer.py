@@ -25,6 +25,7 @@ import torch
 from peer.config import Mode
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
+from peer.pipeline.attest import Verdict, judge, relay, sign, signed_by
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.checks import neighbour_checks
 from peer.pipeline.guard import PipelineGuard
@@ -35,13 +36,15 @@ from peer.seams import Compute, Send
 from protocol.codecs.registry import decode
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import Ack, Backward, Busy, Error, Forward, Message
+from protocol.limits import PeerBudgets
+from protocol.messages import Ack, Backward, Busy, Error, Forward, Fraud, Message, Testimony, unpack
 from protocol.validation import TensorSpec
 from trainer.worker import LossRefused
 
 if TYPE_CHECKING:
     from peer.config import PeerConfig
     from peer.ops.metrics import PeerMetrics
+    from peer.pipeline.attest import Notary
     from peer.state.spare import SpareStore
     from trainer.config import RunConfig
     from trainer.worker import StageWorker
@@ -51,6 +54,8 @@ logger = logging.getLogger(__name__)
 MAX_LOSS = 1e4
 PENDING_PER_QUEUE_SLOT = 4  # micro-batches awaiting their gradient, per slot of the compute queue
 NEXT_DOWN_RETRY_S = 1.0  # the Busy a later stage answers while its next stage is down
+LIAR_BAN_S = 7 * 24 * 3600.0  # a witness proven to lie about our work gets none of it again (the run's life)
+FRAUD_RATE = 2.0  # Fraud messages one peer may send per second (each costs a few signature checks and digests)
 
 
 class PipelineServicer:
@@ -73,8 +78,9 @@ class PipelineServicer:
     def __init__(self, *, run: RunConfig, stage: int, worker: StageWorker, compute: Compute, send: Send,
                  swarm: Callable[[], dict[str, PeerRecord]], router: Router, metrics: PeerMetrics, cfg: PeerConfig,
                  my_id: str, cost: float, spares: SpareStore | None = None,
-                 upstream: SpareStore | None = None) -> None:
+                 upstream: SpareStore | None = None, notary: Notary | None = None) -> None:
         self.run, self.stage, self.worker, self.compute, self.send = run, stage, worker, compute, send
+        self.notary = notary
         self.swarm, self.router, self.metrics, self.cfg, self.my_id = swarm, router, metrics, cfg, my_id
         self.is_first, self.is_last = stage == 0, stage == run.n_stages - 1
         b, t = run.data.batch_size, run.model.block_size
@@ -106,7 +112,7 @@ class PipelineServicer:
         self.guard.share.on_ban = lambda peer: self.revoke(peer)  # its work refused again and again
         # the sends to the next stage's peers and back to the previous one (peer/pipeline/hops.py)
         self.hops = Hops(run_id=run.run_id, stage=stage, my_id=my_id, cfg=cfg, send=send, swarm=swarm, router=router,
-                         metrics=metrics, accepting=lambda: self._accepting)
+                         metrics=metrics, accepting=lambda: self._accepting, notary=notary)
         # what this stage checks of its neighbours' work (peer/pipeline/checks.py): spot checks of the next stage's
         # hops and the answers they hold, re-checks from the held copy, the testimony kept for the stage two before,
         # and stage 1's re-checks of stage 0's forwards
@@ -114,6 +120,7 @@ class PipelineServicer:
         self.spot, self.checks, self.recheck = checks.spot, checks.cross, checks.recheck
         self.testimony, self.fwdcheck = checks.testimony, checks.fwdcheck
         self.hops.cap = self.spot.cap_weights if self.spot is not None else None
+        self._fraud_budget = PeerBudgets(rate=FRAUD_RATE, burst=int(2 * FRAUD_RATE))
 
     # ----- helpers ------------------------------------------------------------------------------------------------
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -191,9 +198,6 @@ class PipelineServicer:
     async def _decode(self, env: TensorEnvelope, spec: TensorSpec, peer: str) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: decode(env, spec, peer=peer))
 
-    async def _encode_gradient(self, g: torch.Tensor) -> TensorEnvelope:
-        return await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_gradient, g)
-
     # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
     async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
         if not isinstance(msg, Forward):  # the server admits only Forward here (sizes.HANDLER_KINDS)
@@ -224,6 +228,10 @@ class PipelineServicer:
         if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
+        if self.stage >= 2 and not msg.is_eval and (self.notary is None or await asyncio.get_running_loop(
+                ).run_in_executor(None, signed_by, self.notary, msg, peer_id) is None):
+            return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training forward from stage 1 on must carry "
+                                "its sender's signature (peer.pipeline.attest)")
         try:
             x, window = await asyncio.get_running_loop().run_in_executor(
                 None, self.boundary.decode_forward, msg, peer_id)
@@ -263,6 +271,7 @@ class PipelineServicer:
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "expected a Backward")
         if msg.run_id != self.run.run_id:
             return self._reject("wrong_run", ErrorCode.WRONG_RUN, f"this peer trains run {self.run.run_id}")
+        signed = msg  # as its sender signed it
         msg = dataclasses.replace(msg, mb_id=self.ids.local(msg.mb_id))  # the id we hold it under
         p = self.pending.get(msg.mb_id)
         if p is None:
@@ -289,6 +298,13 @@ class PipelineServicer:
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "a refused micro-batch carries no gradient")
+        if grad is not None and not self.is_first:  # a middle stage relays its witness's signature upstream
+            digest = None if self.notary is None else await asyncio.get_running_loop().run_in_executor(
+                None, signed_by, self.notary, signed, peer_id, self.my_id)
+            if digest is None:
+                return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training gradient from stage 2 on must "
+                                    "carry its sender's signature (peer.pipeline.attest)")
+            p.relayed[peer_id] = relay(signed, digest)
         if msg.loss is not None and not msg.refused and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
             msg = dataclasses.replace(msg, loss=None)  # an outlier: flagged, never reported as our loss
         self.router.returned(peer_id, msg.mb_id)
@@ -306,6 +322,37 @@ class PipelineServicer:
         self.queue_backward(BackwardWork(msg, grad))
         if grad is not None:  # a gradient within the bounds of recent traffic, for work we sent: validated work
             self.vouch(peer_id)
+        return Ack()
+
+    async def rpc_fraud(self, msg: Message, peer_id: str) -> Message:
+        """A witness we sent work to lied about it to the stage before us (``peer.pipeline.attest``): checked here
+        alone, and a proven liar gets no more of our work (``LIAR_BAN_S``), so that our own re-checks pass again."""
+        if not isinstance(msg, Fraud) or msg.run_id != self.run.run_id or self.notary is None:
+            return self._reject("bad_request", ErrorCode.BAD_REQUEST, "expected a Fraud of this run")
+        if self._fraud_budget.empty(peer_id):
+            return self._reject("fraud_rate_limited", ErrorCode.RATE_LIMITED,
+                                f"fraud: at most {FRAUD_RATE:.0f} per second")
+        self._fraud_budget.spend(peer_id)
+        notary = self.notary
+
+        def check() -> Verdict:
+            testimony = unpack(msg.testimony)
+            if not isinstance(testimony, Testimony):
+                return Verdict.UNUSABLE
+            return judge(notary, testimony, run_id=self.run.run_id, hop=self.my_id, witness=msg.witness,
+                         mb_id=msg.mb_id, relayed=msg.relayed).verdict
+
+        try:
+            verdict = await asyncio.get_running_loop().run_in_executor(None, check)
+        except ProtocolError as e:
+            return self._reject("bad_fraud", ErrorCode.BAD_REQUEST, f"fraud: not a testimony ({e})")
+        if verdict is not Verdict.WITNESS_LIED:
+            return self._reject("bad_fraud", ErrorCode.BAD_REQUEST, "fraud: the testimony does not contradict itself")
+        if not self.router.penalised(msg.witness, LIAR_BAN_S / 2):
+            logger.warning("peer %s lied about our work to the stage before us (its own signatures prove it; told "
+                           "by %s): no more work for it", msg.witness[-8:], peer_id[-8:])
+            self.metrics.inc("liars_banned")
+        self.router.ban(msg.witness, LIAR_BAN_S)
         return Ack()
 
     # ----- the compute consumer --------------------------------------------------------------------------------------
@@ -359,9 +406,7 @@ class PipelineServicer:
             self._count_step(float(loss), x)
             self._backward_done(msg.flush)
             assert grad is not None  # a later stage's input has a gradient (stage 0 sends no forward to itself)
-            env = await self._encode_gradient(grad)
-            self._returned(p, msg.mb_id, env)
-            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, float(loss), False))
+            await self._return_gradient(p, msg.mb_id, grad, float(loss))
             return
         if msg.is_eval:
             y = await self.compute(self.worker.evaluate, x)
@@ -432,14 +477,26 @@ class PipelineServicer:
         if p.done is not None and not p.done.done():
             p.done.set_result(msg.loss)
         if p.prev_peer is not None and grad_in is not None:
-            env = await self._encode_gradient(grad_in)
-            self._returned(p, msg.mb_id, env)
-            self.spawn(self.hops.backward(p.prev_peer, msg.mb_id, p.route, env, msg.loss, False,
-                                          downstream=(p.trained_from, p.sent_id)))
+            relayed = [p.relayed[w] for w in p.trained_from or [] if w in p.relayed]
+            await self._return_gradient(p, msg.mb_id, grad_in, msg.loss, downstream=(p.trained_from, p.sent_id),
+                                        relayed=relayed or None)
 
-    def _returned(self, p: Pending, mb_id: int, env: TensorEnvelope) -> None:
-        if self.testimony is not None and p.prev_peer is not None:
-            self.testimony.returned(p.prev_peer, mb_id, env)
+    async def _return_gradient(self, p: Pending, mb_id: int, grad: torch.Tensor, loss: float | None, *,
+                               downstream: tuple[list[str] | None, int | None] = (None, None),
+                               relayed: list[list[bytes]] | None = None) -> None:
+        """Encode (and from stage 2 on sign) the input gradient of ``mb_id`` and send it to the peer it came from;
+        the testimony store keeps the frame as sent."""
+        peer = p.prev_peer
+        assert peer is not None
+
+        def frame() -> Backward:
+            env = self.boundary.encode_gradient(grad)
+            return self.hops.frame(peer, mb_id, p.route, env, loss, False, downstream=downstream, relayed=relayed)
+
+        msg = await asyncio.get_running_loop().run_in_executor(None, frame)
+        if self.testimony is not None:
+            self.testimony.returned(peer, msg)
+        self.spawn(self.hops.deliver(peer, msg))
 
     # ----- sending ---------------------------------------------------------------------------------------------------
     async def forward_next(self, mb_id: int, y: torch.Tensor, targets_env: TensorEnvelope | None, route: list[str],
@@ -449,13 +506,19 @@ class PipelineServicer:
         ``flush``: the sync mode's flush number, set by stage 0 and passed on unchanged (None in async mode).
         ``window``: the micro-batch's token window [B, T+1] (subspace runs send it with the coefficients).
         """
-        env, tokens = await asyncio.get_running_loop().run_in_executor(None, self.boundary.encode_forward, y, window)
         # a later stage sends a training micro-batch under an id of its own: a spot check's copy, forwarded by the
         # second replica too, would otherwise meet the first copy as a replay two stages on. An evaluation keeps
         # stage 0's id: the last stage answers stage 0 directly.
         sent_id = mb_id if self.is_first or is_eval else self.ids.new(local=mb_id)
-        msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
-                      is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
+        notary = None if self.is_first or is_eval else self.notary  # what a witness may be asked about is signed
+
+        def frame() -> Forward:
+            env, tokens = self.boundary.encode_forward(y, window)
+            msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
+                          is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
+            return msg if notary is None else sign(notary, msg, self.my_id)
+
+        msg = await asyncio.get_running_loop().run_in_executor(None, frame)
         p = self.pending.get(mb_id)
         if p is not None and not is_eval and self.recheck is not None and self.recheck.usable():
             p.recheck = msg  # the gradient may be re-computed from it when it comes back

@@ -37,19 +37,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.ids import short_id
+from peer.pipeline.attest import FRAUD_RPC, Verdict, judge, relayed_ok, testify
 from peer.pipeline.recheck import Rechecks
-from protocol.codecs.registry import decode, encode
+from peer.pipeline.work import BackwardWork
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import PeerBudgets
-from protocol.messages import Error, Message, Testimony, TestimonyRequest, payload_bytes
-from protocol.validation import TensorSpec
+from protocol.messages import (
+    Ack,
+    Backward,
+    Error,
+    Forward,
+    Fraud,
+    Message,
+    Testimony,
+    TestimonyRequest,
+    pack,
+    payload_bytes,
+)
 
 if TYPE_CHECKING:
+    from peer.pipeline.attest import Notary
     from peer.pipeline.boundary import Boundary
     from peer.pipeline.work import Pending
     from peer.seams import Send
-    from protocol.envelope import TensorEnvelope
-    from protocol.messages import Backward, Forward
     from trainer.model import StageBase
 
 logger = logging.getLogger(__name__)
@@ -64,34 +75,35 @@ TESTIMONY_RATE = 20.0
 
 
 class TestimonyStore:
-    """What this stage received from each peer and returned to it, for the stage two before to ask about.
+    """What this stage received from each peer and returned to it, for the stage two before to ask about: the
+    frames as they crossed the wire, signed by their senders (``peer.pipeline.attest``).
 
     Args:
         stage: the stage this peer serves.
-        boundary: decodes a kept forward and gradient as the sender saw them.
+        notary: signs our testimonies.
         count: ``count(name, n)`` the peer's counters.
     """
 
-    def __init__(self, *, run_id: str, stage: int, boundary: Boundary, count: Callable[[str, int], None],
-                 max_kept: int = MAX_KEPT,
-                 max_bytes: int = MAX_KEPT_BYTES) -> None:
-        self.run_id, self.stage, self.boundary, self.count = run_id, stage, boundary, count
+    def __init__(self, *, run_id: str, stage: int, my_id: str, notary: Notary, count: Callable[[str, int], None],
+                 max_kept: int = MAX_KEPT, max_bytes: int = MAX_KEPT_BYTES) -> None:
+        self.run_id, self.stage, self.my_id, self.notary, self.count = run_id, stage, my_id, notary, count
         self.max_kept, self.max_bytes = max_kept, max_bytes
-        self._kept: OrderedDict[tuple[str, int], tuple[Forward, TensorEnvelope | None, int]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, int], tuple[Forward, Backward | None, int]] = OrderedDict()
         self._bytes = 0
         self._budget = PeerBudgets(rate=TESTIMONY_RATE, burst=int(2 * TESTIMONY_RATE))
 
     def received(self, sender: str, msg: Forward) -> None:
-        """A training forward from ``sender`` was accepted (kept until its gradient is returned, or evicted)."""
+        """A signed training forward from ``sender`` was accepted (kept until its gradient is returned, or
+        evicted)."""
         self._put((sender, msg.mb_id), msg, None, payload_bytes(msg))
 
-    def returned(self, sender: str, mb_id: int, gradient: TensorEnvelope) -> None:
-        """The gradient of ``sender``'s micro-batch ``mb_id`` went back to it."""
-        kept = self._kept.get((sender, mb_id))
+    def returned(self, sender: str, msg: Backward) -> None:
+        """The signed gradient ``msg`` of ``sender``'s micro-batch went back to it."""
+        kept = self._kept.get((sender, msg.mb_id))
         if kept is not None and kept[1] is None:
-            self._put((sender, mb_id), kept[0], gradient, kept[2] + len(gradient.data))
+            self._put((sender, msg.mb_id), kept[0], msg, kept[2] + payload_bytes(msg))
 
-    def _put(self, key: tuple[str, int], msg: Forward, gradient: TensorEnvelope | None, size: int) -> None:
+    def _put(self, key: tuple[str, int], msg: Forward, gradient: Backward | None, size: int) -> None:
         old = self._kept.pop(key, None)
         if old is not None:
             self._bytes -= old[2]
@@ -99,12 +111,6 @@ class TestimonyStore:
         self._bytes += size
         while self._kept and (len(self._kept) > self.max_kept or self._bytes > self.max_bytes):
             self._bytes -= self._kept.popitem(last=False)[1][2]
-
-    def _testify(self, sender: str, msg: Forward, gradient: TensorEnvelope, rows: list[int]) -> Testimony:
-        x, _ = self.boundary.decode_forward(msg, sender)
-        g = self.boundary.decode_gradient(gradient, sender)
-        return Testimony(activations=encode(x[rows].contiguous(), "none"),
-                         gradient=encode(g[rows].contiguous(), "none"))
 
     async def rpc_testimony(self, msg: Message, peer_id: str) -> Message:
         if not isinstance(msg, TestimonyRequest) or msg.run_id != self.run_id:
@@ -114,20 +120,12 @@ class TestimonyStore:
             self.count("rejected:testimony_rate_limited", 1)
             return Error(code=ErrorCode.RATE_LIMITED, message=f"testimony: at most {TESTIMONY_RATE:.0f} per second")
         self._budget.spend(peer_id)
-        b = self.boundary.act_spec.shape[0]
-        if not msg.rows or len(set(msg.rows)) != len(msg.rows) or max(msg.rows) >= b:
-            self.count("rejected:bad_request", 1)
-            return Error(code=ErrorCode.BAD_REQUEST, message=f"testimony: rows must be distinct and below {b}")
         kept = self._kept.get((msg.sender, msg.mb_id))
         if kept is None or kept[1] is None:
             self.count("testimony_not_found", 1)
             return Error(code=ErrorCode.NOT_FOUND, message=f"no trained micro-batch {msg.mb_id} from that sender here")
-        try:
-            reply = await asyncio.get_running_loop().run_in_executor(None, self._testify, msg.sender, kept[0],
-                                                                     kept[1], list(msg.rows))
-        except ProtocolError as e:  # what we kept passed these checks once; never the asker's fault
-            logger.warning("testimony about micro-batch %d failed here: %s", msg.mb_id, e)
-            return Error(code=ErrorCode.INTERNAL, message="testimony: could not decode what was kept")
+        reply = await asyncio.get_running_loop().run_in_executor(None, testify, self.notary, self.my_id, msg.sender,
+                                                                 kept[0], kept[1])
         self.count("testimony_served", 1)
         return reply
 
@@ -194,6 +192,9 @@ MAX_COPY_GROWTH = 3.0
 MIN_COPY_WARMUPS = 8
 #: re-checks of one hop left unjudged in a row (a witness it named did not answer) that count as one failed re-check
 UNHEARD_STRIKE = 4
+#: proven lies kept (hop, witness), and the sends of one proof to a hop that does not answer before it counts as shown
+MAX_PROOFS = 4096
+TELL_TRIES = 3
 
 
 class MiddleRechecks(Rechecks):
@@ -204,16 +205,79 @@ class MiddleRechecks(Rechecks):
         send: ``await send(peer, name, msg)`` one RPC.
     """
 
-    def __init__(self, *args: Any, send: Send, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, send: Send, notary: Notary | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.send = send
+        self.send, self.notary = send, notary
         self._unheard: dict[str, int] = {}  # hop -> re-checks left unjudged in a row (its witnesses were silent)
-        d = self.boundary.act_spec.shape[2]
-        self.row_spec = TensorSpec((-1, self.boundary.act_spec.shape[1], d), torch.float32)
+        # (hop, witness) -> the witness's proven lie about the hop; when the hop was shown it; attempts to show it
+        self._proofs: OrderedDict[tuple[str, str], Fraud] = OrderedDict()
+        self._told: dict[tuple[str, str], float] = {}
+        self._tries: dict[tuple[str, str], int] = {}
+        self._showing: set[tuple[str, str]] = set()
 
     def usable(self) -> bool:
         after = MIN_COPY_WARMUPS * self.copy.run.optim.warmup_steps
-        return self.copy.available() and self.copy.recent(MAX_COPY_GROWTH, after=after)
+        return self.notary is not None and self.copy.available() and self.copy.recent(MAX_COPY_GROWTH, after=after)
+
+    def answer(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor | None, learning: bool) -> bool:
+        """As ``Rechecks.answer``; and a gradient computed from a witness proven to lie about this hop is never
+        trained on: dropped while the hop may not know yet, a failed re-check once it was shown the proof before we
+        sent it the micro-batch (it went on working with the liar)."""
+        liar = next((w for w in msg.downstream or [] if (peer, w) in self._proofs), None)
+        if liar is None or grad is None:
+            return super().answer(p, peer, msg, grad, learning)
+        p.recheck = None
+        told = self._told.get((peer, liar))
+        if told is not None and p.started > told:
+            self.metrics.inc("recheck_sampled")
+            self.conclude(p, peer, msg, grad, (-1.0, float("inf")),
+                          f"it still sends work to {short_id(liar)}, which it was shown lies about it")
+        else:
+            self.metrics.inc("liar_named")
+            self._tell(peer, liar)
+            self.requeue(BackwardWork(msg, None))
+        return True
+
+    def _proven(self, hop: str, witness: str, proof: Fraud, why: str) -> None:
+        if (hop, witness) not in self._proofs:
+            logger.warning("witness %s lied about the work of %s (%s; its own signatures prove it): showing %s the "
+                           "proof", short_id(witness), short_id(hop), why, short_id(hop))
+            self.metrics.inc("liars_proven")
+        self._proofs[(hop, witness)] = proof
+        while len(self._proofs) > MAX_PROOFS:
+            old = self._proofs.popitem(last=False)[0]
+            self._told.pop(old, None)
+            self._tries.pop(old, None)
+        self._tell(hop, witness)
+
+    def _tell(self, hop: str, witness: str) -> None:
+        """Show ``hop`` the proof that ``witness`` lies about it, once (a hop that does not answer: ``TELL_TRIES``
+        times, then it counts as shown)."""
+        key = (hop, witness)
+        if key not in self._told and key not in self._showing:
+            self._showing.add(key)
+            self.spawn(self._show(key))
+
+    async def _show(self, key: tuple[str, str]) -> None:
+        try:
+            proof = self._proofs.get(key)
+            if proof is None:
+                return
+            try:
+                reply: Message | None = await self.send(key[0], FRAUD_RPC, proof)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug("showing %s the proof failed: %r", short_id(key[0]), e)
+                reply = None
+            tries = self._tries.pop(key, 0) + 1
+            if reply is not None or tries >= TELL_TRIES:  # an Ack, or a refusal: it has had the proof
+                self._told[key] = time.monotonic()
+                self.metrics.inc("liars_shown" if isinstance(reply, Ack) else "liar_proof_refused")
+            else:
+                self._tries[key] = tries
+        finally:
+            self._showing.discard(key)
 
     def _rows(self, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         x, window = self.boundary.decode_forward(fwd, self.my_id)
@@ -222,8 +286,9 @@ class MiddleRechecks(Rechecks):
 
     async def _testimony(self, peer: str, msg: Backward, rows: list[int]) -> tuple[str, Any]:
         """("ok", (the rows each witness received, the mean of the gradient rows they returned)), ("fail", why) when
-        the hop's answer cannot be true, or ("unavailable", why) when a witness could not be heard. The witnesses are
-        the peers the hop names: one, or the two replicas of a spot check whose mean gradient it trained on."""
+        the hop's answer cannot be true, or ("unavailable", why) when a witness could not be heard or lied (then the
+        hop is shown the proof). The witnesses are the peers the hop names: one, or the two replicas of a spot check
+        whose mean gradient it trained on; the hop relays each one's signature of the gradient it returned."""
         witnesses, wid = msg.downstream, msg.downstream_id
         if not witnesses or wid is None:
             return "fail", "it named no peer it sent the micro-batch on to"
@@ -231,36 +296,59 @@ class MiddleRechecks(Rechecks):
             return "fail", "it named one peer twice"
         if peer in witnesses or self.my_id in witnesses:
             return "fail", "it named itself or us as the next hop"
+        relayed = msg.relayed or []
+        assert self.notary is not None  # usable() is False without one
+        if len(relayed) != len(witnesses) or not all(
+                relayed_ok(self.notary, w, peer, r) for w, r in zip(witnesses, relayed, strict=True)):
+            return "fail", "it relayed no signed gradient of a peer it named"
         # whatever stage our view of a named peer's record shows: a record seconds old may still show a peer's
-        # previous stage (a 6-peer swarm banned an honest hop for it), and a record proves nothing anyway (a sybil's
-        # costs a key pair); a peer of another stage holds no such micro-batch and says so, or stays silent
-        said = await asyncio.gather(*(self._ask(w, peer, wid, rows) for w in witnesses))
+        # previous stage (a 6-peer swarm banned an honest hop for it); its signature proves it returned a gradient
+        said = await asyncio.gather(*(self._ask(w, peer, wid, r, rows)
+                                      for w, r in zip(witnesses, relayed, strict=True)))
         for kind, what in said:
             if kind != "ok":
                 return kind, what
         received = [what[0] for _, what in said]
         return "ok", (received, torch.stack([what[1] for _, what in said]).mean(dim=0))
 
-    async def _ask(self, witness: str, peer: str, wid: int, rows: list[int]) -> tuple[str, Any]:
-        req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=peer, mb_id=wid, rows=rows)
+    async def _ask(self, witness: str, peer: str, wid: int, relayed: list[bytes], rows: list[int]) -> tuple[str, Any]:
+        req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=peer, mb_id=wid)
         try:
             reply = await self.send(witness, TESTIMONY_RPC, req)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             return "unavailable", f"the witness did not answer ({type(e).__name__})"
-        if isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND:
-            return "fail", f"the peer it named ({witness[-8:]}) never trained it"
-        if not isinstance(reply, Testimony):
+        if not isinstance(reply, Testimony):  # NOT_FOUND too: it signed a gradient for it (evicted, or evasive)
             return "unavailable", f"the witness answered {type(reply).__name__}"
+        assert self.notary is not None
         try:
-            spec = TensorSpec((len(rows), *self.row_spec.shape[1:]), torch.float32)
-            y = decode(reply.activations, spec, peer=witness, field="activations")
-            g = decode(reply.gradient, spec, peer=witness, field="gradient")
-        except ProtocolError as e:
+            judged = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                judge, self.notary, reply, run_id=self.boundary.run.run_id, hop=peer, witness=witness, mb_id=wid,
+                relayed=relayed))
+            if judged.verdict is Verdict.WITNESS_LIED:
+                fraud = Fraud(run_id=self.boundary.run.run_id, witness=witness, mb_id=wid, testimony=pack(reply),
+                              relayed=relayed)
+                self._proven(peer, witness, fraud, judged.why)
+                return "unavailable", f"the witness lied ({judged.why})"
+            if judged.verdict is not Verdict.OK or judged.forward is None or judged.backward is None:
+                self.metrics.inc("rejected:bad_testimony")
+                return "unavailable", f"the witness's testimony was unusable ({judged.why})"
+            fwd, bwd = judged.forward, judged.backward
+            y, g = await asyncio.get_running_loop().run_in_executor(None, self._witnessed_rows, fwd, bwd, peer,
+                                                                    witness, rows)
+        except ProtocolError as e:  # frames their receivers decoded once: a signed lie we cannot read
             self.metrics.inc("rejected:bad_testimony")
             return "unavailable", f"the witness's testimony was malformed ({e})"
         return "ok", (y, g)
+
+    def _witnessed_rows(self, fwd: Forward, bwd: Backward, peer: str, witness: str,
+                        rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled rows of the activations the witness received (as it decoded them) and of its gradient."""
+        assert bwd.gradient is not None  # judge() passes only a training gradient
+        x, _ = self.boundary.decode_forward(fwd, peer)
+        g = self.boundary.decode_gradient(bwd.gradient, witness)
+        return x[rows].float(), g[rows].float()
 
     def _recompute_middle(self, module: StageBase, x: torch.Tensor,
                           g_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,8 @@ class Pending:
     recheck: Forward | None = None  # what was sent to the next stage, kept for a re-check from the held copy
     sent_id: int | None = None  # the id it went on under (a middle stage names it in the gradient it returns)
     trained_from: list[str] | None = None  # the next-stage peers whose gradients were averaged (a spot check's two)
+    relayed: dict[str, list[bytes]] = field(default_factory=dict)  # next-stage peer -> its signed gradient's
+    # [digest, signature], relayed in the gradient we return (peer.pipeline.attest)
     fwdcheck: bool = False  # the last stage: its activations are re-computed from the held copy before training
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)

@@ -1,0 +1,179 @@
+"""Signed pipeline frames: what a witness testifies about a hop is provably what the hop sent and what it returned.
+
+A middle stage's work is re-checked with the testimony of the peer it sent the micro-batch on to
+(``peer.pipeline.testimony``). Unsigned, that testimony is the witness's word: one identity of stage k + 2 could
+say an honest hop of stage k + 1 sent it rows it never sent, and the hop would fail its re-checks. So every frame a
+testimony is made of is signed by the peer that sent it, with its identity key (``peer.membership.signing``):
+
+* a training ``Forward`` sent by a stage from 1 on: by its sender (the hop); its receiver refuses it unsigned;
+* a training ``Backward`` with a gradient, returned by a stage from 2 on: by its sender (the witness), refused
+  unsigned by the middle stage it returns to, which relays the [digest, signature] of each such gradient it trained
+  on in the gradient it returns itself (``Backward.relayed``);
+* a ``Testimony``: the two frames as they crossed the wire, and the witness's signature over both.
+
+The stage that re-checks then tells who lied (``judge``): a relayed signature that does not verify is the hop's lie
+(checked before the witness is asked: it also proves the witness trained the micro-batch); a forward without the
+hop's valid signature, or a gradient other than the one the witness signed and the hop relayed, is the witness's,
+proven by its own signature. A witness's lie is sent to the hop it lied about (``Fraud``),
+which checks the proof with ``judge`` alone and never sends work to that witness again; a hop that was told and still
+names the witness fails its re-check (a colluding hop would have its liar testify for it forever otherwise).
+
+What signatures cannot settle: a witness that stays silent, or says it holds no such micro-batch. That is the old
+unheard rule (``testimony.UNHEARD_STRIKE``), documented in docs/security.md.
+
+A frame's digest is the SHA-256 of the packed message with its own signature fields cleared, so it covers the run,
+the micro-batch id, the route, the tensors and the names, and packing is deterministic (``protocol.messages.pack``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from typing import Protocol, TypeVar
+
+from msgpack import packb
+
+from peer.membership.signing import Signer, peer_id_of, verify
+from protocol.errors import ProtocolError
+from protocol.messages import Backward, Forward, Message, Testimony, pack, unpack
+
+__all__ = ["FRAUD_RPC", "KeyNotary", "Notary", "Verdict", "digest", "judge", "relay", "relayed_ok", "sign",
+           "signed_by", "testify"]
+
+FRAUD_RPC = "fraud"
+"""The handler that takes a ``Fraud`` (a witness's proven lie about this hop)."""
+DOMAIN = b"asyncmesh/frame/v1"
+
+
+class Notary(Protocol):
+    """Signs this peer's statements and checks a named peer's (the identity key; tests bind names to keys)."""
+
+    def sign(self, data: bytes) -> tuple[bytes, bytes]:
+        """(our public key, our signature over ``data``)."""
+        ...
+
+    def check(self, peer_id: str, key: bytes, data: bytes, signature: bytes) -> bool:
+        """Whether ``key`` is ``peer_id``'s and ``signature`` over ``data`` verifies with it; never raises."""
+        ...
+
+
+class KeyNotary:
+    """The peer's identity key: a peer id is the hash of its public key, so any key checks against any id alone."""
+
+    def __init__(self, signer: Signer) -> None:
+        self.signer = signer
+
+    def sign(self, data: bytes) -> tuple[bytes, bytes]:
+        return self.signer.public_key, self.signer.sign(data)
+
+    def check(self, peer_id: str, key: bytes, data: bytes, signature: bytes) -> bool:
+        try:
+            if peer_id_of(key) != peer_id:
+                return False
+        except Exception:  # a key that cannot be hashed is not anybody's
+            return False
+        return verify(key, data, signature)
+
+
+F = TypeVar("F", Forward, Backward)
+
+
+def digest(msg: Message) -> bytes:
+    """SHA-256 of ``msg`` packed with its ``signer`` and ``signature`` cleared (what its sender signs)."""
+    return hashlib.sha256(pack(dataclasses.replace(msg, signer=None, signature=None))).digest()
+
+
+def _statement(kind: bytes, sender: str, about: str, *digests: bytes) -> bytes:
+    return bytes(packb([DOMAIN, kind, sender, about, *digests], use_bin_type=True))
+
+
+def _frame_statement(msg: Forward | Backward, sender: str, recipient: str, d: bytes) -> bytes:
+    # a forward's receiver is whoever takes it (a hop retries elsewhere with the same frame); a gradient's is named
+    return _statement(b"forward" if isinstance(msg, Forward) else b"backward", sender,
+                      "" if isinstance(msg, Forward) else recipient, d)
+
+
+def sign(notary: Notary, msg: F, sender: str, recipient: str = "") -> F:
+    """``msg`` signed by ``sender`` (``recipient``: a ``Backward``'s, the peer it returns to)."""
+    key, signature = notary.sign(_frame_statement(msg, sender, recipient, digest(msg)))
+    return dataclasses.replace(msg, signer=key, signature=signature)
+
+
+def signed_by(notary: Notary, msg: Forward | Backward, sender: str, recipient: str = "") -> bytes | None:
+    """The digest of ``msg`` when it carries ``sender``'s valid signature (to ``recipient``), else None."""
+    if msg.signer is None or msg.signature is None:
+        return None
+    d = digest(msg)
+    return d if notary.check(sender, msg.signer, _frame_statement(msg, sender, recipient, d), msg.signature) else None
+
+
+def relay(msg: Backward, d: bytes) -> list[bytes]:
+    """What a hop relays of a signed gradient ``msg`` (digest ``d``): [digest, signature, public key]."""
+    assert msg.signature is not None and msg.signer is not None
+    return [d, msg.signature, msg.signer]
+
+
+def relayed_ok(notary: Notary, witness: str, hop: str, relayed: list[bytes] | None) -> bool:
+    """Whether a hop's relayed [digest, signature, key] is ``witness``'s signature of a gradient it returned to
+    ``hop``: proof that the witness trained the micro-batch and which gradient it returned."""
+    if relayed is None or len(relayed) != 3:
+        return False
+    d, signature, key = relayed
+    return notary.check(witness, key, _statement(b"backward", witness, hop, d), signature)
+
+
+def testify(notary: Notary, witness: str, hop: str, forward: Forward, backward: Backward) -> Testimony:
+    """The witness's signed testimony of what it received from ``hop`` and returned to it."""
+    fwd, bwd = pack(forward), pack(backward)
+    key, signature = notary.sign(_statement(b"testimony", witness, hop, hashlib.sha256(fwd).digest(),
+                                            hashlib.sha256(bwd).digest()))
+    return Testimony(forward=fwd, backward=bwd, signer=key, signature=signature)
+
+
+class Verdict(enum.Enum):
+    """What a testimony shows (``judge``)."""
+
+    OK = "ok"  # both frames are what their senders signed: the rows can judge the hop
+    WITNESS_LIED = "witness_lied"  # the witness signed a testimony its own or the hop's signatures contradict
+    HOP_LIED = "hop_lied"  # the hop relayed a signature its witness never made
+    UNUSABLE = "unusable"  # not a signed testimony of this micro-batch at all: as if the witness were silent
+
+
+@dataclasses.dataclass(frozen=True)
+class Judged:
+    """``judge``'s answer: the verdict, why, and on OK the two frames."""
+
+    verdict: Verdict
+    why: str = ""
+    forward: Forward | None = None
+    backward: Backward | None = None
+
+
+def judge(notary: Notary, testimony: Testimony, *, run_id: str, hop: str, witness: str, mb_id: int,
+          relayed: list[bytes] | None) -> Judged:
+    """Who lied, if anyone, in ``witness``'s testimony about ``hop``'s micro-batch ``mb_id`` (the id the hop sent it
+    on under), given what the hop relayed of the witness's signed gradient. Pure: the hop runs it on a ``Fraud``
+    with the same inputs as the stage that re-checked it."""
+    if relayed is None or not relayed_ok(notary, witness, hop, relayed):
+        return Judged(Verdict.HOP_LIED, "the hop relayed no signature its witness made")
+    if not notary.check(witness, testimony.signer, _statement(
+            b"testimony", witness, hop, hashlib.sha256(testimony.forward).digest(),
+            hashlib.sha256(testimony.backward).digest()), testimony.signature):
+        return Judged(Verdict.UNUSABLE, "the testimony is not signed by the witness")
+    try:
+        fwd, bwd = unpack(testimony.forward), unpack(testimony.backward)
+    except ProtocolError as e:
+        return Judged(Verdict.WITNESS_LIED, f"it signed frames that do not parse ({e})")
+    if not isinstance(fwd, Forward) or not isinstance(bwd, Backward) or fwd.run_id != run_id \
+            or bwd.run_id != run_id or fwd.mb_id != mb_id or bwd.mb_id != mb_id or fwd.is_eval or bwd.is_eval \
+            or bwd.gradient is None or not fwd.route or fwd.route[-1] != hop:
+        return Judged(Verdict.WITNESS_LIED, f"it signed frames other than a training micro-batch {mb_id} of the hop")
+    if signed_by(notary, fwd, hop) is None:
+        return Judged(Verdict.WITNESS_LIED, "it testified activations the hop never signed")
+    d = signed_by(notary, bwd, witness, hop)
+    if d is None:
+        return Judged(Verdict.WITNESS_LIED, "it testified a gradient it did not sign")
+    if d != relayed[0]:
+        return Judged(Verdict.WITNESS_LIED, "it testified a gradient other than the one it signed and returned")
+    return Judged(Verdict.OK, forward=fwd, backward=bwd)
