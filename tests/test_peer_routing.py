@@ -221,6 +221,28 @@ def test_forget_bounds_memory():
     assert set(router.stats) == {"here"}
 
 
+def test_a_ban_for_fabricated_work_outlives_a_lapsed_record(monkeypatch):
+    """A peer banned for bad work (``ban``) that lets its record lapse for a moment and announces again is still
+    banned (a live red-team liar did this by accident and got its work back); the memory of such bans is bounded."""
+    from peer.membership import routing
+
+    clock = Clock()
+    router = Router([1.0, 1.0], clock=clock)
+    router.ban("liar", 3600.0)
+    router.failure("flaky")
+    router.forget(["honest"])  # both absent from the view for one refresh
+    assert "liar" in router.stats and "flaky" not in router.stats
+    assert [r.peer_id for r in router.candidates([rec("liar"), rec("honest")], 1)] == ["honest"]
+    clock.t += 3601.0
+    router.forget(["honest"])
+    assert "liar" not in router.stats
+    monkeypatch.setattr(routing, "MAX_PENALISED", 2)
+    for i in range(4):
+        router.ban(f"p{i}", 100.0 + i)
+    router.forget([])
+    assert set(router.stats) == {"p2", "p3"}  # the bans that end last are kept
+
+
 def test_a_hop_that_never_answered_holds_one_micro_batch_while_another_can_take_them():
     """A black hole must not collect every slot in flight one by one (the stage would stall for the whole wait
     before it is judged): until its first answer a hop gets at most one of our micro-batches, unless it is the only

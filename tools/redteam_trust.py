@@ -282,15 +282,19 @@ async def lying_witness(att: Any, victims: dict[str, str], until: float) -> dict
     counts = {"forwards_taken": 0, "gradients_returned": 0, "testimonies_asked": 0, "lies_told": 0}
     tasks: set[asyncio.Task] = set()
 
+    one_at_a_time = asyncio.Lock()
+
     async def sync_weights() -> None:
         state = await load_state_from_peers(p2p=att.p2p, run=run, stage=2, metrics=PeerMetrics("attacker", 2),
                                             donors=[victims["c"]])
         if state is not None:
-            worker.load_state_dict(state)
+            async with one_at_a_time:
+                worker.load_state_dict(state)
 
     async def answer(peer: str, msg: Forward) -> None:
         x, targets = decode(msg.activations, act), decode(msg.targets, tok)
-        loss, grad = await asyncio.to_thread(worker.forward_loss, msg.mb_id, x, targets)
+        async with one_at_a_time:  # one worker: its steps must not interleave
+            loss, grad = await asyncio.to_thread(worker.forward_loss, msg.mb_id, x, targets)
         reply = attest.sign(notary, Backward(run_id=run.run_id, mb_id=msg.mb_id, route=msg.route,
                                              gradient=encode(grad, run.compression.gradients), loss=float(loss),
                                              is_eval=False), me, peer)

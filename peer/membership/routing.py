@@ -47,6 +47,7 @@ BLACKHOLE_STAGE_S = 3.0  # added to the wait per stage after the hop: a later st
 # daemon's 1-s expiry tick) and its drop notice arrive first
 UNANSWERED_MAX_OUTSTANDING = 1  # micro-batches a hop that never answered may hold while another hop can take them
 MAX_OUTSTANDING = 4096
+MAX_PENALISED = 4096  # banned peers absent from the swarm whose ban is remembered (forget)
 
 
 class NoRouteError(RuntimeError):
@@ -303,7 +304,14 @@ class Router:
         st.busy_until = self.clock() + min(max(retry_after_s, 0.0), self.ban_max_s)
 
     def forget(self, keep: Iterable[str]) -> None:
-        """Drop stats of peers no longer in the swarm (bounded memory)."""
-        alive = set(keep)
-        for pid in [p for p in self.stats if p not in alive]:
+        """Drop stats of peers no longer in the swarm (bounded memory), except a ``ban`` still running: a peer banned
+        for fabricated work must not clear it by letting its record lapse for a moment (at most ``MAX_PENALISED``
+        such absent peers are kept, those whose ban ends last)."""
+        alive, now = set(keep), self.clock()
+        gone = [p for p in self.stats if p not in alive]
+        for pid in gone:
+            if self.stats[pid].penalty_until <= now:
+                del self.stats[pid]
+        kept = sorted((p for p in gone if p in self.stats), key=lambda p: self.stats[p].penalty_until)
+        for pid in kept[:max(0, len(kept) - MAX_PENALISED)]:
             del self.stats[pid]

@@ -28,8 +28,8 @@ COUNTERS = (
     "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
     # what a stage received and returned, told to the stage two before (peer/pipeline/testimony.py)
     "testimony_served", "testimony_not_found",
-    # witnesses proven to lie about a hop by their own signatures (peer/pipeline/attest.py): at the stage that re-checks
-    # (proven, shown to the hop, the hop refused the proof, a gradient named a liar) and at the hop (banned)
+    # witnesses proven to lie about a hop by their own signatures (peer/pipeline/attest.py): at the stage that
+    # re-checks (proven, shown to the hop, the hop refused the proof, a gradient named a liar), at the hop (banned)
     "liars_proven", "liars_shown", "liar_proof_refused", "liar_named", "liars_banned",
     # averaging
     "averaging_rounds_ok", "averaging_rounds_failed", "avg_exchange_failed", "avg_exchange_refused",
