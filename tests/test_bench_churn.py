@@ -57,3 +57,27 @@ def test_full_churn_benchmark_meets_its_targets(tmp_path):
     assert res["stalls_over_10s"] == 0, res["runs"]["churn"]["stalls"]
     clean, churn = res["final_val_loss"]["clean"], res["final_val_loss"]["churn"]
     assert churn <= clean * 1.05, res["final_val_loss"]
+
+
+def test_wan_options_are_checked():
+    from tools.bench_churn import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--delay-ms", "-1"])
+    assert parse_args([]).delay_ms == 0.0  # loopback by default
+
+
+@pytest.mark.wan
+@pytest.mark.timeout(480)
+def test_short_churn_run_on_the_emulated_wan_loses_nothing(tmp_path):
+    """The short run on the emulated WAN (101 ms RTT, 100 Mbit/s uplinks): peers listen in their own namespaces, a
+    restarted peer comes back in its own, and the bootstrap's kill and a graceful restart lose nothing."""
+    from tools.wan import check_available
+
+    if check_available() is not None:
+        pytest.skip(check_available())
+    res = _run(tmp_path, "--only", "churn", "--peers", "4", "--steps", "60", "--events", "kill_bootstrap,graceful",
+               "--timeout-s", "400", "--delay-ms", "50.5", "--rate-mbit", "100")
+    _check(res)
+    assert res["network"] == {"delay_ms": 50.5, "rtt_ms": 101.0, "rate_mbit": 100.0}
+    assert res["joiner_first_step_s"], "the restarted peers trained again"

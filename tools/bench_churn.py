@@ -32,11 +32,16 @@ What it reports (``--json OUT``), per run and for the churn run against the cont
 Example (the figures of docs/reliability.md)::
 
     python tools/bench_churn.py --peers 6 --steps 300 --seed 1 --json docs/bench/churn.json
+
+``--delay-ms D`` and ``--rate-mbit R`` run both swarms on the emulated WAN of tools/wan.py instead (root: one
+network namespace per peer, kept across its restarts, one-way delay D, so RTT 2D, and an uplink cap of R Mbit/s per
+peer); the peers then listen on their namespace's address and ``/status`` is read inside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -51,7 +56,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.ops.procs import PeerProcess, descendants, free_port, join_command, terminate, unwind_on_sigterm  # noqa: E402
+from peer.ops.procs import (  # noqa: E402
+    PeerProcess,
+    descendants,
+    fetch_status_http,
+    free_port,
+    join_command,
+    terminate,
+    unwind_on_sigterm,
+)
+from tools.swarm_case import P2P_PORT, STATUS_PORT, http_status  # noqa: E402
+from tools.wan import LocalNet, Wan, WanConfig, check_available  # noqa: E402
 
 logger = logging.getLogger("bench_churn")
 REPO = Path(__file__).resolve().parent.parent
@@ -76,8 +91,8 @@ def alive(pid: int) -> bool:
 class Swarm:
     """The peers of one run, by name; every process it started is reaped by ``close``."""
 
-    def __init__(self, root: Path, args: argparse.Namespace) -> None:
-        self.root, self.args = root, args
+    def __init__(self, root: Path, args: argparse.Namespace, net: Wan | LocalNet) -> None:
+        self.root, self.args, self.net = root, args, net
         self.peers: dict[str, PeerProcess] = {}
         self.all: list[PeerProcess] = []
         self.t0 = time.monotonic()
@@ -94,26 +109,46 @@ class Swarm:
               before: tuple[int, int] | None = None) -> PeerProcess:
         d = self.root / name
         (d / "maddrs.txt").unlink(missing_ok=True)
-        port = free_port()
-        cmd = join_command(d, port=port, run=self.args.run, stage="auto", settings=SETTINGS, initial=initial)
-        p = PeerProcess.spawn(name, cmd, d, port, cwd=REPO)
+        i = int(name[1:])  # p<i>: its namespace on the emulated WAN, the same across its restarts
+        if isinstance(self.net, Wan):
+            port, listen = STATUS_PORT, [f"/ip4/{self.net.ip(i)}/tcp/{P2P_PORT}"]
+            cmd = join_command(d, port=port, run=self.args.run, stage="auto", settings=SETTINGS, initial=initial,
+                               host_maddrs=listen, announce_maddrs=listen)
+            p = PeerProcess.spawn(name, cmd, d, port, cwd=REPO, popen=functools.partial(self.net.popen, i),
+                                  fetch=functools.partial(self._status_in, i))
+        else:
+            port = free_port()
+            cmd = join_command(d, port=port, run=self.args.run, stage="auto", settings=SETTINGS, initial=initial)
+            p = PeerProcess.spawn(name, cmd, d, port, cwd=REPO, popen=functools.partial(self.net.popen, i),
+                                  fetch=fetch_status_http)
         self.peers[name] = p
         self.all.append(p)
         if joiner or before is not None:
             self.joiners.append({"peer": p, "spawned": time.monotonic(), "start_step": None, "before": before})
         return p
 
+    def _status_in(self, i: int, peer: PeerProcess) -> dict[str, Any] | None:
+        try:
+            return self.net.call_in(i, lambda: http_status(peer.port), timeout=10.0)
+        except (OSError, ValueError, TimeoutError):
+            return None
+
+    def dialable(self, p: PeerProcess, maddrs: list[str]) -> list[str]:
+        """The multiaddr of ``p`` others join through (on the WAN: its namespace's address)."""
+        want = f"/{self.net.ip(int(p.name[1:]))}/" if isinstance(self.net, Wan) else ""
+        return [m for m in maddrs if "/p2p/" in m and want in m][:1]
+
     def entry(self) -> list[str]:
         """A live peer's multiaddr to join through."""
         for p in self.peers.values():
             if p.alive() and p.maddrs:
-                return [m for m in p.maddrs if "/p2p/" in m][:1]
+                return self.dialable(p, p.maddrs)
         return []
 
     def start(self) -> None:
         names = [f"p{i}" for i in range(self.args.peers)]
         first = self.spawn(names[0], [])
-        initial = [m for m in first.wait_maddrs(120) if "/p2p/" in m][:1]
+        initial = self.dialable(first, first.wait_maddrs(120))
         for name in names[1:]:
             self.spawn(name, initial)
             time.sleep(1.0)
@@ -189,7 +224,11 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
     steps = args.steps if steps is None else steps
     rng = random.Random(args.seed)
     next_at: float | None = None  # when the next event is due (set once the whole swarm trains)
-    sw = Swarm(root / label, args)
+    net: Wan | LocalNet = (Wan(WanConfig(n=args.peers, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit,
+                                         stop_timeout_s=30.0)) if args.delay_ms or args.rate_mbit
+                           else LocalNet(args.peers, stop_timeout_s=30.0))
+    net.__enter__()
+    sw = Swarm(root / label, args, net)
     sw.first_steps = []
     excused: list[tuple[float, float, str]] = []  # (from, to, why): stalls there are expected
     progress_t, best = time.monotonic(), 0
@@ -236,7 +275,10 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
             sw.events.append({"t": sw.now(), "event": e, "at_step": best})
             progress_t, next_at = max(progress_t, t), None
     finally:
-        sw.close()
+        try:
+            sw.close()
+        finally:
+            net.__exit__(None, None, None)  # the namespaces and the emulator, after every peer is reaped
     summaries = {p.name: p.summary() for p in sw.peers.values()}
     logs = "".join(p.log() for p in {p.dir: p for p in sw.all}.values())  # a restarted peer appends to its log
     # (judged on the unrounded start: a stall that starts at the event itself is the event's, not 0.1 s before it)
@@ -311,11 +353,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="give up a run after this long")
     ap.add_argument("--workdir", type=Path, help="keep the peers' folders here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay of the emulated WAN (RTT = 2x; 0 with --rate-mbit 0: loopback)")
+    ap.add_argument("--rate-mbit", type=float, default=0.0, help="per-peer uplink cap on the emulated WAN (0: none)")
     args = ap.parse_args(argv)
     args.events = tuple(e for e in args.events.split(",") if e)
     bad = set(args.events) - set(EVENTS)
     if bad or args.peers < 3 or args.steps < 10:
         ap.error(f"unknown events {sorted(bad)}" if bad else "need --peers >= 3 and --steps >= 10")
+    if args.delay_ms < 0 or args.rate_mbit < 0:
+        ap.error("--delay-ms and --rate-mbit must be >= 0")
+    if args.delay_ms or args.rate_mbit:
+        problem = check_available()
+        if problem:
+            ap.error(f"the emulated WAN cannot run here: {problem}")
     return args
 
 
@@ -335,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "nproc": os.cpu_count(), "peers": args.peers, "steps": args.steps, "seed": args.seed,
+        "network": ({"delay_ms": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit}
+                    if args.delay_ms or args.rate_mbit else "loopback"),
         "states_lost": churn["states_lost"], "samples_lost": churn["samples_lost"], "orphans": churn["orphans"],
         "stalls_over_10s": churn["stalls_over_10s"],
         "final_val_loss": {k: r["final_val_loss"] for k, r in runs.items()},

@@ -283,6 +283,14 @@ class PipelineServicer:
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "is_eval does not match the micro-batch")
         if msg.loss is not None and not (math.isfinite(msg.loss) and 0.0 <= msg.loss < MAX_LOSS):
             return self._reject("bad_loss", ErrorCode.BAD_REQUEST, "loss must be finite and in [0, 1e4)")
+        if msg.gradient is not None and not msg.is_eval and not self.is_first:  # a middle stage: signed by its
+            # sender, and relayed upstream with the gradient it returns (peer.pipeline.attest)
+            digest = None if self.notary is None else await asyncio.get_running_loop().run_in_executor(
+                None, signed_by, self.notary, signed, peer_id, self.my_id)
+            if digest is None:
+                return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training gradient from stage 2 on must "
+                                    "carry its sender's signature (peer.pipeline.attest)")
+            p.relayed[peer_id] = relay(signed, digest)
         grad = None
         if msg.gradient is not None and not msg.is_eval:
             try:
@@ -298,13 +306,6 @@ class PipelineServicer:
             return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "a refused micro-batch carries no gradient")
-        if grad is not None and not self.is_first:  # a middle stage relays its witness's signature upstream
-            digest = None if self.notary is None else await asyncio.get_running_loop().run_in_executor(
-                None, signed_by, self.notary, signed, peer_id, self.my_id)
-            if digest is None:
-                return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training gradient from stage 2 on must "
-                                    "carry its sender's signature (peer.pipeline.attest)")
-            p.relayed[peer_id] = relay(signed, digest)
         if msg.loss is not None and not msg.refused and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
             msg = dataclasses.replace(msg, loss=None)  # an outlier: flagged, never reported as our loss
         self.router.returned(peer_id, msg.mb_id)
