@@ -78,6 +78,8 @@ class HopStats:
     sending: int = 0
     """Sends to it not yet acknowledged (several micro-batches may choose it during one round trip)."""
     last_return: float = 0.0
+    restarts: int = 0
+    """Views of its record that showed a restart (what it was told before may be forgotten)."""
 
     def until(self) -> float:
         """When it may be chosen again (bans, penalties and Busy skips)."""
@@ -267,6 +269,7 @@ class Router:
                 continue
             restarted = r.state in (PeerState.JOINING, PeerState.LOADING_STATE) or r.tokens < st.tokens_seen
             st.tokens_seen = r.tokens
+            st.restarts += restarted
             if restarted and (st.service_s is not None or st.outstanding or st.banned_until or st.failures):
                 st.forfeit += list(st.outstanding)
                 st.outstanding.clear()
@@ -285,6 +288,11 @@ class Router:
         ban = min(self.ban_base_s * doubling, self.ban_max_s)
         st.banned_until = self.clock() + ban
         return ban
+
+    def restarts(self, peer_id: str) -> int:
+        """How many views of ``peer_id``'s record showed it restarting (``observe``)."""
+        st = self.stats.get(peer_id)
+        return 0 if st is None else st.restarts
 
     def penalised(self, peer_id: str, seconds: float) -> bool:
         """Whether ``ban`` keeps ``peer_id`` out for at least ``seconds`` more."""

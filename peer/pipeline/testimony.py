@@ -211,7 +211,7 @@ class MiddleRechecks(Rechecks):
         self._unheard: dict[str, int] = {}  # hop -> re-checks left unjudged in a row (its witnesses were silent)
         # (hop, witness) -> the witness's proven lie about the hop; when the hop was shown it; attempts to show it
         self._proofs: OrderedDict[tuple[str, str], Fraud] = OrderedDict()
-        self._told: dict[tuple[str, str], float] = {}
+        self._told: dict[tuple[str, str], tuple[float, int]] = {}  # when, and the hop's restarts seen then
         self._tries: dict[tuple[str, str], int] = {}
         self._showing: set[tuple[str, str]] = set()
 
@@ -221,14 +221,18 @@ class MiddleRechecks(Rechecks):
 
     def answer(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor | None, learning: bool) -> bool:
         """As ``Rechecks.answer``; and a gradient computed from a witness proven to lie about this hop is never
-        trained on: dropped while the hop may not know yet, a failed re-check once it was shown the proof before we
-        sent it the micro-batch (it went on working with the liar)."""
+        trained on: dropped while the hop may not know yet (or restarted since it was shown the proof, and may have
+        forgotten it: it is shown again), a failed re-check once it was shown the proof before we sent it the
+        micro-batch (it went on working with the liar)."""
         liar = next((w for w in msg.downstream or [] if (peer, w) in self._proofs), None)
         if liar is None or grad is None:
             return super().answer(p, peer, msg, grad, learning)
         p.recheck = None
         told = self._told.get((peer, liar))
-        if told is not None and p.started > told:
+        if told is not None and self.router.restarts(peer) != told[1]:  # it restarted since: it may have forgotten
+            del self._told[(peer, liar)]
+            told = None
+        if told is not None and p.started > told[0]:
             self.metrics.inc("recheck_sampled")
             self.conclude(p, peer, msg, grad, (-1.0, float("inf")),
                           f"it still sends work to {short_id(liar)}, which it was shown lies about it")
@@ -272,7 +276,7 @@ class MiddleRechecks(Rechecks):
                 reply = None
             tries = self._tries.pop(key, 0) + 1
             if reply is not None or tries >= TELL_TRIES:  # an Ack, or a refusal: it has had the proof
-                self._told[key] = time.monotonic()
+                self._told[key] = (time.monotonic(), self.router.restarts(key[0]))
                 self.metrics.inc("liars_shown" if isinstance(reply, Ack) else "liar_proof_refused")
             else:
                 self._tries[key] = tries
