@@ -403,3 +403,25 @@ def test_a_crowd_of_one_off_senders_does_not_make_a_steady_sender_a_newcomer_aga
             g.loss_verdict("h", 2.0)  # the steady sender keeps working
     g.loss_verdict("h", 2.5)
     assert g._losses[False].values[-1] == 2.5  # still long known: its loss is taken
+
+
+def test_a_pinned_route_relearns_the_gradient_bound_from_its_one_sender_only():
+    """Sync mode: stage 0's pipeline hears gradients from its one pinned replica of stage 1 while two are announced.
+    Before, the rule of two distinct refusers could never be met there, and an honest jump of the gradient norms
+    (a replica that loaded its partners' state) stalled that flush until the route changed. Activations, which any
+    announced peer may send, keep the rule of two."""
+    swarm = {"a": rec("a", 0), "b": rec("b", 0), "c": rec("c", 2), "d": rec("d", 2)}
+    for pinned, relearnt in ((False, 0), (True, 1)):
+        counts: Counter[str] = Counter()
+        g = PipelineGuard(stage=1, swarm=lambda: swarm, count=lambda k, c=counts: c.update([k]),
+                          config=GuardConfig(norm_relearn_after=4), pinned=pinned)
+        torch.manual_seed(0)
+        for _ in range(16):
+            assert g.norm_ok("gradients", 0.01 * torch.randn(8, 32, 32), "c")
+            assert g.norm_ok("activations", 25 * torch.randn(8, 32, 32), "a")
+        for _ in range(4):
+            assert not g.norm_ok("gradients", torch.randn(8, 32, 32), "c")
+            assert not g.norm_ok("activations", 1000 * torch.randn(8, 32, 32), "a")
+        assert counts["relearnt:gradients_norm"] == relearnt, pinned
+        assert counts["relearnt:activations_norm"] == 0, pinned
+        assert g.norm_ok("gradients", torch.randn(8, 32, 32), "c") == bool(relearnt)

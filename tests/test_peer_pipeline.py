@@ -88,7 +88,28 @@ def corpus():
     return load_corpus(RUN.data, RUN.model.vocab_size)
 
 
-async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: float = 120.0) -> Stage0Driver:
+def _average_now(workers: list[StageWorker]) -> None:
+    """Give ``workers`` the mean of their weights (on the compute thread, between two of their micro-batches)."""
+    with torch.no_grad():
+        for params in zip(*(w.parameters() for w in workers), strict=True):
+            mean = torch.stack([p.detach() for p in params]).mean(0)
+            for p in params:
+                p.copy_(mean)
+
+
+async def _average(net: Net, replicas: list[str], every_s: float) -> None:
+    """What the daemon's averaging does for honest replicas of a stage, in its simplest form: their plain mean every
+    ``every_s`` (replicas that never average drift apart, and one that routing starved evaluates badly)."""
+    workers = [net.stages[pid].worker for pid in replicas]
+    while True:
+        await asyncio.sleep(every_s)
+        await net.stages[replicas[0]].compute(_average_now, workers)
+
+
+async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: float = 120.0,
+                      average: tuple[str, ...] = (), average_every_s: float = 0.5) -> Stage0Driver:
+    """Drive ``steps`` optimiser steps of stage 0 (or ``run_for`` seconds), then evaluate; the replicas named in
+    ``average`` are averaged every ``average_every_s`` meanwhile."""
     pipe0 = net.stages["a0"]
     stop = asyncio.Event()
     driver = Stage0Driver(pipe=pipe0, stream=BatchStream(corpus.train, 32, 8, seed=1),
@@ -96,6 +117,8 @@ async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: fl
                           metrics=pipe0.metrics)
     serving = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
     serving.append(asyncio.get_running_loop().call_later(run_for, stop.set))
+    if average:
+        serving.append(asyncio.ensure_future(_average(net, list(average), average_every_s)))
     try:
         await driver.run_async()
         if not stop.is_set():
@@ -117,7 +140,9 @@ def test_two_stage_pipeline_trains_and_evaluates(corpus):
     vouched: dict[str, set[str]] = {pid: set() for pid in net.stages}
     for pid, stage in net.stages.items():
         stage.vouch = vouched[pid].add
-    driver = asyncio.run(_run_driver(net, corpus, cfg, steps=60))
+    # the stage-1 replicas are averaged as the daemon would: unaveraged, one that routing under load starved of work
+    # failed a spot check against the other (cosine < 0.1), or evaluated above the untrained loss
+    driver = asyncio.run(_run_driver(net, corpus, cfg, steps=60, average=("b1", "c1")))
     pool.shutdown()
     # trust is earned by validated work: stage 0 vouches for the stage-1 peers whose gradients it took, they for it
     assert vouched["a0"] == {"b1", "c1"} and vouched["b1"] == vouched["c1"] == {"a0"}

@@ -135,8 +135,11 @@ class PipelineGuard:
     """Per-stage checks of incoming pipeline work. ``count(name)`` is told of every refusal (metrics)."""
 
     def __init__(self, *, stage: int, swarm: Callable[[], dict[str, PeerRecord]], count: Callable[[str], None],
-                 config: GuardConfig | None = None, warn: Callable[[str, str], None] | None = None) -> None:
+                 config: GuardConfig | None = None, warn: Callable[[str, str], None] | None = None,
+                 pinned: bool = False) -> None:
         self.stage, self.swarm, self.count, self.warn = stage, swarm, count, warn
+        self.pinned = pinned
+        """Sync mode: each pipeline is pinned to one replica per stage (``Hops.next_hops``)."""
         self._refused_logged_at = -math.inf
         self.config = config or GuardConfig()
         self._trained: OrderedDict[int, None] = OrderedDict()
@@ -149,9 +152,15 @@ class PipelineGuard:
         self._floor: deque[tuple[float, float]] = deque()
         self.clock: Callable[[], float] = time.monotonic
 
-    def _distinct_needed(self, neighbour: int) -> int:
+    def _distinct_needed(self, kind: str, neighbour: int) -> int:
         """Distinct senders whose refusals may reset a learnt bound: two, or all of the neighbour stage's announced
-        peers when it has fewer (a stage of one sender must recover from its restart too)."""
+        peers when it has fewer (a stage of one sender must recover from its restart too). Gradients on a pinned
+        route (sync mode) need one: they come only from the one replica this pipeline sends to (``Pending.sent_to``),
+        so two could never be met, and one honest jump of their norms (that replica loaded its partners' state
+        after a fork, or trained fast early on) stalled the flush for good. Activations keep the rule of two: any
+        announced peer of the previous stage may send them, an attacker among them too."""
+        if self.pinned and kind == "gradients":
+            return 1
         n = sum(1 for r in self.swarm().values() if r.stage == neighbour and r.state in SENDER_STATES)
         return max(1, min(2, n))
 
@@ -191,7 +200,7 @@ class PipelineGuard:
                 window.refuse(sender)
                 neighbour = self.stage - 1 if kind == "activations" else self.stage + 1
                 if window.refused_in_a_row >= self.config.norm_relearn_after \
-                        and window.distinct_refusers() >= self._distinct_needed(neighbour):
+                        and window.distinct_refusers() >= self._distinct_needed(kind, neighbour):
                     self._relearn(kind, median, norm)
                 return False
         if not math.isfinite(norm):  # the static checks of the warm-up still hold
@@ -296,7 +305,7 @@ class PipelineGuard:
             return
         window.refuse(sender)
         if window.refused_in_a_row >= self.config.loss_relearn_after \
-                and window.distinct_refusers() >= self._distinct_needed(self.stage - 1):
+                and window.distinct_refusers() >= self._distinct_needed("losses", self.stage - 1):
             window.clear()
             self._floor.clear()
             self.count("relearnt:loss_ceiling")

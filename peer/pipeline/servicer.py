@@ -108,7 +108,8 @@ class PipelineServicer:
         # the ids this stage gives the micro-batches it forwards (a gradient comes back under it)
         self.ids = MicroBatchIds()
         # who may send us work, which ids, norms and losses (peer/pipeline/guard.py)
-        self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn)
+        self.guard = PipelineGuard(stage=stage, swarm=swarm, count=metrics.inc, warn=metrics.warn,
+                                   pinned=cfg.mode == Mode.SYNC)
         self.guard.share.on_ban = lambda peer: self.revoke(peer)  # its work refused again and again
         # the sends to the next stage's peers and back to the previous one (peer/pipeline/hops.py)
         self.hops = Hops(run_id=run.run_id, stage=stage, my_id=my_id, cfg=cfg, send=send, swarm=swarm, router=router,
