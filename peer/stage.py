@@ -129,7 +129,7 @@ class StageService:
                                             notary=KeyNotary(host.net.signer) if host.net.signer else None)
         await host.handlers.add_handler(FORWARD_RPC, pipe.rpc_forward)  # served from now (reserved at start-up)
         await host.handlers.add_handler(BACKWARD_RPC, pipe.rpc_backward)
-        if pipe.testimony is not None:  # what it received and returned, for the stage two before (re-checks)
+        if pipe.testimony is not None:  # what it received and returned, and sent on and got back (re-checks)
             await host.handlers.add_handler(TESTIMONY_RPC, pipe.testimony.rpc_testimony)
         if 0 < stage < host.run.n_stages - 1:  # a middle stage is shown proof that a witness lied about its work
             await host.handlers.add_handler(FRAUD_RPC, pipe.rpc_fraud)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -30,6 +31,8 @@ T = TypeVar("T")
 EMPTY_FLUSH_WAIT_S = 3.0
 
 __all__ = ["SyncSchedule", "barrier_step"]
+
+MESH_WARN_S = 10.0  # a flush that waits this long for a full mesh says so
 
 
 async def barrier_step(averager: SyncAverager, worker: StageWorker, compute: Compute, step: int, peers: list[str], *,
@@ -73,6 +76,9 @@ class SyncSchedule:
         self.drained: dict[int, int] = {}  # flush -> backwards done here
         self.opened: set[int] = set()  # flushes whose barrier a replica of our stage opened with us
         self.running: asyncio.Task[None] | None = None  # the latest barrier (they run in order, under the lock)
+        self.unmeshed_since: float | None = None  # when the wait for a full mesh began
+        self.mesh_warned = False
+        self.now: Callable[[], float] = time.monotonic
 
     @classmethod
     async def start(cls, host: StageContext, stage: int, worker: StageWorker, pipe: PipelineServicer) -> SyncSchedule:
@@ -104,13 +110,28 @@ class SyncSchedule:
         host.metrics.observe_round(ok=n > 1, group_size=n, tau=0.0)
 
     def full_mesh(self) -> bool:
-        """Every stage has the same number (>= 1) of training replicas and we are one of them."""
+        """Every stage has the same number (>= 1) of training replicas and we are one of them. A wait longer than
+        ``MESH_WARN_S`` is logged and shown on the dashboard once, with the counts, until the mesh is full."""
         host = self.host
         counts = [0] * host.run.n_stages
         for r in host.net.swarm.values():
             if r.state == PeerState.TRAINING and 0 <= r.stage < host.run.n_stages:
                 counts[r.stage] += 1
-        return host.net.my_id in host.net.swarm and min(counts) >= 1 and len(set(counts)) == 1
+        full = host.net.my_id in host.net.swarm and min(counts) >= 1 and len(set(counts)) == 1
+        now = self.now()
+        if full:
+            self.unmeshed_since, self.mesh_warned = None, False
+            host.metrics.resolve("sync_mesh")
+        elif self.unmeshed_since is None:
+            self.unmeshed_since = now
+        elif now - self.unmeshed_since > MESH_WARN_S and not self.mesh_warned:
+            self.mesh_warned = True
+            text = (f"sync mode: flushes wait until every stage has the same number of training replicas; the view "
+                    f"of the swarm shows {counts} per stage{'' if host.net.my_id in host.net.swarm else ' and not us'}"
+                    f" (start or stop peers so that the counts match)")
+            logger.warning("%s", text)
+            host.metrics.warn(text, key="sync_mesh")
+        return full
 
     async def flush(self) -> None:
         """Stage 0: every gradient of the flush is back; average and step (the barrier is the flush number)."""

@@ -54,7 +54,7 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 11  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 12  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
@@ -66,8 +66,10 @@ PROTOCOL_VERSION = 11  # 2: Forward carries `flush` (the synchronous mode's step
 # Testimony (peer/pipeline/testimony.py); 11: signed frames (peer/pipeline/attest.py): a later stage's training Forward
 # and the gradient a stage from 2 on returns carry their sender's signature, a middle stage relays its witnesses'
 # signatures in `Backward.relayed`, a Testimony is the witness's signed copy of both frames, and `Fraud` carries a
-# witness's self-contradiction to the hop it lied about
-SUPPORTED_VERSIONS: tuple[int, ...] = (11,)
+# witness's self-contradiction to the hop it lied about; 12: a signed gradient also signs the digest of the forward it
+# answers, so `Backward.relayed` and `Fraud.relayed` carry 4 items, and `TestimonyRequest.outgoing` asks a hop for
+# its own record of what it sent a witness (a version-11 witness's signature would not verify)
+SUPPORTED_VERSIONS: tuple[int, ...] = (12,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)
@@ -78,7 +80,7 @@ MAX_KEY_BYTES = MAX_SIGNATURE_BYTES = 1024
 _key = s.optional(s.blob(MAX_KEY_BYTES))
 _signature = s.optional(s.blob(MAX_SIGNATURE_BYTES))
 #: a gradient's signature as relayed: [digest, signature, public key]
-_relayed = s.sequence(s.blob(max(MAX_KEY_BYTES, MAX_SIGNATURE_BYTES)), 3)
+_relayed = s.sequence(s.blob(max(MAX_KEY_BYTES, MAX_SIGNATURE_BYTES)), 4)
 
 
 class Message:
@@ -175,8 +177,9 @@ class Backward(Message):
     micro-batch to them under, so that the previous stage can ask them what they received and returned
     (`TestimonyRequest`); absent from the last stage.
     `signer`, `signature`: a training gradient returned by a stage from 2 on is signed by its sender (as `Forward`'s).
-    `relayed`: with `downstream`, per named peer the [digest, signature, public key] of the signed gradient it
-    returned (so a witness that later testifies another gradient contradicts its own signature).
+    `relayed`: with `downstream`, per named peer the [digest, digest of the forward it answers, signature, public
+    key] of the signed gradient it returned (so a witness, or the hop, that later testifies other frames contradicts
+    the witness's signature).
     """
 
     OPTIONAL_TAIL = 5
@@ -360,24 +363,31 @@ class Vouches(Message):
     peers: list[str]
 
 
-@_message(17, run_id=s.text(), sender=s.text(), mb_id=_count)
+@_message(17, run_id=s.text(), sender=s.text(), mb_id=_count, outgoing=s.boolean)
 class TestimonyRequest(Message):
     """Ask a peer what it received from `sender` as micro-batch `mb_id`, and what it returned. The peer that asks
     serves the stage two before the answering one (it holds a copy of `sender`'s stage and re-computes both from what
     it sent `sender` itself: ``peer.pipeline.testimony``); anyone may ask, within a rate limit. The reply is
-    `Testimony`, or `Error` NOT_FOUND when no such micro-batch was trained here."""
+    `Testimony`, or `Error` NOT_FOUND when no such micro-batch was trained here.
+
+    `outgoing`: ask a hop instead for its own record of micro-batch `mb_id` it sent to `sender` (its witness) and
+    the gradient `sender` returned (when the witness is silent)."""
+
+    OPTIONAL_TAIL = 1
 
     run_id: str
     sender: str
     mb_id: int
+    outgoing: bool = False
 
 
 @_message(18, forward=s.blob(2**31), backward=s.blob(2**31), signer=s.blob(MAX_KEY_BYTES),
           signature=s.blob(MAX_SIGNATURE_BYTES))  # fmt: skip
 class Testimony(Message):
     """The reply to `TestimonyRequest`: the packed `Forward` received (signed by its sender) and the packed
-    `Backward` returned for it (signed by the witness), both as they crossed the wire, and the witness's signature
-    over the two (``peer.pipeline.attest``). Frames are bounded by the handler limits of their own kinds."""
+    `Backward` returned for it (signed by the witness), both as they crossed the wire, and the answering peer's
+    signature over the two (the witness's, or the hop's for its own record: ``peer.pipeline.attest``). Frames are
+    bounded by the handler limits of their own kinds."""
 
     forward: bytes
     backward: bytes
@@ -389,9 +399,9 @@ class Testimony(Message):
           relayed=_relayed)  # fmt: skip
 class Fraud(Message):
     """A witness's self-contradiction, told to the hop it testified about (``peer.pipeline.attest``): the packed
-    `Testimony` the `witness` gave about the hop's micro-batch `mb_id`, and the [digest, signature, public key] of
-    the gradient it returned for it, as the hop relayed them. The hop checks it alone (nothing in it needs trust in
-    the teller)."""
+    `Testimony` the `witness` gave about the hop's micro-batch `mb_id`, and the [digest, forward digest, signature,
+    public key] of the gradient it returned for it, as the hop relayed them. The hop checks it alone (nothing in it
+    needs trust in the teller)."""
 
     run_id: str
     witness: str

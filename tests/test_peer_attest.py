@@ -40,19 +40,21 @@ def _frames(x: torch.Tensor | None = None, g: torch.Tensor | None = None) -> tup
     b, t, d = RUN3.data.batch_size, RUN3.model.block_size, RUN3.model.n_embd
     x = torch.randn(b, t, d) if x is None else x
     g = torch.randn(b, t, d) if g is None else g
-    fwd = attest.sign(NB, Forward(run_id=RUN3.run_id, mb_id=WID, route=[A.peer_id, B.peer_id],
-                                  activations=encode(x, "int8"), targets=None, is_eval=False, sent_at=time.time()),
-                      B.peer_id)
+    fwd, answers = attest.signed_frame(NB, Forward(run_id=RUN3.run_id, mb_id=WID, route=[A.peer_id, B.peer_id],
+                                                   activations=encode(x, "int8"), targets=None, is_eval=False,
+                                                   sent_at=time.time()), B.peer_id)
+    assert answers == attest.digest(fwd)
     bwd = attest.sign(NC, Backward(run_id=RUN3.run_id, mb_id=WID, route=[A.peer_id, B.peer_id],
-                                   gradient=encode(g, "int8"), loss=2.5, is_eval=False), C.peer_id, B.peer_id)
-    digest = attest.signed_by(NB, bwd, C.peer_id, B.peer_id)
+                                   gradient=encode(g, "int8"), loss=2.5, is_eval=False), C.peer_id, B.peer_id, answers)
+    digest = attest.signed_by(NB, bwd, C.peer_id, B.peer_id, answers)
     assert digest is not None
-    return fwd, bwd, attest.relay(bwd, digest)
+    return fwd, bwd, attest.relay(bwd, digest, answers)
 
 
-def _judge(testimony: Testimony, relayed: list[bytes] | None, notary: attest.Notary = NA) -> attest.Judged:
+def _judge(testimony: Testimony, relayed: list[bytes] | None, notary: attest.Notary = NA,
+           by: str | None = None) -> attest.Judged:
     return attest.judge(notary, testimony, run_id=RUN3.run_id, hop=B.peer_id, witness=C.peer_id, mb_id=WID,
-                        relayed=relayed)
+                        relayed=relayed, by=by)
 
 
 def test_a_signed_frame_verifies_only_as_sent_by_its_sender_to_its_recipient():
@@ -65,9 +67,12 @@ def test_a_signed_frame_verifies_only_as_sent_by_its_sender_to_its_recipient():
     assert attest.signed_by(NA, dataclasses.replace(fwd, activations=other), B.peer_id) is None
     assert attest.signed_by(NA, dataclasses.replace(fwd, signer=None, signature=None), B.peer_id) is None
     assert attest.signed_by(NA, dataclasses.replace(fwd, signer=C.public_key), B.peer_id) is None
-    assert attest.signed_by(NA, bwd, C.peer_id, B.peer_id) is not None
-    assert attest.signed_by(NA, bwd, C.peer_id, A.peer_id) is None  # a gradient is signed to the peer it went to
-    assert attest.signed_by(NA, unpack(pack(bwd)), C.peer_id, B.peer_id) == attest.digest(bwd)  # wire round trip
+    answers = attest.digest(fwd)
+    assert attest.signed_by(NA, bwd, C.peer_id, B.peer_id, answers) is not None
+    assert attest.signed_by(NA, bwd, C.peer_id, A.peer_id, answers) is None  # signed to the peer it went to
+    assert attest.signed_by(NA, bwd, C.peer_id, B.peer_id) is None  # ... answering the forward it names
+    assert attest.signed_by(NA, bwd, C.peer_id, B.peer_id, attest.digest(_frames()[0])) is None
+    assert attest.signed_by(NA, unpack(pack(bwd)), C.peer_id, B.peer_id, answers) == attest.digest(bwd)  # wire
 
 
 def test_judge_tells_an_honest_testimony_from_a_lying_witness_and_a_lying_hop():
@@ -89,15 +94,73 @@ def test_judge_tells_an_honest_testimony_from_a_lying_witness_and_a_lying_hop():
     moved = attest.sign(NB, dataclasses.replace(fwd, mb_id=WID + 1, signer=None, signature=None), B.peer_id)
     assert _judge(attest.testify(NC, C.peer_id, B.peer_id, moved, bwd), relayed).verdict is Verdict.WITNESS_LIED
     # the hop relays a signature the witness never made, or one of another gradient: the hop's lie
-    assert _judge(honest, [relayed[0], relayed[1][:-1] + b"x", relayed[2]]).verdict is Verdict.HOP_LIED
+    assert _judge(honest, [relayed[0], relayed[1], relayed[2][:-1] + b"x", relayed[3]]).verdict is Verdict.HOP_LIED
     assert _judge(honest, None).verdict is Verdict.HOP_LIED
-    assert _judge(honest, [relayed[0], relayed[1], A.public_key]).verdict is Verdict.HOP_LIED
-    assert _judge(honest, relayed2).verdict is Verdict.WITNESS_LIED  # a true signature of another gradient
+    assert _judge(honest, [relayed[0], relayed[1], relayed[2], A.public_key]).verdict is Verdict.HOP_LIED
+    assert _judge(honest, [relayed[0], attest.digest(moved), *relayed[2:]]).verdict is Verdict.HOP_LIED
+    assert _judge(honest, relayed[:3]).verdict is Verdict.HOP_LIED
+    assert _judge(honest, relayed2).verdict is Verdict.WITNESS_LIED  # a true signature of another micro-batch
     # a testimony the witness did not sign proves nothing about anybody
     unsigned = dataclasses.replace(honest, signature=honest.signature[:-1] + b"x")
     assert _judge(unsigned, relayed).verdict is Verdict.UNUSABLE
     by_another = attest.testify(NA, A.peer_id, B.peer_id, fwd, bwd)
     assert _judge(by_another, relayed).verdict is Verdict.UNUSABLE
+
+
+def test_the_hops_own_record_is_bound_by_its_witness_signature():
+    """A silent witness's place is taken by the hop's own record of the two frames: the witness signed the digest of
+    the forward it received with its gradient, so a record with other activations, or another gradient, is the
+    hop's provable lie, and the witness's signature counts for nothing there."""
+    x = torch.randn(RUN3.data.batch_size, RUN3.model.block_size, RUN3.model.n_embd)
+    fwd, bwd, relayed = _frames(x)
+    record = attest.testify(NB, C.peer_id, B.peer_id, fwd, bwd, by=B.peer_id)
+    judged = _judge(record, relayed, by=B.peer_id)
+    assert judged.verdict is Verdict.OK and judged.forward == fwd and judged.backward == bwd
+    # activations the hop computes for the check, honest-looking, signed anew: not what the witness received
+    recomputed = attest.sign(NB, dataclasses.replace(fwd, activations=encode(x * 0.5, "int8"), signer=None,
+                                                     signature=None), B.peer_id)
+    lie = attest.testify(NB, C.peer_id, B.peer_id, recomputed, bwd, by=B.peer_id)
+    assert _judge(lie, relayed, by=B.peer_id).verdict is Verdict.HOP_LIED
+    # another gradient than the witness returned (the hop cannot sign as the witness)
+    _, bwd2, _ = _frames(x)
+    assert _judge(attest.testify(NB, C.peer_id, B.peer_id, fwd, bwd2, by=B.peer_id), relayed,
+                  by=B.peer_id).verdict is Verdict.HOP_LIED
+    # a record signed by the witness, or a witness's testimony passed off as the hop's record, proves nothing
+    witness_signed = attest.testify(NC, C.peer_id, B.peer_id, fwd, bwd)
+    assert _judge(witness_signed, relayed, by=B.peer_id).verdict is Verdict.UNUSABLE
+    assert _judge(record, relayed).verdict is Verdict.UNUSABLE
+
+
+def test_a_witness_and_a_hop_answer_from_their_own_sides_of_the_store():
+    from peer.pipeline.testimony import TestimonyStore
+    from protocol.messages import TestimonyRequest
+
+    fwd, bwd, relayed = _frames()
+    counts: dict[str, int] = {}
+
+    def count(name: str, n: int) -> None:
+        counts[name] = counts.get(name, 0) + n
+    witness = TestimonyStore(run_id=RUN3.run_id, stage=2, my_id=C.peer_id, notary=NC, count=count)
+    hop = TestimonyStore(run_id=RUN3.run_id, stage=1, my_id=B.peer_id, notary=NB, count=count)
+    witness.received(B.peer_id, fwd)
+    witness.returned(B.peer_id, bwd)
+    hop.sent(C.peer_id, fwd, bwd)
+
+    async def go() -> list:
+        return [await witness.rpc_testimony(TestimonyRequest(run_id=RUN3.run_id, sender=B.peer_id, mb_id=WID),
+                                            A.peer_id),
+                await hop.rpc_testimony(TestimonyRequest(run_id=RUN3.run_id, sender=C.peer_id, mb_id=WID,
+                                                         outgoing=True), A.peer_id),
+                # each side answers only for its own role
+                await hop.rpc_testimony(TestimonyRequest(run_id=RUN3.run_id, sender=C.peer_id, mb_id=WID),
+                                        A.peer_id),
+                await witness.rpc_testimony(TestimonyRequest(run_id=RUN3.run_id, sender=B.peer_id, mb_id=WID,
+                                                             outgoing=True), A.peer_id)]
+    by_witness, by_hop, *missing = asyncio.run(go())
+    assert _judge(by_witness, relayed).verdict is Verdict.OK
+    assert _judge(by_hop, relayed, by=B.peer_id).verdict is Verdict.OK
+    assert all(isinstance(m, Error) and m.code == ErrorCode.NOT_FOUND for m in missing), missing
+    assert counts == {"testimony_served": 2, "testimony_not_found": 2}
 
 
 def _hop() -> PipelineServicer:
@@ -139,20 +202,26 @@ def test_the_hop_bans_a_witness_only_on_a_proof_it_checks_itself():
 
 def test_a_middle_stage_refuses_an_unsigned_gradient_and_relays_a_signed_one():
     hop = _hop()
-    _, bwd, relayed = _frames()
+    fwd, bwd, relayed = _frames()
     hop.pending[WID] = Pending(prev_peer=A.peer_id, next_peer=C.peer_id, route=[A.peer_id],
-                               deadline=time.monotonic() + 30, sent_to={C.peer_id})
+                               deadline=time.monotonic() + 30, sent_to={C.peer_id}, sent=(fwd, attest.digest(fwd)))
     unsigned = dataclasses.replace(bwd, signer=None, signature=None)
+    other_fwd, _, _ = _frames()  # a gradient the witness signed for a forward other than the one we sent it
+    elsewhere = attest.sign(NC, dataclasses.replace(bwd, signer=None, signature=None), C.peer_id, B.peer_id,
+                            attest.digest(other_fwd))
 
     async def go() -> tuple:
         refused = await hop.rpc_backward(unsigned, C.peer_id)
         forged = await hop.rpc_backward(dataclasses.replace(bwd, loss=0.1), C.peer_id)  # changed after signing
-        return refused, forged, await hop.rpc_backward(bwd, C.peer_id)
-    refused, forged, ok = asyncio.run(go())
-    assert isinstance(refused, Error) and refused.code == ErrorCode.BAD_REQUEST
-    assert isinstance(forged, Error) and forged.code == ErrorCode.BAD_REQUEST
+        answers_other = await hop.rpc_backward(elsewhere, C.peer_id)
+        return refused, forged, answers_other, await hop.rpc_backward(bwd, C.peer_id)
+    refused, forged, answers_other, ok = asyncio.run(go())
+    for r in (refused, forged, answers_other):
+        assert isinstance(r, Error) and r.code == ErrorCode.BAD_REQUEST, r
     assert isinstance(ok, Ack) and hop.pending[WID].relayed[C.peer_id] == relayed
-    assert hop.metrics.snapshot()["counters"]["rejected:unsigned"] == 2
+    assert hop.metrics.snapshot()["counters"]["rejected:unsigned"] == 3
+    # the hop keeps both frames in its own record (for a re-check whose witness is silent)
+    assert hop.testimony is not None and hop.testimony._kept[(True, C.peer_id, WID)][:2] == (fwd, bwd)
 
 
 def test_a_stage_from_2_on_refuses_an_unsigned_training_forward():
@@ -174,4 +243,5 @@ def test_a_stage_from_2_on_refuses_an_unsigned_training_forward():
     assert isinstance(refused, Error) and isinstance(by_another, Error), (refused, by_another)
     assert isinstance(ok, Ack), ok
     assert witness.metrics.snapshot()["counters"]["rejected:unsigned"] == 2
-    assert witness.testimony is not None and (B.peer_id, WID) in witness.testimony._kept
+    assert witness.testimony is not None and (False, B.peer_id, WID) in witness.testimony._kept
+    assert witness.pending[WID].answers == attest.digest(fwd)  # its gradient will be signed over this forward

@@ -143,10 +143,10 @@ def _forward(mb_id: int, x: torch.Tensor) -> Forward:
     return attest.sign(NamedNotary("b1", BOOK), msg, "b1")
 
 
-def _backward(mb_id: int, g: torch.Tensor) -> Backward:
+def _backward(mb_id: int, g: torch.Tensor, answers: Forward) -> Backward:
     msg = Backward(run_id=RUN3.run_id, mb_id=mb_id, route=["a0", "b1"], gradient=encode(g, "int8"), loss=None,
                    is_eval=False)
-    return attest.sign(NamedNotary("c2", BOOK), msg, "c2", "b1")
+    return attest.sign(NamedNotary("c2", BOOK), msg, "c2", "b1", attest.digest(answers))
 
 
 def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
@@ -157,7 +157,8 @@ def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
     def request(sender: str) -> messages.TestimonyRequest:
         return messages.TestimonyRequest(run_id=RUN3.run_id, sender=sender, mb_id=7)
     ask = request("b1")
-    fwd, bwd = _forward(7, x), _backward(7, g)
+    fwd = _forward(7, x)
+    bwd = _backward(7, g, fwd)
 
     async def go():
         store.received("b1", fwd)
@@ -176,7 +177,8 @@ def test_the_witness_answers_about_what_it_trained_within_a_rate_limit():
     assert isinstance(ok, messages.Testimony)
     # the frames as they crossed the wire, and the verdict a re-checking stage reaches with what b1 relayed
     assert messages.unpack(ok.forward) == fwd and messages.unpack(ok.backward) == bwd
-    relayed = attest.relay(bwd, attest.signed_by(NamedNotary("b1", BOOK), bwd, "c2", "b1"))
+    answers = attest.digest(fwd)
+    relayed = attest.relay(bwd, attest.signed_by(NamedNotary("b1", BOOK), bwd, "c2", "b1", answers), answers)
     judged = attest.judge(NamedNotary("a0", BOOK), ok, run_id=RUN3.run_id, hop="b1", witness="c2", mb_id=7,
                           relayed=relayed)
     assert judged.verdict is attest.Verdict.OK and judged.forward == fwd, judged
@@ -224,6 +226,40 @@ def test_an_honest_middle_stage_passes_with_a_stale_copy_and_its_witness_testifi
     if len(last) == 2:  # the pair was spot-checked, and the gradients trained on named both
         assert net.stages["b1"].metrics.snapshot()["counters"].get("spotcheck_passed", 0) >= 4
     assert a0.worker.local_step >= start + 30 and net.stages["b1"].worker.local_step >= start + 30
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("silence", ["not-found", "unreachable"])
+def test_a_silent_witness_is_replaced_by_the_honest_hops_own_record(corpus, trained, silence):  # noqa: F811
+    """The witness trains every micro-batch and signs its gradients but answers no testimony (it says it holds none,
+    or cannot be reached). Before, every 4th re-check in a row left unheard failed the honest hop, and a silent
+    identity of stage 2 got it banned in 3 strikes. Now stage 0 asks the hop for its own record of the two frames,
+    which the witness's relayed signature binds: every re-check is judged, and passes."""
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=30.0, recheck_after_warmups=0, recheck_fraction=1.0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0])
+    c2 = net.stages["c2"]
+    assert c2.testimony is not None
+
+    async def silent(msg, peer_id):
+        if silence == "unreachable":
+            raise ConnectionError("c2 does not answer testimony requests")
+        return Error(code=ErrorCode.NOT_FOUND, message="no such micro-batch here")
+    c2.testimony.rpc_testimony = silent  # type: ignore[method-assign]
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    start = a0.worker.local_step
+    asyncio.run(_run_driver(net, corpus, cfg, steps=start + 30))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    print(f"witness {silence}: " + ", ".join(f"{k} {counters.get(k, 0)}" for k in (
+        "recheck_sampled", "recheck_by_record", "recheck_passed", "recheck_failed", "recheck_unavailable")))
+    assert counters.get("recheck_by_record", 0) >= 4, counters  # the witness was asked, and the hop answered
+    assert counters.get("recheck_passed", 0) >= 4 and counters.get("recheck_failed", 0) == 0, counters
+    assert counters.get("recheck_unavailable", 0) == 0 and revoked == set(), counters
+    served = net.stages["b1"].metrics.snapshot()["counters"].get("testimony_served", 0)
+    assert served >= counters["recheck_by_record"], served
+    assert a0.worker.local_step >= start + 30
 
 
 @pytest.mark.timeout(90)
@@ -277,7 +313,7 @@ def _silent(pipe: PipelineServicer) -> None:
         wid = kwargs.get("downstream", (None, 0))[1]
         fake = attest.sign(sybil, Backward(run_id=RUN3.run_id, mb_id=wid, route=route, gradient=env, loss=loss,
                                            is_eval=False), "z2", pipe.my_id)
-        kwargs["downstream"], kwargs["relayed"] = (["z2"], wid), [attest.relay(fake, attest.digest(fake))]
+        kwargs["downstream"], kwargs["relayed"] = (["z2"], wid), [attest.relay(fake, attest.digest(fake), b"")]
         return args, kwargs
     _reframe(pipe, named)
 
@@ -391,7 +427,7 @@ def _lying_witness(pipe: PipelineServicer, lie: str) -> list[int]:
         else:
             g = decode(bwd.gradient)
             bwd = attest.sign(notary, dataclasses.replace(bwd, gradient=encode(-g, "int8"), signer=None,
-                                                          signature=None), pipe.my_id, msg.sender)
+                                                          signature=None), pipe.my_id, msg.sender, attest.digest(fwd))
         told[0] += 1
         return attest.testify(notary, pipe.my_id, msg.sender, fwd, bwd)
     store.rpc_testimony = lying  # type: ignore[method-assign]

@@ -161,6 +161,20 @@ def test_a_lying_witness_cannot_get_the_honest_hop_banned_and_is_dropped_by_it(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_silent_witness_cannot_get_the_honest_hop_failed(tmp_path: Path) -> None:
+    """A stage-2 stranger trains honestly but answers no testimony: stage 0 judges stage 1 by stage 1's own record
+    of the frames, bound by the stranger's signature, and holds nothing against it."""
+    res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny3.toml"), "--attacks", "silent_witness",
+                    "--phase-s", "40", "--victim-set", "backup_every_s=5", timeout=380)
+    ev = res["silent_witness"]["evidence"]
+    assert ev["testimonies_asked"] >= 1, ev  # stage 0 asked it about stage 1's work: the test tests something
+    assert ev["stage0_counters"]["recheck_by_record"] >= 1, ev
+    assert not ev["honest_hop_framed"], ev
+    assert res["silent_witness"]["outcome"] == "refused", res["silent_witness"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dht_floods_and_costly_keys_are_refused_by_the_victims_nodes(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--attacks", "dht_flood,costly_keys", "--phase-s", "15", timeout=280)

@@ -65,3 +65,28 @@ def test_a_hop_that_holds_a_flush_is_not_banned_as_a_black_hole_in_sync_mode(mod
     asyncio.run(pipe.expire())
     b1 = PeerRecord(peer_id="b1", stage=1, throughput=1.0, queue=0, version=0, state="training")
     assert router.candidates([b1], 1) == ([] if mode == "async" else [b1])  # banned in async mode only
+
+
+def test_a_flush_that_waits_for_a_full_mesh_says_so_with_the_counts():
+    """Sync mode starts a flush only when every stage has the same number of training replicas; a wait used to be
+    silent (a replica whose view missed one peer waited without a word). It is logged and shown once per wait."""
+    from types import SimpleNamespace
+
+    from peer import sync_schedule
+    from peer.sync_schedule import SyncSchedule
+
+    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    swarm = {pid: PeerRecord(peer_id=pid, stage=s, throughput=1.0, queue=0, version=0, state="training")
+             for pid, s in (("c", 0), ("a", 1), ("b", 1))}
+    metrics = PeerMetrics("c", 0)
+    host = SimpleNamespace(run=run, net=SimpleNamespace(swarm=swarm, my_id="c"), metrics=metrics)
+    now = [100.0]
+    sched = SyncSchedule(host, 0, SimpleNamespace(local_step=0), None, None)  # type: ignore[arg-type]
+    sched.now = lambda: now[0]
+    assert not sched.full_mesh() and not metrics.snapshot()["warnings"]
+    now[0] += sync_schedule.MESH_WARN_S + 1
+    assert not sched.full_mesh() and not sched.full_mesh()  # once per wait
+    warnings = metrics.snapshot()["warnings"]
+    assert len(warnings) == 1 and warnings[0]["count"] == 1 and "[1, 2]" in warnings[0]["text"], warnings
+    swarm["d"] = PeerRecord(peer_id="d", stage=0, throughput=1.0, queue=0, version=0, state="training")
+    assert sched.full_mesh() and not metrics.snapshot()["warnings"]  # resolved once the mesh is full

@@ -70,11 +70,11 @@ def measure(run: RunConfig, kind: str, repeat: int) -> dict[str, object]:
                   sent_at=time.time(), tokens=tokens)
     bwd = Backward(run_id=run.run_id, mb_id=2**40, route=route, gradient=boundary.encode_gradient(x), loss=3.0,
                    is_eval=False)
-    signed_fwd = attest.sign(nh, fwd, hop.peer_id)
-    signed_bwd = attest.sign(nw, bwd, witness.peer_id, hop.peer_id)
-    digest = attest.signed_by(nh, signed_bwd, witness.peer_id, hop.peer_id)
+    signed_fwd, answers = attest.signed_frame(nh, fwd, hop.peer_id)
+    signed_bwd = attest.sign(nw, bwd, witness.peer_id, hop.peer_id, answers)
+    digest = attest.signed_by(nh, signed_bwd, witness.peer_id, hop.peer_id, answers)
     assert digest is not None
-    relayed = attest.relay(signed_bwd, digest)
+    relayed = attest.relay(signed_bwd, digest, answers)
     testimony = attest.testify(nw, witness.peer_id, hop.peer_id, signed_fwd, signed_bwd)
     judged = attest.judge(nh, testimony, run_id=run.run_id, hop=hop.peer_id, witness=witness.peer_id, mb_id=2**40,
                           relayed=relayed)
@@ -90,7 +90,7 @@ def measure(run: RunConfig, kind: str, repeat: int) -> dict[str, object]:
         "digest_ms_forward": _median_ms(lambda: attest.digest(fwd), repeat),
         "sign_ms_forward": _median_ms(lambda: attest.sign(nh, fwd, hop.peer_id), repeat),
         "check_ms_forward": _median_ms(lambda: attest.signed_by(nw, signed_fwd, hop.peer_id), repeat),
-        "sign_ms_gradient": _median_ms(lambda: attest.sign(nw, bwd, witness.peer_id, hop.peer_id), repeat),
+        "sign_ms_gradient": _median_ms(lambda: attest.sign(nw, bwd, witness.peer_id, hop.peer_id, answers), repeat),
         "testify_ms": _median_ms(lambda: attest.testify(nw, witness.peer_id, hop.peer_id, signed_fwd, signed_bwd),
                                  repeat),
         "judge_ms": _median_ms(lambda: attest.judge(nh, testimony, run_id=run.run_id, hop=hop.peer_id,

@@ -24,6 +24,7 @@ COUNTERS = (
     "spotcheck_arbitrated", "spotcheck_banned",
     # re-checks of the last stage from the held copy of it (peer/pipeline/recheck.py)
     "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
+    "recheck_by_record",
     # stage 0's forwards re-computed by stage 1 (peer/pipeline/fwdcheck.py)
     "fwdcheck_passed", "fwdcheck_failed", "fwdcheck_unavailable", "fwdcheck_errors",
     # what a stage received and returned, told to the stage two before (peer/pipeline/testimony.py)

@@ -6,20 +6,25 @@ say an honest hop of stage k + 1 sent it rows it never sent, and the hop would f
 testimony is made of is signed by the peer that sent it, with its identity key (``peer.membership.signing``):
 
 * a training ``Forward`` sent by a stage from 1 on: by its sender (the hop); its receiver refuses it unsigned;
-* a training ``Backward`` with a gradient, returned by a stage from 2 on: by its sender (the witness), refused
-  unsigned by the middle stage it returns to, which relays the [digest, signature] of each such gradient it trained
-  on in the gradient it returns itself (``Backward.relayed``);
-* a ``Testimony``: the two frames as they crossed the wire, and the witness's signature over both.
+* a training ``Backward`` with a gradient, returned by a stage from 2 on: by its sender (the witness), over the
+  gradient frame and the digest of the forward frame it answers; the middle stage it returns to refuses it unsigned
+  or answering another forward than the one it sent, and relays the [digest, forward digest, signature] of each such
+  gradient it trained on in the gradient it returns itself (``Backward.relayed``);
+* a ``Testimony``: the two frames as they crossed the wire, and the signature over both of the peer that gives it:
+  the witness, or the hop itself (its own record of what it sent and got back).
 
-The stage that re-checks then tells who lied (``judge``): a relayed signature that does not verify is the hop's lie
-(checked before the witness is asked: it also proves the witness trained the micro-batch); a forward without the
-hop's valid signature, or a gradient other than the one the witness signed and the hop relayed, is the witness's,
-proven by its own signature. A witness's lie is sent to the hop it lied about (``Fraud``),
-which checks the proof with ``judge`` alone and never sends work to that witness again; a hop that was told and still
-names the witness fails its re-check (a colluding hop would have its liar testify for it forever otherwise).
+The relayed signature binds both frames: the witness states which forward it received and which gradient it
+returned. The stage that re-checks then tells who lied (``judge``): a relayed signature that does not verify is the
+hop's lie (checked before anyone is asked: it also proves the witness trained the micro-batch); frames other than
+the ones the relayed signature names are the lie of whoever testified them, proven by its own signature over the
+testimony. A witness's lie is sent to the hop it lied about (``Fraud``), which checks the proof with ``judge`` alone
+and never sends work to that witness again; a hop that was told and still names the witness fails its re-check (a
+colluding hop would have its liar testify for it forever otherwise).
 
-What signatures cannot settle: a witness that stays silent, or says it holds no such micro-batch. That is the old
-unheard rule (``testimony.UNHEARD_STRIKE``), documented in docs/security.md.
+A witness that stays silent, or says it holds no such micro-batch, no longer decides anything: the re-checking stage
+then asks the hop for its own record, which the witness's relayed signature binds as tightly as the witness's
+testimony. Only when the hop cannot answer either is the micro-batch left unjudged (the unheard rule,
+``testimony.UNHEARD_STRIKE``, docs/security.md).
 
 A frame's digest is the SHA-256 of the packed message with its own signature fields cleared and every tensor payload
 replaced by its SHA-256, so it covers the run, the micro-batch id, the route, the tensors and the names, and packing
@@ -41,7 +46,9 @@ from protocol.errors import ProtocolError
 from protocol.messages import Backward, Forward, Message, Testimony, pack, unpack
 
 __all__ = ["FRAUD_RPC", "KeyNotary", "Notary", "Verdict", "digest", "judge", "relay", "relayed_ok", "sign",
-           "signed_by", "testify"]
+           "signed_by", "signed_frame", "testify"]
+#: what a hop relays of each witness's signed gradient: [digest, the answered forward's digest, signature, key]
+RELAYED_ITEMS = 4
 
 FRAUD_RPC = "fraud"
 """The handler that takes a ``Fraud`` (a witness's proven lie about this hop)."""
@@ -97,46 +104,67 @@ def _statement(kind: bytes, sender: str, about: str, *digests: bytes) -> bytes:
     return bytes(packb([DOMAIN, kind, sender, about, *digests], use_bin_type=True))
 
 
-def _frame_statement(msg: Forward | Backward, sender: str, recipient: str, d: bytes) -> bytes:
-    # a forward's receiver is whoever takes it (a hop retries elsewhere with the same frame); a gradient's is named
-    return _statement(b"forward" if isinstance(msg, Forward) else b"backward", sender,
-                      "" if isinstance(msg, Forward) else recipient, d)
+def _frame_statement(msg: Forward | Backward, sender: str, recipient: str, d: bytes, answers: bytes) -> bytes:
+    # a forward's receiver is whoever takes it (a hop retries elsewhere with the same frame); a gradient's is named,
+    # with the digest of the forward it answers
+    if isinstance(msg, Forward):
+        return _statement(b"forward", sender, "", d)
+    return _statement(b"backward", sender, recipient, d, answers)
 
 
-def sign(notary: Notary, msg: F, sender: str, recipient: str = "") -> F:
-    """``msg`` signed by ``sender`` (``recipient``: a ``Backward``'s, the peer it returns to)."""
-    key, signature = notary.sign(_frame_statement(msg, sender, recipient, digest(msg)))
-    return dataclasses.replace(msg, signer=key, signature=signature)
+def sign(notary: Notary, msg: F, sender: str, recipient: str = "", answers: bytes = b"") -> F:
+    """``msg`` signed by ``sender`` (a ``Backward``: to ``recipient``, the peer it returns to, answering the forward
+    frame of digest ``answers``)."""
+    return signed_frame(notary, msg, sender, recipient, answers)[0]
 
 
-def signed_by(notary: Notary, msg: Forward | Backward, sender: str, recipient: str = "") -> bytes | None:
-    """The digest of ``msg`` when it carries ``sender``'s valid signature (to ``recipient``), else None."""
+def signed_frame(notary: Notary, msg: F, sender: str, recipient: str = "", answers: bytes = b"") -> tuple[F, bytes]:
+    """``sign``, and the frame's digest (hashed once)."""
+    d = digest(msg)
+    key, signature = notary.sign(_frame_statement(msg, sender, recipient, d, answers))
+    return dataclasses.replace(msg, signer=key, signature=signature), d
+
+
+def signed_by(notary: Notary, msg: Forward | Backward, sender: str, recipient: str = "",
+              answers: bytes = b"") -> bytes | None:
+    """The digest of ``msg`` when it carries ``sender``'s valid signature (a ``Backward``: to ``recipient``,
+    answering the forward of digest ``answers``), else None."""
     if msg.signer is None or msg.signature is None:
         return None
     d = digest(msg)
-    return d if notary.check(sender, msg.signer, _frame_statement(msg, sender, recipient, d), msg.signature) else None
+    ok = notary.check(sender, msg.signer, _frame_statement(msg, sender, recipient, d, answers), msg.signature)
+    return d if ok else None
 
 
-def relay(msg: Backward, d: bytes) -> list[bytes]:
-    """What a hop relays of a signed gradient ``msg`` (digest ``d``): [digest, signature, public key]."""
+def relay(msg: Backward, d: bytes, answers: bytes) -> list[bytes]:
+    """What a hop relays of a signed gradient ``msg`` (digest ``d``, answering the forward of digest ``answers``):
+    [digest, forward digest, signature, public key]."""
     assert msg.signature is not None and msg.signer is not None
-    return [d, msg.signature, msg.signer]
+    return [d, answers, msg.signature, msg.signer]
 
 
 def relayed_ok(notary: Notary, witness: str, hop: str, relayed: list[bytes] | None) -> bool:
-    """Whether a hop's relayed [digest, signature, key] is ``witness``'s signature of a gradient it returned to
-    ``hop``: proof that the witness trained the micro-batch and which gradient it returned."""
-    if relayed is None or len(relayed) != 3:
+    """Whether a hop's relayed [digest, forward digest, signature, key] is ``witness``'s signature of a gradient it
+    returned to ``hop`` for that forward: proof that the witness trained the micro-batch, of what it received, and of
+    which gradient it returned."""
+    if relayed is None or len(relayed) != RELAYED_ITEMS:
         return False
-    d, signature, key = relayed
-    return notary.check(witness, key, _statement(b"backward", witness, hop, d), signature)
+    d, answers, signature, key = relayed
+    return notary.check(witness, key, _statement(b"backward", witness, hop, d, answers), signature)
 
 
-def testify(notary: Notary, witness: str, hop: str, forward: Forward, backward: Backward) -> Testimony:
-    """The witness's signed testimony of what it received from ``hop`` and returned to it."""
+def _testimony_statement(by: str, witness: str, hop: str, fwd: bytes, bwd: bytes) -> bytes:
+    # the witness testifies (b"testimony"), or the hop gives its own record (b"record")
+    kind = b"testimony" if by == witness else b"record"
+    return _statement(kind, witness, hop, hashlib.sha256(fwd).digest(), hashlib.sha256(bwd).digest())
+
+
+def testify(notary: Notary, witness: str, hop: str, forward: Forward, backward: Backward, *,
+            by: str | None = None) -> Testimony:
+    """The signed testimony of the forward ``hop`` sent ``witness`` and the gradient the witness returned, given by
+    the witness (``by`` None or the witness) or by the hop from its own record (``by`` the hop)."""
     fwd, bwd = pack(forward), pack(backward)
-    key, signature = notary.sign(_statement(b"testimony", witness, hop, hashlib.sha256(fwd).digest(),
-                                            hashlib.sha256(bwd).digest()))
+    key, signature = notary.sign(_testimony_statement(by or witness, witness, hop, fwd, bwd))
     return Testimony(forward=fwd, backward=bwd, signer=key, signature=signature)
 
 
@@ -160,29 +188,35 @@ class Judged:
 
 
 def judge(notary: Notary, testimony: Testimony, *, run_id: str, hop: str, witness: str, mb_id: int,
-          relayed: list[bytes] | None) -> Judged:
-    """Who lied, if anyone, in ``witness``'s testimony about ``hop``'s micro-batch ``mb_id`` (the id the hop sent it
-    on under), given what the hop relayed of the witness's signed gradient. Pure: the hop runs it on a ``Fraud``
-    with the same inputs as the stage that re-checked it."""
+          relayed: list[bytes] | None, by: str | None = None) -> Judged:
+    """Who lied, if anyone, in the testimony about ``hop``'s micro-batch ``mb_id`` (the id the hop sent it on
+    under) given by ``by`` (None or ``witness``: the witness; ``hop``: the hop's own record), given what the hop
+    relayed of the witness's signed gradient. Frames other than those the relayed signature names are the lie of
+    whoever signed the testimony: ``WITNESS_LIED``, or ``HOP_LIED`` for the hop's own record. Pure: the hop runs it on
+    a ``Fraud`` with the same inputs as the stage that re-checked it."""
+    teller = by or witness
+    lied = Verdict.WITNESS_LIED if teller == witness else Verdict.HOP_LIED
     if relayed is None or not relayed_ok(notary, witness, hop, relayed):
         return Judged(Verdict.HOP_LIED, "the hop relayed no signature its witness made")
-    if not notary.check(witness, testimony.signer, _statement(
-            b"testimony", witness, hop, hashlib.sha256(testimony.forward).digest(),
-            hashlib.sha256(testimony.backward).digest()), testimony.signature):
-        return Judged(Verdict.UNUSABLE, "the testimony is not signed by the witness")
+    if not notary.check(teller, testimony.signer, _testimony_statement(teller, witness, hop, testimony.forward,
+                                                                        testimony.backward), testimony.signature):
+        return Judged(Verdict.UNUSABLE, "the testimony is not signed by the peer that gave it")
     try:
         fwd, bwd = unpack(testimony.forward), unpack(testimony.backward)
     except ProtocolError as e:
-        return Judged(Verdict.WITNESS_LIED, f"it signed frames that do not parse ({e})")
+        return Judged(lied, f"it signed frames that do not parse ({e})")
     if not isinstance(fwd, Forward) or not isinstance(bwd, Backward) or fwd.run_id != run_id \
             or bwd.run_id != run_id or fwd.mb_id != mb_id or bwd.mb_id != mb_id or fwd.is_eval or bwd.is_eval \
             or bwd.gradient is None or not fwd.route or fwd.route[-1] != hop:
-        return Judged(Verdict.WITNESS_LIED, f"it signed frames other than a training micro-batch {mb_id} of the hop")
-    if signed_by(notary, fwd, hop) is None:
-        return Judged(Verdict.WITNESS_LIED, "it testified activations the hop never signed")
-    d = signed_by(notary, bwd, witness, hop)
+        return Judged(lied, f"it signed frames other than a training micro-batch {mb_id} of the hop")
+    d_fwd = signed_by(notary, fwd, hop)
+    if d_fwd is None:
+        return Judged(lied, "it testified activations the hop never signed")
+    if d_fwd != relayed[1]:
+        return Judged(lied, "it testified activations other than those the witness signed it received")
+    d = signed_by(notary, bwd, witness, hop, d_fwd)
     if d is None:
-        return Judged(Verdict.WITNESS_LIED, "it testified a gradient it did not sign")
+        return Judged(lied, "it testified a gradient the witness did not sign")
     if d != relayed[0]:
-        return Judged(Verdict.WITNESS_LIED, "it testified a gradient other than the one it signed and returned")
+        return Judged(lied, "it testified a gradient other than the one the witness signed and returned")
     return Judged(Verdict.OK, forward=fwd, backward=bwd)

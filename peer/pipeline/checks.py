@@ -5,8 +5,9 @@
 * Re-checks (peer/pipeline/recheck.py): the next stage's gradients re-computed from the held copy of it; a middle
   next stage's with the testimony of the peer it sent the micro-batch on to (peer/pipeline/testimony.py). Where both
   run, a disagreeing spot check is decided by the copy when it can judge.
-* Testimony (stages from 2 on): what this stage received and returned, signed by their senders, for the stage two
-  before (peer/pipeline/attest.py).
+* Testimony: what this stage received and returned (stages from 2 on, the witness of the stage two before), and what
+  it sent on and got back (middle stages, their own record for the stage before when a witness is silent), signed by
+  their senders (peer/pipeline/attest.py).
 * Forward re-checks (stage 1, peer/pipeline/fwdcheck.py): stage 0's forwards re-computed from a copy of stage 0, the
   neighbour copy in a 2-stage run, a private one in longer runs.
 """
@@ -108,7 +109,8 @@ def neighbour_checks(pipe: Stage, *, spares: SpareStore | None,
         revoke=lambda peer: pipe.revoke(peer), bf16=bf16)
     if cross is not None and recheck is not None:
         cross.arbiter = recheck.arbitrate  # a disagreement decided by the copy, not by history
-    testimony = None if stage < 2 or sync or pipe.notary is None else TestimonyStore(
+    # a witness (stage 2 on) keeps what it received and returned; a middle stage what it sent on and got back
+    testimony = None if stage < 1 or pipe.is_last and stage < 2 or sync or pipe.notary is None else TestimonyStore(
         run_id=run.run_id, stage=stage, my_id=pipe.my_id, notary=pipe.notary, count=metrics.inc)
     source = spares if run.n_stages == 2 and pipe.is_last else upstream  # upstream: stage 1 of 3+ stages only
     fwdcheck = None if source is None or sync else ForwardChecks(

@@ -154,14 +154,15 @@ class Hops:
 
     def frame(self, peer: str, mb_id: int, route: list[str], env: TensorEnvelope | None, loss: float | None,
               is_eval: bool, *, refused: bool = False, downstream: tuple[list[str] | None, int | None] = (None, None),
-              relayed: list[list[bytes]] | None = None) -> Backward:
+              relayed: list[list[bytes]] | None = None, answers: bytes = b"") -> Backward:
         """The ``Backward`` for ``peer``: ``downstream``, the next-stage peers whose gradients this one was computed
         from and the id it sent the micro-batch to them under (``Backward.downstream``), ``relayed`` their signatures
-        of those gradients; a training gradient of a stage from 2 on is signed (``peer.pipeline.attest``)."""
+        of those gradients; a training gradient of a stage from 2 on is signed, with ``answers``, the digest of the
+        forward it answers (``peer.pipeline.attest``)."""
         msg = Backward(run_id=self.run_id, mb_id=mb_id, route=route, gradient=env, loss=loss, is_eval=is_eval,
                        refused=refused, downstream=downstream[0], downstream_id=downstream[1], relayed=relayed)
         if self.notary is not None and self.stage >= 2 and env is not None and not is_eval:
-            msg = sign(self.notary, msg, self.my_id, peer)
+            msg = sign(self.notary, msg, self.my_id, peer, answers)
         return msg
 
     async def backward(self, peer: str | None, mb_id: int, route: list[str], env: TensorEnvelope | None,

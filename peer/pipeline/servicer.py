@@ -25,7 +25,7 @@ import torch
 from peer.config import Mode
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
-from peer.pipeline.attest import Verdict, judge, relay, sign, signed_by
+from peer.pipeline.attest import Verdict, judge, relay, signed_by, signed_frame
 from peer.pipeline.boundary import Boundary
 from peer.pipeline.checks import neighbour_checks
 from peer.pipeline.guard import PipelineGuard
@@ -229,10 +229,14 @@ class PipelineServicer:
         if self.forward_q.full() or len(self.pending) >= PENDING_PER_QUEUE_SLOT * self.cfg.max_queue:
             self.metrics.inc("busy_replies")  # backpressure: queued work and stashed micro-batches are both bounded
             return Busy(retry_after_s=0.05 * (1 + self.forward_q.qsize()))
-        if self.stage >= 2 and not msg.is_eval and (self.notary is None or await asyncio.get_running_loop(
-                ).run_in_executor(None, signed_by, self.notary, msg, peer_id) is None):
-            return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training forward from stage 1 on must carry "
-                                "its sender's signature (peer.pipeline.attest)")
+        answers = b""  # the digest of a signed forward: its gradient signs it too
+        if self.stage >= 2 and not msg.is_eval:
+            signed = None if self.notary is None else await asyncio.get_running_loop().run_in_executor(
+                None, signed_by, self.notary, msg, peer_id)
+            if signed is None:
+                return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training forward from stage 1 on must "
+                                    "carry its sender's signature (peer.pipeline.attest)")
+            answers = signed
         try:
             x, window = await asyncio.get_running_loop().run_in_executor(
                 None, self.boundary.decode_forward, msg, peer_id)
@@ -258,7 +262,7 @@ class PipelineServicer:
         self.last_forward = time.monotonic()
         self.pending[msg.mb_id] = Pending(prev_peer=peer_id, next_peer=None, route=list(msg.route),
                                           deadline=time.monotonic() + self.cfg.microbatch_timeout_s,
-                                          is_eval=msg.is_eval, flush=msg.flush)
+                                          is_eval=msg.is_eval, flush=msg.flush, answers=answers)
         if self.fwdcheck is not None and not msg.is_eval:  # decided on arrival: its timing tells the sender nothing
             self.pending[msg.mb_id].fwdcheck = self.fwdcheck.wants(peer_id)
         if self.testimony is not None and not msg.is_eval:
@@ -285,13 +289,17 @@ class PipelineServicer:
         if msg.loss is not None and not (math.isfinite(msg.loss) and 0.0 <= msg.loss < MAX_LOSS):
             return self._reject("bad_loss", ErrorCode.BAD_REQUEST, "loss must be finite and in [0, 1e4)")
         if msg.gradient is not None and not msg.is_eval and not self.is_first:  # a middle stage: signed by its
-            # sender, and relayed upstream with the gradient it returns (peer.pipeline.attest)
-            digest = None if self.notary is None else await asyncio.get_running_loop().run_in_executor(
-                None, signed_by, self.notary, signed, peer_id, self.my_id)
+            # sender over the forward we sent it, relayed upstream with the gradient we return, and kept in our own
+            # record, for a re-check whose witness is silent (peer.pipeline.attest)
+            answers = b"" if p.sent is None else p.sent[1]
+            digest = None if self.notary is None or not answers else await asyncio.get_running_loop(
+                ).run_in_executor(None, signed_by, self.notary, signed, peer_id, self.my_id, answers)
             if digest is None:
                 return self._reject("unsigned", ErrorCode.BAD_REQUEST, "a training gradient from stage 2 on must "
-                                    "carry its sender's signature (peer.pipeline.attest)")
-            p.relayed[peer_id] = relay(signed, digest)
+                                    "carry its sender's signature over the forward we sent it (peer.pipeline.attest)")
+            p.relayed[peer_id] = relay(signed, digest, answers)
+            if self.testimony is not None and p.sent is not None:
+                self.testimony.sent(peer_id, p.sent[0], signed)
         grad = None
         if msg.gradient is not None and not msg.is_eval:
             try:
@@ -493,7 +501,8 @@ class PipelineServicer:
 
         def frame() -> Backward:
             env = self.boundary.encode_gradient(grad)
-            return self.hops.frame(peer, mb_id, p.route, env, loss, False, downstream=downstream, relayed=relayed)
+            return self.hops.frame(peer, mb_id, p.route, env, loss, False, downstream=downstream, relayed=relayed,
+                                   answers=p.answers)
 
         msg = await asyncio.get_running_loop().run_in_executor(None, frame)
         if self.testimony is not None:
@@ -514,14 +523,16 @@ class PipelineServicer:
         sent_id = mb_id if self.is_first or is_eval else self.ids.new(local=mb_id)
         notary = None if self.is_first or is_eval else self.notary  # what a witness may be asked about is signed
 
-        def frame() -> Forward:
+        def frame() -> tuple[Forward, bytes]:
             env, tokens = self.boundary.encode_forward(y, window)
             msg = Forward(run_id=self.run.run_id, mb_id=sent_id, route=route, activations=env, targets=targets_env,
                           is_eval=is_eval, sent_at=time.time(), flush=flush, tokens=tokens)
-            return msg if notary is None else sign(notary, msg, self.my_id)
+            return (msg, b"") if notary is None else signed_frame(notary, msg, self.my_id)
 
-        msg = await asyncio.get_running_loop().run_in_executor(None, frame)
+        msg, signed = await asyncio.get_running_loop().run_in_executor(None, frame)
         p = self.pending.get(mb_id)
+        if p is not None and signed:
+            p.sent = (msg, signed)  # its gradient must answer this frame; kept in our record with it
         if p is not None and not is_eval and self.recheck is not None and self.recheck.usable():
             p.recheck = msg  # the gradient may be re-computed from it when it comes back
         peer = await self.hops.forward(msg, p.sent_to if p else set())

@@ -13,16 +13,22 @@ gradient) against (copy's input gradient - witness's gradient); a hop that passe
 gradient back, agrees with nothing.
 
 What it catches: a hop that fabricates the gradient it returns, sends on activations it did not compute, or names no
-peer, itself, or a peer that never trained the micro-batch. What it does not: a hop and a witness of
-the next stage that collude (two identities on two stages), nor a witness that lies about an honest hop it serves
-(the hop then fails; nothing here tells which of the two lied). A witness that does not answer (gone, rate-limited)
-leaves the micro-batch unjudged: it is dropped (stage 0 re-sends its sample), counted ``recheck_unavailable``, and
-every ``UNHEARD_STRIKE``-th in a row from one hop counts as a failed re-check: a hop that names a silent identity of
-the next stage must not have its work trained unjudged, nor go on forever.
+peer, itself, or a peer that never trained the micro-batch. Every frame of a testimony is signed by its sender, and
+the gradient the witness returned is signed together with the digest of the forward it answers
+(``peer.pipeline.attest``), so a witness that lies about an honest hop contradicts its own signature: the micro-batch
+is dropped unjudged and the hop is shown the proof. A witness that is silent, says it holds no such micro-batch, or
+lies, is replaced by the hop's own record of the two frames (``TestimonyRequest.outgoing``): the witness's relayed
+signature binds it as tightly, and a record that contradicts it fails the hop. What it does not catch: a hop and a
+witness of the next stage that collude (two identities on two stages, signing whatever they agree on). A micro-batch
+neither the witness nor the hop answers for is left unjudged: it is dropped (stage 0 re-sends its sample), counted
+``recheck_unavailable``, and every ``UNHEARD_STRIKE``-th in a row from one hop counts as a failed re-check: a hop
+that names a silent identity of the next stage and keeps no record must not have its work trained unjudged, nor go on
+forever.
 
-``TestimonyStore`` is the witness's side: the last forwards it received from each peer and the gradients it returned
-for them, bounded in count and bytes, answered to any peer within a rate limit (the rows are training activations any
-peer of an open run sees anyway; a request costs one decode).
+``TestimonyStore`` keeps both sides: as a witness, the last forwards it received from each peer and the gradients it
+returned for them; as a middle stage, the forwards it sent on and the gradients it got back. Bounded in count and
+bytes, answered to any peer within a rate limit (the rows are training activations any peer of an open run sees
+anyway; a request costs one signature).
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ TESTIMONY_RATE = 20.0
 
 
 class TestimonyStore:
-    """What this stage received from each peer and returned to it, for the stage two before to ask about: the
-    frames as they crossed the wire, signed by their senders (``peer.pipeline.attest``).
+    """What this stage received from each peer and returned to it, for the stage two before to ask about, and (a
+    middle stage) what it sent each peer of the next stage and got back, for the stage before to ask when that peer
+    is silent: the frames as they crossed the wire, signed by their senders (``peer.pipeline.attest``).
 
     Args:
         stage: the stage this peer serves.
@@ -88,22 +95,28 @@ class TestimonyStore:
                  max_kept: int = MAX_KEPT, max_bytes: int = MAX_KEPT_BYTES) -> None:
         self.run_id, self.stage, self.my_id, self.notary, self.count = run_id, stage, my_id, notary, count
         self.max_kept, self.max_bytes = max_kept, max_bytes
-        self._kept: OrderedDict[tuple[str, int], tuple[Forward, Backward | None, int]] = OrderedDict()
+        # (outgoing, the other peer, the sender's id) -> (forward, its gradient or None yet, bytes); both roles share
+        # the bounds
+        self._kept: OrderedDict[tuple[bool, str, int], tuple[Forward, Backward | None, int]] = OrderedDict()
         self._bytes = 0
         self._budget = PeerBudgets(rate=TESTIMONY_RATE, burst=int(2 * TESTIMONY_RATE))
 
     def received(self, sender: str, msg: Forward) -> None:
         """A signed training forward from ``sender`` was accepted (kept until its gradient is returned, or
         evicted)."""
-        self._put((sender, msg.mb_id), msg, None, payload_bytes(msg))
+        self._put((False, sender, msg.mb_id), msg, None, payload_bytes(msg))
 
     def returned(self, sender: str, msg: Backward) -> None:
         """The signed gradient ``msg`` of ``sender``'s micro-batch went back to it."""
-        kept = self._kept.get((sender, msg.mb_id))
+        kept = self._kept.get((False, sender, msg.mb_id))
         if kept is not None and kept[1] is None:
-            self._put((sender, msg.mb_id), kept[0], msg, kept[2] + payload_bytes(msg))
+            self._put((False, sender, msg.mb_id), kept[0], msg, kept[2] + payload_bytes(msg))
 
-    def _put(self, key: tuple[str, int], msg: Forward, gradient: Backward | None, size: int) -> None:
+    def sent(self, witness: str, msg: Forward, gradient: Backward) -> None:
+        """We sent ``msg`` to ``witness`` and it returned ``gradient``, signed over it (our own record)."""
+        self._put((True, witness, msg.mb_id), msg, gradient, payload_bytes(msg) + payload_bytes(gradient))
+
+    def _put(self, key: tuple[bool, str, int], msg: Forward, gradient: Backward | None, size: int) -> None:
         old = self._kept.pop(key, None)
         if old is not None:
             self._bytes -= old[2]
@@ -120,12 +133,16 @@ class TestimonyStore:
             self.count("rejected:testimony_rate_limited", 1)
             return Error(code=ErrorCode.RATE_LIMITED, message=f"testimony: at most {TESTIMONY_RATE:.0f} per second")
         self._budget.spend(peer_id)
-        kept = self._kept.get((msg.sender, msg.mb_id))
+        kept = self._kept.get((msg.outgoing, msg.sender, msg.mb_id))
         if kept is None or kept[1] is None:
             self.count("testimony_not_found", 1)
-            return Error(code=ErrorCode.NOT_FOUND, message=f"no trained micro-batch {msg.mb_id} from that sender here")
-        reply = await asyncio.get_running_loop().run_in_executor(None, testify, self.notary, self.my_id, msg.sender,
-                                                                 kept[0], kept[1])
+            return Error(code=ErrorCode.NOT_FOUND, message=f"no trained micro-batch {msg.mb_id} "
+                         f"{'sent to' if msg.outgoing else 'from'} that peer here")
+        # received: we are the witness of the sender's micro-batch; outgoing: we are the hop, the peer asked about
+        # is our witness
+        witness, hop = (msg.sender, self.my_id) if msg.outgoing else (self.my_id, msg.sender)
+        reply = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+            testify, self.notary, witness, hop, kept[0], kept[1], by=self.my_id))
         self.count("testimony_served", 1)
         return reply
 
@@ -316,34 +333,58 @@ class MiddleRechecks(Rechecks):
         return "ok", (received, torch.stack([what[1] for _, what in said]).mean(dim=0))
 
     async def _ask(self, witness: str, peer: str, wid: int, relayed: list[bytes], rows: list[int]) -> tuple[str, Any]:
-        req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=peer, mb_id=wid)
+        """What ``witness`` testifies of the hop ``peer``'s micro-batch ``wid``; when it is silent, says it holds
+        none, or lies, the hop's own record of it, which the witness's relayed signature binds as tightly (a hop
+        whose record contradicts that signature fails). "unavailable" only when neither was heard."""
+        kind, what = await self._hear(witness, witness, peer, wid, relayed, rows)
+        if kind == "ok":
+            return kind, what
+        own_kind, own = await self._hear(peer, witness, peer, wid, relayed, rows)
+        if own_kind != "unavailable":
+            self.metrics.inc("recheck_by_record")
+            return own_kind, own
+        return kind, f"{what}; its own record: {own}"
+
+    async def _hear(self, teller: str, witness: str, peer: str, wid: int, relayed: list[bytes],
+                    rows: list[int]) -> tuple[str, Any]:
+        """Ask ``teller`` (the witness, or the hop ``peer`` for its own record) about micro-batch ``wid``; ("ok",
+        rows), ("fail", why) when the hop's own record is a lie, ("unavailable", why) otherwise."""
+        own = teller == peer
+        req = TestimonyRequest(run_id=self.boundary.run.run_id, sender=witness if own else peer, mb_id=wid,
+                               outgoing=own)
+        who = "the hop" if own else "the witness"
         try:
-            reply = await self.send(witness, TESTIMONY_RPC, req)
+            reply = await self.send(teller, TESTIMONY_RPC, req)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            return "unavailable", f"the witness did not answer ({type(e).__name__})"
-        if not isinstance(reply, Testimony):  # NOT_FOUND too: it signed a gradient for it (evicted, or evasive)
-            return "unavailable", f"the witness answered {type(reply).__name__}"
+            return "unavailable", f"{who} did not answer ({type(e).__name__})"
+        if not isinstance(reply, Testimony):  # NOT_FOUND too: the witness signed a gradient for it (evicted, or
+            # evasive)
+            return "unavailable", f"{who} answered {type(reply).__name__}"
         assert self.notary is not None
         try:
             judged = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 judge, self.notary, reply, run_id=self.boundary.run.run_id, hop=peer, witness=witness, mb_id=wid,
-                relayed=relayed))
+                relayed=relayed, by=teller))
             if judged.verdict is Verdict.WITNESS_LIED:
                 fraud = Fraud(run_id=self.boundary.run.run_id, witness=witness, mb_id=wid, testimony=pack(reply),
                               relayed=relayed)
                 self._proven(peer, witness, fraud, judged.why)
                 return "unavailable", f"the witness lied ({judged.why})"
+            if judged.verdict is Verdict.HOP_LIED and own:
+                return "fail", f"its own record contradicts its witness's signature ({judged.why})"
             if judged.verdict is not Verdict.OK or judged.forward is None or judged.backward is None:
                 self.metrics.inc("rejected:bad_testimony")
-                return "unavailable", f"the witness's testimony was unusable ({judged.why})"
+                return "unavailable", f"{who}'s testimony was unusable ({judged.why})"
             fwd, bwd = judged.forward, judged.backward
             y, g = await asyncio.get_running_loop().run_in_executor(None, self._witnessed_rows, fwd, bwd, peer,
                                                                     witness, rows)
         except ProtocolError as e:  # frames their receivers decoded once: a signed lie we cannot read
             self.metrics.inc("rejected:bad_testimony")
-            return "unavailable", f"the witness's testimony was malformed ({e})"
+            if own:  # the frames its witness's signature names did decode there
+                return "fail", f"its own record does not decode ({e})"
+            return "unavailable", f"{who}'s testimony was malformed ({e})"
         return "ok", (y, g)
 
     def _witnessed_rows(self, fwd: Forward, bwd: Backward, peer: str, witness: str,

@@ -71,7 +71,9 @@ class Pending:
     sent_id: int | None = None  # the id it went on under (a middle stage names it in the gradient it returns)
     trained_from: list[str] | None = None  # the next-stage peers whose gradients were averaged (a spot check's two)
     relayed: dict[str, list[bytes]] = field(default_factory=dict)  # next-stage peer -> its signed gradient's
-    # [digest, signature], relayed in the gradient we return (peer.pipeline.attest)
+    # [digest, forward digest, signature, key], relayed in the gradient we return (peer.pipeline.attest)
+    answers: bytes = b""  # from stage 2 on: the digest of the signed forward received, signed with its gradient
+    sent: tuple[Forward, bytes] | None = None  # a middle stage: the signed forward sent on, and its digest
     fwdcheck: bool = False  # the last stage: its activations are re-computed from the held copy before training
     started: float = field(default_factory=time.monotonic)
     flush: int | None = None  # sync mode: the flush it belongs to (stage 0's number)
