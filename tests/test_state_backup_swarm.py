@@ -15,6 +15,10 @@ from swarm_utils import swarm  # noqa: F401  (fixture)
 # against copies of steps 8 and 20, so an earlier start made this test ban its honest stage 1 now and then)
 BACKUP = ("backup_every_s=2", "state_snapshot_max_age_s=2")
 RECHECK_FROM = 40  # 4 (recheck_after_warmups) x the tiny run's 10 warm-up steps
+# the copy waited for is of a later step: the tiny run's loss spikes now and then in its first ~100 steps (8.7 against
+# 3.0 at step 69 in one run), and a loaded run once failed an honest lone stage 1 four times in a row against a copy
+# of step 68 (norm ratios 8-18) and banned it (docs/security.md, "Re-checks from the held copy": not covered)
+COPY_FROM = 150
 
 
 @pytest.mark.timeout(150)
@@ -22,10 +26,10 @@ def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: 
     a = swarm.start("a", stage="0", extra=BACKUP)
     first = a.wait_maddrs()[:1]
     b = swarm.start("b", stage="1", initial=first, extra=BACKUP)
-    b.wait_status(lambda s: s["local_step"] >= RECHECK_FROM + 5, 90, f"{RECHECK_FROM + 5} steps on stage 1")
+    b.wait_status(lambda s: s["local_step"] >= COPY_FROM + 5, 90, f"{COPY_FROM + 5} steps on stage 1")
     # a copy of a trained stage 1 (the first copies can be of its step-0 state), announced in a's record
-    held = a.wait_status(lambda s: (s.get("backup") or {}).get("step", 0) >= RECHECK_FROM, 30,
-                         f"a copy of stage 1 at step {RECHECK_FROM}+")
+    held = a.wait_status(lambda s: (s.get("backup") or {}).get("step", 0) >= COPY_FROM, 30,
+                         f"a copy of stage 1 at step {COPY_FROM}+")
     assert held["backup"]["stage"] == 1 and held["backup"]["age_s"] < 30
     # with the copy held, stage 0 re-checks its lone next stage's gradients against it: the first verdict can come a
     # moment after the copy is announced (a CI run killed b in between), so it is awaited, then asserted below
@@ -45,9 +49,9 @@ def test_a_stage_killed_whole_resumes_from_the_neighbours_copy(swarm):  # noqa: 
     log = b2.log()
     assert "restored from a backup copy held by peer" in log, log[-3000:]
     assert "starts from the run's seeded init" not in log
-    # it resumed at the copy's step, a trained one (the copy was requested after the killed peer's 45th step)
+    # it resumed at the copy's step, a trained one (the copy was requested after the killed peer's 155th step)
     restored = int(re.search(r"restored from a backup copy held by peer \S+, at step (\d+)", log).group(1))
-    assert snap["local_step"] >= restored >= RECHECK_FROM, (restored, snap["local_step"])
+    assert snap["local_step"] >= restored >= COPY_FROM, (restored, snap["local_step"])
     served = a.status()["counters"]
     assert served.get("backups_served", 0) >= 1 and served.get("backup_bytes_out", 0) > 0
     assert "Traceback" not in a.log() + log
