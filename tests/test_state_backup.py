@@ -326,3 +326,18 @@ def test_a_peer_that_came_back_on_another_stage_offers_its_former_checkpoint_as_
     store.offer(0, {"local_step": 4000}, source="n", taken_at=time.time())
     assert adopt_checkpoint(store, tmp_path, RUN, stage=1) is None  # a more advanced copy of that stage is kept
     assert adopt_checkpoint(SpareStore(RUN, tmp_path / "x"), tmp_path / "x", RUN, stage=0) is None  # nothing held
+
+
+def test_a_replica_that_starts_over_says_whether_the_stages_training_lives_on(tmp_path, monkeypatch):
+    """A joiner whose donors were all refused by their witnesses starts from the seeded init. While other replicas of
+    its stage train, the stage's training is not lost (a newcomer's default swarm showed "its training so far is
+    lost" for a third stage-0 replica whose two donors disagreed early in training): the warning says which."""
+    alive = {"r1": rec("r1", 1, 100), "r2": rec("r2", 1, 120), "s0": rec("s0", 0, 130)}
+    _, asked, metrics = _restore(tmp_path, monkeypatch, alive, {})  # every donor's state refused: none delivered
+    assert asked and [w["text"] for w in metrics.snapshot()["warnings"]] == [
+        "stage 1: this replica starts from the run's seeded init while the swarm is at step 130: no donor, checkpoint "
+        "or copy it could verify was available; the stage's 2 other replica(s) keep its training, and averaging pulls "
+        "this one towards them"]
+    _, _, metrics = _restore(tmp_path, monkeypatch, {"s0": rec("s0", 0, 130)}, {})  # the stage emptied
+    texts = [w["text"] for w in metrics.snapshot()["warnings"]]
+    assert len(texts) == 1 and texts[0].endswith("so its training so far is lost"), texts

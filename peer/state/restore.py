@@ -133,9 +133,16 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
             return Restored(source=StateSource(kind="checkpoint", step=_step_of(state), label=chosen.label),
                             state=state)
     swarm_step = max((r.version for r in records.values()), default=0)
-    if swarm_step > 0:  # the swarm has trained, and this stage starts over: that training of the stage is lost
-        text = (f"stage {stage} starts from the run's seeded init while the swarm is at step {swarm_step}: no donor, "
-                f"checkpoint or copy of this stage was available, so its training so far is lost")
+    if swarm_step > 0:  # the swarm has trained, and this replica starts over
+        others = sum(1 for p, r in records.items()
+                     if p != my_id and r.stage == stage and r.state == PeerState.TRAINING)
+        if others:  # the stage's training lives on in them; averaging pulls this replica towards them
+            text = (f"stage {stage}: this replica starts from the run's seeded init while the swarm is at step "
+                    f"{swarm_step}: no donor, checkpoint or copy it could verify was available; the stage's "
+                    f"{others} other replica(s) keep its training, and averaging pulls this one towards them")
+        else:
+            text = (f"stage {stage} starts from the run's seeded init while the swarm is at step {swarm_step}: no "
+                    f"donor, checkpoint or copy of this stage was available, so its training so far is lost")
         logger.warning("%s", text)
         metrics.warn(text)
     return Restored(source=most_advanced(files[:1]), state=None)
