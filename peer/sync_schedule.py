@@ -117,7 +117,8 @@ class SyncSchedule:
         for r in host.net.swarm.values():
             if r.state == PeerState.TRAINING and 0 <= r.stage < host.run.n_stages:
                 counts[r.stage] += 1
-        full = host.net.my_id in host.net.swarm and min(counts) >= 1 and len(set(counts)) == 1
+        member = host.net.my_id in host.net.swarm
+        full = member and min(counts) >= 1 and len(set(counts)) == 1
         now = self.now()
         if full:
             self.unmeshed_since, self.mesh_warned = None, False
@@ -127,7 +128,7 @@ class SyncSchedule:
         elif now - self.unmeshed_since > MESH_WARN_S and not self.mesh_warned:
             self.mesh_warned = True
             text = (f"sync mode: flushes wait until every stage has the same number of training replicas; the view "
-                    f"of the swarm shows {counts} per stage{'' if host.net.my_id in host.net.swarm else ' and not us'}"
+                    f"of the swarm shows {counts} per stage{'' if member else ' and not us'}"
                     f" (start or stop peers so that the counts match)")
             logger.warning("%s", text)
             host.metrics.warn(text, key="sync_mesh")

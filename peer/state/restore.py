@@ -134,8 +134,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                             state=state)
     swarm_step = max((r.version for r in records.values()), default=0)
     if swarm_step > 0:  # the swarm has trained, and this replica starts over
-        others = sum(1 for p, r in records.items()
-                     if p != my_id and r.stage == stage and r.state == PeerState.TRAINING)
+        others = len(choose_donors(records, stage, my_id))  # the stage's other training replicas
         if others:  # the stage's training lives on in them; averaging pulls this replica towards them
             text = (f"stage {stage}: this replica starts from the run's seeded init while the swarm is at step "
                     f"{swarm_step}: no donor, checkpoint or copy it could verify was available; the stage's "
