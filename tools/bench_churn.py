@@ -17,8 +17,10 @@ The churn run, at points of training progress drawn from ``--seed``, does what a
 
 What it reports (``--json OUT``), per run and for the churn run against the control:
 
-* ``states_lost``: stages that restarted from the seeded init although the swarm had trained (every peer logs that
-  loss as a WARNING; the tool counts those lines);
+* ``states_lost``: stages that restarted from the seeded init although the swarm had trained, with no other replica
+  keeping their training (every peer logs that loss as a WARNING; the tool counts those lines);
+  ``replicas_started_over``: replicas that started from the init while other replicas of their stage kept its
+  training (no donor state they could verify; not a loss, counted apart);
 * ``samples_lost``: the ``samples_lost`` of every peer's final summary (peers killed with SIGKILL cannot report);
 * ``orphans``: processes of a killed peer (its DHT process, p2pd) still alive 5 s after the kill, plus descendants
   of any peer left after the final reap;
@@ -65,6 +67,7 @@ from peer.ops.procs import (  # noqa: E402
     terminate,
     unwind_on_sigterm,
 )
+from peer.state.restore import REPLICA_STARTS_OVER, STAGE_LOST  # noqa: E402
 from tools.swarm_case import P2P_PORT, STATUS_PORT, http_status  # noqa: E402
 from tools.wan import LocalNet, Wan, WanConfig, check_available  # noqa: E402
 
@@ -72,7 +75,6 @@ logger = logging.getLogger("bench_churn")
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = ("kill_bootstrap", "kill_stage", "graceful", "swarm_restart")
 GAP_S = 12.0  # between the end of one event's recovery and the next event (plus up to as much again at random)
-LOST_LINE = "starts from the run's seeded init while the swarm is at step"
 STALL_S = 10.0
 SETTINGS = ("announce_every_s=1", "record_ttl_s=4", "dht_timeout_s=3", "rpc_timeout_s=5", "microbatch_timeout_s=15",
             "eval_every_s=5", "join_jitter_s=0.5", "drain_timeout_s=3", "state_load_timeout_s=30",
@@ -287,7 +289,7 @@ def run_once(label: str, args: argparse.Namespace, events: tuple[str, ...], root
         del s["at"]
     return {
         "label": label, "events": sw.events, "steps_reached": best,
-        "states_lost": logs.count(LOST_LINE),
+        "states_lost": logs.count(STAGE_LOST), "replicas_started_over": logs.count(REPLICA_STARTS_OVER),
         "samples_lost": sw.samples_lost + sum(int(s.get("samples_lost", 0)) for s in summaries.values()),
         "orphans": sw.orphans,
         "stalls_over_10s": len(real), "stalls": stalls,
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": os.cpu_count(), "peers": args.peers, "steps": args.steps, "seed": args.seed,
         "network": ({"delay_ms": args.delay_ms, "rtt_ms": 2 * args.delay_ms, "rate_mbit": args.rate_mbit}
                     if args.delay_ms or args.rate_mbit else "loopback"),
-        "states_lost": churn["states_lost"], "samples_lost": churn["samples_lost"], "orphans": churn["orphans"],
+        "states_lost": churn["states_lost"], "replicas_started_over": churn["replicas_started_over"],
+        "samples_lost": churn["samples_lost"], "orphans": churn["orphans"],
         "stalls_over_10s": churn["stalls_over_10s"],
         "final_val_loss": {k: r["final_val_loss"] for k, r in runs.items()},
         "joiner_first_step_s": churn["joiner_first_step_s"], "restart_resumed_step": churn["restart_resumed_step"],

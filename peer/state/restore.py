@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from trainer.config import RunConfig
 
 logger = logging.getLogger(__name__)
+
+STAGE_LOST = "so its training so far is lost"
+"""Ends the warning of a stage that starts from the init with no other replica (tools/bench_churn.py counts it)."""
+REPLICA_STARTS_OVER = "this replica starts from the run's seeded init"
+"""Begins the warning of a replica that starts from the init while others of its stage keep the stage's training."""
 T = TypeVar("T")
 
 DONOR_WAIT_S = 8.0  # how long a joiner with nothing but the init keeps looking for a donor in a swarm that trained
@@ -136,12 +141,12 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     if swarm_step > 0:  # the swarm has trained, and this replica starts over
         others = len(choose_donors(records, stage, my_id))  # the stage's other training replicas
         if others:  # the stage's training lives on in them; averaging pulls this replica towards them
-            text = (f"stage {stage}: this replica starts from the run's seeded init while the swarm is at step "
-                    f"{swarm_step}: no donor, checkpoint or copy it could verify was available; the stage's "
-                    f"{others} other replica(s) keep its training, and averaging pulls this one towards them")
+            text = (f"stage {stage}: {REPLICA_STARTS_OVER} while the swarm is at step {swarm_step}: no donor, "
+                    f"checkpoint or copy it could verify was available; the stage's {others} other replica(s) keep "
+                    f"its training, and averaging pulls this one towards them")
         else:
             text = (f"stage {stage} starts from the run's seeded init while the swarm is at step {swarm_step}: no "
-                    f"donor, checkpoint or copy of this stage was available, so its training so far is lost")
+                    f"donor, checkpoint or copy of this stage was available, {STAGE_LOST}")
         logger.warning("%s", text)
         metrics.warn(text)
     return Restored(source=most_advanced(files[:1]), state=None)
