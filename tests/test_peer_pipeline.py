@@ -21,6 +21,7 @@ from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.servicer import PipelineServicer
+from peer.state.spare import SpareStore
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Error, Forward, pack, unpack
 from tests.notaries import NamedNotary
@@ -106,6 +107,20 @@ async def _average(net: Net, replicas: list[str], every_s: float) -> None:
         await net.stages[replicas[0]].compute(_average_now, workers)
 
 
+async def fresher_copies(spares: SpareStore) -> None:
+    """The daemon's backup loop as far as re-checks see it: a copy asked for (``SpareStore.want_fresh``) comes at
+    once, of the held state at the next step (the tests' next stage is a static copy or a liar: a fresher copy of
+    the honest stage holds the same weights)."""
+    while True:
+        await spares.fresh_wanted.wait()
+        spares.fresh_wanted.clear()
+        info = spares.info
+        state = None if info is None else spares.read(info.stage)
+        if info is not None and state is not None:
+            spares.offer(info.stage, {**state, "local_step": info.step + 1}, source=info.source,
+                         taken_at=time.time())
+
+
 async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: float = 120.0,
                       average: tuple[str, ...] = (), average_every_s: float = 0.5) -> Stage0Driver:
     """Drive ``steps`` optimiser steps of stage 0 (or ``run_for`` seconds), then evaluate; the replicas named in
@@ -117,6 +132,8 @@ async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: fl
                           metrics=pipe0.metrics)
     serving = [asyncio.ensure_future(p.serve()) for p in net.stages.values()]
     serving.append(asyncio.get_running_loop().call_later(run_for, stop.set))
+    serving += [asyncio.ensure_future(fresher_copies(p.recheck.copy.spares)) for p in net.stages.values()
+                if getattr(p, "recheck", None) is not None]
     if average:
         serving.append(asyncio.ensure_future(_average(net, list(average), average_every_s)))
     try:

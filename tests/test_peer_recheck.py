@@ -5,8 +5,10 @@ lone fabricating one and two colluding ones are banned with none of their gradie
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
 from peer.pipeline.boundary import Boundary
-from peer.pipeline.recheck import HeldCopy, RecheckConfig, as_sent, input_gradient
+from peer.pipeline.recheck import HeldCopy, RecheckConfig, Rechecks, as_sent, input_gradient, judgeable
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker, agreement, distance
 from peer.state.spare import SpareStore
@@ -108,16 +110,61 @@ def test_recheck_bookkeeping_is_the_spot_checks():
     counts: list[str] = []
     spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=2), count=counts.append, rng=random.Random(0))
     assert spot.wants_recheck("h", fraction=0.0) and not spot.recheck_trusted("h")
-    assert not spot.recheck_verdict("h", True) and not spot.recheck_verdict("h", True)
+    assert not spot.recheck_verdict("h", True, copy=40) and not spot.recheck_verdict("h", True, copy=40)
     assert spot.recheck_trusted("h") and spot.trusted("h")  # a passed re-check counts as a passed check
     assert not spot.wants_recheck("h", fraction=0.0) and spot.wants_recheck("h", fraction=0.0, learning=True)
     assert not spot.wants_recheck("h", fraction=1.0, busy=True)  # a sample is skipped while the queue is busy
-    assert not spot.recheck_verdict("h", False)  # one failure costs its trust, bans nobody
+    assert not spot.recheck_verdict("h", False, copy=40)  # one failure costs its trust, bans nobody
     assert not spot.trusted("h") and not spot.recheck_trusted("h") and spot.wants_recheck("h", fraction=0.0)
     g = torch.ones(4)
     spot.judge("h", g, "colluder", g)  # a passed spot check with a colluder does not wash the strike away
-    assert spot.recheck_verdict("h", False)  # second failed re-check in a row: banned
+    assert spot.recheck_verdict("h", False, copy=None)  # second failed re-check in a row, proven: banned
     assert counts.count("recheck_failed") == 2 and counts.count("recheck_passed") == 2
+
+
+def test_failed_rechecks_against_one_copy_ban_only_once_a_stale_copy_cannot_explain_them():
+    """An honest stage in a loss spike fails re-checks against a copy a few steps old (docs/security.md): the
+    failures that ban must span two copies, or include one proven without a copy, or last ``one_copy_ban_s``."""
+    now = [0.0]
+    spot = SpotChecker(SpotCheckConfig(ban_after=3, one_copy_ban_s=30.0), clock=lambda: now[0])
+    for _ in range(10):  # the same copy, over and over: not banned, and a fresher copy is worth taking
+        now[0] += 1.0
+        assert not spot.recheck_verdict("spike", False, copy=68) and spot.one_copy_only("spike")
+    assert spot.recheck_verdict("spike", False, copy=80)  # a fresher copy disagrees too: banned
+    # the honest case: a fresher copy agrees, which ends the streak (and the fresher copy's count starts afresh)
+    for _ in range(5):
+        assert not spot.recheck_verdict("honest", False, copy=68)
+    assert not spot.recheck_verdict("honest", True, copy=80) and not spot.one_copy_only("honest")
+    assert not spot.recheck_verdict("honest", False, copy=80) and not spot.recheck_verdict("honest", False, copy=80)
+    # a streak against one copy that lasts one_copy_ban_s (nobody can give a fresher copy of a lone hop): banned
+    start = now[0]
+    assert not spot.recheck_verdict("lone", False, copy=68)
+    now[0] = start + 29.0
+    assert not spot.recheck_verdict("lone", False, copy=68) and not spot.recheck_verdict("lone", False, copy=68)
+    now[0] = start + 30.0
+    assert spot.recheck_verdict("lone", False, copy=68)
+    # a failure proven without a copy (a signed lie, silent witnesses) makes the streak conclusive
+    assert not spot.recheck_verdict("liar", False, copy=68) and not spot.recheck_verdict("liar", False, copy=None)
+    assert not spot.one_copy_only("liar") and spot.recheck_verdict("liar", False, copy=68)
+    with pytest.raises(ValueError):
+        SpotCheckConfig(one_copy_ban_s=-1.0)
+
+
+def test_an_answer_of_nothing_is_proven_wrong_whatever_the_copy():
+    """A zero or non-finite answer (a hop that added nothing) fails with norm ratio inf: no staleness of the copy
+    explains it, so it counts as proven (3 in a row ban with one copy, no fresher copy asked for); a copy whose own
+    result is zero or not finite judges nothing."""
+    wanted: list[int] = []
+    ns = SimpleNamespace(spot=SpotChecker(SpotCheckConfig(ban_after=3)), config=RecheckConfig(),
+                         copy=SimpleNamespace(want_fresh=lambda: wanted.append(1)))
+    ns.passes = functools.partial(Rechecks.passes, ns)
+    nothing = agreement(torch.zeros(4), torch.ones(4))
+    assert nothing == (-1.0, float("inf"))
+    assert Rechecks.record(ns, "lazy", nothing, 68) == (False, False)
+    assert Rechecks.record(ns, "lazy", nothing, 68) == (False, False)
+    assert Rechecks.record(ns, "lazy", nothing, 68) == (False, True) and wanted == []
+    assert Rechecks.record(ns, "stale", (0.05, 2.0), 68) == (False, False) and wanted == [1]  # a fresher copy, please
+    assert judgeable(torch.ones(3)) and not judgeable(torch.zeros(3)) and not judgeable(torch.tensor([float("nan")]))
     with pytest.raises(ValueError):
         RecheckConfig(fraction=1.5)
     with pytest.raises(ValueError):

@@ -111,7 +111,8 @@ def test_a_fake_next_stage_is_caught_by_spot_checks(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lone_fake_next_stage_is_caught_by_rechecks_from_the_held_copy(tmp_path: Path) -> None:
-    res = _campaign(tmp_path, "--attacks", "fake_next_stage_alone", "--phase-s", "20", "--victim-set",
+    # 45 s: a lone hop nobody can copy afresh is banned after failing re-checks against one copy for 30 s
+    res = _campaign(tmp_path, "--attacks", "fake_next_stage_alone", "--phase-s", "45", "--victim-set",
                     "backup_every_s=5", "--victim-set", "rechecks=true", timeout=280)
     ev = res["fake_next_stage_alone"]["evidence"]
     seen = ev["stage0_counters"]
@@ -137,7 +138,7 @@ def test_a_patient_liar_is_banned_and_no_honest_replica_is(tmp_path: Path) -> No
 @pytest.mark.timeout(360)
 def test_a_lone_fake_middle_stage_that_does_no_work_is_caught_with_the_witness_testimony(tmp_path: Path) -> None:
     res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny3.toml"), "--attacks", "fake_middle_stage",
-                    "--phase-s", "20", "--victim-set", "backup_every_s=5", timeout=340)
+                    "--phase-s", "45", "--victim-set", "backup_every_s=5", timeout=340)
     ev = res["fake_middle_stage"]["evidence"]
     seen = ev["stage0_counters"]
     assert ev["gradients_returned"] >= 1, ev  # it was stage 1's only replica and relayed stage 2's gradients

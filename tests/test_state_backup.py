@@ -13,6 +13,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+import peer.state.backup as backup_mod
 import peer.state.restore as restore_mod
 from peer.membership.records import PeerRecord, RecordError, record_validator, swarm_key
 from peer.membership.signing import Signer, seal
@@ -176,6 +177,39 @@ def test_stage1_of_a_longer_run_keeps_a_private_copy_of_stage0_of_its_weights_on
     assert set(copy) <= {"format", "run_id", "stage", "model", "local_step"} and "model" in copy
     assert "optimizer" in original  # what a full copy would have held besides
     assert all(torch.equal(copy["model"][k], original["model"][k]) for k in original["model"])
+
+
+def test_a_copy_asked_for_comes_early_at_most_every_refresh_bound_and_even_while_busy(monkeypatch):
+    """A re-check that fails against the held copy asks for a fresher one (``SpareStore.want_fresh``): the loop takes
+    it before its period ends, even while the compute queue is busy, and no more often than ``REFRESH_MIN_S``."""
+    monkeypatch.setattr(backup_mod, "REFRESH_MIN_S", 0.5)
+    taken: list[float] = []
+
+    async def fake_take(**kw):
+        taken.append(time.monotonic())
+        return True
+    monkeypatch.setattr(backup_mod, "take_backup", fake_take)
+
+    async def main():
+        store, metrics = SpareStore(RUN, None), PeerMetrics("me", 0)
+        loop = asyncio.ensure_future(backup_mod.backup_loop(
+            run=RUN, stage=0, my_id="me", period_s=60.0, spares=store, metrics=metrics, p2p=None,
+            swarm=dict, busy=lambda: True))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        store.want_fresh()
+        while len(taken) < 1:
+            await asyncio.sleep(0.02)
+        store.want_fresh()  # asked again at once: not before the bound
+        while len(taken) < 2:
+            await asyncio.sleep(0.02)
+        loop.cancel()
+        return t0, metrics.snapshot()["counters"]
+
+    t0, counters = asyncio.run(main())
+    assert taken[0] - t0 < 0.6  # the first within the bound since the loop started, not the 60-s period
+    assert taken[1] - taken[0] >= 0.45
+    assert counters["backups_wanted"] == 2 and counters.get("backups_skipped_busy", 0) == 0
 
 
 def test_the_backup_loop_copies_only_a_witnessed_state(tmp_path):

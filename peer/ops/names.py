@@ -40,8 +40,8 @@ COUNTERS = (
     # stage moves, state and backups
     "stage_moves", "stage_move_backoffs", "state_sync_ok", "state_sync_donor_failed", "state_sync_outvoted",
     "state_witness_dissent", "state_sync_unwitnessed", "state_step_capped", "state_digests_served",
-    "state_chunks_served", "backups_taken", "backups_skipped_busy", "backups_served", "backups_failed",
-    "backup_restores", "backup_bytes_in", "backup_bytes_out",
+    "state_chunks_served", "backups_taken", "backups_wanted", "backups_skipped_busy", "backups_served",
+    "backups_failed", "backup_restores", "backup_bytes_in", "backup_bytes_out",
     # membership gossip (peer/membership/gossip.py)
     "records_served", "records_learnt", "gossip_failed",
     # the initial peers' vouches a joiner draws a state's witnesses from (peer/membership/vouches.py)

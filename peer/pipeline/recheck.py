@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: a re-check's verdict: ((cosine or share carried, norm ratio) or None when it could not be judged, what disagreed,
+#: the step of the copy that judged it or None when it was proven without one)
+Judged = tuple[tuple[float, float] | None, str, int | None]
+
 
 @dataclass(frozen=True, kw_only=True)
 class RecheckConfig:
@@ -92,6 +96,16 @@ def check_figures(count_key: str, judged: int, copy: HeldCopy, compute_s: float,
     for i, name in enumerate(("cosine", "norm_ratio")):
         out.update(quantiles(name, [v[i] for v in pairs]))
     return out
+
+
+def judgeable(*tensors: torch.Tensor) -> bool:
+    """Whether the held copy's own results can judge a hop: finite and not zero (a copy of a diverged state cannot;
+    a hop's zero or non-finite answer is then proven wrong whatever the copy's staleness: ``Rechecks.record``)."""
+    for t in tensors:
+        n = float(torch.linalg.vector_norm(t.float()))
+        if not 0.0 < n < float("inf"):
+            return False
+    return True
 
 
 def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *, bf16: bool = False) -> torch.Tensor:
@@ -171,6 +185,12 @@ class HeldCopy:
 
     def module(self) -> StageBase | None:
         """The copy as a module without gradients of its own, or None when none is held (or it cannot be read)."""
+        built = self.judge()
+        return None if built is None else built[0]
+
+    def judge(self) -> tuple[StageBase, int] | None:
+        """The copy as ``module()`` gives it and the step it is of (which copy judged a re-check: failures against
+        two copies ban where failures against one may be its staleness), or None."""
         with self._lock:
             info = self.spares.info
             if info is None or info.stage != self.stage or not self.available():
@@ -186,7 +206,12 @@ class HeldCopy:
                 module.load_state_dict(state["model"], assign=True)
                 module.requires_grad_(False)
                 self._module, self._key = module.to(self.device).eval(), key
-            return self._module
+            assert self._module is not None
+            return self._module, key[0]
+
+    def want_fresh(self) -> None:
+        """Ask for a fresher copy than the one held, soon (the backup loop takes one within its refresh bound)."""
+        self.spares.want_fresh()
 
     def nbytes(self) -> int:
         """Bytes of the module's weights (0 while none is built)."""
@@ -261,18 +286,21 @@ class Rechecks:
         rows = torch.randperm(x.shape[0])[: self.config.rows]
         return x[rows], targets[rows], rows
 
-    async def _reference(self, fwd: Forward, mb_id: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the copy's gradient of a few rows as the wire delivers it, which rows), or None when the copy cannot
-        judge now (it went, or our own error: never the hop's fault)."""
+    async def _reference(self, fwd: Forward, mb_id: int,
+                         batch: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(the copy's gradient of a few rows as the wire delivers it, which rows, the copy's step), or None when
+        the copy cannot judge now (it went, or our own error: never the hop's fault)."""
         loop = asyncio.get_running_loop()
         try:
             x, targets, rows = await loop.run_in_executor(None, self._inputs, fwd)
             # a new copy is read and built off the compute thread, which only runs the re-computation
-            module = await loop.run_in_executor(None, self.copy.module)
-            if module is None:
+            built = await loop.run_in_executor(None, self.copy.judge)
+            if built is None:
                 return None
-            ref = await self.compute(self._recompute, module, x, targets)
-            return await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / batch), rows
+            ref = await self.compute(self._recompute, built[0], x, targets)
+            if not judgeable(ref):
+                raise ValueError("the held copy's own gradient is zero or not finite: it judges nothing")
+            return await loop.run_in_executor(None, as_sent, self.boundary, ref, len(rows) / batch), rows, built[1]
         except Exception as e:
             logger.warning("re-check of micro-batch %d failed here: %s: %s", mb_id, type(e).__name__, e)
             self.metrics.inc("recheck_errors")
@@ -284,7 +312,8 @@ class Rechecks:
         if verdict is not None:
             self.seen.append(verdict)
         self.conclude(p, peer, msg, grad, verdict,
-                      "" if verdict is None else f"cosine {verdict[0]:.3f}, norm ratio {verdict[1]:.2f}")
+                      "" if verdict is None else f"cosine {verdict[0]:.3f}, norm ratio {verdict[1]:.2f}",
+                      copy=None if ref is None else ref[2])
 
     def arbitrate(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]]) -> bool:
         """A spot check's two answers disagree: whether the held copy decides who is wrong, instead of the spot
@@ -310,11 +339,11 @@ class Rechecks:
             self._banned(caught, ban, "another replica", kind="spotcheck")
             self.requeue(BackwardWork(msg, None))
             return
-        verdicts: dict[str, tuple[tuple[float, float] | None, str]] = {}
+        verdicts: dict[str, Judged] = {}
         for peer, (_, grad) in answers.items():
             cos, ratio = verdict = agreement(grad[ref[1]], ref[0])
             self.seen.append(verdict)
-            verdicts[peer] = verdict, f"cosine {cos:.3f}, norm ratio {ratio:.2f}"
+            verdicts[peer] = verdict, f"cosine {cos:.3f}, norm ratio {ratio:.2f}", ref[2]
         self.decide(p, answers, verdicts)
 
     def passes(self, verdict: tuple[float, float]) -> bool:
@@ -322,20 +351,19 @@ class Rechecks:
         return verdict[0] >= self.config.min_cosine and verdict[1] <= self.config.max_norm_ratio
 
     def decide(self, p: Pending, answers: dict[str, tuple[Backward, torch.Tensor]],
-               verdicts: dict[str, tuple[tuple[float, float] | None, str]]) -> None:
-        """The end of an arbitration: each answer judged by the copy takes its re-check verdict (None: it could not be
-        judged, neither held against it nor trained on; ``why``: what disagreed), and the micro-batch is trained on
-        the one answer that passed, or dropped when none or both did."""
+               verdicts: dict[str, Judged]) -> None:
+        """The end of an arbitration: each answer judged by the copy takes its re-check verdict (``Judged``; None: it
+        could not be judged, neither held against it nor trained on), and the micro-batch is trained on the one
+        answer that passed, or dropped when none or both did."""
         msg = next(iter(answers.values()))[0]
         if not self.held(msg.mb_id, p):
             return
         right = []
-        for peer, (verdict, why) in verdicts.items():
+        for peer, (verdict, why, copy) in verdicts.items():
             if verdict is None:
                 continue
             self.judged += 1
-            passed = self.passes(verdict)
-            ban = self.spot.recheck_verdict(peer, passed)
+            passed, ban = self.record(peer, verdict, copy)
             if passed:
                 right.append(peer)
             else:
@@ -355,12 +383,27 @@ class Rechecks:
             ban_hop(peer, stage=self.stage, spot=self.spot, router=self.router, metrics=self.metrics,
                     revoke=self.revoke, kind=kind, contradicted_by=by)
 
+    def record(self, peer: str, verdict: tuple[float, float], copy: int | None) -> tuple[bool, bool]:
+        """A re-check ``verdict`` on ``peer`` into the hops' bookkeeping (``copy``: the step of the copy that judged
+        it, None when proven without one); (whether it passed, whether the hop is now to be banned). A zero or
+        non-finite answer (norm ratio inf: a hop that added nothing, or a gradient of nothing) is proven whatever
+        the copy: no staleness explains it. A failure that only one copy judged so far asks for a fresher copy: a
+        stale copy and a liar part there."""
+        passed = self.passes(verdict)
+        if math.isinf(verdict[1]):
+            copy = None
+        ban = self.spot.recheck_verdict(peer, passed, copy=copy)
+        if not passed and not ban and self.spot.one_copy_only(peer):
+            self.copy.want_fresh()
+        return passed, ban
+
     def conclude(self, p: Pending, peer: str, msg: Backward, grad: torch.Tensor,
-                 verdict: tuple[float, float] | None, why: str, *, unheard: bool = False) -> None:
+                 verdict: tuple[float, float] | None, why: str, *, copy: int | None, unheard: bool = False) -> None:
         """Pass the re-checked gradient on, or drop it and hold it against ``peer``: ``verdict`` is the (cosine,
         norm ratio) judged (None: nothing could be judged, trained as before re-checks; ``why`` says what
-        disagreed). ``unheard``: nothing could be judged because someone the hop named did not answer: dropped,
-        not held against the hop."""
+        disagreed; ``copy``: the step of the copy that judged it, None when proven without one). ``unheard``:
+        nothing could be judged because someone the hop named did not answer: dropped, not held against the
+        hop."""
         if not self.held(msg.mb_id, p):  # the id held here (a later stage sends under ids of its own)
             return
         if verdict is None:  # the copy went (the peer moved, a newer one unreadable): trained as before re-checks
@@ -368,8 +411,7 @@ class Rechecks:
             self.requeue(BackwardWork(msg, None if unheard else grad))
             return
         self.judged += 1
-        passed = self.passes(verdict)
-        ban = self.spot.recheck_verdict(peer, passed)
+        passed, ban = self.record(peer, verdict, copy)
         self.metrics.rechecks = self.snapshot()
         if passed:
             self.vouch(peer)

@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,14 +39,21 @@ class SpotCheckConfig:
     most early in training, and the norm bound and gradient clipping bound the magnitude anyway)."""
     ban_after: int = 3
     """Failed checks in a row after which a hop is banned."""
+    one_copy_ban_s: float = 30.0
+    """Failed re-checks from the held copy ban a hop only when a stale copy cannot explain them: judged against two
+    different copies, or one of them proven without a copy (a signed lie), or the hop failing every re-check against
+    one copy for this long (a lone hop whose stage nobody else can give a fresher copy of). An honest stage in a
+    loss spike disagrees with a copy a few steps old and agrees again with a fresher one (docs/security.md,
+    "Re-checks from the held copy")."""
     ban_s: float = 600.0
     """How long a hop caught returning fabricated gradients is banned from our routing."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0 or not 0.0 < self.untrusted_share <= 1.0:
             raise ValueError("SpotCheckConfig: fraction must be in [0, 1] and untrusted_share in (0, 1]")
-        if self.trust_after < 0 or self.ban_after < 1 or self.ban_s < 0:
-            raise ValueError("SpotCheckConfig: trust_after >= 0, ban_after >= 1 and ban_s >= 0 are required")
+        if self.trust_after < 0 or self.ban_after < 1 or self.ban_s < 0 or self.one_copy_ban_s < 0:
+            raise ValueError("SpotCheckConfig: trust_after >= 0, ban_after >= 1, ban_s >= 0 and one_copy_ban_s >= 0 "
+                             "are required")
         if not -1.0 <= self.min_cosine < 1.0 or self.max_norm_ratio < 1.0:
             raise ValueError("SpotCheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
 
@@ -59,6 +66,9 @@ class _Hop:
     strikes: int = 0  # failed checks in a row
     rechecked: int = 0  # re-checks from the held copy passed since the last failed one (peer.pipeline.recheck)
     re_strikes: int = 0  # failed re-checks in a row (passed spot checks do not reset them: colluders vouch so)
+    re_copies: set[int] = field(default_factory=set)  # the copies (their steps) those failures were judged against
+    re_proven: bool = False  # one of them was proven without a copy
+    re_since: float = 0.0  # when the first of them came
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,11 +138,12 @@ class SpotChecker:
             return True
         return not busy and self.rng.random() < fraction
 
-    def recheck_verdict(self, peer_id: str, passed: bool) -> bool:
-        """Record a re-check of ``peer_id``'s gradient against the held copy; returns whether it is now to be banned.
-        The copy is no replica that could be the liar, so the hop alone takes the blame: a failure costs it its trust
-        (spot checks' and re-checks'), ``ban_after`` failed re-checks in a row ban it, and a passed one counts as a
-        passed check."""
+    def recheck_verdict(self, peer_id: str, passed: bool, *, copy: int | None) -> bool:
+        """Record a re-check of ``peer_id``'s work against the held copy of its stage (``copy``: that copy's step;
+        None for a failure proven without a copy); returns whether it is now to be banned. The copy is no replica
+        that could be the liar, so the hop alone takes the blame: a failure costs it its trust (spot checks' and
+        re-checks'), ``ban_after`` failed re-checks in a row ban it once a stale copy cannot explain them
+        (``one_copy_ban_s``), and a passed one counts as a passed check."""
         hop = self._hop(peer_id)
         if passed:
             hop.passed += 1
@@ -141,7 +152,19 @@ class SpotChecker:
             self.count("recheck_passed")
             return False
         hop.rechecked = 0
+        if hop.re_strikes == 0:
+            hop.re_copies, hop.re_proven, hop.re_since = set(), False, self.clock()
+        if copy is None:
+            hop.re_proven = True
+        elif len(hop.re_copies) < 2:
+            hop.re_copies.add(copy)
         return self._strike(hop, recheck=True)
+
+    def one_copy_only(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s failed re-checks in a row were all judged against one copy (a fresher copy would
+        tell a stale copy from a liar: worth taking one now)."""
+        hop = self._hop(peer_id)
+        return hop.re_strikes > 0 and not hop.re_proven and len(hop.re_copies) < 2
 
     def partner(self, primary: str, candidates: Sequence[str]) -> str | None:
         """A second replica for a check of ``primary``: a trusted one when there is one, else any other."""
@@ -206,7 +229,9 @@ class SpotChecker:
         if recheck:
             self.count("recheck_failed")
             hop.re_strikes += 1
-            ban = hop.re_strikes >= self.config.ban_after
+            conclusive = (hop.re_proven or len(hop.re_copies) >= 2
+                          or self.clock() - hop.re_since >= self.config.one_copy_ban_s)
+            ban = hop.re_strikes >= self.config.ban_after and conclusive
             hop.re_strikes = 0 if ban else hop.re_strikes
         else:
             hop.strikes += 1

@@ -45,7 +45,7 @@ import torch
 
 from peer.ids import short_id
 from peer.pipeline.attest import FRAUD_RPC, Verdict, judge, relayed_ok, testify
-from peer.pipeline.recheck import Rechecks
+from peer.pipeline.recheck import Rechecks, judgeable
 from peer.pipeline.work import BackwardWork
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import PeerBudgets
@@ -252,7 +252,7 @@ class MiddleRechecks(Rechecks):
         if told is not None and p.started > told[0]:
             self.metrics.inc("recheck_sampled")
             self.conclude(p, peer, msg, grad, (-1.0, float("inf")),
-                          f"it still sends work to {short_id(liar)}, which it was shown lies about it")
+                          f"it still sends work to {short_id(liar)}, which it was shown lies about it", copy=None)
         else:
             self.metrics.inc("liar_named")
             self._tell(peer, liar)
@@ -403,12 +403,13 @@ class MiddleRechecks(Rechecks):
         return out
 
     async def _verdict(self, peer: str, fwd: Forward, msg: Backward,
-                       grad: torch.Tensor) -> tuple[tuple[float, float] | None, str, bool]:
+                       grad: torch.Tensor) -> tuple[tuple[float, float] | None, str, bool, int | None]:
         """(the verdict on ``peer``'s answer or None, what disagreed, whether it was left unjudged because a witness
-        it named was silent); every ``UNHEARD_STRIKE``-th unjudged one in a row is a failure."""
+        it named was silent, the step of the copy that judged it: None when proven without one); every
+        ``UNHEARD_STRIKE``-th unjudged one in a row is a failure."""
         loop = asyncio.get_running_loop()
         verdict: tuple[float, float] | None = None
-        why, unheard = "", False
+        why, unheard, copy = "", False, None
         try:
             x, ids, rows = await loop.run_in_executor(None, self._rows, fwd)
             kind, said = await self._testimony(peer, msg, rows)
@@ -416,13 +417,16 @@ class MiddleRechecks(Rechecks):
             if kind == "fail":
                 why, verdict = said, (-1.0, float("inf"))
             elif kind == "ok":
-                module = await loop.run_in_executor(None, self.copy.module)
-                if module is not None:
+                built = await loop.run_in_executor(None, self.copy.judge)
+                if built is not None:
+                    module, copy = built
                     received, g_out = said
                     y, g = await self.compute(self._recompute_middle, module, x, g_out)
                     y = await loop.run_in_executor(None, as_carried, self.boundary, y, ids)
                     g = await loop.run_in_executor(None, functools.partial(as_carried, self.boundary, g,
                                                                            gradient=True))
+                    if not judgeable(y - x, g - g_out):
+                        raise ValueError("the held copy's own change is zero or not finite: it judges nothing")
                     # what every witness received, and the gradient the hop returned: each must pass
                     judged = [middle_agreement(x, r, y, g_out, grad[rows], g) for r in received]
                     pairs = [fwd for fwd, _ in judged] + [judged[0][1]]
@@ -446,15 +450,16 @@ class MiddleRechecks(Rechecks):
             self._unheard[peer] = streak
             while len(self._unheard) > 4096:
                 del self._unheard[next(iter(self._unheard))]
-        return verdict, why, unheard and verdict is None
+        return verdict, why, unheard and verdict is None, copy
 
     async def _judge(self, p: Pending, peer: str, fwd: Forward, msg: Backward, grad: torch.Tensor) -> None:
-        verdict, why, unheard = await self._verdict(peer, fwd, msg, grad)
-        self.conclude(p, peer, msg, grad, verdict, why, unheard=unheard)
+        verdict, why, unheard, copy = await self._verdict(peer, fwd, msg, grad)
+        self.conclude(p, peer, msg, grad, verdict, why, copy=copy, unheard=unheard)
 
     async def _arbitrate(self, p: Pending, fwd: Forward, answers: dict[str, tuple[Backward, torch.Tensor]]) -> None:
         """Each answer judged as a re-check of its own, with the testimony of the witnesses its own hop names: a liar's
         colluding witness can get its answer passed too (then neither is trained on); an honest answer fails only
         if a witness of its own lies."""
         said = await asyncio.gather(*(self._verdict(peer, fwd, msg, grad) for peer, (msg, grad) in answers.items()))
-        self.decide(p, answers, {peer: (verdict, why) for peer, (verdict, why, _) in zip(answers, said, strict=True)})
+        self.decide(p, answers, {peer: (verdict, why, copy)
+                                 for peer, (verdict, why, _, copy) in zip(answers, said, strict=True)})

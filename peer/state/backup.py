@@ -8,8 +8,11 @@ witnessed state is copied (``peer.state.witness``: the neighbour stage's other r
 ``local_step`` is capped at theirs), since the copy is announced in this peer's own record and may later restore the
 stage; a neighbour stage of one replica is copied only when that replica did validated work for this peer. It is low
 priority: skipped while the peer is not training, while its compute queue is busy, and when no peer of the neighbour
-stage is ahead of the copy held. The traffic is counted: ``backup_bytes_in`` and ``backups_taken`` here,
-``backup_bytes_out`` and ``backups_served`` at the serving peer (``peer.state.sync``).
+stage is ahead of the copy held. A re-check that fails against the held copy asks for a fresher one at once
+(``SpareStore.want_fresh``; at most every ``REFRESH_MIN_S``, busy or not): failures against two copies ban a hop,
+against one they may be the copy's staleness (``peer.pipeline.spotcheck``). The traffic is counted:
+``backup_bytes_in``, ``backups_taken`` and ``backups_wanted`` here, ``backup_bytes_out`` and ``backups_served`` at the
+serving peer (``peer.state.sync``).
 
 The same loop keeps a second, private copy where a stage re-checks forwards from a stage that is not its neighbour:
 stage 1 of a run of three or more stages copies stage 0 (``peer.pipeline.fwdcheck``). That copy holds the weights
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 MAX_HOLDERS = 2  # neighbour peers tried per backup before waiting for the next period
 JITTER = 0.25  # +-25 % on the period, so the peers of a stage do not all fetch at once
+REFRESH_MIN_S = 10.0  # a copy asked for early (``SpareStore.want_fresh``) comes at most this often
 
 
 def neighbour_stage(n_stages: int, stage: int) -> int | None:
@@ -145,9 +149,19 @@ async def backup_loop(*, run: RunConfig, stage: int, my_id: str, period_s: float
     if neighbour is None or period_s <= 0:
         return
     reference = await asyncio.get_running_loop().run_in_executor(None, shape_reference, run, neighbour)
+    last = time.monotonic()
     while True:
-        await asyncio.sleep(period_s * random.uniform(1 - JITTER, 1 + JITTER))
-        if busy():
+        try:
+            await asyncio.wait_for(spares.fresh_wanted.wait(), period_s * random.uniform(1 - JITTER, 1 + JITTER))
+            wanted = True  # a re-check doubts the held copy (peer.pipeline.recheck): a fresher one, soon
+            await asyncio.sleep(max(0.0, min(period_s, REFRESH_MIN_S) - (time.monotonic() - last)))
+        except TimeoutError:
+            wanted = False
+        spares.fresh_wanted.clear()
+        last = time.monotonic()
+        if wanted:
+            metrics.inc("backups_wanted")
+        elif busy():
             metrics.inc("backups_skipped_busy")
             continue
         try:

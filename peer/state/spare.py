@@ -14,6 +14,7 @@ state server for that stage, and considered by ``peer.state.restore`` when a pee
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -71,6 +72,11 @@ class SpareStore:
         self.info: SpareInfo | None = None
         self._state: dict[str, Any] | None = None  # the copy itself when there is no folder
         self._lock = threading.Lock()  # offer and read run in executor threads
+        self.fresh_wanted = asyncio.Event()  # a re-check doubts the held copy: the backup loop takes one soon
+
+    def want_fresh(self) -> None:
+        """Ask the backup loop for a fresher copy than the held one (call on the event loop's thread)."""
+        self.fresh_wanted.set()
 
     def scan(self) -> SpareInfo | None:
         """Find the copy a previous life of this peer left in the folder (blocking; unreadable files are skipped)."""
