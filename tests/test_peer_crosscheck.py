@@ -81,7 +81,7 @@ def test_no_partner_answer_drops_an_untrusted_hops_work_and_keeps_a_trusted_ones
 
 def test_two_answers_that_agree_train_their_mean_and_disagreeing_ones_ban_the_newcomer():
     g = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
-    cc, _ = checks(Net({}), [], ban_after=2)
+    cc, _ = checks(Net({}), [], ban_after=2, blame_span_s=0.0)
     p = pending()
     p.checks = {"b1": None, "c1": None}
     assert cc.answer(p, "c1", backward(), g) is None  # held until its partner's answer is here

@@ -39,6 +39,11 @@ class SpotCheckConfig:
     most early in training, and the norm bound and gradient clipping bound the magnitude anyway)."""
     ban_after: int = 3
     """Failed checks in a row after which a hop is banned."""
+    blame_span_s: float = 5.0
+    """Failed spot checks blamed by the hops' history (no held copy could decide) ban a hop only when they span this
+    long: disagreements of micro-batches in flight together are one moment of one replica, which a loss spike of an
+    honest one makes too (a red-team run banned an honest stage-1 replica 6 s into training for 3 disagreements
+    within 74 ms with its honest partner)."""
     one_copy_ban_s: float = 30.0
     """Failed re-checks from the held copy ban a hop only when a stale copy cannot explain them: judged against two
     different copies, or one of them proven without a copy (a signed lie), or the hop failing every re-check against
@@ -51,9 +56,9 @@ class SpotCheckConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0 or not 0.0 < self.untrusted_share <= 1.0:
             raise ValueError("SpotCheckConfig: fraction must be in [0, 1] and untrusted_share in (0, 1]")
-        if self.trust_after < 0 or self.ban_after < 1 or self.ban_s < 0 or self.one_copy_ban_s < 0:
-            raise ValueError("SpotCheckConfig: trust_after >= 0, ban_after >= 1, ban_s >= 0 and one_copy_ban_s >= 0 "
-                             "are required")
+        if self.trust_after < 0 or self.ban_after < 1 or min(self.ban_s, self.blame_span_s, self.one_copy_ban_s) < 0:
+            raise ValueError("SpotCheckConfig: trust_after >= 0, ban_after >= 1, and ban_s, blame_span_s and "
+                             "one_copy_ban_s >= 0 are required")
         if not -1.0 <= self.min_cosine < 1.0 or self.max_norm_ratio < 1.0:
             raise ValueError("SpotCheckConfig: min_cosine must be in [-1, 1) and max_norm_ratio >= 1")
 
@@ -64,6 +69,7 @@ class _Hop:
     passed: int = 0
     failed: int = 0
     strikes: int = 0  # failed checks in a row
+    since: float = 0.0  # when the first of them came
     rechecked: int = 0  # re-checks from the held copy passed since the last failed one (peer.pipeline.recheck)
     re_strikes: int = 0  # failed re-checks in a row (passed spot checks do not reset them: colluders vouch so)
     re_copies: set[int] = field(default_factory=set)  # the copies (their steps) those failures were judged against
@@ -214,9 +220,9 @@ class SpotChecker:
     def blame(self, a: str, b: str) -> tuple[str, bool]:
         """Two hops disagreed and nothing better can tell which is wrong: (the one blamed, whether it is now to be
         banned). The hop with fewer passed checks (on a tie, the one met later) is blamed and loses its trust;
-        ``ban_after`` blames in a row ban it, so one honest outlier bans nobody. A patient liar with more history
-        than an honest partner gets the partner blamed: the servicer asks the held copy first when it has one
-        (``peer.pipeline.recheck.Rechecks.arbitrate``)."""
+        ``ban_after`` blames in a row ban it once they span ``blame_span_s``, so one honest outlier bans nobody. A
+        patient liar with more history than an honest partner gets the partner blamed: the servicer asks the held
+        copy first when it has one (``peer.pipeline.recheck.Rechecks.arbitrate``)."""
         ha, hb = self._hop(a), self._hop(b)
         caught = a if (ha.passed, -ha.first_seen) < (hb.passed, -hb.first_seen) else b
         return caught, self._strike(self._hops[caught], recheck=False)
@@ -234,8 +240,9 @@ class SpotChecker:
             ban = hop.re_strikes >= self.config.ban_after and conclusive
             hop.re_strikes = 0 if ban else hop.re_strikes
         else:
+            hop.since = self.clock() if hop.strikes == 0 else hop.since
             hop.strikes += 1
-            ban = hop.strikes >= self.config.ban_after
+            ban = hop.strikes >= self.config.ban_after and self.clock() - hop.since >= self.config.blame_span_s
             hop.strikes = 0 if ban else hop.strikes
         return ban
 
