@@ -12,7 +12,7 @@ import torch
 from test_state_sync import RUN, SMALL_CHUNKS, Direct, _server, _trained_worker
 
 from peer.ops.metrics import PeerMetrics
-from peer.state.digest import digest, tensor_distances, witnessed_tensors
+from peer.state.digest import FLOOR_LR_STEPS, RMS_FLOOR, digest, tensor_distances, witness_floors, witnessed_tensors
 from peer.state.sync import StateSyncConfig, load_state_from_peers
 from peer.state.witness import draw_witnesses, witness_state, witness_vetter
 from protocol.errors import ErrorCode
@@ -59,6 +59,23 @@ def test_the_sketch_reads_zeros_as_one_a_sign_flip_as_two_per_tensor():
     assert tensor_distances(a, flip).tolist() == pytest.approx([2.0, 2.0], abs=0.01)
     near = digest([t + 0.05 * torch.randn(t.shape, generator=g) for t in tensors], seed=11, dims=64, local_step=0)
     assert (tensor_distances(a, near) < 0.12).all()  # about 0.05, within the sketch's error
+
+
+def test_a_bias_is_measured_against_how_far_training_moves_it_and_a_weight_is_not():
+    """Honest replicas' biases (zero at the init) differ early by more than their own small norm: they are measured
+    relative to FLOOR_LR_STEPS x the run's learning rate at least; weights keep the fixed floor."""
+    lr = 1e-3
+    floors = witness_floors(["wte.weight", "blocks.0.attn.c_attn.bias", "ln_f.bias", "blocks.0.ln_1.weight"], lr)
+    assert floors.tolist() == pytest.approx([RMS_FLOOR, FLOOR_LR_STEPS * lr, FLOOR_LR_STEPS * lr, RMS_FLOOR])
+    g = torch.Generator().manual_seed(0)
+    weight, bias = 0.05 * torch.randn(64, 32, generator=g), 0.004 * torch.randn(96, generator=g)
+    honest = [weight + 0.005 * torch.randn(64, 32, generator=g), bias + 0.006 * torch.randn(96, generator=g)]
+    a, b = (digest(ts, seed=3, dims=64, local_step=0) for ts in ([weight, bias], honest))
+    fixed, ours = tensor_distances(a, b), tensor_distances(a, b, witness_floors(["w.weight", "w.bias"], lr))
+    assert fixed[1] > 0.5 > ours[1]  # the bias: refused under the fixed floor, within tolerance under its own
+    assert ours[0] == pytest.approx(fixed[0]) and ours[0] < 0.2  # the weight: unchanged
+    shifted = digest([weight, bias + 0.05 * torch.randn(96, generator=g)], seed=3, dims=64, local_step=0)
+    assert tensor_distances(a, shifted, witness_floors(["w.weight", "w.bias"], lr))[1] > 0.5  # 2.5x the floor: far
 
 
 @pytest.mark.parametrize("kind", ["zeros", "scale", "noise"])

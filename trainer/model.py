@@ -97,6 +97,13 @@ def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> t
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
+def starts_at_zero(name: str) -> bool:
+    """Whether the seeded init sets parameter ``name`` to zero (every bias, LayerNorm's included): such a tensor is
+    small next to how far training moves it, so its witnessed distance needs a floor of its own
+    (``peer.state.digest.witness_floors``)."""
+    return name.rsplit(".", 1)[-1] == "bias"
+
+
 @torch.no_grad()
 def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: int) -> None:
     """Initialise each parameter of ``module`` from its own generator; ``names`` maps local to full-model names."""
@@ -104,11 +111,10 @@ def _init_named(module: nn.Module, names: dict[str, str], seed: int, n_layer: in
         if p.is_meta:  # built on the meta device for shapes and counts only: nothing to fill
             continue
         full = names[local]
-        leaf = full.rsplit(".", 1)[-1]
-        if ".ln_" in f".{full}":  # LayerNorm: weight 1, bias 0
-            p.fill_(1.0 if leaf == "weight" else 0.0)
-        elif leaf == "bias":
+        if starts_at_zero(full):
             p.zero_()
+        elif ".ln_" in f".{full}":  # LayerNorm: weight 1 (and bias 0, above)
+            p.fill_(1.0)
         else:
             std = 0.02 / math.sqrt(2 * n_layer) if full.endswith("c_proj.weight") else 0.02
             p.copy_(seeded_normal(seed, full, tuple(p.shape), std))

@@ -25,12 +25,26 @@ from protocol.codecs.registry import decode, encode
 from protocol.errors import ProtocolError
 from protocol.messages import StateChunk
 from protocol.validation import TensorSpec
+from trainer.model import starts_at_zero
 
 BLOCK = 1 << 22  # coordinates drawn and added at once (bounds the memory of the random draws)
 MAX_DIMS = 256
 RMS_FLOOR = 0.002
 """Distances are relative to at least this rms per coordinate (a tenth of the GPT init std): a tensor that starts at
 zero (a bias, a LayerNorm shift) differs between honest replicas by a large fraction of its own small norm."""
+FLOOR_LR_STEPS = 20.0
+"""A tensor that starts at zero is measured relative to at least this many optimiser steps' movement at the run's
+peak learning rate (``witness_floors``): early in training honest replicas' biases and LayerNorm shifts read
+0.7-1.1 apart under the fixed floor alone, and at most 0.45 under this one (``tools/witness_drift.py``;
+docs/security.md, "Witnesses vote")."""
+
+
+def witness_floors(names: list[str], lr: float) -> torch.Tensor:
+    """Per witnessed tensor (``names``: the state's model keys, in order), the rms per coordinate its distance is
+    relative to at least: ``FLOOR_LR_STEPS`` x ``lr`` for a tensor the seeded init sets to zero (0.06 in the tiny
+    run, 0.02 in the default; a liar may then shift a bias by up to half that, rms), else ``RMS_FLOOR``."""
+    high = max(RMS_FLOOR, FLOOR_LR_STEPS * lr)
+    return torch.tensor([high if starts_at_zero(n) else RMS_FLOOR for n in names], dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -83,13 +97,15 @@ def digest(tensors: list[torch.Tensor], *, seed: int, dims: int, local_step: int
                   numel=torch.tensor([t.numel() for t in tensors], dtype=torch.int64), local_step=int(local_step))
 
 
-def tensor_distances(a: Digest, b: Digest) -> torch.Tensor:
-    """Per tensor, ``|S(a) - S(b)| / max(|S(a)|, |S(b)|, RMS_FLOOR sqrt(numel))`` with S the sketch: about the
-    relative distance of the two tensors, exactly 0 for equal ones, 1 for zeros against anything and 2 for a sign
-    flip. The floor keeps tensors that start at zero (biases) from reading small honest differences as far."""
+def tensor_distances(a: Digest, b: Digest, floor: float | torch.Tensor = RMS_FLOOR) -> torch.Tensor:
+    """Per tensor, ``|S(a) - S(b)| / max(|S(a)|, |S(b)|, floor sqrt(numel))`` with S the sketch: about the relative
+    distance of the two tensors, exactly 0 for equal ones, 1 for zeros against anything far above the floor and 2
+    for a sign flip. The floor (rms per coordinate, one or per tensor: ``witness_floors``) keeps tensors that are
+    small next to how far training moves them (biases that start at zero) from reading small honest differences as
+    far."""
     diff = (a.sketch - b.sketch).double().norm(dim=1)
     scale = torch.maximum(a.sketch.double().norm(dim=1), b.sketch.double().norm(dim=1))
-    scale = torch.maximum(scale, RMS_FLOOR * a.numel.double().sqrt())
+    scale = torch.maximum(scale, floor * a.numel.double().sqrt())
     return torch.where(scale > 0, diff / scale.clamp_min(1e-30), torch.zeros_like(diff)).float()
 
 

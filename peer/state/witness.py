@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from peer.state.digest import Digest, digest, read_digest, tensor_distances, witnessed_tensors
+from peer.state.digest import Digest, digest, read_digest, tensor_distances, witness_floors, witnessed_tensors
 from peer.state.sync import STATE_RPC, StateSyncConfig, StateSyncError, Vet
 from protocol.errors import PeerUnreachable, ProtocolError, RemoteError
 from protocol.messages import StateChunk, StateDigestRequest
@@ -111,6 +111,7 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
 
     for label, held in (local or {}).items():
         answers[label] = await loop.run_in_executor(None, digest_of, held)
+    floors = witness_floors(list(state["model"]), run.optim.lr)
     distances: dict[str, float] = {}
     problems: list[str] = []
     for w, answer in answers.items():
@@ -120,7 +121,7 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
         if not bool((answer.numel == ours.numel).all()):
             problems.append(f"witness {w[:16]} holds tensors of other sizes")
             continue
-        d = tensor_distances(ours, answer)
+        d = tensor_distances(ours, answer, floors)
         distances[w] = float(d.max()) if d.numel() else 0.0
         if distances[w] > config.tensor_tolerance:
             worst = int(d.argmax())
@@ -221,7 +222,7 @@ async def agreeing_replicas(*, transport: Caller, run: RunConfig, stage: int, pe
     def close(a: Digest, b: Digest) -> bool:
         if a.numel.shape != b.numel.shape or not bool((a.numel == b.numel).all()):
             return False
-        d = tensor_distances(a, b)
+        d = tensor_distances(a, b)  # no names here: the fixed floor
         return d.numel() == 0 or float(d.max()) <= config.tensor_tolerance
 
     return [p for p, d in got.items() if 2 * sum(1 for q in got.values() if close(d, q)) > len(got)]
