@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.config import RunConfig
 from trainer.model import build_gpt
+from trainer.optim import lr_at
 from trainer.worker import StageWorker, resolve_device
 
 
@@ -463,3 +465,34 @@ def test_last_delay_counts_the_steps_between_forward_and_backward():
         w0.backward(mb, torch.randn(2, 16, 32))
         assert w0.last_delay == mb  # each backward steps, so the next one is one step staler
 
+
+
+def test_a_state_loaded_without_moments_warms_its_learning_rate_up_again():
+    """A witnessed state from another peer comes without optimiser moments (peer.state.witness.sanitize): fresh Adam
+    moments move every coordinate by a full lr, so the worker ramps its lr up again over the run's warm-up steps;
+    its own checkpoint (moments kept) resumes at the schedule's lr."""
+    run = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    donor = StageWorker(run, 0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(run.optim.warmup_steps + 20):
+        donor.set_grads([torch.randn(p.shape, generator=g) for p in donor.parameters()])
+        donor.optimizer_step()
+    scheduled = lr_at(run.optim, donor.local_step)
+    own = StageWorker(run, 0)
+    own.load_state_dict(donor.state_dict())
+    assert own.rewarm_from is None and own.lr_now() == scheduled
+    sanitized = {**donor.state_dict(), "optimizer": {**donor.state_dict()["optimizer"], "state": {}}}
+    joiner = StageWorker(run, 0)
+    joiner.load_state_dict(sanitized)
+    assert joiner.rewarm_from == donor.local_step
+    assert joiner.lr_now() == pytest.approx(scheduled / (run.optim.warmup_steps + 1))
+    seen = []
+    for _ in range(run.optim.warmup_steps + 2):
+        seen.append(joiner.lr_now())
+        joiner.set_grads([torch.randn(p.shape, generator=g) for p in joiner.parameters()])
+        joiner.optimizer_step()
+    assert seen == sorted(seen[: run.optim.warmup_steps]) + seen[run.optim.warmup_steps:]  # ramps up
+    assert joiner.rewarm_from is None and joiner.lr_now() == lr_at(run.optim, joiner.local_step)
+    fresh = StageWorker(run, 0)
+    fresh.load_state_dict(StageWorker(run, 0).state_dict())  # the seeded init at step 0: the schedule warms it
+    assert fresh.rewarm_from is None

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.state.digest import FLOOR_LR_STEPS, RMS_FLOOR  # noqa: E402
 from peer.state.sync import StateSyncConfig  # noqa: E402
+from peer.state.witness import sanitize  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.data import load_corpus, val_batches  # noqa: E402
 from trainer.model import starts_at_zero  # noqa: E402
@@ -84,6 +85,11 @@ def main() -> None:
     ap.add_argument("--lr-multiples", default=f"10,{FLOOR_LR_STEPS:g},30",
                     help="floors of zero-initialised tensors, k x the run's peak learning rate")
     ap.add_argument("--method", default="asyncmesh")
+    ap.add_argument("--load-at", type=int, default=0,
+                    help="at the first evaluation past this many samples, every other replica loads replica 0's "
+                         "state as a joiner does (witnessed: optimiser moments dropped); 0: never")
+    ap.add_argument("--no-rewarm", action="store_true",
+                    help="with --load-at: no re-warm-up of the learning rate after the load (as before it existed)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -103,8 +109,17 @@ def main() -> None:
     record = state.record
     load0 = os.getloadavg()[0]
 
+    loaded: list[int] = []
+
     def measured() -> None:
         record()
+        if args.load_at and not loaded and state.curve[-1]["samples"] >= args.load_at:
+            for r in range(1, state.R):
+                for s in range(state.K):
+                    state.w[r][s].load_state_dict(sanitize(state.w[0][s].state_dict(), None))
+                    if args.no_rewarm:
+                        state.w[r][s].rewarm_from = None
+            loaded.append(state.curve[-1]["samples"])
         point: dict[str, Any] = {"samples": state.curve[-1]["samples"], "val_loss": state.curve[-1]["val_loss"],
                                  "steps": [[w.local_step for w in row] for row in state.w], "floors": {}}
         for name, k in variants.items():
@@ -136,7 +151,7 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1),
         "tolerance": tolerance, "lr": lr, "rms_floor": RMS_FLOOR,
         "zero_init_floors": {n: (None if k is None else max(RMS_FLOOR, k * lr)) for n, k in variants.items()},
-        "speeds": list(speeds),
+        "speeds": list(speeds), "loaded_at_samples": loaded[0] if loaded else None, "rewarm": not args.no_rewarm,
         "points": points,
         "final_val_loss": points[-1]["val_loss"] if points else None,
         "replica0_val_loss": own,

@@ -153,6 +153,7 @@ class StageWorker:
         self.local_step = 0
         self.accumulated = 0  # gradient contributions summed into .grad since the last step
         self.steps_skipped = 0  # steps refused because the gradient norm was not finite
+        self.rewarm_from: int | None = None  # the local step a load without optimiser moments started a re-warm-up at
         self.last_delay = 0  # steps applied between the last backwarded micro-batch's forward and its backward
         self.last_grad_norm: float | None = None
         self._pending: dict[int, _Pending] = {}
@@ -386,12 +387,26 @@ class StageWorker:
             logger.warning("stage %d replica %d: non-finite gradient norm, step skipped", self.stage, self.replica)
         else:
             self._weights_will_change()
-            set_lr(self.optimizer, lr_at(self.optim, self.local_step))
+            set_lr(self.optimizer, self.lr_now())
             self.optimizer.step()
             self._keep_in_subspace()
             self.local_step += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
+
+    def lr_now(self) -> float:
+        """The learning rate of the next step: the schedule's at ``local_step``, ramped up again over the run's
+        warm-up steps after a load without optimiser moments (``rewarm_from``). Fresh Adam moments make every
+        coordinate's first updates a full ``lr`` (m / sqrt(v) is +-1), where a trained replica's are a fraction of
+        it: a replica that loaded a witnessed state (whose moments are dropped) would otherwise move away from the
+        replicas it loaded from within a few dozen steps (docs/security.md, "Witnesses vote")."""
+        lr = lr_at(self.optim, self.local_step)
+        if self.rewarm_from is not None:
+            done = self.local_step - self.rewarm_from
+            if 0 <= done < self.optim.warmup_steps:
+                return lr * (done + 1) / (self.optim.warmup_steps + 1)
+            self.rewarm_from = None
+        return lr
 
     def grads(self) -> list[torch.Tensor]:
         """Copies of the summed gradients (zeros where none has arrived), in parameters() order."""
@@ -475,6 +490,9 @@ class StageWorker:
             self.averaging.load_state_dict(d["averaging"])
         self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
         self.steps_skipped = int(d["steps_skipped"])
+        # a state without moments (a witnessed one from another peer: peer.state.witness.sanitize) warms up again
+        fresh = not d["optimizer"]["state"] and self.local_step > 0
+        self.rewarm_from = self.local_step if fresh else None
         self._keep_in_subspace()  # a donor's weights are a stranger's: the invariant is ours to keep
         if d["grads"] is not None:
             self.set_grads(d["grads"])
