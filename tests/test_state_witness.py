@@ -11,11 +11,12 @@ import pytest
 import torch
 from test_state_sync import RUN, SMALL_CHUNKS, Direct, _server, _trained_worker
 
+import peer.state.witness as witness_mod
 from peer.ops.metrics import PeerMetrics
 from peer.state.digest import FLOOR_LR_STEPS, RMS_FLOOR, digest, tensor_distances, witness_floors, witnessed_tensors
 from peer.state.sync import StateSyncConfig, load_state_from_peers
 from peer.state.witness import draw_witnesses, witness_state, witness_vetter
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, PeerUnreachable
 from protocol.messages import Busy, Error, StateChunk, StateRequest
 from trainer.worker import StageWorker
 
@@ -144,6 +145,34 @@ def test_a_silent_or_garbage_witness_is_outvoted_by_the_donor_and_an_agreeing_on
             assert await _load(servers, ["h1"], ["h1", "bad"], metrics) is None  # a stage of two: a tie
             text = metrics.snapshot()["warnings"][-1]["text"]
             assert "bad" in text and "not loaded" in text and "1 of 2" in text
+
+    asyncio.run(main())
+
+
+def test_a_witness_unreachable_once_is_asked_again_and_one_that_stays_unreachable_still_vetoes(monkeypatch):
+    """A dial can fail while a peer is still starting: the witness is asked once more before it counts against."""
+    monkeypatch.setattr(witness_mod, "UNREACHABLE_PAUSE_S", 0.05)
+
+    class Flaky:
+        ready = True
+
+        def __init__(self, inner, failures: int) -> None:
+            self.inner, self.failures, self.calls = inner, failures, 0
+
+        async def _handle(self, msg, peer):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise PeerUnreachable("failed to dial")
+            return await self.inner._handle(msg, peer)
+
+    async def main():
+        for failures, loaded in ((1, True), (5, False)):
+            witness = Flaky(_server(_trained_worker(2, 2)), failures)
+            servers = {"h1": _server(_trained_worker(1, 2)), "h2": witness}
+            metrics = PeerMetrics("joiner", 0)
+            state = await _load(servers, ["h1"], ["h1", "h2"], metrics)  # a stage of two: the witness decides
+            assert (state is not None) is loaded, failures
+            assert witness.calls == 2  # asked twice, never more
 
     asyncio.run(main())
 

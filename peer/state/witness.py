@@ -50,6 +50,10 @@ class Verdict:
     """Witnesses asked that did not vouch for the state (silent, garbage or disagreeing)."""
 
 
+#: a witness that could not be reached is asked again this many times, this long apart (a dial can fail while a
+#: peer is still starting: a WAN churn run's joiner started over from the seeded init for one such failure)
+UNREACHABLE_RETRIES, UNREACHABLE_PAUSE_S = 1, 2.0
+
 #: a donor's step this far above its witnesses' is logged as the drift of honest replicas, not as a warning
 STEP_DRIFT_MIN, STEP_DRIFT_SHARE = 100, 0.1
 
@@ -98,11 +102,19 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
                        reason="no replica of the stage besides the source can witness it")
 
     async def one(w: str) -> Digest | str:
-        try:
-            return await asyncio.wait_for(_ask(transport, w, run, stage, seed, len(tensors), config.witness_timeout_s),
-                                          config.witness_timeout_s)
-        except (StateSyncError, TimeoutError) as e:
-            return str(e) or type(e).__name__
+        deadline = loop.time() + config.witness_timeout_s
+        for attempt in range(1 + UNREACHABLE_RETRIES):
+            left = deadline - loop.time()
+            try:
+                return await asyncio.wait_for(_ask(transport, w, run, stage, seed, len(tensors), left), left)
+            except (StateSyncError, TimeoutError) as e:
+                # a witness we could not reach (a dial that failed: a peer still starting, a connection reset) is
+                # asked once more; one that answered wrong, or took its whole time, is not
+                unreachable = isinstance(e.__cause__, PeerUnreachable | ConnectionError | OSError)
+                if not unreachable or attempt == UNREACHABLE_RETRIES or left <= UNREACHABLE_PAUSE_S + 1.0:
+                    return str(e) or type(e).__name__
+            await asyncio.sleep(UNREACHABLE_PAUSE_S)
+        return "unreachable"
 
     answers: dict[str, Digest | str] = dict(zip(witnesses, await asyncio.gather(*(one(w) for w in witnesses)),
                                                 strict=True))
