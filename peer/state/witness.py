@@ -102,19 +102,21 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
                        reason="no replica of the stage besides the source can witness it")
 
     async def one(w: str) -> Digest | str:
-        deadline = loop.time() + config.witness_timeout_s
-        for attempt in range(1 + UNREACHABLE_RETRIES):
+        deadline, attempt = loop.time() + config.witness_timeout_s, 0
+        while True:
             left = deadline - loop.time()
             try:
                 return await asyncio.wait_for(_ask(transport, w, run, stage, seed, len(tensors), left), left)
             except (StateSyncError, TimeoutError) as e:
                 # a witness we could not reach (a dial that failed: a peer still starting, a connection reset) is
-                # asked once more; one that answered wrong, or took its whole time, is not
-                unreachable = isinstance(e.__cause__, PeerUnreachable | ConnectionError | OSError)
-                if not unreachable or attempt == UNREACHABLE_RETRIES or left <= UNREACHABLE_PAUSE_S + 1.0:
+                # asked once more while time is left; one that answered wrong, or took its time, is not
+                cause = e.__cause__
+                unreachable = isinstance(cause, PeerUnreachable | OSError) and not isinstance(cause, TimeoutError)
+                attempt += 1
+                if (not unreachable or attempt > UNREACHABLE_RETRIES
+                        or deadline - loop.time() <= UNREACHABLE_PAUSE_S + 1.0):
                     return str(e) or type(e).__name__
             await asyncio.sleep(UNREACHABLE_PAUSE_S)
-        return "unreachable"
 
     answers: dict[str, Digest | str] = dict(zip(witnesses, await asyncio.gather(*(one(w) for w in witnesses)),
                                                 strict=True))
