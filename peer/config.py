@@ -14,6 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
+from peer.compute import DevicePace
 from peer.membership.relay import RelayMode
 from peer.membership.relay import check_modes as check_relay_modes
 
@@ -179,6 +180,10 @@ class PeerConfig:
     ASYNCMESH_METRICS_HOST) so that its published port can be scraped."""
     torch_threads: int = 0
     """Intra-op CPU threads of the compute thread (0 keeps torch's default; 1 when many peers share a machine)."""
+    compute_pace: float = 0.0
+    """Test beds only: every compute job lasts this many times the CPU time it used, so that each of many peers on a
+    few shared cores behaves as a device of its own, 1/compute_pace the speed of one core (peer/compute.py,
+    ``DevicePace``; 0: off). Needs torch_threads = 1 and the CPU."""
     relay: RelayMode = RelayMode.AUTO
     """Listen through a circuit relay: 'auto' (when the reachability check finds us unreachable), 'on', 'off'."""
     relay_service: RelayMode = RelayMode.AUTO
@@ -237,6 +242,11 @@ class PeerConfig:
         for name in ("max_steps", "max_inflight", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.compute_pace:
+            DevicePace(self.compute_pace)  # its own check of the factor
+            if self.torch_threads != 1 or self.device == Device.CUDA:
+                raise ValueError(f"compute_pace ({self.compute_pace:g}) times the compute thread's own CPU time: it "
+                                 "needs --torch-threads 1 and --device cpu")
         for name in ("sync_microbatches", "max_queue", "hop_retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

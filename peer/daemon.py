@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from peer.budget import plan as plan_memory
-from peer.compute import ComputeThread
+from peer.compute import ComputeThread, DevicePace
 from peer.config import Mode, PeerConfig
 from peer.errors import DaemonError, UserError
 from peer.host import StageContext
@@ -55,7 +55,7 @@ from peer.stage import StageService
 from peer.state.checkpoint import StaleCheckpointError, checkpoint_steps, newest_checkpoint_stage, save_checkpoint
 from peer.state.spare import SpareStore, spare_fields
 from trainer.config import RunConfig, stage_layer_ranges
-from trainer.worker import resolve_device, resolve_precision
+from trainer.worker import is_gpu, resolve_device, resolve_precision
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -108,7 +108,10 @@ class Daemon:
         blocks = [e - s for s, e in stage_layer_ranges(run)]
         self.costs = stage_costs(blocks, n_embd=run.model.n_embd, vocab_size=run.model.vocab_size)
         self.router = Router(self.costs, ban_base_s=cfg.ban_base_s, ban_max_s=cfg.ban_max_s)
-        self.executor = ComputeThread("compute")
+        if cfg.compute_pace and is_gpu(self.metrics.device):
+            raise UserError(f"compute_pace paces the CPU time of the compute thread; this peer computes on "
+                             f"{self.metrics.device}: drop --set compute_pace or use --device cpu")
+        self.executor = ComputeThread("compute", pace=DevicePace(cfg.compute_pace))
         self.stop = asyncio.Event()
         self.service: StageService | None = None
         self.driver: Stage0Driver | None = None  # the last stage-0 driver, kept for the summary after a move
@@ -442,8 +445,10 @@ class Daemon:
 
     def summary(self) -> dict[str, Any]:
         """The figures a run reports (also written with --summary-json)."""
-        head = {"peer_id": self.my_id, "stage": self.stage, "run_id": self.run.run_id, "mode": self.cfg.mode,
-                "exit_reason": self.exit_reason}
+        head: dict[str, Any] = {"peer_id": self.my_id, "stage": self.stage, "run_id": self.run.run_id,
+                                "mode": self.cfg.mode, "exit_reason": self.exit_reason}
+        if self.cfg.compute_pace:
+            head["compute_pace"] = self.executor.pace.stats()
         return peer_summary(self.metrics, head=head, elapsed_s=time.monotonic() - self.started,
                             steps=int(self.worker.local_step) if self.worker is not None else 0, driver=self.driver,
                             ledger=self.ledger, final_val_loss=self.final_val_loss)

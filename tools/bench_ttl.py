@@ -115,11 +115,13 @@ def compute_only_tokens_per_s(rates: dict[int, list[float]], tokens_per_mb: int)
 
 # ----- compute only --------------------------------------------------------------------------------------------------
 def compute_worker(run_path: Path, stage: int, seconds: float, threads: int,
-                   device: str = "cpu") -> dict[str, float]:
+                   device: str = "cpu", pace: float = 0.0) -> dict[str, float]:
     """One peer's compute with no network: its stage's forward and backward (with the step) on synthetic inputs,
-    on ``device`` as the peers' ``--device`` resolves it (a GPU's queue is drained after every micro-batch)."""
+    on ``device`` as the peers' ``--device`` resolves it (a GPU's queue is drained after every micro-batch), each
+    micro-batch paced as the peers pace their compute jobs (``--compute-pace``)."""
     import torch
 
+    from peer.compute import DevicePace
     from trainer.config import RunConfig
     from trainer.worker import StageWorker, is_gpu, resolve_device
 
@@ -134,12 +136,17 @@ def compute_worker(run_path: Path, stage: int, seconds: float, threads: int,
     x = tokens if stage == 0 else torch.randn(b, t, c, generator=g)
     grad = torch.randn(b, t, c, generator=g) * 1e-3
 
+    paced = DevicePace(pace)
+
     def one(i: int) -> None:
-        if w.is_last:
-            w.forward_loss(i, x, tokens)
-        else:
-            w.forward(i, x)
-            w.backward(i, grad)
+        with paced.job():
+            if w.is_last:
+                w.forward_loss(i, x, tokens)
+            else:
+                w.forward(i, x)
+        if not w.is_last:
+            with paced.job():
+                w.backward(i, grad)
         if is_gpu(dev):
             torch.cuda.synchronize()
 
@@ -158,7 +165,7 @@ def measure_compute_only(args: argparse.Namespace, run: Any) -> dict[str, Any]:
     for i in range(run.n_stages * args.replicas):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--compute-worker", str(i % run.n_stages),
                "--run", str(args.run), "--compute-s", f"{args.compute_s:g}", "--torch-threads",
-               str(args.torch_threads), "--device", args.device]
+               str(args.torch_threads), "--device", args.device, "--compute-pace", f"{args.compute_pace:g}"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO))
     rates: dict[int, list[float]] = {}
     try:
@@ -244,8 +251,21 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],
         "avg_delay_hist": [s.get("avg_delay_hist") or {} for s in summaries],
         "loadavg_max": max(loads, default=None), "loadavg_mean": sum(loads) / len(loads) if loads else None,
+        "compute_pace": pace_record(summaries),
         "summaries": summaries, "workdir": workdir.name,  # the case's folder under --workdir (logs, summaries)
     }
+
+
+def pace_record(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How well the bed emulated a device per peer (``--compute-pace``): the share of compute jobs, over all peers,
+    that already lasted longer than the pace asks (the cores were too few), and the worst peer's share."""
+    paced = [s["compute_pace"] for s in summaries if s.get("compute_pace")]
+    if not paced:
+        return None
+    jobs = sum(p["jobs"] for p in paced)
+    return {"factor": paced[0]["factor"], "jobs": jobs,
+            "overrun_share": round(sum(p["overruns"] for p in paced) / jobs, 4) if jobs else 0.0,
+            "worst_peer_overrun_share": max(p["overrun_share"] for p in paced)}
 
 
 # ----- the simulator on the same run ---------------------------------------------------------------------------------
@@ -358,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
                    help="every peer's and compute-only process's --device (cuda: they share the GPU)")
+    p.add_argument("--compute-pace", type=float, default=0.0, metavar="F",
+                   help="each peer a device of its own, 1/F the speed of a core: every compute job lasts F x its CPU "
+                        "time (peer/compute.py, DevicePace; 0: off, the peers share the cores)")
     p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
     p.add_argument("--compute-timeout-s", type=float, default=600.0,
                    help="start-up allowance of a compute-only process on top of --compute-s")
@@ -380,6 +403,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # what SwarmCase reads of bench_swarm's arguments
     args.max_inflight, args.sync_microbatches = 0, 0
     args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", *args.overrides]
+    if args.compute_pace:
+        if args.torch_threads != 1 or args.device == "cuda":
+            p.error("--compute-pace times each compute thread's own CPU time: it needs --torch-threads 1 and the CPU")
+        args.overrides.append(f"compute_pace={args.compute_pace:g}")
     return args
 
 
@@ -392,7 +419,7 @@ def baseline_record(run: RunConfig, overrides: list[str]) -> dict[str, Any]:
     """What the synchronous swarm trained with: the papers' FullSync as ``--mode sync`` builds it from the run and the
     peers' settings (``sync_optimizer``, ``sync_lr``, ``sync_microbatches``), so a reader of the JSON can check that
     the baseline had its best shot (docs/convergence.md has the sweep that picked them)."""
-    cfg = dataclasses.replace(PeerConfig(), **parse_overrides(overrides))
+    cfg = dataclasses.replace(PeerConfig(torch_threads=1), **parse_overrides(overrides))  # as the peers are started
     m = cfg.sync_microbatches
     o = fullsync_optim(run.optim, m, optimizer=cfg.sync_optimizer, lr=cfg.sync_lr or None)
     batch = run.data.batch_size * run.model.block_size
@@ -461,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compute_worker is not None:
         print(json.dumps(compute_worker(args.run, args.compute_worker, args.compute_s, args.torch_threads,
-                                        args.device)))
+                                        args.device, args.compute_pace)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     unwind_on_sigterm()
@@ -524,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"command": " ".join(["python tools/bench_swarm.py --time-to-loss",
                                       *(argv if argv is not None else sys.argv[1:])]),
                  "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages,
-                 "replicas": args.replicas, "nproc": os.cpu_count(), "loadavg_start": load_start,
+                 "replicas": args.replicas, "compute_pace": args.compute_pace, "nproc": os.cpu_count(),
+                 "loadavg_start": load_start,
                  "loadavg_end": os.getloadavg(), "python": platform.python_version(),
                  "data": corpus_identity(load_corpus(run.data, run.model.vocab_size)),
                  "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
