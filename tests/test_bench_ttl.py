@@ -16,9 +16,12 @@ from tools.bench_ttl import (  # noqa: E402
     compute_only_tokens_per_s,
     final_loss,
     interpolate,
+    mean_curve,
     measured_round_steps,
     merge_replicas,
+    pace_record,
     pipeline_extra,
+    pool,
     replica_steps,
     time_to_reach,
     ttl_speedup,
@@ -56,6 +59,46 @@ def test_speedup_is_sync_time_to_its_final_loss_over_async_time_to_it():
     assert ttl_speedup([(0.0, 5.0), (300.0, 4.0)], sync)["speedup"] is None  # async never got there
 
 
+def test_repeats_pool_into_the_figures_of_their_mean_curves(tmp_path):
+    def doc(sync_final: float, async_shift: float) -> dict:
+        def curve(losses: list[float], tok_per_s: float) -> list[dict]:
+            return [{"t": 10.0 * i, "tokens": tok_per_s * 10 * i, "val_loss": y} for i, y in enumerate(losses)]
+        sync = curve([5.0, 4.0, 3.5, sync_final, sync_final, sync_final], 100.0)
+        fast = curve([5.0, 3.8 + async_shift, 3.0 + async_shift, 2.6, 2.5, 2.4], 200.0)
+        return {"meta": {"run_id": "r"}, "cases": {
+            "async/wan-50ms": {"label": "async/wan-50ms", "mode": "async", "curve": fast, "tokens_per_s": 200.0,
+                               "final_val_loss": 2.5},
+            "sync/wan-50ms": {"label": "sync/wan-50ms", "mode": "sync", "curve": sync, "tokens_per_s": 100.0,
+                              "final_val_loss": sync_final}}}
+
+    paths = []
+    for i, (final, shift) in enumerate([(3.2, 0.0), (2.8, 0.4)]):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(doc(final, shift)))
+    out = pool(paths)
+    assert [e["wan-50ms"]["target_loss"] for e in out["each"]] == pytest.approx([3.2, 2.8])
+    pooled = out["pooled"]["wan-50ms"]
+    assert pooled["target_loss"] == pytest.approx(3.0)  # the mean curve's final loss, not one repeat's
+    assert pooled["sync_s"] == pytest.approx(30.0) and pooled["async_s"] == pytest.approx(20 + 10 * 0.2 / 0.6)
+    assert out["tokens_per_s"] == {"async/wan-50ms": 200.0, "sync/wan-50ms": 100.0}
+    one = [{"t": 0.0, "tokens": 0.0, "val_loss": 4.0}, {"t": 10.0, "tokens": 10.0, "val_loss": 2.0}]
+    two = [{"t": 5.0, "tokens": 5.0, "val_loss": 4.0}, {"t": 20.0, "tokens": 20.0, "val_loss": 1.0}]
+    assert mean_curve([one, two]) == [{"t": 5.0, "tokens": 5.0, "val_loss": 3.5},  # the span both cover only
+                                      {"t": 10.0, "tokens": 10.0, "val_loss": 2.5}]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**doc(3.0, 0.0), "meta": {"run_id": "another"}}))
+    with pytest.raises(Exception, match="different runs"):
+        pool([paths[0], other])
+
+
+def test_the_pace_record_sums_every_peers_jobs_and_names_the_worst():
+    peers = [{"compute_pace": {"factor": 4.0, "jobs": 100, "overruns": 1, "overrun_share": 0.01}},
+             {"compute_pace": {"factor": 4.0, "jobs": 300, "overruns": 9, "overrun_share": 0.03}}, {}]
+    assert pace_record(peers) == {"factor": 4.0, "jobs": 400, "overrun_share": 0.025,
+                                  "worst_peer_overrun_share": 0.03}
+    assert pace_record([{}, {}]) is None  # unpaced: no record
+
+
 def test_replicas_merge_once_each_has_evaluated_and_compute_only_takes_the_slowest_stage():
     evals = {0: [(5.0, 100, 4.0), (10.0, 200, 3.0)], 2: [(6.0, 120, 5.0), (11.0, 220, 2.0)]}
     assert merge_replicas(evals) == [(6.0, 120, 4.5), (10.0, 200, 4.0), (11.0, 220, 2.5)]
@@ -90,12 +133,14 @@ def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     out, png = tmp_path / "ttl.json", tmp_path / "ttl.png"
     rc = main(["--time-to-loss", "--run", str(REPO / "tests" / "runs" / "tiny.toml"), "--loopback", "--wan", "no",
                "--budget-s", "16", "--eval-every-s", "1", "--poll-s", "0.5", "--compute-s", "1",
-               "--sim-max-steps", "400", "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "w")])
+               "--sim-max-steps", "400", "--compute-pace", "2", "--json", str(out), "--plot", str(png),
+               "--workdir", str(tmp_path / "w")])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert set(doc["cases"]) == {"async/loopback", "sync/loopback"}
     for case in doc["cases"].values():
         assert len(case["curve"]) >= 3 and case["tokens"] > 0
+        assert case["compute_pace"]["factor"] == 2 and case["compute_pace"]["jobs"] > 0  # every peer paced
         pairs = zip(case["curve"], case["curve"][1:], strict=False)
         assert all(a["t"] <= b["t"] and a["tokens"] <= b["tokens"] for a, b in pairs)
     fig = doc["figures"]["loopback"]

@@ -57,6 +57,15 @@ def test_link_counters_see_traffic():
     assert wan.counters(refresh=False)["forwarded"] >= 6
 
 
+@pytest.mark.parametrize("restart", [True, False])
+def test_slow_start_after_idle_is_set_per_namespace_and_the_host_keeps_its_own(restart: bool):
+    path = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+    host = Path(path).read_text()
+    with Wan(WanConfig(n=2, slow_start_after_idle=restart)) as wan:
+        assert [wan.run(i, ["cat", path]).stdout.strip() for i in range(2)] == [str(int(restart))] * 2
+    assert Path(path).read_text() == host
+
+
 def test_cleanup_after_an_error_inside_the_block():
     with pytest.raises(RuntimeError, match="boom"), Wan(WanConfig(n=2)) as wan:
         proc = wan.popen(0, ["sleep", "60"])

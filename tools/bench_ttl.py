@@ -26,6 +26,11 @@ Figures (``--json OUT``; a plot with ``--plot PNG``):
   same stage workers (``StageWorker``), one process per peer with the same torch threads, side by side as the swarm
   does, on synthetic inputs with no network: R x the slowest stage's micro-batches/s x tokens per micro-batch.
   Evaluation traffic is part of the swarm's work but not of the compute-only figure, so it costs utilisation.
+
+One run's time-to-loss is noisy: the curves flatten where async crosses sync's final loss, so a few hundredths of a
+nat in either run move the crossing by a minute. ``--pool A.json B.json ...`` reads repeats of the same cases and
+computes the same figures on their mean curves (each case's loss averaged over the repeats on a 5-s grid of time
+and, for the equal-tokens figure, of tokens), with every repeat's own figures beside them for the spread.
 """
 
 from __future__ import annotations
@@ -196,7 +201,8 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         net: Wan | LocalNet = LocalNet(n, stop_timeout_s=args.drain_timeout_s + 20)
     else:
         net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, emulator=args.emulator,
-                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20))
+                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20,
+                            slow_start_after_idle=args.slow_start_after_idle))
     evals: dict[int, list[tuple[float, float, float]]] = {}
     seen: dict[int, int] = {}
     loads = []
@@ -372,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 50.0], help="one-way delays on the WAN")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the WAN")
     p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
+    p.add_argument("--slow-start-after-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="TCP restarts an idle connection's window (Linux's default); --no-... keeps it, as a tuned "
+                        "cluster does, which the synchronous barrier's once-a-step exchange gains most from")
     p.add_argument("--subnet", default="100.64.8", help="first three octets of the namespaces' addresses")
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
@@ -394,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
     p.add_argument("--resimulate", type=Path, default=None, metavar="JSON",
                    help="only re-run the simulator against the swarms of an earlier --json result, and rewrite it")
+    p.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only pool repeats: the figures of the mean curves of earlier --json results' common cases")
     p.add_argument("--compute-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
@@ -457,6 +468,47 @@ def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> di
     return figs
 
 
+def mean_curve(curves: list[list[dict[str, float]]], step_s: float = 5.0) -> list[dict[str, float]]:
+    """The repeats' mean curve: on a grid every ``step_s`` over the time all of them cover, the mean of each one's
+    interpolated loss and tokens (a point every repeat reached only)."""
+    if not curves or any(not c for c in curves):
+        return []
+    t0, t1 = max(c[0]["t"] for c in curves), min(c[-1]["t"] for c in curves)
+    out, t = [], t0
+    while t <= t1 + 1e-9:
+        loss = [interpolate([(p["t"], p["val_loss"]) for p in c], t) for c in curves]
+        tok = [interpolate([(p["t"], p["tokens"]) for p in c], t) for c in curves]
+        if all(v is not None for v in loss + tok):
+            out.append({"t": round(t, 2), "tokens": sum(tok) / len(tok),  # type: ignore[arg-type]
+                        "val_loss": sum(loss) / len(loss)})  # type: ignore[arg-type]
+        t += step_s
+    return out
+
+
+def pool(paths: list[Path]) -> dict[str, Any]:
+    """Figures of the mean curves of the cases every result in ``paths`` holds, and each result's own figures."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    labels = [k for k in docs[0]["cases"] if all(k in d["cases"] for d in docs[1:])]
+    if not labels:
+        raise BenchError("the results share no case (a label like async/wan-50ms)")
+    runs = {d.get("meta", {}).get("run_id") for d in docs}
+    if len(runs) > 1:
+        raise BenchError(f"the results measured different runs ({sorted(map(str, runs))}): nothing to pool")
+    cases = []
+    for label in labels:
+        reps = [d["cases"][label] for d in docs]
+        curve = mean_curve([r["curve"] for r in reps])
+        cases.append({"label": label, "mode": reps[0]["mode"], "curve": curve,
+                      "tokens_per_s": sum(r["tokens_per_s"] for r in reps) / len(reps),
+                      "final_val_loss": final_loss([(p["t"], p["val_loss"]) for p in curve])})
+    each = [figures([d["cases"][k] for k in labels], None) for d in docs]
+    return {"pooled": figures(cases, None), "each": each, "sources": [p.name for p in paths],
+            "tokens_per_s": {c["label"]: c["tokens_per_s"] for c in cases},
+            "meta": {"command": " ".join(["python tools/bench_swarm.py --time-to-loss", *sys.argv[1:]]),
+                     "run_id": docs[0].get("meta", {}).get("run_id"),
+                     "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+
 def resimulate(args: argparse.Namespace, run: Any) -> int:
     """Re-run only the simulator against the swarm figures of an earlier ``--json`` result (same run file), and
     write the result back with the new ``simulator`` and ``sim_agreement``."""
@@ -491,6 +543,16 @@ def main(argv: list[str] | None = None) -> int:
                                         args.device, args.compute_pace)))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.pool is not None:
+        try:
+            pooled = pool(args.pool)
+        except (BenchError, OSError, ValueError, KeyError) as e:
+            print(f"bench_ttl: error: cannot pool {' '.join(map(str, args.pool))}: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            _write(args.json, pooled)
+        print(json.dumps(pooled["pooled"], indent=1))
+        return 0
     unwind_on_sigterm()
     from trainer.config import RunConfig
     from trainer.data import corpus_identity, load_corpus
@@ -551,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"command": " ".join(["python tools/bench_swarm.py --time-to-loss",
                                       *(argv if argv is not None else sys.argv[1:])]),
                  "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages,
-                 "replicas": args.replicas, "compute_pace": args.compute_pace, "nproc": os.cpu_count(),
+                 "replicas": args.replicas, "compute_pace": args.compute_pace,
+                 "tcp_slow_start_after_idle": args.slow_start_after_idle, "nproc": os.cpu_count(),
                  "loadavg_start": load_start,
                  "loadavg_end": os.getloadavg(), "python": platform.python_version(),
                  "data": corpus_identity(load_corpus(run.data, run.model.vocab_size)),

@@ -84,6 +84,10 @@ class WanConfig:
     """Uplink buffer of the rate cap, in ms of the rate; a packet that does not fit is dropped."""
     seed: int | None = None
     """Seed of the emulator's loss and jitter draws (None: random)."""
+    slow_start_after_idle: bool = True
+    """TCP's restart from a small window on a connection idle for an RTO (Linux's default, per namespace). Off, a
+    connection used in bursts (the synchronous barrier's gradient exchange, once a step) keeps its window: what a
+    tuned cluster runs (``net.ipv4.tcp_slow_start_after_idle = 0``)."""
     emulator: Path = field(default_factory=lambda: DEFAULT_EMULATOR)
     """Path of the link emulator (tools/netem.py, run with this interpreter)."""
     ready_timeout_s: float = 15.0
@@ -179,6 +183,10 @@ class Wan:
             res = _ip("-n", name, "link", "set", "lo", "up")
             if res.returncode != 0:
                 raise WanError(f"bringing lo up in {name} failed: {res.stderr.strip()}")
+            if not self.cfg.slow_start_after_idle:
+                res = _ip("netns", "exec", name, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+                if res.returncode != 0:
+                    raise WanError(f"turning TCP's slow start after idle off in {name} failed: {res.stderr.strip()}")
         cmd = [sys.executable, "-u", str(self.cfg.emulator), "--ns", *self.names, "--delay-ms",
                str(self.cfg.delay_ms), "--jitter-ms", str(self.cfg.jitter_ms), "--loss", str(self.cfg.loss),
                "--rate-mbit", str(self.cfg.rate_mbit), "--queue-ms", str(self.cfg.queue_ms), "--subnet",
