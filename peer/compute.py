@@ -9,9 +9,10 @@ weights its forward used whatever lands between them (the worker stashes them fi
 averaging or a state load a little earlier, as if the network had been a little faster.
 
 **A device of its own, on a shared test bed** (``DevicePace``). Peers that share a machine's cores fill each other's
-idle time: while one waits on the network another computes faster. Users run one peer per GPU, where idle time is
-lost, so a bench that packs 4-8 peers onto 2 cores flatters whichever mode idles more (the synchronous baseline's
-flush and barrier). ``--set compute_pace=F`` makes every job last F times the CPU time its own thread used (it sleeps
+idle time: while one waits on the network another computes faster, and peers that compute at the same moments slow
+each other. Users run one peer per GPU, where idle time is lost and nobody else's work slows yours, so a bench that
+packs 4-8 peers onto 2 cores measures a machine nobody runs (docs/performance.md has a case it flattered the
+asynchronous mode in). ``--set compute_pace=F`` makes every job last F times the CPU time its own thread used (it sleeps
 the rest): each peer then behaves as a device of its own, 1/F the speed of one core, as long as the machine has the
 cores for that (a job that already took longer counts as an overrun: the bed was too small for F).
 """
