@@ -12,9 +12,9 @@ averaging or a state load a little earlier, as if the network had been a little 
 idle time: while one waits on the network another computes faster, and peers that compute at the same moments slow
 each other. Users run one peer per GPU, where idle time is lost and nobody else's work slows yours, so a bench that
 packs 4-8 peers onto 2 cores measures a machine nobody runs (docs/performance.md has a case it flattered the
-asynchronous mode in). ``--set compute_pace=F`` makes every job last F times the CPU time its own thread used (it sleeps
-the rest): each peer then behaves as a device of its own, 1/F the speed of one core, as long as the machine has the
-cores for that (a job that already took longer counts as an overrun: the bed was too small for F).
+asynchronous mode in). ``--set compute_pace=F`` makes every job last F times the CPU time its own thread used (it
+sleeps the rest): each peer then behaves as a device of its own, 1/F the speed of one core, as long as the machine has
+the cores for that (a job that already took longer counts as an overrun: the bed was too small for F).
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 10  # the receiver gave up waiting for the rest of the request
     INTERNAL = 11  # the receiver's handler failed; not the sender's fault
     NOT_FOUND = 12  # the receiver holds no such item (a testimony about a micro-batch it never trained)
+    OUT_OF_BOUNDS = 13  # a tensor far from the receiver's recent traffic (its norm bounds): the sender's work is what
+    # looks wrong, not the receiver; an older peer reads it as any error
 
 
 class ProtocolError(Exception):

@@ -17,6 +17,7 @@ from peer.pipeline.driver import Stage0Driver
 from peer.pipeline.guard import KNOWN_SENDERS, GuardConfig, PipelineGuard, WorkShare
 from peer.pipeline.work import REFUSED
 from protocol.codecs.registry import encode
+from protocol.errors import ErrorCode
 from protocol.messages import Ack, Backward, Busy, Error, Forward
 from tests.test_peer_pipeline import RUN, Net, build, corpus  # noqa: F401 (a fixture)
 from trainer.data import BatchStream, val_batches
@@ -157,7 +158,7 @@ def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier
             stage1.forward_q.get_nowait()  # nobody serves the queue here
             stage1.pending.clear()
         huge = await stage1.rpc_forward(_fwd(50, 1e4 * torch.randn(8, 32, 32), ["a0"]), "a0")
-        assert isinstance(huge, Error) and "norm" in huge.message
+        assert isinstance(huge, Error) and "norm" in huge.message and huge.code == ErrorCode.OUT_OF_BOUNDS
         # stage 0: gradients and losses coming back from stage 1
         for i in range(20):
             stage0.expect(i, _pending(["b1"]))
@@ -169,7 +170,8 @@ def test_a_stage_refuses_strangers_replays_and_outlier_tensors_and_flags_outlier
         stage0.router.sent("b1", 98)
         big = Backward(run_id=RUN.run_id, mb_id=98, route=["a0"], gradient=encode(1e5 * torch.randn(8, 32, 32),
                                                                                  "none"), loss=0.0, is_eval=False)
-        assert isinstance(await stage0.rpc_backward(big, "b1"), Error)
+        refused = await stage0.rpc_backward(big, "b1")
+        assert isinstance(refused, Error) and refused.code == ErrorCode.OUT_OF_BOUNDS
         # the refused micro-batch is dropped at once (its sample re-sent now, not after microbatch_timeout_s) and
         # b1 owes nothing for it, so the router cannot take b1 for a black hole
         assert await asyncio.wait_for(held.done, 5) is None and 98 not in stage0.pending

@@ -13,9 +13,10 @@ from peer.config import Mode, PeerConfig
 from peer.membership.records import PeerRecord
 from peer.membership.routing import Router
 from peer.ops.metrics import PeerMetrics
-from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC, Hops
+from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC, OUT_OF_BOUNDS_WAIT_S, OUT_OF_BOUNDS_WARN_S, Hops
 from peer.pipeline.meter import ComputeMeter
 from protocol.codecs.registry import encode
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Ack, Busy, Forward, Message
 
 
@@ -107,3 +108,49 @@ def test_the_meter_times_a_micro_batch_forward_plus_backward_and_forgets_dropped
     meter.record(2, 0.5, backward=True)
     assert meter.compute_s_per_mb == pytest.approx(0.5) and len(measured) == 1
     assert asyncio.run(meter.timed(3, True, lambda a, b: a + b, 1, 2)) == 3
+
+
+def _out_of_bounds() -> RemoteError:
+    return RemoteError(ErrorCode.OUT_OF_BOUNDS, "activation norm outside the bounds of recent traffic")
+
+
+def test_activations_refused_by_every_next_replica_as_out_of_bounds_skip_them_without_a_ban():
+    # our weights are what is off (every replica refuses them): nobody is banned, each is skipped for a moment, and
+    # the operator is told once it lasts
+    net = Net({"b1": [_out_of_bounds()] * 3, "c1": [_out_of_bounds()] * 3})
+    h, router, metrics = hops(net, [rec("b1"), rec("c1")], hop_retries=2)
+    now = [100.0]
+    h.clock = router.clock = lambda: now[0]
+    assert asyncio.run(h.forward(forward(), set())) is None
+    assert metrics.count("forwards_out_of_bounds") == 2 and metrics.count("retries") == 2
+    for pid in ("b1", "c1"):
+        assert router.stats[pid].failures == 0 and router.stats[pid].banned_until == 0.0
+        assert router.stats[pid].busy_until == pytest.approx(now[0] + OUT_OF_BOUNDS_WAIT_S)
+    assert not any("out of bounds" in w["text"] for w in metrics.snapshot()["warnings"])
+    now[0] += OUT_OF_BOUNDS_WARN_S + OUT_OF_BOUNDS_WAIT_S  # still refused after the warning's time
+    assert asyncio.run(h.forward(forward(), set())) is None
+    warned = [w for w in metrics.snapshot()["warnings"] if "out of bounds" in w["text"]]
+    assert len(warned) == 1 and "stage 1" in warned[0]["text"]
+    net.script["b1"] = [Ack()]  # our work fits again: the warning goes
+    now[0] += OUT_OF_BOUNDS_WAIT_S + 0.1
+    assert asyncio.run(h.forward(forward(), set())) == "b1"
+    assert not any("out of bounds" in w["text"] for w in metrics.snapshot()["warnings"])
+
+
+def test_a_lone_refuser_while_its_stage_takes_our_work_counts_a_failure():
+    net = Net({"b1": [Ack(), Ack()], "c1": [_out_of_bounds()]})
+    h, router, metrics = hops(net, [rec("b1"), rec("c1")], hop_retries=3)
+    h.cap = lambda ids, w: [1.0 if p == "b1" else 0.0 for p in ids]  # the first forward goes to b1
+    assert asyncio.run(h.forward(forward(), set())) == "b1"
+    h.cap = lambda ids, w: [1.0 if p == "c1" else 1e-9 for p in ids]  # the next one tries c1 first
+    assert asyncio.run(h.forward(forward(), set())) == "b1"
+    assert router.stats["c1"].failures == 1 and router.stats["c1"].banned_until > 0
+    assert metrics.count("forwards_out_of_bounds") == 1
+
+
+def test_a_backward_refused_as_out_of_bounds_is_neither_retried_nor_held_against_the_hop():
+    net = Net({"z0": [_out_of_bounds()]})
+    h, router, metrics = hops(net, [rec("z0", stage=0)])
+    asyncio.run(h.backward("z0", 7, ["z0"], None, None, False))
+    assert net.calls == [("z0", BACKWARD_RPC)] and metrics.count("backwards_out_of_bounds") == 1
+    assert "z0" not in router.stats or router.stats["z0"].failures == 0

@@ -16,7 +16,7 @@ COUNTERS = (
     # the pipeline
     "microbatches_dropped", "microbatches_requeued", "microbatches_refused", "samples_refused", "retries",
     "late_backward", "busy_replies", "busy_received", "busy_next_down", "black_holes_banned",
-    "microbatches_forfeited", "share_bans",
+    "microbatches_forfeited", "share_bans", "forwards_out_of_bounds", "backwards_out_of_bounds",
     "sync_late_forwards", "sync_barrier_failed", "sync_average_incomplete", "sync_fork_detected", "sync_resync_ok",
     "sync_resync_failed", "sync_resync_refused",
     # spot checks of the next stage (peer/pipeline/spotcheck.py)

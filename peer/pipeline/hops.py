@@ -4,6 +4,14 @@
 flush is pinned to), retries a failing or busy hop elsewhere, and records every outcome in the Router (latency,
 busy, failure), which is what routing and banning learn from. It keeps no micro-batch: what was sent where is the
 servicer's (``peer.pipeline.servicer``).
+
+A refusal of our tensors as out of bounds (``ErrorCode.OUT_OF_BOUNDS``: their norm is far from what the receiver has
+been taking) judges our work, not the receiver. While another replica of that stage took our work in the last
+``OUT_OF_BOUNDS_PEERS_S`` the refuser is the odd one out and counts a failure (banned with backoff, as before); while
+none did, our own weights are what is off (a replica that started from the init beside replicas that trained, and
+catches up through averaging), so the refuser is only skipped for ``OUT_OF_BOUNDS_WAIT_S``: banning every replica of
+the next stage for longer and longer would starve this peer for good once its work fits again. After
+``OUT_OF_BOUNDS_WARN_S`` of such refusals and no work taken the operator is told.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from peer.ids import short_id
 from peer.lifecycle import PeerState
 from peer.membership.routing import NoRouteError
 from peer.pipeline.attest import sign
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import Ack, Backward, Busy, Forward, Message
 
 if TYPE_CHECKING:
@@ -39,6 +48,11 @@ BACKWARD_RPC = "backward"
 NO_ROUTE_WARN_AFTER = 8  # waits for a route (backoff 0.1, 0.2, 0.4, then 0.8 s) before warning the operator
 MAX_ROUTE_WAITS = 50  # waits for a route before a forward is given up (its micro-batch is dropped)
 PARTNER_TRIES = 3  # sends of a spot-checked micro-batch to its second replica while that one answers Busy
+OUT_OF_BOUNDS_PEERS_S = 10.0  # a refuser of our tensors as out of bounds is at fault while another replica of its
+# stage took our work this recently
+OUT_OF_BOUNDS_WAIT_S = 1.0  # else it is skipped this long, without a failure (our work is what is off)
+OUT_OF_BOUNDS_WARN_S = 20.0  # refusals as out of bounds with nothing taken this long: the operator is told
+ACKED_MAX = 256  # next-stage peers whose last Ack is remembered (the oldest forgotten first)
 
 #: ``cap(peer_ids, weights)`` lowers routing weights (the share of hops not yet trusted: peer.pipeline.spotcheck)
 Cap = Callable[[list[str], list[float]], list[float]]
@@ -64,6 +78,9 @@ class Hops:
         self.notary = notary
         self.cap: Cap | None = None
         """Set when spot checks run: the share of choices a hop not yet trusted may get."""
+        self.clock: Callable[[], float] = time.monotonic
+        self._acked: dict[str, float] = {}  # next-stage peer -> when it last took a forward of ours
+        self._out_of_bounds_since: float | None = None  # first refusal as out of bounds since work was last taken
 
     def next_hops(self, stage: int) -> list[PeerRecord]:
         """Candidates for a hop to ``stage``. Sync mode pins pipeline i to the i-th replica (by peer id) of every
@@ -116,13 +133,17 @@ class Hops:
             except Exception as e:
                 failures += 1
                 tried.add(record.peer_id)
-                ban = self.router.failure(record.peer_id)
                 self.metrics.inc("retries")
+                if _out_of_bounds(e):
+                    self._refused_as_out_of_bounds(record.peer_id, stage)
+                    continue
+                ban = self.router.failure(record.peer_id)
                 logger.debug("%s to %s failed (%r); banned for %.1f s", FORWARD_RPC, short_id(record.peer_id), e, ban)
                 continue
             if isinstance(reply, Ack):
                 self.router.success(record.peer_id, time.monotonic() - t0)
                 self.metrics.resolve(f"no_route:{stage}")  # a route exists again: the warning is no longer true
+                self._taken(record.peer_id)
                 return record.peer_id
             if isinstance(reply, Busy):
                 self.router.busy(record.peer_id, reply.retry_after_s)
@@ -134,6 +155,36 @@ class Hops:
             self.metrics.inc("retries")
         return None
 
+    def _taken(self, peer: str) -> None:
+        """``peer`` of the next stage took a forward of ours."""
+        self._acked.pop(peer, None)
+        self._acked[peer] = self.clock()
+        while len(self._acked) > ACKED_MAX:
+            del self._acked[next(iter(self._acked))]
+        if self._out_of_bounds_since is not None:
+            self._out_of_bounds_since = None
+            self.metrics.resolve("out_of_bounds")
+
+    def _refused_as_out_of_bounds(self, peer: str, stage: int) -> None:
+        """``peer`` refused our activations as out of bounds: a failure of it while another replica of its stage takes
+        our work, else our own weights are off and it is only skipped for a moment (module docstring)."""
+        now = self.clock()
+        self.metrics.inc("forwards_out_of_bounds")
+        if any(p != peer and now - t <= OUT_OF_BOUNDS_PEERS_S for p, t in self._acked.items()):
+            ban = self.router.failure(peer)
+            logger.debug("%s refused our activations as out of bounds while others take them; banned for %.1f s",
+                         short_id(peer), ban)
+            return
+        self.router.busy(peer, OUT_OF_BOUNDS_WAIT_S)
+        if self._out_of_bounds_since is None:
+            self._out_of_bounds_since = now
+        elif now - self._out_of_bounds_since >= OUT_OF_BOUNDS_WARN_S:
+            self.metrics.warn(f"stage {stage} has refused this peer's activations as out of bounds for over "
+                              f"{OUT_OF_BOUNDS_WARN_S:.0f} s (their norm is far from what its replicas "
+                              "train on): this replica's weights are out of step with its stage's, and its averaging "
+                              "rounds pull them back; if this lasts, restart the peer so that it loads a replica's "
+                              "state", key="out_of_bounds")
+
     async def forward_to(self, peer: str, msg: Forward) -> Message | None:
         """Send ``msg`` to ``peer`` itself (a spot check's second replica), waiting out a few Busy replies; its last
         reply, or None when the call failed (the Router is told)."""
@@ -144,8 +195,12 @@ class Hops:
                     reply = await self.send(peer, FORWARD_RPC, msg)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                self.router.failure(peer)
+            except Exception as e:
+                if _out_of_bounds(e):  # our tensors, not the partner, are what it refused
+                    self.metrics.inc("forwards_out_of_bounds")
+                    self.router.busy(peer, OUT_OF_BOUNDS_WAIT_S)
+                else:
+                    self.router.failure(peer)
                 return None
             if not isinstance(reply, Busy):
                 break
@@ -182,7 +237,15 @@ class Hops:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if _out_of_bounds(e):  # it judged our gradient, and would again: nothing to retry, nobody to ban
+                    self.metrics.inc("backwards_out_of_bounds")
+                    return
                 logger.debug("backward of %d to %s failed (attempt %d): %r", msg.mb_id, short_id(peer), attempt + 1,
                              e)
                 self.metrics.inc("retries")
         self.router.failure(peer)
+
+
+def _out_of_bounds(e: BaseException) -> bool:
+    """Whether ``e`` is a refusal of the tensors we sent as out of the receiver's bounds."""
+    return isinstance(e, RemoteError) and e.code == ErrorCode.OUT_OF_BOUNDS

@@ -255,7 +255,7 @@ class PipelineServicer:
         except ProtocolError as e:
             return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
         if not self.guard.norm_ok("activations", x, peer_id):
-            return Error(code=ErrorCode.BAD_REQUEST, message="activation norm outside the bounds of recent traffic")
+            return Error(code=ErrorCode.OUT_OF_BOUNDS, message="activation norm outside the bounds of recent traffic")
         if self.forward_q.full():  # filled while we decoded
             return Busy(retry_after_s=0.1)
         self.guard.accept_id(msg.mb_id)
@@ -312,7 +312,7 @@ class PipelineServicer:
             # no gradient (held until microbatch_timeout_s, it would stall stage 0 while the bound adapts to early
             # training's growing gradients, and count against the hop as a black hole)
             self.spawn(self.drop(msg.mb_id, notify=not self.is_first))
-            return Error(code=ErrorCode.BAD_REQUEST, message="gradient norm outside the bounds of recent traffic")
+            return Error(code=ErrorCode.OUT_OF_BOUNDS, message="gradient norm outside the bounds of recent traffic")
         if msg.refused and (msg.gradient is not None or msg.is_eval):
             return self._reject("bad_request", ErrorCode.BAD_REQUEST, "a refused micro-batch carries no gradient")
         if msg.loss is not None and not msg.refused and not self.guard.loss_ok(msg.loss, is_eval=msg.is_eval):
