@@ -8,12 +8,13 @@ round a partition of the weights, a state transfer chunks of up to 4 MiB; a pipe
 round trip (yamux: 256 KiB, doubling), so a message larger than that costs round trips a long-lived TCP connection
 does not: this tool measures how many. Both sides run in their own network namespace on ``tools/wan.py``'s links
 (root); each size is sent ``--reps`` times, ``--gap-s`` apart (the idle time between two barriers), over one TCP
-connection kept open and over one RPC per message (the first RPC, which dials, is left out).
+connection kept open, over one RPC per message, and over one libp2p stream kept open for all of them with the same
+framing (what keeping a stream between calls would give); the first send of each, which dials, is left out.
 
     python tools/bench_transfer.py --json docs/bench/transfer.json
 
-The JSON holds, per network (``wan-<delay>ms``) and size, the medians ``tcp_s`` and ``rpc_s``, the ideal
-``rtt + size / rate``, and ``extra_rtts`` = (rpc - tcp) / rtt.
+The JSON holds, per network (``wan-<delay>ms``) and size, the medians ``tcp_s``, ``rpc_s`` and ``kept_stream_s``,
+the ideal ``rtt + size / rate``, and ``extra_rtts`` = (rpc - tcp) / rtt.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable f
 
 TCP_PORT = 9944
 READY = "transfer server ready"
+KEPT_PROTOCOL = "/asyncmesh-bench/kept-stream"
 RESULT = "transfer result"
 MIN_RTT_S = 0.002  # below this (loopback-like) round trips are not a unit to count in
 DEFAULT_SIZES = (1_000, 131_072, 262_144, 524_288, 1_048_576, 1_700_000, 4_194_304)
@@ -66,6 +68,7 @@ def _tcp_sink(ip: str) -> None:
 async def _serve(ip: str) -> None:
     from hivemind.p2p import P2P
 
+    from protocol.framing import StreamEnded, read_message, write_message
     from protocol.messages import Ack, Message
     from protocol.rpc import RpcLimits, RpcServer
 
@@ -77,6 +80,19 @@ async def _serve(ip: str) -> None:
         return Ack()
 
     await server.add_handler("transfer", sink)
+
+    async def kept(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # one stream for many messages (what a stream kept open between calls would give): frames in, one byte out
+        try:
+            while True:
+                await read_message(reader, max_frame_bytes=1 << 24, max_message_bytes=1 << 28)
+                await write_message(writer, b"k", frame_bytes=1 << 20)
+        except StreamEnded:
+            pass
+        finally:
+            writer.close()
+
+    await p2p.add_binary_stream_handler(KEPT_PROTOCOL, kept)
     maddrs = [str(m) for m in await p2p.get_visible_maddrs() if ip in str(m)]
     print(READY, maddrs[0], flush=True)
     await asyncio.Event().wait()  # until terminated
@@ -87,7 +103,8 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
     from hivemind.p2p import P2P, PeerID
 
     from protocol.codecs.registry import encode
-    from protocol.messages import Forward
+    from protocol.framing import read_message, write_message
+    from protocol.messages import Forward, pack
     from protocol.rpc import RpcLimits, call
 
     out: dict[str, Any] = {}
@@ -114,7 +131,20 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
                 t0 = time.monotonic()
                 await call(p2p, peer, "transfer", msg, timeout=120.0, limits=limits)
                 rpc_s.append(time.monotonic() - t0)
-            out[str(size)] = {"tcp_s": tcp_s[1:], "rpc_s": rpc_s[1:]}  # the first of each dials or warms up
+            payload = pack(msg)
+            _, reader, writer = await p2p.call_binary_stream_handler(peer, KEPT_PROTOCOL)
+            kept_s = []
+            try:
+                for _ in range(reps + 1):
+                    await asyncio.sleep(gap_s)
+                    t0 = time.monotonic()
+                    await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
+                    await read_message(reader, max_frame_bytes=1024, max_message_bytes=1024)
+                    kept_s.append(time.monotonic() - t0)
+            finally:
+                writer.close()
+            # the first of each dials, opens or warms up
+            out[str(size)] = {"tcp_s": tcp_s[1:], "rpc_s": rpc_s[1:], "kept_stream_s": kept_s[1:]}
     finally:
         tcp.close()
         await p2p.shutdown()
@@ -127,8 +157,10 @@ def summarise(raw: dict[str, Any], *, rtt_s: float, rate_mbit: float) -> dict[st
     rows = {}
     for size, got in raw.items():
         tcp, rpc = statistics.median(got["tcp_s"]), statistics.median(got["rpc_s"])
+        kept = statistics.median(got["kept_stream_s"]) if got.get("kept_stream_s") else None
         ideal = rtt_s + (int(size) * 8 / (rate_mbit * 1e6) if rate_mbit > 0 else 0.0)
         rows[size] = {"tcp_s": round(tcp, 4), "rpc_s": round(rpc, 4), "ideal_s": round(ideal, 4),
+                      "kept_stream_s": round(kept, 4) if kept is not None else None,
                       "rpc_over_tcp": round(rpc / tcp, 3) if tcp > 0 else None,
                       "extra_rtts": round((rpc - tcp) / rtt_s, 2) if rtt_s >= MIN_RTT_S else None,
                       "samples": got}
@@ -190,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         key = f"wan-{delay:g}ms"
         networks[key] = measure(delay, args.rate_mbit, args.sizes, args.reps, args.gap_s, args.subnet)
         for size, row in networks[key]["sizes"].items():
-            print(f"{key} {int(size):>9} B: tcp {row['tcp_s']:.3f} s, rpc {row['rpc_s']:.3f} s "
-                  f"(ideal {row['ideal_s']:.3f} s; rpc adds {row['extra_rtts']} RTTs)", flush=True)
+            print(f"{key} {int(size):>9} B: tcp {row['tcp_s']:.3f} s, rpc {row['rpc_s']:.3f} s, one stream kept "
+                  f"{row['kept_stream_s']:.3f} s (ideal {row['ideal_s']:.3f} s; rpc adds {row['extra_rtts']} RTTs)",
+                  flush=True)
         load.append(os.getloadavg()[0])
     command = " ".join(["python tools/bench_transfer.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {"command": command, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
