@@ -4,7 +4,9 @@ Frame layout (12-byte header, big-endian):
 
     offset 0  2 bytes  magic b"AM"
     offset 2  1 byte   framing version (1)
-    offset 3  1 byte   flags: bit 0 = END (last frame of a message); other bits must be 0
+    offset 3  1 byte   flags: bit 0 = END (last frame of a message); bit 1 = KEEP, only with END (a request's: the
+                       caller would send another request on this stream; a reply's: the server takes one); other
+                       bits must be 0
     offset 4  8 bytes  body length, unsigned
 
 A message (msgpack bytes, see protocol.messages) is sent as one or more frames; the last carries END. The reader
@@ -30,6 +32,7 @@ __all__ = [
     "MAGIC",
     "FRAMING_VERSION",
     "FLAG_END",
+    "FLAG_KEEP",
     "frame_header",
     "read_message",
     "write_message",
@@ -40,14 +43,15 @@ CHUNK = 64 * 1024
 MAGIC = b"AM"
 FRAMING_VERSION = 1
 FLAG_END = 1
+FLAG_KEEP = 2
 
 
 class StreamEnded(MalformedMessage):
     """The stream closed before a complete message arrived (the sender hung up or crashed)."""
 
 
-def frame_header(length: int, *, end: bool) -> bytes:
-    return HEADER.pack(MAGIC, FRAMING_VERSION, FLAG_END if end else 0, length)
+def frame_header(length: int, *, end: bool, keep: bool = False) -> bytes:
+    return HEADER.pack(MAGIC, FRAMING_VERSION, (FLAG_END if end else 0) | (FLAG_KEEP if end and keep else 0), length)
 
 
 async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str, deadline: float | None = None) -> bytes:
@@ -84,8 +88,11 @@ async def read_message(
     max_message_bytes: int,
     admit: Callable[[int], None] | None = None,
     deadline: Callable[[int], float] | None = None,
+    kept: list[bool] | None = None,
+    first: bytes | None = None,
 ) -> bytes | bytearray:
-    """Read one message (a run of frames ending with END) and return its bytes.
+    """Read one message (a run of frames ending with END) and return its bytes; ``kept``, when given, gets whether
+    the last frame carried KEEP appended; ``first``: the first frame's header, already read from ``reader``.
 
     Raises FrameTooLarge (body not read), MalformedMessage (bad magic/version/flags), StreamEnded, or TimeoutError
     when ``deadline`` passes. ``admit(n)`` is called for every chunk of ``n`` body bytes as it arrives (chunks of at
@@ -100,12 +107,17 @@ async def read_message(
         return deadline(received + n) if deadline is not None else None
 
     while True:
-        head = await _read_exactly(reader, HEADER.size, "a frame header", due(HEADER.size))
+        if first is not None:
+            head, first = first, None
+            if len(head) != HEADER.size:
+                raise MalformedMessage(f"a frame header is {HEADER.size} bytes, not {len(head)}")
+        else:
+            head = await _read_exactly(reader, HEADER.size, "a frame header", due(HEADER.size))
         received += HEADER.size
         magic, version, flags, length = HEADER.unpack(head)
         if magic != MAGIC:
             raise MalformedMessage(f"bad frame magic {magic!r}; the peer does not speak the asyncmesh protocol")
-        if version != FRAMING_VERSION or flags & ~FLAG_END:
+        if version != FRAMING_VERSION or flags & ~(FLAG_END | FLAG_KEEP) or flags == FLAG_KEEP:
             raise MalformedMessage(f"unsupported framing version {version} or flags {flags:#04x}")
         if length > max_frame_bytes:
             raise FrameTooLarge(length, max_frame_bytes, "frame")
@@ -121,11 +133,14 @@ async def read_message(
             received += len(chunk)
             left -= len(chunk)
         if flags & FLAG_END:
+            if kept is not None:
+                kept.append(bool(flags & FLAG_KEEP))
             return buffer
 
 
-async def write_message(writer: asyncio.StreamWriter, data: bytes, *, frame_bytes: int) -> None:
-    """Write `data` as frames of at most `frame_bytes` bytes, draining after each so memory stays flat."""
+async def write_message(writer: asyncio.StreamWriter, data: bytes, *, frame_bytes: int, keep: bool = False) -> None:
+    """Write `data` as frames of at most `frame_bytes` bytes, draining after each so memory stays flat; ``keep``
+    sets KEEP on the last frame."""
     if frame_bytes <= 0:
         raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
     view = memoryview(data)
@@ -134,7 +149,7 @@ async def write_message(writer: asyncio.StreamWriter, data: bytes, *, frame_byte
         chunk = view[offset : offset + frame_bytes]
         offset += len(chunk)
         end = offset >= len(view)
-        writer.write(frame_header(len(chunk), end=end))
+        writer.write(frame_header(len(chunk), end=end, keep=keep))
         writer.write(chunk)
         await writer.drain()
         if end:

@@ -73,19 +73,30 @@ class RpcLimits:
     #: streams of banned strangers held at once (beyond it they are closed at once; also at most 1/8 of the file
     #: descriptors this process may open)
     max_held_streams: int = 512
+    #: a request at least this large asks to keep its stream for the next request to the same peer and handler (a
+    #: fresh stream's flow-control window starts at 256 KiB and grows per round trip: docs/performance.md, "One
+    #: message over the emulated WAN"); 0: never
+    keep_min_bytes: int = 256 * 1024
+    #: seconds a kept stream waits for its next request (the caller reuses it only while it idled for less than half)
+    keep_idle_s: float = 30.0
+    #: idle kept streams one known peer may hold here (strangers: none), and all peers together
+    kept_streams_per_peer: int = 4
+    max_kept_streams: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_frame_bytes", "send_frame_bytes", "max_message_bytes", "max_streams_per_peer",
                      "max_inflight_bytes", "stranger_inflight_bytes", "strangers_inflight_bytes",
-                     "stranger_streams", "max_held_streams"):  # fmt: skip
+                     "stranger_streams", "max_held_streams", "kept_streams_per_peer", "max_kept_streams"):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"RpcLimits.{name} must be a positive int, got {value!r}")
         for name in ("per_peer_bytes_per_s", "read_timeout_s", "handler_timeout_s", "write_timeout_s",
                      "min_bytes_per_s", "rate_grace_s", "stranger_refusals_per_s", "strangers_refusals_per_s",
-                     "stranger_ban_s"):
+                     "stranger_ban_s", "keep_idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if type(self.keep_min_bytes) is not int or self.keep_min_bytes < 0:
+            raise ValueError(f"RpcLimits.keep_min_bytes must be an int >= 0, got {self.keep_min_bytes!r}")
         if self.busy_retry_s < 0 or self.linger_s < 0 or self.banned_hold_s < 0:
             raise ValueError("RpcLimits.busy_retry_s, linger_s and banned_hold_s must be >= 0")
         if self.stranger_max_ban_s < self.stranger_ban_s:

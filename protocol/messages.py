@@ -54,7 +54,7 @@ __all__ = [
     "MESSAGE_KINDS",
 ]
 
-PROTOCOL_VERSION = 12  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
+PROTOCOL_VERSION = 13  # 2: Forward carries `flush` (the synchronous mode's step number); 3: Backward `refused`;
 # 4: StateRequest names the snapshot `version` it continues; 5: Infer and InferResult (forward-only generation);
 # 6: StateDigestRequest (witnesses of a state send per-tensor digests); averaging partitions are drawn over blocks
 # of coordinates (trainer/averaging.py), so a peer of version 5 would average other coordinates under one round number;
@@ -68,8 +68,10 @@ PROTOCOL_VERSION = 12  # 2: Forward carries `flush` (the synchronous mode's step
 # signatures in `Backward.relayed`, a Testimony is the witness's signed copy of both frames, and `Fraud` carries a
 # witness's self-contradiction to the hop it lied about; 12: a signed gradient also signs the digest of the forward it
 # answers, so `Backward.relayed` and `Fraud.relayed` carry 4 items, and `TestimonyRequest.outgoing` asks a hop for
-# its own record of what it sent a witness (a version-11 witness's signature would not verify)
-SUPPORTED_VERSIONS: tuple[int, ...] = (12,)
+# its own record of what it sent a witness (a version-11 witness's signature would not verify); 13: a frame's KEEP
+# flag (protocol/framing.py): a large request asks to keep its stream for the next, and a known peer's server says so
+# on its reply (a version-12 reader refuses the flag as malformed); ErrorCode.OUT_OF_BOUNDS
+SUPPORTED_VERSIONS: tuple[int, ...] = (13,)
 
 _stage = s.integer(0, 1023)
 _count = s.integer(0, 2**63 - 1)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -150,6 +151,9 @@ class RpcServer:
         self.flood = self.strangers.flood
         # our own end of p2pd's streams: it asks the gate about each stream before a reader or a task exists for it
         self._inbound = InboundListener(p2p, early=self.strangers.early, released=self.flood.release)
+        # kept streams waiting for their next request (see _serve): per peer, and their tasks (cancelled at shutdown)
+        self._kept: Counter[str] = Counter()
+        self._kept_waits: set[asyncio.Task[Any]] = set()
 
     @property
     def _inflight(self) -> int:
@@ -202,6 +206,8 @@ class RpcServer:
         banned strangers are closed)."""
         await self._inbound.close()
         self._names.clear()
+        for task in list(self._kept_waits):
+            task.cancel()
 
     def _refusal(self, e: Exception) -> tuple[str, Message]:
         """The ``rejected`` reason and the reply for a request refused with ``e``."""
@@ -219,6 +225,53 @@ class RpcServer:
     async def _serve(
         self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        """Serve the stream's request, and while the caller asks to keep the stream (KEEP on its request) and the
+        server agrees (KEEP on the reply), the next ones: a stream that carried a large message has a grown
+        flow-control window, which a fresh one does not (``RpcLimits.keep_min_bytes``). Kept only for known peers,
+        at most ``kept_streams_per_peer`` idle per peer and ``max_kept_streams`` in all, each for ``keep_idle_s``."""
+        try:
+            first: bytes | None = None
+            while await self._serve_one(name, fn, peer, reader, writer, first):
+                first = await self._next_request(peer, reader)
+                if first is None:
+                    return
+        finally:
+            writer.close()
+
+    def _may_keep(self, peer: str) -> bool:
+        lim = self.limits
+        return self.is_known(peer) and self._kept[peer] < lim.kept_streams_per_peer and \
+            sum(self._kept.values()) < lim.max_kept_streams
+
+    async def _next_request(self, peer: str, reader: asyncio.StreamReader) -> bytes | None:
+        """The first frame header of the next request on a kept stream, or None (idle too long, the caller hung up,
+        or the peer is no longer known). The wait counts as a kept stream, not as a stream in flight."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._kept_waits.add(task)
+        self._kept[peer] += 1
+        try:
+            async with asyncio.timeout(self.limits.keep_idle_s):
+                head = await reader.readexactly(HEADER.size)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return None
+        finally:
+            self._kept[peer] -= 1
+            if self._kept[peer] <= 0:
+                del self._kept[peer]
+            if task is not None:
+                self._kept_waits.discard(task)
+        if not self.is_known(peer):  # revoked meanwhile: a stranger's request opens a stream of its own
+            return None
+        self.strangers.early(peer)  # counts the stream in flight, as the listener did for the first request
+        return head
+
+    async def _serve_one(
+        self, name: str, fn: Handler, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+        first: bytes | None,
+    ) -> bool:
+        """One request of the stream (``first``: its first frame header, already read); whether the stream is kept
+        for another."""
         limits = self.limits
         known = self.is_known(peer)  # (the stream passed the gate: self.strangers.early)
         policy = self._policies.get(name) or _Policy()
@@ -243,6 +296,7 @@ class RpcServer:
             return start + limits.rate_grace_s + received / limits.min_bytes_per_s
 
         refused = False
+        asked: list[bool] = []  # whether the request's last frame carried KEEP
 
         try:
             try:
@@ -254,7 +308,7 @@ class RpcServer:
                     async with asyncio.timeout(limits.read_timeout_s):
                         data = await read_message(
                             reader, max_frame_bytes=min(limits.max_frame_bytes, max_message),
-                            max_message_bytes=max_message, admit=admit, deadline=deadline,
+                            max_message_bytes=max_message, admit=admit, deadline=deadline, kept=asked, first=first,
                         )  # fmt: skip
                 except TimeoutError:
                     self.cut_slow += 1
@@ -282,9 +336,6 @@ class RpcServer:
             finally:
                 self.strangers.done(peer)
                 self._ledger.release(peer, buffered, stranger_bytes=stranger_buffered)
-        except asyncio.CancelledError:
-            writer.close()
-            raise
         except (_Saturated, ProtocolError, TimeoutError, _NotAdmitted, _WrongKind) as e:
             reason, reply = self._refusal(e)
             self.rejected[reason] += 1
@@ -303,10 +354,12 @@ class RpcServer:
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__} in handler {name}"[:4000])
         if refused and not known:  # what a stranger may cost us in refusals before its streams go unread
             self.strangers.refused(peer)
+        # kept only when the whole request was read (asked is filled at its last frame) and the peer is known
+        keep = bool(asked and asked[0]) and self._may_keep(peer)
         try:
             payload = await _pack(reply)
             async with asyncio.timeout(limits.write_timeout_s):
-                await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
+                await write_message(writer, payload, frame_bytes=limits.send_frame_bytes, keep=keep)
                 self.bytes_out += len(payload)
                 if self.count is not None:
                     self.count("bytes_out", len(payload))
@@ -314,6 +367,8 @@ class RpcServer:
                 # the caller's direction then fails and it *resets* the stream, and a reset that overtakes the
                 # reply inside the caller's p2pd discards the reply (docs/protocol.md, "Lost replies"). The end
                 # flag of the reply's last frame tells the caller the reply is complete; the caller hangs up.
+            if keep:
+                return True
             # A refused sender may still be writing its request. Closing now would reset the stream and could
             # destroy our reply in flight, so discard what arrives until the caller hangs up (bounded in time and
             # bytes; a caller reading our reply hangs up at once).
@@ -327,8 +382,52 @@ class RpcServer:
         except Exception as e:
             self.rejected["reply_failed"] += 1
             logger.debug("could not reply to %s on %s: %s", peer, name, e)
-        finally:
+        return False
+
+
+class _StreamPool:
+    """A caller's kept streams, per (peer, handler): reused for the next large request while they idled for less
+    than half the server's ``keep_idle_s`` (the server closes them after it). Bounded per key and in all."""
+
+    PER_KEY = 2
+    TOTAL = 64
+
+    def __init__(self) -> None:
+        self.idle: OrderedDict[tuple[str, str], list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = \
+            OrderedDict()
+
+    def take(self, key: tuple[str, str],
+             max_idle_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        entries = self.idle.get(key)
+        now = time.monotonic()
+        while entries:
+            reader, writer, since = entries.pop()
+            if now - since < max_idle_s and not writer.is_closing() and not reader.at_eof():
+                return reader, writer
             writer.close()
+        self.idle.pop(key, None)
+        return None
+
+    def give(self, key: tuple[str, str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        entries = self.idle.setdefault(key, [])
+        self.idle.move_to_end(key)
+        entries.append((reader, writer, time.monotonic()))
+        while len(entries) > self.PER_KEY:
+            entries.pop(0)[1].close()
+        while sum(len(v) for v in self.idle.values()) > self.TOTAL:
+            oldest = next(iter(self.idle))
+            for _, w, _ in self.idle.pop(oldest):
+                w.close()
+
+
+_POOLS: weakref.WeakKeyDictionary[P2P, _StreamPool] = weakref.WeakKeyDictionary()
+
+
+def _pool_of(p2p: P2P) -> _StreamPool:
+    pool = _POOLS.get(p2p)
+    if pool is None:
+        pool = _POOLS[p2p] = _StreamPool()
+    return pool
 
 
 def _consume(task: asyncio.Task[Any]) -> None:
@@ -362,28 +461,50 @@ async def call(
     n_frames = max(1, -(-len(data) // limits.send_frame_bytes))
     if len(data) + n_frames * HEADER.size > limits.max_message_bytes:
         raise FrameTooLarge(len(data), limits.max_message_bytes, f"{type(msg).__name__} request")
+    # a large request asks to keep its stream: the next one to this peer's handler starts with a grown window
+    keep = 0 < limits.keep_min_bytes <= len(data)
+    pool, key = (_pool_of(p2p) if keep else None), (str(peer_id), name)
     async with asyncio.timeout(timeout):
-        try:
-            _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROTOCOL_PREFIX + name)
-        except Exception as e:  # hivemind raises P2PDaemonError/P2PHandlerError/ConnectionError here
-            raise PeerUnreachable(f"cannot open stream {name!r} to {peer_id}: {e}") from e
-        try:
-            # write and read at once: the server may refuse after the first header and reply while we still send
-            sending = asyncio.create_task(write_message(writer, data, frame_bytes=limits.send_frame_bytes))
+        for attempt in range(2):
+            stream = pool.take(key, limits.keep_idle_s / 2) if pool is not None and attempt == 0 else None
+            reused = stream is not None
+            if stream is None:
+                try:
+                    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROTOCOL_PREFIX + name)
+                except Exception as e:  # hivemind raises P2PDaemonError/P2PHandlerError/ConnectionError here
+                    raise PeerUnreachable(f"cannot open stream {name!r} to {peer_id}: {e}") from e
+            else:
+                reader, writer = stream
+            kept: list[bool] = []
+            pooled = False
             try:
-                reply_bytes = await read_message(
-                    reader, max_frame_bytes=limits.max_frame_bytes, max_message_bytes=limits.max_message_bytes
-                )
-            except StreamEnded as e:
-                raise PeerUnreachable(f"peer {peer_id} closed stream {name!r} without a complete reply: {e}") from e
+                # write and read at once: the server may refuse after the first header and reply while we still send
+                sending = asyncio.create_task(write_message(writer, data, frame_bytes=limits.send_frame_bytes,
+                                                            keep=keep))
+                try:
+                    reply_bytes = await read_message(
+                        reader, max_frame_bytes=limits.max_frame_bytes, max_message_bytes=limits.max_message_bytes,
+                        kept=kept,
+                    )  # fmt: skip
+                except StreamEnded as e:
+                    if reused:  # the server closed the kept stream before it read this request: a fresh one
+                        continue
+                    raise PeerUnreachable(f"peer {peer_id} closed stream {name!r} without a complete reply: {e}") \
+                        from e
+                finally:
+                    if sending.done():
+                        _consume(sending)
+                    else:
+                        sending.cancel()
+                        sending.add_done_callback(_consume)
+                if pool is not None and kept and kept[0] and sending.done() and not sending.cancelled() \
+                        and sending.exception() is None:
+                    pool.give(key, reader, writer)
+                    pooled = True
             finally:
-                if sending.done():
-                    _consume(sending)
-                else:
-                    sending.cancel()
-                    sending.add_done_callback(_consume)
-        finally:
-            writer.close()
+                if not pooled:
+                    writer.close()
+            break
     if count is not None:
         count("bytes_out", len(data))
         count("bytes_in", len(reply_bytes))

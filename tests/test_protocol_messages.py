@@ -207,7 +207,8 @@ def test_framing_refuses_before_reading_body() -> None:
     [
         b"XX\x01\x01" + bytes(8),  # magic
         b"AM\x02\x01" + bytes(8),  # framing version
-        b"AM\x01\x03" + bytes(8),  # reserved flag bit
+        b"AM\x01\x05" + bytes(8),  # reserved flag bit
+        b"AM\x01\x02" + bytes(8),  # KEEP without END
         b"AM\x01",  # truncated header
         frame_header(5, end=True),  # truncated body
     ],
@@ -216,6 +217,23 @@ def test_framing_rejects_bad_headers_and_truncation(data: bytes) -> None:
     async def main() -> None:
         with pytest.raises(MalformedMessage):
             await read_message(_reader(data), max_frame_bytes=100, max_message_bytes=1000)
+
+    asyncio.run(main())
+
+
+def test_keep_rides_on_the_last_frame_only() -> None:
+    async def main() -> None:
+        for keep in (False, True):
+            w = _Sink()
+            await write_message(w, b"x" * 250, frame_bytes=100, keep=keep)  # type: ignore[arg-type]
+            flags = [w.data[i + 3] for i in (0, 112, 224)]
+            assert flags == [0, 0, 1 | (2 if keep else 0)]
+            kept: list[bool] = []
+            assert await read_message(_reader(bytes(w.data)), max_frame_bytes=100, max_message_bytes=1000,
+                                      kept=kept) == b"x" * 250
+            assert kept == [keep]
+        head = frame_header(3, end=True)  # a header read ahead (a kept stream's next request) is used first
+        assert await read_message(_reader(b"abc"), max_frame_bytes=10, max_message_bytes=100, first=head) == b"abc"
 
     asyncio.run(main())
 

@@ -231,3 +231,59 @@ def test_header_is_twelve_bytes() -> None:
 def test_validation_error_names_peer() -> None:
     with pytest.raises(ValidationError, match="QmPeer"):
         decode(encode(torch.ones(2), "none"), TensorSpec((3,), torch.float32), peer="QmPeer")
+
+
+def test_a_large_request_keeps_its_stream_for_the_next_one_to_a_known_peer() -> None:
+    """A request of at least ``keep_min_bytes`` asks to keep its stream (its flow-control window has grown); a
+    known peer's server keeps it, the next such call reuses it, a stranger's is not kept, small calls never ask, and a
+    kept stream the server closes instead of serving costs a fresh stream, not a failed call."""
+    limits = RpcLimits(keep_min_bytes=64 * 1024, keep_idle_s=4.0)
+    big = StateChunk("r", 0, 1, 0, 1, {}, {"w": encode(torch.zeros(30_000), "none")})  # 120 KB
+    small = Hello(PROTOCOL_VERSION, "r", 0, "p", [])
+    name = PROTOCOL_PREFIX + "hello"
+
+    async def body(server: P2P, client: P2P) -> None:
+        rpc = RpcServer(server, limits)
+        seen: list[str] = []
+
+        async def on_hello(msg: Hello | StateChunk, peer: str) -> Ack:
+            seen.append(peer)
+            return Ack()
+
+        await rpc.add_handler("hello", on_hello)
+        opened: Counter[str] = Counter()
+        real_open = client.call_binary_stream_handler
+
+        async def counting(peer_id, handler):  # every fresh stream the caller opens
+            opened[handler] += 1
+            return await real_open(peer_id, handler)
+
+        client.call_binary_stream_handler = counting  # type: ignore[method-assign]
+        me = client.peer_id.to_base58()
+
+        async def hello(msg: Hello | StateChunk) -> None:
+            assert isinstance(await call(client, server.peer_id, "hello", msg, timeout=10, limits=limits), Ack)
+            await asyncio.sleep(0.05)  # the server is waiting on the kept stream by now
+
+        for _ in range(2):  # a stranger: served, never kept
+            await hello(big)
+        assert opened[name] == 2 and not rpc._kept
+        rpc.vouch(me)
+        for _ in range(3):  # known: the first stream is kept and reused
+            await hello(big)
+        assert opened[name] == 3 and rpc._kept[me] == 1
+        for _ in range(2):  # small requests do not ask
+            await hello(small)
+        assert opened[name] == 5 and rpc._kept[me] == 1
+        rpc.revoke(me)  # the server closes the kept stream at the next request instead of serving it: retried fresh
+        await hello(big)
+        assert opened[name] == 6 and not rpc._kept and len(seen) == 8
+        rpc.vouch(me)
+        await hello(big)
+        assert opened[name] == 7 and rpc._kept[me] == 1
+        await asyncio.sleep(4.3)  # idle past keep_idle_s: the server closed it, the caller opens a fresh one
+        assert not rpc._kept
+        await hello(big)
+        assert opened[name] == 8 and len(seen) == 10
+
+    run(body)

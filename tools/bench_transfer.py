@@ -4,17 +4,18 @@ against a plain TCP connection, per message size.
 
 A sync barrier exchanges a stage's whole gradient (1.7 MB fp32 for the default run) once per flush, an averaging
 round a partition of the weights, a state transfer chunks of up to 4 MiB; a pipeline frame of the default run is
-131 KB. Each RPC opens a fresh libp2p stream, and a fresh stream's flow-control window starts small and grows per
-round trip (yamux: 256 KiB, doubling), so a message larger than that costs round trips a long-lived TCP connection
-does not: this tool measures how many. Both sides run in their own network namespace on ``tools/wan.py``'s links
-(root); each size is sent ``--reps`` times, ``--gap-s`` apart (the idle time between two barriers), over one TCP
-connection kept open, over one RPC per message, and over one libp2p stream kept open for all of them with the same
-framing (what keeping a stream between calls would give); the first send of each, which dials, is left out.
+131 KB. An RPC opens a fresh libp2p stream unless a kept one is at hand, and a fresh stream's flow-control window
+starts small and grows per round trip (yamux: 256 KiB, doubling), so a message larger than that costs round trips a
+long-lived TCP connection does not: this tool measures how many. Both sides run in their own network namespace on
+``tools/wan.py``'s links (root); each size is sent ``--reps`` times, ``--gap-s`` apart (the idle time between two
+barriers), over one TCP connection kept open, over one RPC per message from a stranger and from a peer the server
+knows (whose large requests keep their stream for the next: ``RpcLimits.keep_min_bytes``), and over one libp2p
+stream kept open for all of them with the same framing; the first send of each, which dials or opens, is left out.
 
     python tools/bench_transfer.py --json docs/bench/transfer.json
 
-The JSON holds, per network (``wan-<delay>ms``) and size, the medians ``tcp_s``, ``rpc_s`` and ``kept_stream_s``,
-the ideal ``rtt + size / rate``, and ``extra_rtts`` = (rpc - tcp) / rtt.
+The JSON holds, per network (``wan-<delay>ms``) and size, the medians ``tcp_s``, ``rpc_s``, ``rpc_known_s`` and
+``kept_stream_s``, the ideal ``rtt + size / rate``, and ``extra_rtts`` = (rpc - tcp) / rtt.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ async def _serve(ip: str) -> None:
 
     await server.add_handler("transfer", sink)
 
+    async def trust(msg: Message, peer: str) -> Message:  # the caller becomes a known peer (as validated work does)
+        server.vouch(peer)
+        return Ack()
+
+    await server.add_handler("trust_me", trust)
+
     async def kept(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # one stream for many messages (what a stream kept open between calls would give): frames in, one byte out
         try:
@@ -110,8 +117,12 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
     out: dict[str, Any] = {}
     tcp = socket.create_connection((ip, TCP_PORT))
     p2p = await P2P.create(initial_peers=[maddr])
+    known = await P2P.create(initial_peers=[maddr])  # a second identity, which the server vouches for
     peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
     limits = RpcLimits()
+    hello = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(torch.zeros(1, 1, 1), "none"),
+                    targets=None, is_eval=False, sent_at=0.0)
+    await call(known, peer, "trust_me", hello, timeout=60.0)
     try:
         for size in sizes:
             data = os.urandom(size)
@@ -125,12 +136,13 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
             x = torch.zeros(max(1, size // 4))
             msg = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(x.view(1, 1, -1), "none"),
                           targets=None, is_eval=False, sent_at=0.0)
-            rpc_s = []
-            for _ in range(reps + 1):
-                await asyncio.sleep(gap_s)
-                t0 = time.monotonic()
-                await call(p2p, peer, "transfer", msg, timeout=120.0, limits=limits)
-                rpc_s.append(time.monotonic() - t0)
+            rpc_s, known_s = [], []
+            for caller, times in ((p2p, rpc_s), (known, known_s)):  # a stranger's calls, then a known peer's
+                for _ in range(reps + 1):
+                    await asyncio.sleep(gap_s)
+                    t0 = time.monotonic()
+                    await call(caller, peer, "transfer", msg, timeout=120.0, limits=limits)
+                    times.append(time.monotonic() - t0)
             payload = pack(msg)
             _, reader, writer = await p2p.call_binary_stream_handler(peer, KEPT_PROTOCOL)
             kept_s = []
@@ -144,10 +156,12 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
             finally:
                 writer.close()
             # the first of each dials, opens or warms up
-            out[str(size)] = {"tcp_s": tcp_s[1:], "rpc_s": rpc_s[1:], "kept_stream_s": kept_s[1:]}
+            out[str(size)] = {"tcp_s": tcp_s[1:], "rpc_s": rpc_s[1:], "rpc_known_s": known_s[1:],
+                              "kept_stream_s": kept_s[1:]}
     finally:
         tcp.close()
         await p2p.shutdown()
+        await known.shutdown()
     return out
 
 
@@ -158,9 +172,11 @@ def summarise(raw: dict[str, Any], *, rtt_s: float, rate_mbit: float) -> dict[st
     for size, got in raw.items():
         tcp, rpc = statistics.median(got["tcp_s"]), statistics.median(got["rpc_s"])
         kept = statistics.median(got["kept_stream_s"]) if got.get("kept_stream_s") else None
+        known = statistics.median(got["rpc_known_s"]) if got.get("rpc_known_s") else None
         ideal = rtt_s + (int(size) * 8 / (rate_mbit * 1e6) if rate_mbit > 0 else 0.0)
         rows[size] = {"tcp_s": round(tcp, 4), "rpc_s": round(rpc, 4), "ideal_s": round(ideal, 4),
                       "kept_stream_s": round(kept, 4) if kept is not None else None,
+                      "rpc_known_s": round(known, 4) if known is not None else None,
                       "rpc_over_tcp": round(rpc / tcp, 3) if tcp > 0 else None,
                       "extra_rtts": round((rpc - tcp) / rtt_s, 2) if rtt_s >= MIN_RTT_S else None,
                       "samples": got}
@@ -222,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         key = f"wan-{delay:g}ms"
         networks[key] = measure(delay, args.rate_mbit, args.sizes, args.reps, args.gap_s, args.subnet)
         for size, row in networks[key]["sizes"].items():
-            print(f"{key} {int(size):>9} B: tcp {row['tcp_s']:.3f} s, rpc {row['rpc_s']:.3f} s, one stream kept "
-                  f"{row['kept_stream_s']:.3f} s (ideal {row['ideal_s']:.3f} s; rpc adds {row['extra_rtts']} RTTs)",
-                  flush=True)
+            print(f"{key} {int(size):>9} B: tcp {row['tcp_s']:.3f} s, rpc {row['rpc_s']:.3f} s (a known caller "
+                  f"{row['rpc_known_s']:.3f} s), one stream kept {row['kept_stream_s']:.3f} s (ideal "
+                  f"{row['ideal_s']:.3f} s; rpc adds {row['extra_rtts']} RTTs)", flush=True)
         load.append(os.getloadavg()[0])
     command = " ".join(["python tools/bench_transfer.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {"command": command, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
