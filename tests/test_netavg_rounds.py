@@ -597,6 +597,9 @@ async def test_sync_average_counts_only_announced_replicas_and_drops_an_outlier(
         await asyncio.sleep(0.5)
         return await avgs[i].all_average(0, grads[i], ["p0", "p1", "p3"])
 
+    vouched: dict[str, list[str]] = {n: [] for n in names}
+    for a in avgs:  # whose part went into the mean did validated work: known from then on
+        a.vouch = vouched[a.me].append
     results = await asyncio.gather(later(0), later(1), avgs[2].all_average(0, grads[2], view),
                                    avgs[3].all_average(0, grads[3], view))
     for i in (0, 1):
@@ -605,6 +608,7 @@ async def test_sync_average_counts_only_announced_replicas_and_drops_an_outlier(
         torch.testing.assert_close(mean[0], (grads[0][0] + grads[1][0]) / 2)
         counters = avgs[i].metrics.snapshot()["counters"]
         assert counters["rejected:avg_not_member"] == 1 and counters["rejected:avg_outlier"] == 1
+    assert vouched["p0"] == ["p1"] and vouched["p1"] == ["p0"]  # not the stranger, not the outlier
 
 
 @pytest.mark.timeout(30)

@@ -111,6 +111,9 @@ class SyncAverager:
         self.on_remote_open: Callable[[int, str], None] | None = None
         # after each barrier: whether our weights differ from the replicas' (their digests), and whom to resync from
         self.fork: Fork | None = None
+        # replicas whose parts went into a barrier's mean did validated work: known peers from then on (their large
+        # requests keep their streams, protocol/rpc.py)
+        self.vouch: Callable[[str], None] | None = getattr(rpc_server, "vouch", None)
         grads_check = finite_norm_check(self.config.sync_max_norm_ratio, 1.0)
         self.exchange = PartExchange(
             transport=transport or RpcTransport(p2p, rpc_server), name=SYNC_RPC, run_id=run.run_id, stage=stage,
@@ -212,6 +215,10 @@ class SyncAverager:
         for peer in dropped:
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("step %d: part of %s dropped: far from the robust centre", step, short_id(peer))
+        if self.vouch is not None:
+            for peer in members:
+                if peer not in dropped:
+                    self.vouch(peer)
         return [m.reshape(s) for m, s in zip(mean, shapes, strict=True)], len(members) + 1 - len(dropped)
 
     async def _barrier(self, step: int, tensors: list[torch.Tensor], peers: list[str], *,
