@@ -68,7 +68,7 @@ class Presence:
         self.rpc: RpcServer | None = None
         self.handlers: Handlers | None = None  # the handler table of ``rpc`` (a new one with a new server)
         self.signer: Signer | None = None
-        self.limits = RpcLimits()
+        self.limits = RpcLimits(keep_min_bytes=cfg.keep_stream_min_bytes)
         self.my_id = ""
         self.maddrs: list[str] = []
         self.swarm: dict[str, PeerRecord] = {}

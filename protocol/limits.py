@@ -75,8 +75,8 @@ class RpcLimits:
     max_held_streams: int = 512
     #: a request at least this large asks to keep its stream for the next request to the same peer and handler (a
     #: fresh stream's flow-control window starts at 256 KiB and grows per round trip: docs/performance.md, "One
-    #: message over the emulated WAN"); 0: never
-    keep_min_bytes: int = 256 * 1024
+    #: message over the emulated WAN"); 0 (the default): never. A peer sets it from ``keep_stream_min_bytes``
+    keep_min_bytes: int = 0
     #: seconds a kept stream waits for its next request (the caller reuses it only while it idled for less than half)
     keep_idle_s: float = 30.0
     #: idle kept streams one known peer may hold here (strangers: none), and all peers together

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the packages importable f
 TCP_PORT = 9944
 READY = "transfer server ready"
 KEPT_PROTOCOL = "/asyncmesh-bench/kept-stream"
+KEEP_MIN_BYTES = 256 * 1024  # the known caller's requests from this size on keep their stream (a peer: off)
 RESULT = "transfer result"
 MIN_RTT_S = 0.002  # below this (loopback-like) round trips are not a unit to count in
 DEFAULT_SIZES = (1_000, 131_072, 262_144, 524_288, 1_048_576, 1_700_000, 4_194_304)
@@ -119,7 +120,7 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
     p2p = await P2P.create(initial_peers=[maddr])
     known = await P2P.create(initial_peers=[maddr])  # a second identity, which the server vouches for
     peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
-    limits = RpcLimits()
+    limits = RpcLimits(keep_min_bytes=KEEP_MIN_BYTES)
     hello = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(torch.zeros(1, 1, 1), "none"),
                     targets=None, is_eval=False, sent_at=0.0)
     await call(known, peer, "trust_me", hello, timeout=60.0)
