@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,41 +125,45 @@ async def _client(ip: str, maddr: str, sizes: list[int], reps: int, gap_s: float
     hello = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(torch.zeros(1, 1, 1), "none"),
                     targets=None, is_eval=False, sent_at=0.0)
     await call(known, peer, "trust_me", hello, timeout=60.0)
+    async def timed(send: Callable[[], Awaitable[object]]) -> list[float]:
+        """``reps`` sends ``gap_s`` apart, timed; the first (it dials, opens or warms up) left out."""
+        times = []
+        for _ in range(reps + 1):
+            await asyncio.sleep(gap_s)
+            t0 = time.monotonic()
+            await send()
+            times.append(time.monotonic() - t0)
+        return times[1:]
+
+    async def one_size(size: int) -> dict[str, list[float]]:
+        data = os.urandom(size)
+
+        async def over_tcp() -> None:
+            tcp.sendall(len(data).to_bytes(8, "little") + data)
+            tcp.recv(1)
+
+        x = torch.zeros(max(1, size // 4))
+        msg = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(x.view(1, 1, -1), "none"),
+                      targets=None, is_eval=False, sent_at=0.0)
+        tcp_s = await timed(over_tcp)
+        rpc_s = await timed(lambda: call(p2p, peer, "transfer", msg, timeout=120.0, limits=limits))
+        known_s = await timed(lambda: call(known, peer, "transfer", msg, timeout=120.0, limits=limits))
+        payload = pack(msg)
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, KEPT_PROTOCOL)
+
+        async def over_kept_stream() -> None:
+            await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
+            await read_message(reader, max_frame_bytes=1024, max_message_bytes=1024)
+
+        try:
+            kept_s = await timed(over_kept_stream)
+        finally:
+            writer.close()
+        return {"tcp_s": tcp_s, "rpc_s": rpc_s, "rpc_known_s": known_s, "kept_stream_s": kept_s}
+
     try:
         for size in sizes:
-            data = os.urandom(size)
-            tcp_s = []
-            for _ in range(reps + 1):
-                await asyncio.sleep(gap_s)
-                t0 = time.monotonic()
-                tcp.sendall(len(data).to_bytes(8, "little") + data)
-                tcp.recv(1)
-                tcp_s.append(time.monotonic() - t0)
-            x = torch.zeros(max(1, size // 4))
-            msg = Forward(run_id="transfer", mb_id=0, route=["a"], activations=encode(x.view(1, 1, -1), "none"),
-                          targets=None, is_eval=False, sent_at=0.0)
-            rpc_s, known_s = [], []
-            for caller, times in ((p2p, rpc_s), (known, known_s)):  # a stranger's calls, then a known peer's
-                for _ in range(reps + 1):
-                    await asyncio.sleep(gap_s)
-                    t0 = time.monotonic()
-                    await call(caller, peer, "transfer", msg, timeout=120.0, limits=limits)
-                    times.append(time.monotonic() - t0)
-            payload = pack(msg)
-            _, reader, writer = await p2p.call_binary_stream_handler(peer, KEPT_PROTOCOL)
-            kept_s = []
-            try:
-                for _ in range(reps + 1):
-                    await asyncio.sleep(gap_s)
-                    t0 = time.monotonic()
-                    await write_message(writer, payload, frame_bytes=limits.send_frame_bytes)
-                    await read_message(reader, max_frame_bytes=1024, max_message_bytes=1024)
-                    kept_s.append(time.monotonic() - t0)
-            finally:
-                writer.close()
-            # the first of each dials, opens or warms up
-            out[str(size)] = {"tcp_s": tcp_s[1:], "rpc_s": rpc_s[1:], "rpc_known_s": known_s[1:],
-                              "kept_stream_s": kept_s[1:]}
+            out[str(size)] = await one_size(size)
     finally:
         tcp.close()
         await p2p.shutdown()

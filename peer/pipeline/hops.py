@@ -196,9 +196,8 @@ class Hops:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if _out_of_bounds(e):  # our tensors, not the partner, are what it refused
-                    self.metrics.inc("forwards_out_of_bounds")
-                    self.router.busy(peer, OUT_OF_BOUNDS_WAIT_S)
+                if _out_of_bounds(e):  # judged like the hop's own refusal: ours or the partner's fault
+                    self._refused_as_out_of_bounds(peer, self.stage + 1)
                 else:
                     self.router.failure(peer)
                 return None
