@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.bench_ttl import (  # noqa: E402
     baseline_record,
     compute_only_tokens_per_s,
+    emulator_record,
     final_loss,
     interpolate,
     mean_curve,
@@ -97,6 +98,19 @@ def test_the_pace_record_sums_every_peers_jobs_and_names_the_worst():
     assert pace_record(peers) == {"factor": 4.0, "jobs": 400, "overrun_share": 0.025,
                                   "worst_peer_overrun_share": 0.03}
     assert pace_record([{}, {}]) is None  # unpaced: no record
+
+
+def test_the_emulator_record_is_what_the_wan_dropped_over_the_budget():
+    before = {"forwarded": 10, "dropped_queue": 1, "dropped_loss": 0,
+              "per_ns": {"a": {"sent_packets": 6, "dropped_queue": 1, "dropped_loss": 0}}}
+    after = {"forwarded": 110, "dropped_queue": 4, "dropped_loss": 2,
+             "per_ns": {"a": {"sent_packets": 56, "dropped_queue": 3, "dropped_loss": 2},
+                        "b": {"sent_packets": 9, "dropped_queue": 1, "dropped_loss": 0}}}
+    assert emulator_record(before, after) == {
+        "forwarded": 100, "dropped_queue": 3, "dropped_loss": 2,
+        "per_ns": {"a": {"sent_packets": 50, "dropped_queue": 2, "dropped_loss": 2},
+                   "b": {"sent_packets": 9, "dropped_queue": 1, "dropped_loss": 0}}}
+    assert emulator_record(None, after) is None  # loopback: no emulator
 
 
 def test_replicas_merge_once_each_has_evaluated_and_compute_only_takes_the_slowest_stage():

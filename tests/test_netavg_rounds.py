@@ -613,6 +613,43 @@ async def test_sync_average_counts_only_announced_replicas_and_drops_an_outlier(
 
 @pytest.mark.timeout(30)
 @aio
+async def test_a_replica_whose_own_gradient_is_the_outlier_steps_with_the_others_mean():
+    # a replica whose flush went wrong (a far-off gradient) must take the same step as the others: keeping its own
+    # part while they drop it forked its weights from theirs, repaired only at the next barrier by loading a state
+    net, names = MemTransport(), ["p0", "p1", "p2", "p3"]
+    avgs = await _sync_averagers(net, names)
+    grads = [[torch.randn(50), torch.randn(3, 4)] for _ in names]
+    grads[2] = [20 * g for g in grads[2]]
+    results = await asyncio.gather(*(a.all_average(0, g, names) for a, g in zip(avgs, grads, strict=True)))
+    expected = [(grads[0][j] + grads[1][j] + grads[3][j]) / 3 for j in range(2)]
+    for mean, n in results:
+        assert n == 3
+        for m, e, m0 in zip(mean, expected, results[0][0], strict=True):
+            torch.testing.assert_close(m, e)
+            assert torch.equal(m, m0)  # the same bits at every replica, the outlier's own included
+    counters = avgs[2].metrics.snapshot()["counters"]
+    assert counters["avg_self_outlier"] == 1 and not counters.get("rejected:avg_outlier")
+
+
+@aio
+async def test_a_sync_replica_keeps_a_step_that_a_replica_now_ahead_finished_with_it():
+    avg = (await _sync_averagers(MemTransport(), ["p0"]))[0]
+    peers = ["p1", "p2", "p3"]
+    current = avg.exchange.open(19, time.time() + 10)
+    current.contributions["p1"] = [torch.zeros(1)]  # p1 finished step 19 with us; p2's part has not come yet
+    later = avg.exchange.open(20, time.time() + 10)
+    later.senders.add("p1")  # p1 waits at step 20
+    assert avg._ahead(19, peers) is None  # p2's part can still come (p1 got it, or p2 answers late callers)
+    later.senders.add("p3")
+    assert avg._ahead(19, peers) is None
+    later.senders.clear()
+    later.senders.add("p3")  # only a replica that skipped step 19 waits ahead: we are the ones behind
+    assert avg._ahead(19, peers) == 20
+    assert avg._ahead(19, ["p1", "p2"]) is None  # ... unless it is not in our view
+
+
+@pytest.mark.timeout(30)
+@aio
 async def test_a_sync_replica_that_is_behind_adopts_the_others_step():
     net, names = MemTransport(), ["p0", "p1", "p2"]
     avgs = await _sync_averagers(net, names)

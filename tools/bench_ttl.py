@@ -26,6 +26,11 @@ Figures (``--json OUT``; a plot with ``--plot PNG``):
   same stage workers (``StageWorker``), one process per peer with the same torch threads, side by side as the swarm
   does, on synthetic inputs with no network: R x the slowest stage's micro-batches/s x tokens per micro-batch.
   Evaluation traffic is part of the swarm's work but not of the compute-only figure, so it costs utilisation.
+* per case, ``link_bytes`` (each peer's bytes sent and received on its emulated link, and its RPC bytes) and
+  ``emulator``: the packets the WAN forwarded and dropped over the budget (``dropped_queue``: an uplink's buffer of
+  ``--queue-ms`` was full), in all and per namespace.
+
+``--modes sync`` (or ``async``) trains one mode only: no speedup, for diagnosing one side (its tokens/s, its links).
 
 One run's time-to-loss is noisy: the curves flatten where async crosses sync's final loss, so a few hundredths of a
 nat in either run move the crossing by a minute. ``--pool A.json B.json ...`` reads repeats of the same cases and
@@ -201,7 +206,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         net: Wan | LocalNet = LocalNet(n, stop_timeout_s=args.drain_timeout_s + 20)
     else:
         net = Wan(WanConfig(n=n, delay_ms=case.delay_ms, rate_mbit=case.rate_mbit, emulator=args.emulator,
-                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20,
+                            subnet=args.subnet, stop_timeout_s=args.drain_timeout_s + 20, queue_ms=args.queue_ms,
                             slow_start_after_idle=args.slow_start_after_idle))
     evals: dict[int, list[tuple[float, float, float]]] = {}
     seen: dict[int, int] = {}
@@ -218,6 +223,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
             seen[p["i"]] = int(s["counters"].get("evaluations", 0)) if s else 0
             evals[p["i"]] = []
         links0 = [net.link_bytes(p["i"]) for p in sc.peers]  # None on loopback
+        drops0 = net.counters()
         rpc0 = [rpc_bytes_out(sc.status(p)) for p in sc.peers]
         logger.info("%s: all %d peers training; %.0f s budget", case.label, n, args.budget_s)
         tokens = tokens0
@@ -236,6 +242,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
             loads.append(os.getloadavg()[0])
         elapsed = time.monotonic() - t0
         links1 = [net.link_bytes(p["i"]) for p in sc.peers]
+        drops1 = net.counters()
         rpc1 = [rpc_bytes_out(sc.status(p)) for p in sc.peers]
         summaries = sc.stop_and_collect()
     links = [{"stage": p["stage"], "tx": b["tx"] - a["tx"], "rx": b["rx"] - a["rx"],
@@ -252,6 +259,7 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         # per peer, over the budget: what its emulated link sent (tx) and received, and the bytes of its RPC messages
         # (requests it sent and replies it served, before libp2p's and TCP/IP's framing; the DHT's traffic apart)
         "link_bytes": links or None,
+        "emulator": emulator_record(drops0, drops1),
         "final_val_loss": final_loss([(t, loss) for t, _, loss in curve]),
         "avg_fraction_per_step": [s.get("avg_fraction_per_step") for s in summaries],
         "avg_delay_steps": [s.get("avg_delay_steps") for s in summaries],
@@ -260,6 +268,19 @@ def train_case(case: Case, args: argparse.Namespace, workdir: Path, n_stages: in
         "compute_pace": pace_record(summaries),
         "summaries": summaries, "workdir": workdir.name,  # the case's folder under --workdir (logs, summaries)
     }
+
+
+def emulator_record(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the emulated WAN did over the budget: packets forwarded and dropped (uplink queue full, random loss), in
+    all and per namespace; None on loopback or without the emulator's counters."""
+    if not before or not after:
+        return None
+    keys = ("forwarded", "dropped_queue", "dropped_loss")
+    out: dict[str, Any] = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
+    b_ns, a_ns = before.get("per_ns") or {}, after.get("per_ns") or {}
+    out["per_ns"] = {name: {k: int(c.get(k, 0)) - int(b_ns.get(name, {}).get(k, 0))
+                            for k in ("sent_packets", "dropped_queue", "dropped_loss")} for name, c in a_ns.items()}
+    return out
 
 
 def pace_record(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -377,6 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto", help="the emulated WAN (root)")
     p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 50.0], help="one-way delays on the WAN")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the WAN")
+    p.add_argument("--queue-ms", type=float, default=200.0, help="each uplink's buffer on the WAN, in ms of the rate")
     p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
     p.add_argument("--slow-start-after-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="TCP restarts an idle connection's window (Linux's default); --no-... keeps it, as a tuned "
@@ -390,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-pace", type=float, default=0.0, metavar="F",
                    help="each peer a device of its own, 1/F the speed of a core: every compute job lasts F x its CPU "
                         "time (peer/compute.py, DevicePace; 0: off, the peers share the cores)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="train only these modes (default: both; a single mode gives no speedup, for diagnosis)")
     p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
     p.add_argument("--compute-timeout-s", type=float, default=600.0,
                    help="start-up allowance of a compute-only process on top of --compute-s")
@@ -422,8 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
-    """bench_swarm's cases for both modes, at exactly the delays asked for."""
-    return swarm_plan(argparse.Namespace(**{**vars(args), "modes": MODES}), zero_delay=False)
+    """bench_swarm's cases for the modes asked for (both by default), at exactly the delays asked for."""
+    return swarm_plan(argparse.Namespace(**{**vars(args), "modes": args.modes or MODES}), zero_delay=False)
 
 
 def baseline_record(run: RunConfig, overrides: list[str]) -> dict[str, Any]:

@@ -98,13 +98,15 @@ def full_quorum(asked: int, trim: float) -> int:
 def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, list[torch.Tensor]],
                    cfg: AveragingConfig, *, outlier_factor: float, outlier_rms: float,
                    lone_bound: float | None = None, asked: int = 0, quorum: int | None = None,
-                   ) -> tuple[list[torch.Tensor], list[str], bool]:
+                   alike: bool = False) -> tuple[list[torch.Tensor], list[str], bool]:
     """(the aggregate of our values and ``parts``, the peer ids dropped as outliers, whether the aggregate's pull was
     clipped); see the module docstring. With a robust aggregator and ``lone_bound``, a round with fewer
     contributions than ``full_quorum(asked)`` (``asked``: the partners asked) moves our values by at most half
     ``lone_bound`` x our norm per tensor: a pair by design (one partner asked) is averaged as it is. With ``quorum``
     (a round that reached it), our own part is judged like the others: if it is the outlier, the others' aggregate
-    is returned (``me`` in dropped)."""
+    is returned (``me`` in dropped). ``alike``: our own part is judged exactly as the others are, whatever the
+    quorum, so that every peer holding the same contributions drops the same ones (a barrier, whose replicas must
+    all take the same step)."""
     everyone = dict(parts)
     everyone[me] = own_values
     order = sorted(everyone)
@@ -113,7 +115,8 @@ def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, lis
         for j in range(len(own_values)):
             xs = torch.stack([everyone[p][j] for p in order])
             dropped.update(order[i] for i in outliers(xs, outlier_factor, outlier_rms))
-    if me in dropped and (quorum is None or len(order) < max(3, quorum) or len(dropped) > (len(order) - 1) // 2):
+    judged = alike or (quorum is not None and len(order) >= max(3, quorum) and len(dropped) <= (len(order) - 1) // 2)
+    if me in dropped and not judged:
         dropped.discard(me)  # we can be judged only by a round that reached its quorum, and by a majority
     kept = [p for p in order if p not in dropped]
     own = kept.index(me) if me in kept else None
@@ -138,8 +141,10 @@ def barrier_mean(me: str, own_values: list[torch.Tensor], parts: dict[str, list[
     """The synchronous barrier's aggregate of the replicas' gradients (the daemon's ``--mode sync`` and the
     simulator's ``fullsync``): a part far from the others is dropped as in a round (step 1 above), the rest is
     averaged with the plain mean, as the textbook baseline does (the run's aggregator is for weights, whose replicas
-    lie close together; a trimmed mean of a few gradients would be a different, noisier estimator). Returns the mean
-    and the ids dropped."""
+    lie close together; a trimmed mean of a few gradients would be a different, noisier estimator). Our own part is
+    judged like every other, so the replicas that hold the same parts take the same step even when ours is the
+    outlier (keeping it made that replica's weights fork from the others', found and repaired only at the next
+    barrier by loading a replica's state). Returns the mean and the ids dropped (``me`` among them when ours was)."""
     values, dropped, _ = robust_combine(me, own_values, parts, dataclasses.replace(cfg, aggregator="mean"),
-                                        outlier_factor=outlier_factor, outlier_rms=outlier_rms)
+                                        outlier_factor=outlier_factor, outlier_rms=outlier_rms, alike=True)
     return values, dropped

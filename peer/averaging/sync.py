@@ -150,8 +150,17 @@ class SyncAverager:
         return slot
 
     def _ahead(self, step: int, peers: list[str]) -> int | None:
-        """The latest step after ``step`` that a replica in our view has opened here (it is waiting there)."""
-        later = [k for k in self.exchange.slots if k > step and self._opened_by.get(k) in peers]
+        """The latest step after ``step`` that replicas in our view have opened here (they wait there), unless one of
+        them gave us its part of ``step``: that one finished ``step`` with us, and the parts we still miss can still
+        come (a replica that finished answers a late caller with the part it averaged); leaving
+        ``step`` for the later one would skip a step the others took, a fork to repair by loading a state."""
+        current = self.exchange.slots.get(step)
+        done = current.contributions if current is not None else {}
+        later = []
+        for k, slot in self.exchange.slots.items():
+            waiting = {p for p in {*slot.senders, self._opened_by.get(k)} if p in peers}
+            if k > step and waiting and not waiting & done.keys():
+                later.append(k)
         return max(later) if later else None
 
     async def all_average(self, step: int, tensors: list[torch.Tensor], peers: Iterable[str], *,
@@ -213,6 +222,10 @@ class SyncAverager:
             None, lambda: barrier_mean(self.me, own, members, self._averaging,
                                        outlier_factor=self.config.outlier_factor, outlier_rms=self.config.outlier_rms))
         for peer in dropped:
+            if peer == self.me:  # every replica steps with the others' mean, ours as well: no fork
+                self.metrics.inc("avg_self_outlier")
+                logger.info("step %d: our gradient was far from the replicas'; stepping with their mean", step)
+                continue
             self.metrics.inc("rejected:avg_outlier")
             logger.debug("step %d: part of %s dropped: far from the robust centre", step, short_id(peer))
         if self.vouch is not None:

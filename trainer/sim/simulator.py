@@ -371,14 +371,13 @@ class _Run:
 
     def barrier(self, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """What each replica steps with after the daemon's sync barrier (trainer/aggregate.py ``barrier_mean``: a
-        far outlier among three or more dropped, the plain mean of the rest), given every replica's gradients. Each
-        replica keeps its own part, as a daemon's does, so with an outlier they differ."""
-        if self.R < 3:  # nothing is an outlier: one mean for all
-            return [grads[0] if self.R == 1 else barrier_mean("0", grads[0], {"1": grads[1]}, self.run.averaging)[0]
-                    ] * self.R
+        far outlier among three or more dropped, the plain mean of the rest), given every replica's gradients. Every
+        replica judges its own part like the others', so all of them step with the same mean."""
+        if self.R == 1:
+            return [grads[0]]
         ids = [f"{i:04d}" for i in range(self.R)]
-        return [barrier_mean(ids[r], grads[r], {ids[j]: g for j, g in enumerate(grads) if j != r},
-                             self.run.averaging)[0] for r in range(self.R)]
+        mean = barrier_mean(ids[0], grads[0], {ids[j]: g for j, g in enumerate(grads) if j}, self.run.averaging)[0]
+        return [mean] * self.R
 
     def after_backward_sweep(self) -> None:
         for s in range(self.K):
