@@ -142,11 +142,11 @@ class PeerConfig:
     """First ban of a failing peer; doubles per consecutive failure up to ban_max_s."""
     ban_max_s: float = 60.0
     """Longest ban of a failing peer."""
-    keep_stream_min_bytes: int = 0
+    keep_stream_min_bytes: int = 256 * 1024
     """A request to a known peer at least this large keeps its stream for the next one to the same handler (protocol
-    13, ``RpcLimits.keep_min_bytes``: a fresh stream's window starts at 256 KiB); 0, the default, never. Measured on
-    the emulated WAN at 101 ms RTT: 2 x 2 FullSync +29 % tokens/s with 262144, 2 x 4 -21 % (docs/performance.md,
-    "With kept streams"), so off until the 4-replica loss is understood."""
+    13, ``RpcLimits.keep_min_bytes``: a fresh stream's window starts at 256 KiB and grows per round trip); 0 never.
+    Measured on the emulated WAN at 101 ms RTT (docs/performance.md, "With kept streams"): FullSync's barriers of
+    1.7 MB made 29 % more tokens/s at 2 x 2, and at 2 x 4 as many or more once the barrier's forks were fixed."""
     rebalance_every_s: float = 60.0
     """How often a peer checks whether moving to another stage would help the swarm (0 disables)."""
     rebalance_quality: float = 0.75

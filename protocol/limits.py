@@ -75,7 +75,8 @@ class RpcLimits:
     max_held_streams: int = 512
     #: a request at least this large asks to keep its stream for the next request to the same peer and handler (a
     #: fresh stream's flow-control window starts at 256 KiB and grows per round trip: docs/performance.md, "One
-    #: message over the emulated WAN"); 0 (the default): never. A peer sets it from ``keep_stream_min_bytes``
+    #: message over the emulated WAN"); 0 (the default here): never. A peer sets it from ``keep_stream_min_bytes``
+    #: (256 KiB by default)
     keep_min_bytes: int = 0
     #: seconds a kept stream waits for its next request (the caller reuses it only while it idled for less than half)
     keep_idle_s: float = 30.0
