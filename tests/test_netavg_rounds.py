@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from peer.averaging.aggregate import robust_combine
+from peer.averaging.exchange import EXCHANGE_REFUSALS
 from peer.averaging.loop import (
     AveragingLoop,
     NetAveragingConfig,
@@ -27,11 +28,11 @@ from peer.averaging.loop import (
     same_stage_peers,
     wagma_partners,
 )
-from peer.averaging.sync import SyncAverager
+from peer.averaging.sync import SYNC_RPC, SyncAverager
 from peer.membership.records import PeerRecord
 from peer.ops.metrics import PeerMetrics
 from protocol.codecs.registry import encode
-from protocol.errors import RemoteError
+from protocol.errors import ErrorCode, RemoteError
 from protocol.messages import AveragingPart, Error
 from trainer.config import AveragingConfig, RunConfig
 
@@ -817,6 +818,36 @@ async def test_a_failed_exchange_ends_in_one_mean_well_before_the_deadline(fault
     # the fault did happen: p0's first call failed (p1 calls p0 only if p0's retry has not reached it within the
     # grace, which on a loaded machine it may well have, so p1's own reset may stay unused)
     assert getattr(net, fault)[("p0", "p1")] == 0
+
+
+@pytest.mark.timeout(30)
+@aio
+async def test_an_exchange_failing_for_a_while_is_retried_until_the_deadline_but_a_refusal_only_three_times():
+    # connections still being dialled when the first barrier opens: more failures in a row than any fixed count of
+    # retries, on both sides; the barrier still completes, long before its deadline
+    net, names = MemTransport(), ["p0", "p1"]
+    avgs = await _sync_averagers(net, names)
+    for a in avgs:
+        a.config = NetAveragingConfig(sync_timeout_s=20.0, sync_grace_s=0.2)
+    net.resets = {("p0", "p1"): 6, ("p1", "p0"): 6}
+    grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
+    t0 = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(avgs[i].all_average(0, grads[i], names) for i in range(2)))
+    assert asyncio.get_running_loop().time() - t0 < 10.0  # not the 20 s deadline
+    for mean, n in results:
+        assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
+    assert net.resets[("p0", "p1")] == 0  # p0 called p1 more than six times
+
+    calls = []
+
+    async def refuse(msg, peer):  # a partner that refuses every part (it does not count us as its replica)
+        calls.append(peer)
+        return Error(code=ErrorCode.UNAUTHORIZED, message="not a member")
+
+    net.handlers[("p1", SYNC_RPC)] = refuse
+    avgs[0].config = NetAveragingConfig(sync_timeout_s=3.0, sync_grace_s=0.2)
+    mean, n = await avgs[0].all_average(1, grads[0], names)
+    assert n == 1 and len(calls) == EXCHANGE_REFUSALS  # the whole part was not sent thirty times
 
 
 @pytest.mark.timeout(30)

@@ -13,6 +13,7 @@ the timing and the wire format; ``keep_offers`` serves the red team's measuremen
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import time
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """How one call of ``PartExchange.exchange`` ended."""
+
+    OK = "ok"  # the peer's part came back, valid
+    FAILED = "failed"  # the call failed (a reset stream, a dial, a timeout) or the peer was not ready: worth retrying
+    REFUSED = "refused"  # the peer refused our part, or we refused its: retried a few times only
 
 
 class Refused(Exception):
@@ -276,29 +285,33 @@ class PartExchange:
         return slot.own_part
 
     # ---- sending -----------------------------------------------------------------------------------------------
-    async def exchange(self, slot: Slot, peer: str, timeout: float) -> bool:
-        """Send our part to ``peer`` and keep its reply if valid. False (logged, counted) on any failure."""
+    async def exchange(self, slot: Slot, peer: str, timeout: float) -> Outcome:
+        """Send our part to ``peer`` and keep its reply if valid; on failure (logged, counted) whether the peer
+        refused us or its reply (``REFUSED``) or the call failed or found the peer not ready yet (``FAILED``)."""
         assert slot.own_part is not None, "publish() before exchange()"
         timeout = min(timeout, slot.deadline - self.clock())
         if timeout <= 0:
-            return False
+            return Outcome.FAILED
         try:
             reply = await self.transport.call(peer, self.name, slot.own_part, timeout=timeout)
         except RemoteError as e:
             logger.debug("%s with %s for key %d: peer answered %s", self.name, peer, slot.key, e)
             self.metrics.inc("avg_exchange_refused")
-            return False
+            return Outcome.FAILED if e.code == ErrorCode.NOT_READY else Outcome.REFUSED
         except (TimeoutError, ProtocolError, ConnectionError, OSError) as e:
             logger.debug("%s with %s for key %d failed: %r", self.name, peer, slot.key, e)
             self.metrics.inc("avg_exchange_failed")
-            return False
+            return Outcome.FAILED
         except Exception as e:  # a broken peer must cost one exchange, never the loop
             logger.debug("%s with %s for key %d failed unexpectedly: %r", self.name, peer, slot.key, e)
             self.metrics.inc("avg_exchange_failed")
-            return False
-        if isinstance(reply, Busy | Error):
-            self.metrics.inc("avg_exchange_busy" if isinstance(reply, Busy) else "avg_exchange_refused")
-            return False
+            return Outcome.FAILED
+        if isinstance(reply, Busy):
+            self.metrics.inc("avg_exchange_busy")
+            return Outcome.FAILED
+        if isinstance(reply, Error):
+            self.metrics.inc("avg_exchange_refused")
+            return Outcome.FAILED if reply.code == ErrorCode.NOT_READY else Outcome.REFUSED
         err = self._identity_error(reply, slot.key)
         try:
             if err is not None:
@@ -308,10 +321,12 @@ class PartExchange:
         except Refused as e:
             if e.code != ErrorCode.NOT_READY:
                 self._reject(e, peer, slot.key)
-            return False
-        return True
-EXCHANGE_ATTEMPTS = 3
+                return Outcome.REFUSED
+            return Outcome.FAILED
+        return Outcome.OK
 EXCHANGE_BACKOFF_S = 0.2
+EXCHANGE_BACKOFF_MAX_S = 2.0
+EXCHANGE_REFUSALS = 3
 
 
 async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
@@ -319,10 +334,13 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
     """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
 
     The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
-    itself. A call that fails (a libp2p stream reset, a refusal, a timeout) is retried with backoff, up to
-    ``EXCHANGE_ATTEMPTS`` calls, while the slot is open and that peer's part has not arrived otherwise: without the
-    retry, one reset stream left both sides waiting for the other's call until the deadline. Returns early once
-    every peer has contributed.
+    itself. A call that fails (a libp2p stream reset, a dial, a timeout, a peer not ready) is retried with backoff
+    (0.2 s doubling to at most ``EXCHANGE_BACKOFF_MAX_S``) for as long as the slot is open and that peer's part has
+    not arrived otherwise: without the retry, one reset stream left both sides waiting for the other's call until the
+    deadline, and with three calls at most, a first barrier that met connections still being dialled (three failures
+    in 0.6 s on both sides) waited out the 60-s deadline. A refusal (of our part by the peer, or of its part by us)
+    is retried ``EXCHANGE_REFUSALS`` times in all: each call sends the whole part again. Returns early once every
+    peer has contributed.
     """
 
     async def with_peer(peer: str) -> None:
@@ -334,13 +352,15 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
                     return
                 except TimeoutError:
                     pass
-        for attempt in range(EXCHANGE_ATTEMPTS):
-            if peer in slot.contributions or slot.closed:
+        attempt = refusals = 0
+        while peer not in slot.contributions and not slot.closed:
+            outcome = await exchange.exchange(slot, peer, call_timeout_s)
+            if outcome == Outcome.OK:
                 return
-            if await exchange.exchange(slot, peer, call_timeout_s):
-                return
-            backoff = EXCHANGE_BACKOFF_S * 2**attempt
-            if attempt + 1 == EXCHANGE_ATTEMPTS or slot.deadline - exchange.clock() <= backoff:
+            refusals += outcome == Outcome.REFUSED
+            backoff = min(EXCHANGE_BACKOFF_S * 2**attempt, EXCHANGE_BACKOFF_MAX_S)
+            attempt += 1
+            if refusals >= EXCHANGE_REFUSALS or slot.deadline - exchange.clock() <= backoff:
                 return
             try:  # the peer's own call may deliver its part meanwhile
                 await asyncio.wait_for(_contributed(slot, peer), backoff)
