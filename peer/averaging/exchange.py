@@ -324,6 +324,8 @@ class PartExchange:
                 return Outcome.REFUSED
             return Outcome.FAILED
         return Outcome.OK
+
+
 EXCHANGE_BACKOFF_S = 0.2
 EXCHANGE_BACKOFF_MAX_S = 2.0
 EXCHANGE_REFUSALS = 3

@@ -152,8 +152,8 @@ class SyncAverager:
     def _ahead(self, step: int, peers: list[str]) -> int | None:
         """The latest step after ``step`` that replicas in our view have opened here (they wait there), unless one of
         them gave us its part of ``step``: that one finished ``step`` with us, and the parts we still miss can still
-        come (a replica that finished answers a late caller with the part it averaged); leaving
-        ``step`` for the later one would skip a step the others took, a fork to repair by loading a state."""
+        come (a replica that finished answers a late caller with the part it averaged); leaving ``step`` for the
+        later one would skip a step the others took, a fork to repair by loading a state."""
         current = self.exchange.slots.get(step)
         done = current.contributions if current is not None else {}
         later = []
