@@ -98,7 +98,13 @@ class RateLimited(ProtocolError):
 
 
 class PeerUnreachable(ProtocolError):
-    """A stream to the peer could not be opened (no route, the peer is gone, or it does not serve that handler)."""
+    """A stream to the peer could not be opened (no route, the peer is gone, or it does not serve that handler), or it
+    ended before a complete reply."""
+
+
+class StreamNotOpened(PeerUnreachable):
+    """No stream to the peer could be opened: nothing of the request was sent (a dial that failed, a connection still
+    being set up), so trying again costs no bytes."""
 
 
 def error_code_for(exc: BaseException) -> ErrorCode:

@@ -31,6 +31,7 @@ from protocol.errors import (
     PeerUnreachable,
     ProtocolError,
     RemoteError,
+    StreamNotOpened,
     error_code_for,
 )
 from protocol.framing import HEADER, StreamEnded, read_message, write_message
@@ -450,8 +451,9 @@ async def call(
 
     `count("bytes_out", n)` / `count("bytes_in", n)`, when given, is told of the request's and the reply's size.
 
-    Raises RemoteError for Error replies, TimeoutError after `timeout` seconds in total, PeerUnreachable when no
-    stream can be opened, FrameTooLarge when `msg` exceeds our own max_message_bytes (nothing is sent), and other
+    Raises RemoteError for Error replies, TimeoutError after `timeout` seconds in total, StreamNotOpened (a
+    PeerUnreachable) when no stream can be opened (nothing was sent), PeerUnreachable when the stream ended before a
+    complete reply, FrameTooLarge when `msg` exceeds our own max_message_bytes (nothing is sent), and other
     ProtocolErrors for bad replies. A Busy reply is returned, not raised: the caller decides where to retry.
     """
     limits = limits or RpcLimits()
@@ -472,7 +474,7 @@ async def call(
                 try:
                     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, PROTOCOL_PREFIX + name)
                 except Exception as e:  # hivemind raises P2PDaemonError/P2PHandlerError/ConnectionError here
-                    raise PeerUnreachable(f"cannot open stream {name!r} to {peer_id}: {e}") from e
+                    raise StreamNotOpened(f"cannot open stream {name!r} to {peer_id}: {e}") from e
             else:
                 reader, writer = stream
             kept: list[bool] = []

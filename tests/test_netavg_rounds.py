@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from peer.averaging.aggregate import robust_combine
-from peer.averaging.exchange import EXCHANGE_REFUSALS
+from peer.averaging.exchange import EXCHANGE_REFUSALS, EXCHANGE_SENDS
 from peer.averaging.loop import (
     AveragingLoop,
     NetAveragingConfig,
@@ -32,7 +32,7 @@ from peer.averaging.sync import SYNC_RPC, SyncAverager
 from peer.membership.records import PeerRecord
 from peer.ops.metrics import PeerMetrics
 from protocol.codecs.registry import encode
-from protocol.errors import ErrorCode, RemoteError
+from protocol.errors import ErrorCode, RemoteError, StreamNotOpened
 from protocol.messages import AveragingPart, Error
 from trainer.config import AveragingConfig, RunConfig
 
@@ -62,6 +62,7 @@ class MemTransport:
         self.down: set[str] = set()
         self.resets: dict[tuple[str, str], int] = {}  # (caller, callee): calls that fail at once, like a reset stream
         self.lost_replies: dict[tuple[str, str], int] = {}  # (caller, callee): calls whose reply is lost
+        self.unreached: dict[tuple[str, str], int] = {}  # (caller, callee): calls that open no stream (nothing sent)
 
     def for_peer(self, me: str) -> _PeerTransport:
         return _PeerTransport(self, me)
@@ -78,6 +79,9 @@ class _PeerTransport:
         async def go():
             if peer_id in self.net.down or self.me in self.net.down:
                 await asyncio.sleep(3600)
+            if self.net.unreached.get((self.me, peer_id), 0) > 0:
+                self.net.unreached[(self.me, peer_id)] -= 1
+                raise StreamNotOpened(f"cannot open a stream to {peer_id}")
             if self.net.resets.get((self.me, peer_id), 0) > 0:
                 self.net.resets[(self.me, peer_id)] -= 1
                 raise ConnectionError(f"stream to {peer_id} reset")
@@ -619,8 +623,9 @@ async def test_a_replica_whose_own_gradient_is_the_outlier_steps_with_the_others
     # part while they drop it forked its weights from theirs, repaired only at the next barrier by loading a state
     net, names = MemTransport(), ["p0", "p1", "p2", "p3"]
     avgs = await _sync_averagers(net, names)
-    grads = [[torch.randn(50), torch.randn(3, 4)] for _ in names]
-    grads[2] = [20 * g for g in grads[2]]
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(50, generator=g), torch.randn(3, 4, generator=g)] for _ in names]
+    grads[2] = [20 * t for t in grads[2]]
     results = await asyncio.gather(*(a.all_average(0, g, names) for a, g in zip(avgs, grads, strict=True)))
     expected = [(grads[0][j] + grads[1][j] + grads[3][j]) / 3 for j in range(2)]
     for mean, n in results:
@@ -633,7 +638,7 @@ async def test_a_replica_whose_own_gradient_is_the_outlier_steps_with_the_others
 
 
 @aio
-async def test_a_sync_replica_keeps_a_step_that_a_replica_now_ahead_finished_with_it():
+async def test_a_sync_replica_keeps_a_step_that_a_replica_now_ahead_finished_with_it(monkeypatch):
     avg = (await _sync_averagers(MemTransport(), ["p0"]))[0]
     peers = ["p1", "p2", "p3"]
     current = avg.exchange.open(19, time.time() + 10)
@@ -641,6 +646,13 @@ async def test_a_sync_replica_keeps_a_step_that_a_replica_now_ahead_finished_wit
     later = avg.exchange.open(20, time.time() + 10)
     later.senders.add("p1")  # p1 waits at step 20
     assert avg._ahead(19, peers) is None  # p2's part can still come (p1 got it, or p2 answers late callers)
+    assert avg._ahead(19, peers, finished_too=True) == 20
+    # ... for a while: then the step is left, so that a replica that skipped it (a joiner) costs seconds, not the
+    # barrier's deadline
+    monkeypatch.setattr("peer.averaging.sync.AHEAD_HOLD_S", 0.3)
+    t0 = time.monotonic()
+    await asyncio.wait_for(avg._watch_ahead(19, peers), 5.0)
+    assert time.monotonic() - t0 >= 0.3
     later.senders.add("p3")
     assert avg._ahead(19, peers) is None
     later.senders.clear()
@@ -822,32 +834,38 @@ async def test_a_failed_exchange_ends_in_one_mean_well_before_the_deadline(fault
 
 @pytest.mark.timeout(30)
 @aio
-async def test_an_exchange_failing_for_a_while_is_retried_until_the_deadline_but_a_refusal_only_three_times():
+async def test_an_exchange_is_retried_as_often_as_its_failure_allows(monkeypatch):
     # connections still being dialled when the first barrier opens: more failures in a row than any fixed count of
-    # retries, on both sides; the barrier still completes, long before its deadline
+    # retries, on both sides, but none sent anything; the barrier still completes, long before its deadline
     net, names = MemTransport(), ["p0", "p1"]
     avgs = await _sync_averagers(net, names)
     for a in avgs:
         a.config = NetAveragingConfig(sync_timeout_s=20.0, sync_grace_s=0.2)
-    net.resets = {("p0", "p1"): 6, ("p1", "p0"): 6}
+    net.unreached = {("p0", "p1"): 8, ("p1", "p0"): 8}
     grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
     t0 = asyncio.get_running_loop().time()
     results = await asyncio.gather(*(avgs[i].all_average(0, grads[i], names) for i in range(2)))
-    assert asyncio.get_running_loop().time() - t0 < 10.0  # not the 20 s deadline
+    assert asyncio.get_running_loop().time() - t0 < 15.0  # not the 20 s deadline
     for mean, n in results:
         assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
-    assert net.resets[("p0", "p1")] == 0  # p0 called p1 more than six times
+    assert net.unreached[("p0", "p1")] == 0  # p0 called p1 more than eight times
 
-    calls = []
+    # a call that sent the whole part and got none back is retried EXCHANGE_SENDS times, a refusal
+    # EXCHANGE_REFUSALS times, whatever time is left (here with short waits between them)
+    monkeypatch.setattr("peer.averaging.exchange.EXCHANGE_BACKOFF_MAX_S", 0.1)
+    monkeypatch.setattr("peer.averaging.exchange.EXCHANGE_REFUSED_WAIT_S", 0.1)
+    cases = ((1, ErrorCode.UNAUTHORIZED, EXCHANGE_REFUSALS), (2, ErrorCode.NOT_READY, EXCHANGE_SENDS))
+    for step, code, expected in cases:
+        calls: list[str] = []
 
-    async def refuse(msg, peer):  # a partner that refuses every part (it does not count us as its replica)
-        calls.append(peer)
-        return Error(code=ErrorCode.UNAUTHORIZED, message="not a member")
+        async def answer(msg, peer, code=code, calls=calls):  # a partner that never takes our part
+            calls.append(peer)
+            return Error(code=code, message="no")
 
-    net.handlers[("p1", SYNC_RPC)] = refuse
-    avgs[0].config = NetAveragingConfig(sync_timeout_s=3.0, sync_grace_s=0.2)
-    mean, n = await avgs[0].all_average(1, grads[0], names)
-    assert n == 1 and len(calls) == EXCHANGE_REFUSALS  # the whole part was not sent thirty times
+        net.handlers[("p1", SYNC_RPC)] = answer
+        avgs[0].config = NetAveragingConfig(sync_timeout_s=4.0, sync_grace_s=0.2)
+        mean, n = await avgs[0].all_average(step, grads[0], names)
+        assert n == 1 and len(calls) == expected, code
 
 
 @pytest.mark.timeout(30)

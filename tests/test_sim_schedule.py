@@ -254,7 +254,7 @@ def test_the_simulator_combines_replicas_with_the_daemons_aggregation_code():
     g = torch.Generator().manual_seed(0)
     honest = [[torch.randn(50, generator=g), torch.randn(7, generator=g)] for _ in range(3)]
     far = [10 * t for t in honest[0]]
-    means = state.barrier([*honest, far])
+    means = state.barrier([far, *honest])  # the far one first: the simulator's mean is the first replica's
     for r in range(4):  # every replica drops the far part and takes the plain mean of the rest, the far one too
         for j in range(2):
             torch.testing.assert_close(means[r][j], sum(h[j] for h in honest) / 3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.aggregate import robust_combine
+from trainer.aggregate import barrier_mean, robust_combine
 from trainer.averaging import SparseAveragingState
 from trainer.config import AveragingConfig
 
@@ -30,6 +30,30 @@ def test_honest_round_keeps_the_replicas_mean():
             assert torch.allclose(v, mean, atol=1e-6)
             median = torch.stack([own[j], parts["r1"][j], parts["r2"][j]]).median(0).values
             assert not torch.allclose(v, median, atol=1e-3)
+
+
+def test_the_barrier_drops_the_same_parts_at_every_replica_and_never_a_majority():
+    parts = _parts(4)
+    parts["r2"] = [20 * t for t in parts["r2"]]  # r2's flush went wrong: every replica drops it, r2 too
+    means = {}
+    for me in parts:
+        others = {p: v for p, v in parts.items() if p != me}
+        means[me], dropped = barrier_mean(me, parts[me], others, AveragingConfig())
+        assert dropped == ["r2"]
+    for j in range(2):
+        expected = torch.stack([parts[p][j] for p in ("r0", "r1", "r3")]).mean(0)
+        assert all(torch.equal(means[me][j], means["r0"][j]) for me in parts)  # the same bits everywhere
+        torch.testing.assert_close(means["r2"][j], expected)
+    # a liar copying a different honest part per tensor flags both honest replicas (each is far from the median
+    # on one tensor): no majority to judge by, so nothing is dropped rather than everything but the liar
+    honest = _parts(2, seed=1)
+    liar = [honest["r0"][0].clone(), honest["r1"][1].clone()]
+    three = {**honest, "z": liar}
+    for me in three:
+        mean, dropped = barrier_mean(me, three[me], {p: v for p, v in three.items() if p != me}, AveragingConfig())
+        assert dropped == []
+        for j in range(2):
+            torch.testing.assert_close(mean[j], torch.stack([three[p][j] for p in sorted(three)]).mean(0))
 
 
 def test_a_liar_still_meets_the_robust_aggregator():

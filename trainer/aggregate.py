@@ -106,7 +106,7 @@ def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, lis
     (a round that reached it), our own part is judged like the others: if it is the outlier, the others' aggregate
     is returned (``me`` in dropped). ``alike``: our own part is judged exactly as the others are, whatever the
     quorum, so that every peer holding the same contributions drops the same ones (a barrier, whose replicas must
-    all take the same step)."""
+    all take the same step); at most a minority is dropped (more flagged, across tensors: none is)."""
     everyone = dict(parts)
     everyone[me] = own_values
     order = sorted(everyone)
@@ -115,7 +115,10 @@ def robust_combine(me: str, own_values: list[torch.Tensor], parts: dict[str, lis
         for j in range(len(own_values)):
             xs = torch.stack([everyone[p][j] for p in order])
             dropped.update(order[i] for i in outliers(xs, outlier_factor, outlier_rms))
-    judged = alike or (quorum is not None and len(order) >= max(3, quorum) and len(dropped) <= (len(order) - 1) // 2)
+    minority = len(dropped) <= (len(order) - 1) // 2
+    if alike and not minority:
+        dropped = set()  # no majority to judge by (a liar copying a different part per tensor): everyone is kept
+    judged = alike or (quorum is not None and len(order) >= max(3, quorum) and minority)
     if me in dropped and not judged:
         dropped.discard(me)  # we can be judged only by a round that reached its quorum, and by a majority
     kept = [p for p in order if p not in dropped]

@@ -25,7 +25,7 @@ import torch
 
 from protocol.codecs.registry import decode, encode
 from protocol.envelope import TensorEnvelope
-from protocol.errors import ErrorCode, ProtocolError, RemoteError
+from protocol.errors import ErrorCode, FrameTooLarge, ProtocolError, RemoteError, StreamNotOpened
 from protocol.messages import AveragingPart, Busy, Error, Message
 from protocol.rpc import Transport
 from protocol.validation import TensorSpec
@@ -37,11 +37,16 @@ logger = logging.getLogger(__name__)
 
 
 class Outcome(enum.Enum):
-    """How one call of ``PartExchange.exchange`` ended."""
+    """How one call of ``PartExchange.exchange`` ended (``exchange_all`` retries by it)."""
 
     OK = "ok"  # the peer's part came back, valid
-    FAILED = "failed"  # the call failed (a reset stream, a dial, a timeout) or the peer was not ready: worth retrying
-    REFUSED = "refused"  # the peer refused our part, or we refused its: retried a few times only
+    UNREACHED = "unreached"  # no stream could be opened: nothing was sent
+    FAILED = "failed"  # sent, and no part came back: a stream reset, a timeout, the peer not ready or busy
+    REFUSED = "refused"  # the peer refused our part, or we refused its
+
+#: error codes of a reply that may change on a later call (the rest refuse the part for what it is or who sent it)
+TRANSIENT_CODES = frozenset({ErrorCode.NOT_READY, ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.TIMEOUT,
+                             ErrorCode.INTERNAL})
 
 
 class Refused(Exception):
@@ -286,8 +291,8 @@ class PartExchange:
 
     # ---- sending -----------------------------------------------------------------------------------------------
     async def exchange(self, slot: Slot, peer: str, timeout: float) -> Outcome:
-        """Send our part to ``peer`` and keep its reply if valid; on failure (logged, counted) whether the peer
-        refused us or its reply (``REFUSED``) or the call failed or found the peer not ready yet (``FAILED``)."""
+        """Send our part to ``peer`` and keep its reply if valid; on failure (logged, counted) how it failed
+        (``Outcome``)."""
         assert slot.own_part is not None, "publish() before exchange()"
         timeout = min(timeout, slot.deadline - self.clock())
         if timeout <= 0:
@@ -297,7 +302,15 @@ class PartExchange:
         except RemoteError as e:
             logger.debug("%s with %s for key %d: peer answered %s", self.name, peer, slot.key, e)
             self.metrics.inc("avg_exchange_refused")
-            return Outcome.FAILED if e.code == ErrorCode.NOT_READY else Outcome.REFUSED
+            return Outcome.FAILED if e.code in TRANSIENT_CODES else Outcome.REFUSED
+        except StreamNotOpened as e:
+            logger.debug("%s with %s for key %d: no stream: %r", self.name, peer, slot.key, e)
+            self.metrics.inc("avg_exchange_failed")
+            return Outcome.UNREACHED
+        except FrameTooLarge as e:  # our part or its reply exceeds the limits: no later call does better
+            logger.debug("%s with %s for key %d: %r", self.name, peer, slot.key, e)
+            self.metrics.inc("avg_exchange_failed")
+            return Outcome.REFUSED
         except (TimeoutError, ProtocolError, ConnectionError, OSError) as e:
             logger.debug("%s with %s for key %d failed: %r", self.name, peer, slot.key, e)
             self.metrics.inc("avg_exchange_failed")
@@ -311,7 +324,7 @@ class PartExchange:
             return Outcome.FAILED
         if isinstance(reply, Error):
             self.metrics.inc("avg_exchange_refused")
-            return Outcome.FAILED if reply.code == ErrorCode.NOT_READY else Outcome.REFUSED
+            return Outcome.FAILED if reply.code in TRANSIENT_CODES else Outcome.REFUSED
         err = self._identity_error(reply, slot.key)
         try:
             if err is not None:
@@ -328,7 +341,9 @@ class PartExchange:
 
 EXCHANGE_BACKOFF_S = 0.2
 EXCHANGE_BACKOFF_MAX_S = 2.0
+EXCHANGE_SENDS = 6
 EXCHANGE_REFUSALS = 3
+EXCHANGE_REFUSED_WAIT_S = 2.5
 
 
 async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[str], window_start: float,
@@ -336,13 +351,16 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
     """Exchange with ``peers`` until each has given a part or the slot's deadline passes.
 
     The smaller id calls at once; the larger waits ``grace_s`` after ``window_start`` for that call and then calls
-    itself. A call that fails (a libp2p stream reset, a dial, a timeout, a peer not ready) is retried with backoff
-    (0.2 s doubling to at most ``EXCHANGE_BACKOFF_MAX_S``) for as long as the slot is open and that peer's part has
-    not arrived otherwise: without the retry, one reset stream left both sides waiting for the other's call until the
-    deadline, and with three calls at most, a first barrier that met connections still being dialled (three failures
-    in 0.6 s on both sides) waited out the 60-s deadline. A refusal (of our part by the peer, or of its part by us)
-    is retried ``EXCHANGE_REFUSALS`` times in all: each call sends the whole part again. Returns early once every
-    peer has contributed.
+    itself. A call that fails is retried with backoff (0.2 s doubling to at most ``EXCHANGE_BACKOFF_MAX_S``) while
+    the slot is open and that peer's part has not arrived otherwise: without the retry, one reset stream left both
+    sides waiting for the other's call until the deadline. How often depends on what the failure cost: a call that
+    could not open a stream sent nothing and is retried until the deadline (with three calls at most, a first barrier
+    that met connections still being dialled waited out its 60 s); a call that sent the part and got none back (a
+    reset, a timeout, a peer not ready or busy) counts towards ``EXCHANGE_SENDS`` sends per peer and slot, as each
+    sends the whole part again; a refusal (of our part by the peer, or of its part by us) towards
+    ``EXCHANGE_REFUSALS`` of them, each at least ``EXCHANGE_REFUSED_WAIT_S`` after the last, so that a peer whose
+    view of the stage lags (it re-reads it every 2 s) can admit us meanwhile. Returns early once every peer has
+    contributed.
     """
 
     async def with_peer(peer: str) -> None:
@@ -354,15 +372,18 @@ async def exchange_all(exchange: PartExchange, slot: Slot, me: str, peers: list[
                     return
                 except TimeoutError:
                     pass
-        attempt = refusals = 0
+        attempt = sends = refusals = 0
         while peer not in slot.contributions and not slot.closed:
             outcome = await exchange.exchange(slot, peer, call_timeout_s)
             if outcome == Outcome.OK:
                 return
+            sends += outcome != Outcome.UNREACHED
             refusals += outcome == Outcome.REFUSED
-            backoff = min(EXCHANGE_BACKOFF_S * 2**attempt, EXCHANGE_BACKOFF_MAX_S)
+            backoff = min(EXCHANGE_BACKOFF_S * 2 ** min(attempt, 4), EXCHANGE_BACKOFF_MAX_S)
+            if outcome == Outcome.REFUSED:
+                backoff = max(backoff, EXCHANGE_REFUSED_WAIT_S)
             attempt += 1
-            if refusals >= EXCHANGE_REFUSALS or slot.deadline - exchange.clock() <= backoff:
+            if sends >= EXCHANGE_SENDS or refusals >= EXCHANGE_REFUSALS or slot.deadline - exchange.clock() <= backoff:
                 return
             try:  # the peer's own call may deliver its part meanwhile
                 await asyncio.wait_for(_contributed(slot, peer), backoff)

@@ -48,6 +48,7 @@ SYNC_RPC = "avg_sync"
 MAX_PENDING = 4
 MAX_JUMPS = 3
 FINISHED_KEPT = 2  # finished barriers whose own part is kept to answer a replica whose reply from us was lost
+AHEAD_HOLD_S = 5.0  # how long a barrier stays for its missing parts once replicas that finished it wait at a later one
 
 
 class StageMembers:
@@ -149,17 +150,18 @@ class SyncAverager:
             self.on_remote_open(step, peer)
         return slot
 
-    def _ahead(self, step: int, peers: list[str]) -> int | None:
+    def _ahead(self, step: int, peers: list[str], *, finished_too: bool = False) -> int | None:
         """The latest step after ``step`` that replicas in our view have opened here (they wait there), unless one of
-        them gave us its part of ``step``: that one finished ``step`` with us, and the parts we still miss can still
-        come (a replica that finished answers a late caller with the part it averaged); leaving ``step`` for the
-        later one would skip a step the others took, a fork to repair by loading a state."""
+        them gave us its part of ``step`` (``finished_too``: even then): that one finished ``step`` with us, and the
+        parts we still miss can still come (a replica that finished answers a late caller with the part it
+        averaged); leaving ``step`` for the later one would skip a step the others took, a fork to repair by loading
+        a state. ``_watch_ahead`` leaves such a step too once it stayed incomplete for ``AHEAD_HOLD_S``."""
         current = self.exchange.slots.get(step)
         done = current.contributions if current is not None else {}
         later = []
         for k, slot in self.exchange.slots.items():
             waiting = {p for p in {*slot.senders, self._opened_by.get(k)} if p in peers}
-            if k > step and waiting and not waiting & done.keys():
+            if k > step and waiting and (finished_too or not waiting & done.keys()):
                 later.append(k)
         return max(later) if later else None
 
@@ -179,7 +181,7 @@ class SyncAverager:
         slot = None
         try:
             for jump in range(MAX_JUMPS + 1):
-                ahead = self._ahead(step, peers)
+                ahead = self._ahead(step, peers, finished_too=jump > 0)  # after a jump: whatever _watch_ahead saw
                 if ahead is not None and jump < MAX_JUMPS:
                     logger.info("sync barrier: replicas are at step %d, adopting it (we were at %d)", ahead, step)
                     step = ahead
@@ -254,7 +256,17 @@ class SyncAverager:
         return slot if barrier in done else None
 
     async def _watch_ahead(self, step: int, peers: list[str]) -> None:
+        """Return when the barrier of ``step`` should be left for a later one: at once when the replicas waiting there
+        skipped ``step`` (we are behind), after ``AHEAD_HOLD_S`` when some finished it with us (its missing parts
+        had that long to come: a replica that skipped it and waits ahead, a joiner, would never send its part)."""
+        since: float | None = None
         while self._ahead(step, peers) is None:
+            if self._ahead(step, peers, finished_too=True) is None:
+                since = None
+            elif since is None:
+                since = self.clock()
+            elif self.clock() - since >= AHEAD_HOLD_S:
+                return
             await asyncio.sleep(0.05)
 
 
