@@ -33,8 +33,11 @@ def test_two_by_two_swarm_trains_averages_evaluates_and_restarts_from_checkpoint
     ex = ()  # the run (tests/runs/tiny.toml) averages every 2 local steps on a 1.5 s clock
     a = swarm.start("a", stage="0", max_steps=STEPS, extra=ex)
     first = a.wait_maddrs()[:1]
-    b = swarm.start("b", stage="1", initial=first, max_steps=STEPS, extra=ex)
     c = swarm.start("c", stage="0", initial=first, max_steps=STEPS, extra=ex)
+    # both stage-0 replicas train before stage 1 comes: stage 0 cannot step without it, so a cannot reach STEPS
+    # (~2 s on the tiny run) while c is still starting, which once left the pair 1.2 s together and no round
+    c.wait_status(lambda s: s.get("state") == "training", 120, "c training")
+    b = swarm.start("b", stage="1", initial=first, max_steps=STEPS, extra=ex)
     d = swarm.start("d", stage="1", initial=first, max_steps=STEPS, extra=ex)
     assert a.wait_exit(180) == 0 and c.wait_exit(60) == 0  # stage 0 stops at max_steps after a final evaluation
     t0 = time.monotonic()
