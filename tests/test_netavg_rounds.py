@@ -550,8 +550,9 @@ async def test_parts_for_a_stale_or_far_future_round_are_refused_with_a_clock_hi
     assert worker.finished == {} and worker.begun == set()
 
 
-async def _sync_averagers(net: MemTransport, names: list[str]) -> list[SyncAverager]:
-    cfg = NetAveragingConfig(sync_timeout_s=1.0, sync_grace_s=0.2)
+async def _sync_averagers(net: MemTransport, names: list[str], *, timeout_s: float = 1.0,
+                          grace_s: float = 0.2) -> list[SyncAverager]:
+    cfg = NetAveragingConfig(sync_timeout_s=timeout_s, sync_grace_s=grace_s)
     avgs = []
     for n in names:
         s = SyncAverager(p2p=None, rpc_server=None, run=RUN, stage=0, metrics=PeerMetrics(n, 0), config=cfg,
@@ -808,6 +809,19 @@ def test_flush_clock_closes_a_flush_when_its_share_is_done_and_only_once():
     assert clock.on_remote_barrier(7) == 7 and clock.on_drained(7) is None
 
 
+async def _pair_meets(avgs: list[SyncAverager], step: int, *, within_s: float) -> list[list[torch.Tensor]]:
+    """Both replicas of a pair run barrier ``step`` with gradients 1 and 3; each ends with their mean, 2, within
+    ``within_s``. Returns the gradients."""
+    grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
+    names = [a.me for a in avgs]
+    t0 = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(a.all_average(step, g, names) for a, g in zip(avgs, grads, strict=True)))
+    assert asyncio.get_running_loop().time() - t0 < within_s
+    for mean, n in results:
+        assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
+    return grads
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("fault", "grace"), [
     ("resets", 0.2),  # each side's first call fails at once (a reset stream): retried, not left to the deadline
@@ -816,17 +830,10 @@ def test_flush_clock_closes_a_flush_when_its_share_is_done_and_only_once():
 @aio
 async def test_a_failed_exchange_ends_in_one_mean_well_before_the_deadline(fault: str, grace: float):
     net, names = MemTransport(), ["p0", "p1"]
-    avgs = await _sync_averagers(net, names)
-    for a in avgs:
-        a.config = NetAveragingConfig(sync_timeout_s=10.0, sync_grace_s=grace)
+    avgs = await _sync_averagers(net, names, timeout_s=10.0, grace_s=grace)
     faults = {("p0", "p1"): 1, ("p1", "p0"): 1} if fault == "resets" else {("p0", "p1"): 1}
     setattr(net, fault, dict(faults))
-    grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
-    t0 = asyncio.get_running_loop().time()
-    results = await asyncio.gather(*(avgs[i].all_average(3, grads[i], names) for i in range(2)))
-    assert asyncio.get_running_loop().time() - t0 < 3.0  # not the 10 s deadline
-    for mean, n in results:
-        assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
+    await _pair_meets(avgs, 3, within_s=3.0)  # not the 10 s deadline
     # the fault did happen: p0's first call failed (p1 calls p0 only if p0's retry has not reached it within the
     # grace, which on a loaded machine it may well have, so p1's own reset may stay unused)
     assert getattr(net, fault)[("p0", "p1")] == 0
@@ -838,16 +845,9 @@ async def test_an_exchange_is_retried_as_often_as_its_failure_allows(monkeypatch
     # connections still being dialled when the first barrier opens: more failures in a row than any fixed count of
     # retries, on both sides, but none sent anything; the barrier still completes, long before its deadline
     net, names = MemTransport(), ["p0", "p1"]
-    avgs = await _sync_averagers(net, names)
-    for a in avgs:
-        a.config = NetAveragingConfig(sync_timeout_s=20.0, sync_grace_s=0.2)
+    avgs = await _sync_averagers(net, names, timeout_s=20.0)
     net.unreached = {("p0", "p1"): 8, ("p1", "p0"): 8}
-    grads = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
-    t0 = asyncio.get_running_loop().time()
-    results = await asyncio.gather(*(avgs[i].all_average(0, grads[i], names) for i in range(2)))
-    assert asyncio.get_running_loop().time() - t0 < 15.0  # not the 20 s deadline
-    for mean, n in results:
-        assert n == 2 and torch.equal(mean[0], torch.full((4,), 2.0))
+    grads = await _pair_meets(avgs, 0, within_s=15.0)  # not the 20 s deadline
     assert net.unreached[("p0", "p1")] == 0  # p0 called p1 more than eight times
 
     # a call that sent the whole part and got none back is retried EXCHANGE_SENDS times, a refusal
