@@ -51,3 +51,21 @@ def test_figures_against_int8():
         rec["bytes_per_token"] = {**wire_bytes_per_token(rec, 2),
                                   "payload": {"activations": 1, "gradients": 1, "fp32_activations": 512}}
     assert "| 20mbit-101ms | subspace |" in markdown({"networks": {"20mbit-101ms": cases}})
+
+
+def test_both_swarm_benchmarks_give_every_option_their_swarms_read():
+    """bench_links trains its swarms with bench_ttl's ``train_case``: every ``args.X`` that ``train_case`` and
+    ``SwarmCase`` read must come out of both tools' command lines (a new swarm option once broke bench_links)."""
+    import inspect
+    import re
+
+    from tools import bench_links, bench_ttl, swarm_case
+
+    source = inspect.getsource(bench_ttl.train_case) + inspect.getsource(swarm_case.SwarmCase)
+    read = set(re.findall(r"\bargs\.(\w+)", source))
+    assert {"queue_ms", "slow_start_after_idle", "budget_s", "replicas"} <= read
+    for args in (bench_links.parse_args([]), bench_ttl.parse_args([])):
+        assert read <= set(vars(args)), sorted(read - set(vars(args)))
+    assert "backup_every_s=0" in bench_links.parse_args([]).overrides
+    paced = bench_links.parse_args(["--compute-pace", "4"]).overrides
+    assert "compute_pace=4" in paced

@@ -52,7 +52,8 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.bench_swarm import REPO, BenchError, Case, repo_path  # noqa: E402
 from tools.bench_ttl import final_loss, interpolate, time_to_reach, train_case  # noqa: E402
-from tools.wan import DEFAULT_EMULATOR, check_available  # noqa: E402
+from tools.swarm_case import add_swarm_arguments, swarm_overrides  # noqa: E402
+from tools.wan import check_available  # noqa: E402
 
 logger = logging.getLogger("bench_links")
 
@@ -309,40 +310,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "compression.subspace_table_std)")
     p.add_argument("--networks", nargs="+", default=["20mbit-101ms", "100mbit-101ms"],
                    help="emulated WANs as RATEmbit-RTTms (per-peer uplink, round trip), or 'loopback'")
-    p.add_argument("--replicas", type=int, default=1, help="peers per stage")
-    p.add_argument("--budget-s", type=float, default=90.0, help="training seconds per swarm, from all peers training")
-    p.add_argument("--eval-every-s", type=float, default=10.0, help="stage-0 replicas' evaluation period")
-    p.add_argument("--eval-batches", type=int, default=2, help="validation micro-batches per evaluation")
-    p.add_argument("--poll-s", type=float, default=1.0, help="/status poll period (evaluation time resolution)")
-    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
-    p.add_argument("--subnet", default="100.64.9", help="first three octets of the namespaces' addresses")
-    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
-    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a swarm")
-    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="every peer's --device")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
-                   help="extra PeerConfig setting for every peer")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
-    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens per network")
-    p.add_argument("--workdir", type=Path, default=None, help="runs, peers' logs and summaries (default: temp)")
+    add_swarm_arguments(p, replicas=1, budget_s=90.0, eval_every_s=10.0, subnet="100.64.9")
     p.add_argument("--in-process-steps", type=int, default=0,
                    help="also train each codec this many micro-batches in one process, without network (0: skip)")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="only recompute an earlier result's figures from its raw records, rewrite it, print the table")
     args = p.parse_args(argv)
-    if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1 or args.rank < 1:
-        p.error("--budget-s, --eval-every-s, --poll-s must be positive, --replicas and --rank >= 1")
+    if args.rank < 1:
+        p.error("--rank must be >= 1")
     for name in args.networks:
         if name not in ("loopback", "none"):
             try:
                 parse_network(name)
             except ValueError as e:
                 p.error(str(e))
-    args.max_inflight, args.sync_microbatches = 0, 0  # what SwarmCase reads of bench_swarm's arguments
     # no copy of the neighbour stage's state (peer/state/backup.py): its transfer is not pipeline traffic and would
     # land in one case's window and not another's
-    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", "backup_every_s=0",
-                      *args.overrides]
+    args.overrides = [*swarm_overrides(p, args), "backup_every_s=0", *args.overrides]
     return args
 
 

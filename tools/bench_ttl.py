@@ -59,9 +59,9 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
 from peer.cli.join import parse_overrides  # noqa: E402
 from peer.config import MODES, PeerConfig  # noqa: E402
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
-from tools.swarm_case import REPO, BenchError, Case, SwarmCase, repo_path  # noqa: E402
+from tools.swarm_case import REPO, BenchError, Case, SwarmCase, add_swarm_arguments, repo_path, swarm_overrides  # noqa: E402
 from tools.swarm_case import plan as swarm_plan  # noqa: E402
-from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, WanConfig  # noqa: E402
+from tools.wan import LocalNet, Wan, WanConfig  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.sim.methods import fullsync_optim  # noqa: E402
 
@@ -389,29 +389,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_swarm.py --time-to-loss", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run", type=Path, default=REPO / "trainer" / "runs" / "default.toml", help="run TOML")
-    p.add_argument("--replicas", type=int, default=2, help="peers per stage")
-    p.add_argument("--budget-s", type=float, default=300.0, help="training seconds per case, from all peers training")
-    p.add_argument("--eval-every-s", type=float, default=5.0, help="stage-0 replicas' evaluation period")
-    p.add_argument("--eval-batches", type=int, default=2, help="validation micro-batches per evaluation")
-    p.add_argument("--poll-s", type=float, default=1.0, help="/status poll period (evaluation time resolution)")
+    add_swarm_arguments(p, replicas=2, budget_s=300.0, eval_every_s=5.0, subnet="100.64.8")
     p.add_argument("--loopback", action=argparse.BooleanOptionalAction, default=False, help="also on loopback")
     p.add_argument("--wan", choices=["auto", "yes", "no"], default="auto", help="the emulated WAN (root)")
     p.add_argument("--delays-ms", nargs="+", type=float, default=[0.0, 50.0], help="one-way delays on the WAN")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="per-peer uplink cap on the WAN")
-    p.add_argument("--queue-ms", type=float, default=200.0, help="each uplink's buffer on the WAN, in ms of the rate")
-    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
-    p.add_argument("--slow-start-after-idle", action=argparse.BooleanOptionalAction, default=True,
-                   help="TCP restarts an idle connection's window (Linux's default); --no-... keeps it, as a tuned "
-                        "cluster does, which the synchronous barrier's once-a-step exchange gains most from")
-    p.add_argument("--subnet", default="100.64.8", help="first three octets of the namespaces' addresses")
-    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
-    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a case")
-    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
-                   help="every peer's and compute-only process's --device (cuda: they share the GPU)")
-    p.add_argument("--compute-pace", type=float, default=0.0, metavar="F",
-                   help="each peer a device of its own, 1/F the speed of a core: every compute job lasts F x its CPU "
-                        "time (peer/compute.py, DevicePace; 0: off, the peers share the cores)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None,
                    help="train only these modes (default: both; a single mode gives no speedup, for diagnosis)")
     p.add_argument("--compute-s", type=float, default=30.0, help="compute-only measurement per process (0: skip)")
@@ -420,28 +402,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-max-steps", type=int, default=0,
                    help="cap on the simulator's micro-batches per replica (0: as many as the daemon's replicas made)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_agreement)")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
-                   help="extra PeerConfig setting for every peer")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
-    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens")
-    p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
     p.add_argument("--resimulate", type=Path, default=None, metavar="JSON",
                    help="only re-run the simulator against the swarms of an earlier --json result, and rewrite it")
     p.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only pool repeats: the figures of the mean curves of earlier --json results' common cases")
     p.add_argument("--compute-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
-        p.error("--budget-s, --eval-every-s and --poll-s must be positive and --replicas >= 1")
-    if not args.run.is_file():
-        p.error(f"--run {args.run} does not exist")
-    # what SwarmCase reads of bench_swarm's arguments
-    args.max_inflight, args.sync_microbatches = 0, 0
-    args.overrides = [f"eval_batches={args.eval_batches}", f"device={args.device}", *args.overrides]
-    if args.compute_pace:
-        if args.torch_threads != 1 or args.device == "cuda":
-            p.error("--compute-pace times each compute thread's own CPU time: it needs --torch-threads 1 and the CPU")
-        args.overrides.append(f"compute_pace={args.compute_pace:g}")
+    args.overrides = [*swarm_overrides(p, args), *args.overrides]
     return args
 
 

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make `tools.wan` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.ops.procs import PeerProcess, cpu_seconds, free_port, join_command  # noqa: E402
-from tools.wan import LocalNet, Wan, check_available  # noqa: E402
+from tools.wan import DEFAULT_EMULATOR, LocalNet, Wan, check_available  # noqa: E402
 
 logger = logging.getLogger("bench_swarm")
 
@@ -211,3 +211,50 @@ def plan(args: argparse.Namespace, *, zero_delay: bool = True) -> list[Case]:
             delays = sorted(set(args.delays_ms) | ({0.0} if zero_delay else set()))
             nets += [("wan", d, args.rate_mbit) for d in delays]
     return [Case(mode, net, delay, rate) for net, delay, rate in nets for mode in args.modes]
+
+
+# ----- command line shared by the benchmarks that train swarms of real peers -------------------------------------
+def add_swarm_arguments(p: argparse.ArgumentParser, *, replicas: int, budget_s: float, eval_every_s: float,
+                        subnet: str) -> None:
+    """The options every swarm a benchmark trains reads (``train_case``, ``SwarmCase``, ``tools.wan``), with the
+    benchmark's own defaults, so that a new option of the swarms reaches every benchmark that trains them."""
+    p.add_argument("--replicas", type=int, default=replicas, help="peers per stage")
+    p.add_argument("--budget-s", type=float, default=budget_s,
+                   help="training seconds per swarm, from all peers training")
+    p.add_argument("--eval-every-s", type=float, default=eval_every_s, help="stage-0 replicas' evaluation period")
+    p.add_argument("--eval-batches", type=int, default=2, help="validation micro-batches per evaluation")
+    p.add_argument("--poll-s", type=float, default=1.0, help="/status poll period (evaluation time resolution)")
+    p.add_argument("--queue-ms", type=float, default=200.0, help="each uplink's buffer on the WAN, in ms of the rate")
+    p.add_argument("--emulator", type=Path, default=DEFAULT_EMULATOR, help="path of the link emulator")
+    p.add_argument("--slow-start-after-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="TCP restarts an idle connection's window (Linux's default); --no-... keeps it, as a tuned "
+                        "cluster does, which the synchronous barrier's once-a-step exchange gains most from")
+    p.add_argument("--subnet", default=subnet, help="first three octets of the namespaces' addresses")
+    p.add_argument("--start-timeout-s", type=float, default=180.0, help="give up if a swarm is not training by then")
+    p.add_argument("--drain-timeout-s", type=float, default=5.0, help="peers' drain at the end of a swarm")
+    p.add_argument("--torch-threads", type=int, default=1, help="compute threads per peer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu",
+                   help="every peer's (and compute-only process's) --device (cuda: they share the GPU)")
+    p.add_argument("--compute-pace", type=float, default=0.0, metavar="F",
+                   help="each peer a device of its own, 1/F the speed of a core: every compute job lasts F x its CPU "
+                        "time (peer/compute.py, DevicePace; 0: off, the peers share the cores)")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
+                   help="extra PeerConfig setting for every peer")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the figures here")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="loss vs time and vs tokens")
+    p.add_argument("--workdir", type=Path, default=None, help="peers' logs and summaries (default: a temp folder)")
+
+
+def swarm_overrides(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The PeerConfig settings ``add_swarm_arguments``' options give every peer, before the user's ``--set``."""
+    if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
+        p.error("--budget-s, --eval-every-s and --poll-s must be positive and --replicas >= 1")
+    if not args.run.is_file():
+        p.error(f"--run {args.run} does not exist")
+    args.max_inflight, args.sync_microbatches = 0, 0  # what SwarmCase reads of bench_swarm's arguments
+    items = [f"eval_batches={args.eval_batches}", f"device={args.device}"]
+    if args.compute_pace:
+        if args.torch_threads != 1 or args.device == "cuda":
+            p.error("--compute-pace times each compute thread's own CPU time: it needs --torch-threads 1 and the CPU")
+        items.append(f"compute_pace={args.compute_pace:g}")
+    return items
