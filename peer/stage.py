@@ -93,7 +93,7 @@ class StageService:
                 run=host.run, stage=self.stage, my_id=host.net.my_id, refresh=host.net.refresh_swarm, p2p=host.p2p,
                 dht=host.dht, metrics=host.metrics, reference=reference, checkpoint_dir=host.cfg.checkpoint_dir,
                 io=host.compute, timeout_s=host.cfg.state_load_timeout_s, spare=host.spares,
-                trusted=host.net.trusted_peers)
+                trusted=host.net.trusted_peers, witness_wait_s=host.cfg.record_ttl_s + host.cfg.announce_every_s)
         except CheckpointError as e:
             raise DaemonError(str(e)) from e
         if restored.state is not None:

@@ -181,14 +181,23 @@ def test_no_checkpoint_and_no_donor_is_the_seeded_init(tmp_path, monkeypatch):
 def test_a_joiner_looks_again_for_a_donor_before_throwing_a_trained_stage_away(tmp_path, monkeypatch):
     views = [{"d": rec("d", 1, version=40, st="loading_state"), "s0": rec("s0", 0, version=40)},
              {"d": rec("d", 1, version=40), "s0": rec("s0", 0, version=40)}]
-    reads = []
+    out, _, reads = _restore_through_views(tmp_path, monkeypatch, views, [state(41)], donor_wait_s=1.0)
+    assert out.source.kind == "donor" and out.state["local_step"] == 41 and reads == 2
+
+
+def _restore_through_views(tmp_path, monkeypatch, views, answers, witness_wait_s=0.0, donor_wait_s=0.0):
+    """restore_state where the k-th read of the swarm returns ``views[k]`` (the last one from then on) and the k-th
+    donor attempt delivers ``answers[k]``; returns (restored, donors asked per attempt, reads)."""
+    asked: list[list[str]] = []
+    reads: list[int] = []
 
     async def fake_load(*, donors, **kw):
-        return state(41)
+        asked.append(list(donors))
+        return answers[min(len(asked), len(answers)) - 1]
 
     async def refresh():
         reads.append(1)
-        return views[min(len(reads), 2) - 1]
+        return views[min(len(reads), len(views)) - 1]
 
     async def io(fn, *args):
         return fn(*args)
@@ -197,5 +206,25 @@ def test_a_joiner_looks_again_for_a_donor_before_throwing_a_trained_stage_away(t
     monkeypatch.setattr(restore_mod, "DONOR_RETRY_S", 0.01)
     out = asyncio.run(restore_mod.restore_state(
         run=RunConfig.default(), stage=1, my_id="me", refresh=refresh, p2p=None, dht=None, metrics=PeerMetrics(),
-        reference=state(0), checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=1.0))
-    assert out.source.kind == "donor" and out.state["local_step"] == 41 and len(reads) == 2
+        reference=state(0), checkpoint_dir=tmp_path, io=io, timeout_s=5.0, donor_wait_s=donor_wait_s,
+        witness_wait_s=witness_wait_s))
+    return out, asked, len(reads)
+
+
+def test_a_joiner_asks_again_when_a_dead_witness_record_lapses(tmp_path, monkeypatch):
+    """A stage of two, one replica dead: its record, still announced, is the live donor's only witness and ties the
+    vote (nothing loads). Once the record lapses the joiner asks again and loads the live replica's state instead of
+    starting over from the init; a view that does not change is not asked again."""
+    both = {"a": rec("a", 1, version=500), "dead": rec("dead", 1, version=480), "s0": rec("s0", 0, version=500)}
+    lapsed = {"a": rec("a", 1, version=501), "s0": rec("s0", 0, version=501)}
+    out, asked, _ = _restore_through_views(tmp_path, monkeypatch, [both, both, both, lapsed], [None, state(501)],
+                                           witness_wait_s=5.0)
+    assert asked == [["a", "dead"], ["a"]]
+    assert out.source.kind == "donor" and out.state["local_step"] == 501
+    # the view never changes: asked once, then the init once the wait is over
+    out, asked, reads = _restore_through_views(tmp_path, monkeypatch, [both], [None], witness_wait_s=0.2)
+    assert asked == [["a", "dead"]] and reads > 2 and out.source.kind == "init"
+    # without a wait (the default) nothing is read again
+    out, asked, reads = _restore_through_views(tmp_path, monkeypatch, [both, lapsed], [None, state(501)],
+                                               witness_wait_s=0.0)
+    assert asked == [["a", "dead"]] and reads == 1 and out.source.kind == "init"

@@ -66,7 +66,7 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                         metrics: PeerMetrics, reference: dict[str, Any],
                         checkpoint_dir: Path | None, io: Compute, timeout_s: float,
                         donor_wait_s: float = DONOR_WAIT_S, spare: SpareStore | None = None,
-                        trusted: Callable[[], list[str]] | None = None) -> Restored:
+                        trusted: Callable[[], list[str]] | None = None, witness_wait_s: float = 0.0) -> Restored:
     """The most advanced state of ``stage`` among donors, the checkpoint in ``checkpoint_dir`` and the init.
 
     refresh: reads the swarm's records. When the swarm has trained but no donor of the stage is visible and there is
@@ -75,7 +75,9 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
     blocking function off the event loop (``await io(fn, *args)``). timeout_s: bound on the donor transfer (the
     files are tried anyway). Raises CheckpointError when the local checkpoint exists but is unusable. spare:
     this peer's own neighbour copy (considered, with the copies others announce, only when no donor delivered).
-    trusted: the peers this peer has validated work from (preferred as witnesses).
+    trusted: the peers this peer has validated work from (preferred as witnesses). witness_wait_s: how long, when
+    no donor's state could be loaded, the records are read again for a change of the stage's replicas (a dead
+    witness's record lapsing) before the copies, the checkpoint or the init are taken instead.
     """
     vouched = trusted() if trusted is not None else []
     files = [StateSource(kind="init", step=0, label="the run's seeded init")]
@@ -92,24 +94,53 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
         await asyncio.sleep(DONOR_RETRY_S)
         waited += DONOR_RETRY_S
         records = await refresh()
-    donors = [StateSource(kind="donor", step=records[d].version, label=d)
-              for d in choose_donors(records, stage, my_id)]
+
+    def donor_sources(records: dict[str, PeerRecord]) -> list[StateSource]:
+        return [StateSource(kind="donor", step=records[d].version, label=d)
+                for d in choose_donors(records, stage, my_id)]
+
+    donors = donor_sources(records)
     listed = ", ".join(f"{s.kind} {s.label[:16]} step {s.step}" for s in rank([*donors, *files]))
     logger.info("stage %d state sources, most advanced first: %s", stage, listed)
 
-    delivered: dict[str, Any] | None = None
-    worth_asking = vouched_first([d.label for d in rank(donors) if d.step >= best_file.step], vouched)
-    if worth_asking:
+    def worth(records: dict[str, PeerRecord]) -> list[str]:
+        """The stage's donors announcing at least the best local file's progress, vouched ones first."""
+        return vouched_first([d.label for d in rank(donor_sources(records)) if d.step >= best_file.step], vouched)
+
+    async def ask(records: dict[str, PeerRecord], asking: list[str]) -> dict[str, Any] | None:
         try:
             config = StateSyncConfig()
             vet = witness_vetter(run=run, stage=stage, config=config, metrics=metrics,
                                  announced=choose_donors(records, stage, my_id), trusted=vouched)
-            delivered = await asyncio.wait_for(load_state_from_peers(
-                p2p=p2p, run=run, stage=stage, metrics=metrics, dht=dht, reference=reference, donors=worth_asking,
+            return await asyncio.wait_for(load_state_from_peers(
+                p2p=p2p, run=run, stage=stage, metrics=metrics, dht=dht, reference=reference, donors=asking,
                 config=config, vet=vet), timeout=timeout_s)
         except TimeoutError:
             logger.warning("loading stage %d's state from donors took over %.0f s; using the best local source",
                            stage, timeout_s)
+            return None
+
+    delivered: dict[str, Any] | None = None
+    worth_asking = worth(records)
+    if worth_asking:
+        delivered = await ask(records, worth_asking)
+        # No donor's state could be loaded (each refused by its witnesses, or unreachable). A replica that died
+        # keeps its record for up to its TTL and, drawn as the only witness of its stage's last live replica, ties
+        # the vote: the joiner would start over. So while the announced replicas change (a record lapses, another
+        # replica appears), the donors are asked again, up to ``witness_wait_s``; a view that stays the same is not.
+        ahead = max(d.step for d in donors) > best_file.step  # only then can waiting gain anything
+        deadline, seen = time.monotonic() + witness_wait_s, set(choose_donors(records, stage, my_id))
+        while delivered is None and ahead and time.monotonic() < deadline:
+            await asyncio.sleep(DONOR_RETRY_S)
+            records = await refresh()
+            now = set(choose_donors(records, stage, my_id))
+            if now == seen:
+                continue
+            seen = now
+            if again := worth(records):
+                logger.info("stage %d: the stage's announced replicas changed (%d now); asking its donors again",
+                            stage, len(now))
+                delivered = await ask(records, again)
     elif donors:
         logger.info("stage %d: no donor is ahead of the %s (step %d); not downloading", stage, best_file.kind,
                     best_file.step)
