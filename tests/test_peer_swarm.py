@@ -124,6 +124,38 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     assert requeued == a.summary()["microbatches_dropped"] + c.summary()["microbatches_dropped"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_replacement_loads_the_live_replica_while_the_dead_one_is_still_announced(swarm):  # noqa: F811
+    """A stage of two loses a replica to kill -9 and a replacement joins at once, while the dead replica's record is
+    still announced: the dead one is the live donor's only witness and ties the vote. The replacement asks again
+    once the record lapses and loads the live replica's state, instead of starting over from the seeded init.
+    (~45 s: the dead record must outlive the replacement's start-up, so records live 15 s here, not the test 4 s.)"""
+    keep = ("record_ttl_s=60", "throughput=1.0")
+    ttl = ("record_ttl_s=15", "announce_every_s=2", "throughput=1.0")
+    a = swarm.start("a", stage="0", extra=keep, run=RARE_AVG)
+    first = a.wait_maddrs()[:1]
+    b = swarm.start("b", stage="1", initial=first, extra=ttl, run=RARE_AVG)
+    d = swarm.start("d", stage="1", initial=first, extra=ttl, run=RARE_AVG)
+    for p in (b, d):
+        p.wait_status(lambda s: s["local_step"] >= 10, 120, "10 steps")
+    d.proc.kill()
+    d.proc.wait()
+    e = swarm.start("e", stage="1", initial=first, extra=ttl, run=RARE_AVG)
+    e.wait_status(lambda s: s.get("state") == "training", 90, "training state")
+    log = e.log()
+    assert "is not loaded" in log, log[-3000:]  # the first vote: the dead witness's silence tied it
+    assert "the stage's announced replicas changed" in log and "stage 1 state from donor" in log, log[-3000:]
+    start = e.status()["local_step"]
+    assert start >= 10
+    e.wait_status(lambda s: s["local_step"] >= start + 5, 60, "the replacement's own steps")
+    for p in (a, b, e):
+        p.signal(signal.SIGTERM)
+    for p in (a, b, e):
+        assert p.wait_exit(30) == 0
+        _no_traceback(p)
+
+
 @pytest.mark.timeout(240)
 def test_auto_peer_rebalances_to_a_stage_that_lost_its_server(swarm):  # noqa: F811
     """Regression: when c restarted stage 0 from its init, stage 1's guard refused its activations for good (their
