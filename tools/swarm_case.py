@@ -246,7 +246,9 @@ def add_swarm_arguments(p: argparse.ArgumentParser, *, replicas: int, budget_s: 
 
 
 def swarm_overrides(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The PeerConfig settings ``add_swarm_arguments``' options give every peer, before the user's ``--set``."""
+    """Check ``add_swarm_arguments``' options (``p.error`` on a bad one), fill in what ``SwarmCase`` reads of
+    bench_swarm's own options, and return the PeerConfig settings they give every peer (before the user's ``--set``,
+    which wins over them)."""
     if args.budget_s <= 0 or args.eval_every_s <= 0 or args.poll_s <= 0 or args.replicas < 1:
         p.error("--budget-s, --eval-every-s and --poll-s must be positive and --replicas >= 1")
     if not args.run.is_file():

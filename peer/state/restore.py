@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,6 +61,16 @@ def _step_of(state: object) -> int:
     return int(step) if isinstance(step, int) else -1
 
 
+async def _reread(refresh: Callable[[], Awaitable[dict[str, PeerRecord]]],
+                  wait_s: float) -> AsyncIterator[dict[str, PeerRecord]]:
+    """The swarm's records, read again every ``DONOR_RETRY_S`` for up to ``wait_s`` (time spent by the caller between
+    two reads counts)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(DONOR_RETRY_S)
+        yield await refresh()
+
+
 async def restore_state(*, run: RunConfig, stage: int, my_id: str,
                         refresh: Callable[[], Awaitable[dict[str, PeerRecord]]], p2p: P2P, dht: DHT,
                         metrics: PeerMetrics, reference: dict[str, Any],
@@ -87,13 +97,17 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
             files.append(StateSource(kind="checkpoint", step=held, label=str(checkpoint_dir)))
     best_file = most_advanced(files)
     records = await refresh()
-    waited = 0.0
-    while not choose_donors(records, stage, my_id) and best_file.kind == "init" and waited < donor_wait_s \
-            and max((r.version for r in records.values()), default=0) > 0:
+
+    def lacks_donor(records: dict[str, PeerRecord]) -> bool:
+        """Nothing but the init here, no donor visible, and yet the swarm has trained."""
+        return not choose_donors(records, stage, my_id) and best_file.kind == "init" \
+            and max((r.version for r in records.values()), default=0) > 0
+
+    if lacks_donor(records):
         logger.info("no donor of stage %d visible yet while the swarm has trained; reading the swarm again", stage)
-        await asyncio.sleep(DONOR_RETRY_S)
-        waited += DONOR_RETRY_S
-        records = await refresh()
+        async for records in _reread(refresh, donor_wait_s):
+            if not lacks_donor(records):
+                break
 
     def donor_sources(records: dict[str, PeerRecord]) -> list[StateSource]:
         return [StateSource(kind="donor", step=records[d].version, label=d)
@@ -128,19 +142,18 @@ async def restore_state(*, run: RunConfig, stage: int, my_id: str,
         # keeps its record for up to its TTL and, drawn as the only witness of its stage's last live replica, ties
         # the vote: the joiner would start over. So while the announced replicas change (a record lapses, another
         # replica appears), the donors are asked again, up to ``witness_wait_s``; a view that stays the same is not.
-        ahead = max(d.step for d in donors) > best_file.step  # only then can waiting gain anything
-        deadline, seen = time.monotonic() + witness_wait_s, set(choose_donors(records, stage, my_id))
-        while delivered is None and ahead and time.monotonic() < deadline:
-            await asyncio.sleep(DONOR_RETRY_S)
-            records = await refresh()
-            now = set(choose_donors(records, stage, my_id))
-            if now == seen:
-                continue
-            seen = now
-            if again := worth(records):
-                logger.info("stage %d: the stage's announced replicas changed (%d now); asking its donors again",
-                            stage, len(now))
-                delivered = await ask(records, again)
+        seen = set(choose_donors(records, stage, my_id))
+        if delivered is None and max(d.step for d in donors) > best_file.step:  # only then can waiting gain anything
+            async for records in _reread(refresh, witness_wait_s):
+                now = set(choose_donors(records, stage, my_id))
+                if now == seen:
+                    continue
+                seen = now
+                if again := worth(records):
+                    logger.info("stage %d: the stage's announced replicas changed (%d now); asking its donors again",
+                                stage, len(now))
+                    if (delivered := await ask(records, again)) is not None:
+                        break
     elif donors:
         logger.info("stage %d: no donor is ahead of the %s (step %d); not downloading", stage, best_file.kind,
                     best_file.step)
