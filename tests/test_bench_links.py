@@ -69,3 +69,32 @@ def test_both_swarm_benchmarks_give_every_option_their_swarms_read():
     assert "backup_every_s=0" in bench_links.parse_args([]).overrides
     paced = bench_links.parse_args(["--compute-pace", "4"]).overrides
     assert "compute_pace=4" in paced
+
+
+def test_a_run_cut_short_keeps_the_swarms_it_finished(tmp_path, monkeypatch):
+    """As bench_ttl: the first codec's swarm is in --json when the second is interrupted."""
+    import json
+
+    import tools.bench_links as bl
+
+    trained: list[str] = []
+
+    def fake_case(case, args, workdir, n_stages):
+        trained.append(str(args.run))
+        if len(trained) > 1:
+            raise KeyboardInterrupt("signal 15")
+        return {"label": "async/loopback", "mode": "async", "tokens": 512, "tokens_per_s": 51.2, "budget_s": 10.0,
+                "curve": [{"t": 5.0, "tokens": 512, "val_loss": 3.0}], "final_val_loss": 3.0,
+                "evals_per_replica": {"1": 1}, "link_bytes": [{"stage": 0, "tx": 5000, "rx": 0, "rpc_tx": 4000},
+                                                               {"stage": 1, "tx": 5000, "rx": 0, "rpc_tx": 4000}]}
+
+    monkeypatch.setattr(bl, "train_case", fake_case)
+    monkeypatch.setattr(bl, "unwind_on_sigterm", lambda: None)
+    monkeypatch.setattr(bl, "codec_costs", lambda run: {})
+    out = tmp_path / "links.json"
+    with pytest.raises(KeyboardInterrupt):
+        bl.main(["--networks", "loopback", "--codecs", "int8", "subspace-int3", "--workdir", str(tmp_path / "w"),
+                 "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert len(trained) == 2 and list(doc["networks"]["loopback"]) == ["int8"]
+    assert doc["meta"]["partial"] and doc["networks"]["loopback"]["int8"]["bytes_per_token"]["total"] > 0

@@ -165,3 +165,28 @@ def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     assert doc["compute_only"]["tokens_per_s"] > 0 and doc["meta"]["data"]["corpus_sha256"]
     assert doc["baseline"]["optimizer"] == "adamw" and doc["baseline"]["beta1"] == 0.9
     assert png.stat().st_size > 1000
+
+
+def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    """A lease or a timeout that stops the tool in its second swarm (SIGTERM unwinds as KeyboardInterrupt) leaves the
+    first swarm's record in --json, not nothing."""
+    import tools.bench_ttl as bt
+
+    trained: list[str] = []
+
+    def fake_case(case, args, workdir, n_stages):
+        trained.append(case.label)
+        if len(trained) > 1:
+            raise KeyboardInterrupt("signal 15")
+        return {"label": case.label, "mode": case.mode, "curve": [{"t": 1.0, "tokens": 100, "val_loss": 3.0}],
+                "tokens": 100, "tokens_per_s": 100.0, "final_val_loss": 3.0}
+
+    monkeypatch.setattr(bt, "train_case", fake_case)
+    monkeypatch.setattr(bt, "unwind_on_sigterm", lambda: None)
+    out = tmp_path / "ttl.json"
+    with pytest.raises(KeyboardInterrupt):
+        bt.main(["--loopback", "--wan", "no", "--compute-s", "0", "--no-sim", "--workdir", str(tmp_path / "w"),
+                 "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert len(trained) == 2 and list(doc["cases"]) == trained[:1]
+    assert doc["partial"] == "written after case 1 of 2"

@@ -371,6 +371,26 @@ def main(argv: list[str] | None = None) -> int:
         for rec in codecs.values():
             rec["in_process_loss_ratio_vs_int8"] = rec["in_process_curve"][-1]["val_loss"] / base_loss
     networks: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def document(partial: bool = False) -> dict[str, Any]:
+        doc = {"networks": networks, "codecs": codecs,
+               "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std,
+                        "seed": base.seed, "n_stages": base.n_stages,
+                        "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
+                        "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
+                        "eval_batches": args.eval_batches, "torch_threads": args.torch_threads,
+                        "device": args.device, "nproc": os.cpu_count(), "loadavg_start": load_start,
+                        "loadavg_end": os.getloadavg(), "python": platform.python_version(),
+                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
+        if partial:
+            doc["meta"]["partial"] = "written before every swarm had run"
+        refigure(doc)
+        return doc
+
+    def write(doc: dict[str, Any]) -> None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
+
     for name in args.networks:
         rate, delay = (0.0, 0.0) if name == "loopback" else parse_network(name)
         case = Case("async", "loopback" if name == "loopback" else "wan", delay, rate)
@@ -389,18 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             networks[name][codec] = rec
             logger.info("%s / %s: %.0f tokens/s, final loss %s", name, codec, rec["tokens_per_s"],
                         rec.get("final_val_loss"))
-    doc = {"networks": networks, "codecs": codecs,
-           "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std, "seed": base.seed,
-                    "n_stages": base.n_stages,
-                    "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
-                    "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
-                    "eval_batches": args.eval_batches, "torch_threads": args.torch_threads, "device": args.device,
-                    "nproc": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                    "python": platform.python_version(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
-    refigure(doc)
+            if args.json:  # a run cut short (a lease, a timeout) keeps the swarms it finished
+                write(document(partial=True))
+    doc = document()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1, default=str))
+        write(doc)
     if args.plot:
         plot(networks, args.plot)
     print(markdown(doc))

@@ -578,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
         r = results[-1]
         logger.info("%s: %.0f tokens/s, final val loss %s, %d evaluations", case.label, r["tokens_per_s"],
                     r["final_val_loss"], len(r["curve"]))
+        if args.json and k + 1 < len(cases):  # a run cut short (a lease, a timeout) keeps the cases it finished
+            _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figures(results, compute),
+                               "compute_only": compute, "baseline": baseline_record(run, args.overrides),
+                               "failed": failed, "partial": f"written after case {k + 1} of {len(cases)}"})
     figs = figures(results, compute)
     headline_net = max((n for n in figs if "speedup" in figs[n]), key=_delay_of, default=None)
     if args.json:  # the swarms' figures first: the simulator may take a while on a busy machine
