@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizers", nargs="+", default=["adamw", "nadam"], choices=["adamw", "nadam"])
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--device", default="cpu", help="torch device of every simulated worker ('cpu', 'cuda')")
+    p.add_argument("--seed", type=int, default=None, help="the run's seed (init and data; default: the run file's)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = RunConfig.from_toml(args.run)
+    if args.seed is not None:
+        run = run.replace(seed=args.seed)
     lrs = args.lrs or [run.optim.lr * f for f in (1 / 3, 2 / 3, 1.0, 1.5, 3.0)]
     steps = args.steps // args.micro_batches * args.micro_batches
     results = []
@@ -60,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                             "compute_s": rec["compute_s"]})
             print(f"fullsync {opt:5s} lr {lr:.2e}: final val loss {rec['final_val_loss']:.4f}", flush=True)
     best = min(results, key=lambda r: r["final_val_loss"])
-    doc = {"run": str(args.run), "run_id": run.run_id, "replicas": args.replicas, "n_stages": run.n_stages,
-           "steps_per_replica": steps, "device": args.device,
+    doc = {"run": str(args.run), "seed": run.seed, "run_id": run.run_id, "replicas": args.replicas,
+           "n_stages": run.n_stages, "steps_per_replica": steps, "device": args.device,
            "micro_batches": args.micro_batches, "results": results,
            "best": {k: best[k] for k in ("optimizer", "lr", "final_val_loss")},
            "meta": {"command": " ".join(["python tools/sync_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
