@@ -39,6 +39,8 @@ def test_figures_against_int8():
     assert s["time_to_loss"]["int8_s"] == pytest.approx(50 / 3) and 10 < s["time_to_loss"]["codec_s"] < 13
     assert s["time_to_loss_speedup_vs_int8"] > 1
     assert s["equal_tokens"]["tokens"] == 300 and s["equal_tokens_loss_ratio_vs_int8"] == pytest.approx(3.6 / 3.0)
+    assert s["equal_tokens_at_evaluation"]["tokens"] == 300  # each curve has one evaluation in the common range
+    assert s["equal_tokens_at_evaluation"]["ratio"] == pytest.approx(3.6 / 3.0)
     assert cases["int8"]["time_to_loss_speedup_vs_int8"] == 1.0
     assert wire_bytes_per_token(cases["subspace"], 2) == {"activations": 1000, "gradients": 10, "total": 1010}
     assert wire_bytes_per_token(cases["subspace"], 2, eval_tokens=900)["activations"] == 500

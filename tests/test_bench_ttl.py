@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.bench_ttl import (  # noqa: E402
+    at_sparser_evaluation,
     baseline_record,
     compute_only_tokens_per_s,
     emulator_record,
@@ -190,3 +191,22 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert len(trained) == 2 and list(doc["cases"]) == trained[:1]
     assert doc["partial"] == "written after case 1 of 2"
+
+
+def test_equal_tokens_at_an_evaluation_reads_the_sparse_curve_where_it_was_evaluated():
+    """Two runs of one loss curve, one evaluated 6x more sparsely in tokens (6x the tokens/s on the same clock): at
+    the smaller final token count the sparse one is interpolated along a chord above the convex curve and reads
+    worse; at its own evaluation both read the curve itself."""
+    import math
+
+    def loss(x: float) -> float:
+        return 2.0 + 2.0 * math.exp(-x / 100)
+
+    sparse = [(x, loss(x)) for x in (50, 350, 650)]
+    dense = [(x, loss(x)) for x in range(50, 301, 50)]
+    at = min(sparse[-1][0], dense[-1][0])
+    assert interpolate(sparse, at) / interpolate(dense, at) > 1.05  # the chord, not the curve
+    x, ys, yd = at_sparser_evaluation(sparse, dense)
+    assert x == 50 and ys == pytest.approx(yd)
+    assert at_sparser_evaluation(dense, sparse) == (50, yd, ys)  # which curve is sparser, not which comes first
+    assert at_sparser_evaluation(sparse, [(700, 2.0), (800, 1.9)]) is None  # no overlap

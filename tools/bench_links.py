@@ -26,7 +26,10 @@ Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> co
 * ``time_to_loss_speedup_vs_int8``: the seconds int8 needs to reach its own final loss over the seconds this codec
   needs to reach it (interpolated first crossing; None if it never does within the budget).
 * ``equal_tokens_loss_ratio_vs_int8``: this codec's validation loss / int8's, both at the smaller of the two final
-  token counts (interpolated along each curve).
+  token counts (interpolated along each curve). ``equal_tokens_at_evaluation``: the same ratio where the curve with
+  fewer evaluations in the common token range was last evaluated, the other interpolated there (bench_ttl's
+  ``at_sparser_evaluation``: a faster codec, evaluated on the same clock, is sparser in tokens, and a straight line
+  between its evaluations overstates its loss).
 * ``costs`` (per codec, measured in this process, not on the wire): encode+decode seconds of one micro-batch's
   activations and of its gradient, the projection's seconds per optimiser step (subspace), and the memory the codec
   keeps per stage (basis and fixed tables).
@@ -51,7 +54,7 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
 
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.bench_swarm import REPO, BenchError, Case, repo_path  # noqa: E402
-from tools.bench_ttl import final_loss, interpolate, time_to_reach, train_case  # noqa: E402
+from tools.bench_ttl import at_sparser_evaluation, final_loss, interpolate, time_to_reach, train_case  # noqa: E402
 from tools.swarm_case import add_swarm_arguments, swarm_overrides  # noqa: E402
 from tools.wan import check_available  # noqa: E402
 
@@ -239,13 +242,18 @@ def compare(cases: dict[str, dict[str, Any]]) -> None:
         theirs = interpolate(base_tok, at) if at is not None else None
         rec["equal_tokens"] = {"tokens": at, "codec_loss": mine, "int8_loss": theirs}
         rec["equal_tokens_loss_ratio_vs_int8"] = mine / theirs if mine and theirs else None
+        sparse = at_sparser_evaluation(by_tok, base_tok)
+        rec["equal_tokens_at_evaluation"] = (None if sparse is None else
+                                             {"tokens": sparse[0], "codec_loss": sparse[1], "int8_loss": sparse[2],
+                                              "ratio": sparse[1] / sparse[2] if sparse[2] else None})
 
 
 def markdown(doc: dict[str, Any]) -> str:
     """The figures as the markdown table of docs/performance.md (``--table JSON`` prints it for a result file)."""
     rows = ["| network | codec | act B/token | grad B/token | total (x fp32) | messages act+grad | payload act+grad | "
-            "other traffic B/s | tokens/s | final loss | loss vs int8, equal tokens | time-to-loss vs int8 |",
-            "|---|---|" + "---:|" * 10]
+            "other traffic B/s | tokens/s | final loss | loss vs int8, equal tokens | the same at an evaluation | "
+            "time-to-loss vs int8 |",
+            "|---|---|" + "---:|" * 11]
 
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
@@ -261,6 +269,7 @@ def markdown(doc: dict[str, Any]) -> str:
                         f"{num(b.get('overhead_bytes_per_s'), '.0f')} | "
                         f"{r['tokens_per_s']:.0f} | {num(r.get('final_val_loss'), '.3f')} | "
                         f"{num(r.get('equal_tokens_loss_ratio_vs_int8'), '.3f')} | "
+                        f"{num((r.get('equal_tokens_at_evaluation') or {}).get('ratio'), '.3f')} | "
                         f"{num(r.get('time_to_loss_speedup_vs_int8'), '.2f')} |")
     inproc = {c: r for c, r in doc.get("codecs", {}).items() if r.get("in_process_curve")}
     if inproc:

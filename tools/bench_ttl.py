@@ -79,6 +79,24 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
     return points[-1][1]
 
 
+def at_sparser_evaluation(a: list[tuple[float, float]],
+                          b: list[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """(tokens, a's loss, b's loss) at the last evaluation, inside both curves' token ranges, of the curve with fewer
+    evaluations there, the other interpolated: a straight line between two evaluations of a falling, convex loss
+    curve lies above the curve, so reading the sparsely evaluated one between its points overstates its loss (a
+    codec or mode that trains 6x the tokens per second, evaluated on the same clock, is 6x sparser in tokens).
+    None when the ranges do not overlap."""
+    if not a or not b:
+        return None
+    lo, hi = max(a[0][0], b[0][0]), min(a[-1][0], b[-1][0])
+    in_a, in_b = [x for x, _ in a if lo <= x <= hi], [x for x, _ in b if lo <= x <= hi]
+    if not in_a or not in_b:
+        return None
+    x = in_a[-1] if len(in_a) <= len(in_b) else in_b[-1]
+    ya, yb = interpolate(a, x), interpolate(b, x)
+    return None if ya is None or yb is None else (x, ya, yb)
+
+
 def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
     """First x at which the polyline (x, loss) reaches ``target`` or below, interpolated; None if it never does."""
     for i, (x, y) in enumerate(points):
@@ -452,6 +470,8 @@ def figures(results: list[dict[str, Any]], compute: dict[str, Any] | None) -> di
             at = min(s_tok[-1][0], a_tok[-1][0]) if s_tok and a_tok else None
             f["equal_tokens"] = {"tokens": at, "async": interpolate(a_tok, at) if at else None,
                                  "sync": interpolate(s_tok, at) if at else None}
+            if (sparse := at_sparser_evaluation(a_tok, s_tok)) is not None:
+                f["equal_tokens_at_evaluation"] = dict(zip(("tokens", "async", "sync"), sparse, strict=True))
         f["final_val_loss"] = {m: pair[m]["final_val_loss"] for m in pair}
         if compute and compute.get("tokens_per_s"):
             f["utilisation"] = {m: pair[m]["tokens_per_s"] / compute["tokens_per_s"] for m in pair}
