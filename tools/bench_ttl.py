@@ -586,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         compute = measure_compute_only(args, run)
         logger.info("compute only: %.0f tokens/s", compute["tokens_per_s"])
     results, failed = [], []
+
+    def write_partial(note: str) -> None:
+        _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figures(results, compute),
+                           "compute_only": compute, "baseline": baseline_record(run, args.overrides),
+                           "failed": failed, "partial": note})
+
     for k, case in enumerate(cases):
         workdir = root / f"case{k}-{case.mode}-{case.net}-{case.delay_ms:g}ms"
         logger.info("case %d/%d: %s (files in %s)", k + 1, len(cases), case.label, workdir)
@@ -599,15 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s: %.0f tokens/s, final val loss %s, %d evaluations", case.label, r["tokens_per_s"],
                     r["final_val_loss"], len(r["curve"]))
         if args.json and k + 1 < len(cases):  # a run cut short (a lease, a timeout) keeps the cases it finished
-            _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figures(results, compute),
-                               "compute_only": compute, "baseline": baseline_record(run, args.overrides),
-                               "failed": failed, "partial": f"written after case {k + 1} of {len(cases)}"})
+            write_partial(f"written after case {k + 1} of {len(cases)}")
     figs = figures(results, compute)
     headline_net = max((n for n in figs if "speedup" in figs[n]), key=_delay_of, default=None)
     if args.json:  # the swarms' figures first: the simulator may take a while on a busy machine
-        _write(args.json, {"cases": {r["label"]: r for r in results}, "figures": figs, "compute_only": compute,
-                           "baseline": baseline_record(run, args.overrides), "failed": failed,
-                           "partial": "written before the simulator ran"})
+        write_partial("written before the simulator ran")
     sim = None
     asyncs = [r for r in results if r["mode"] == "async" and r["curve"]]
     if not args.no_sim and asyncs:
