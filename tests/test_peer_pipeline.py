@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -122,9 +123,10 @@ async def fresher_copies(spares: SpareStore) -> None:
 
 
 async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: float = 120.0,
-                      average: tuple[str, ...] = (), average_every_s: float = 0.5) -> Stage0Driver:
-    """Drive ``steps`` optimiser steps of stage 0 (or ``run_for`` seconds), then evaluate; the replicas named in
-    ``average`` are averaged every ``average_every_s`` meanwhile."""
+                      average: tuple[str, ...] = (), average_every_s: float = 0.5,
+                      until: Callable[[], bool] | None = None) -> Stage0Driver:
+    """Drive ``steps`` optimiser steps of stage 0 (or ``run_for`` seconds, or until ``until()`` holds: polled every
+    0.1 s), then evaluate; the replicas named in ``average`` are averaged every ``average_every_s`` meanwhile."""
     pipe0 = net.stages["a0"]
     stop = asyncio.Event()
     driver = Stage0Driver(pipe=pipe0, stream=BatchStream(corpus.train, 32, 8, seed=1),
@@ -136,6 +138,8 @@ async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: fl
                 if getattr(p, "recheck", None) is not None]
     if average:
         serving.append(asyncio.ensure_future(_average(net, list(average), average_every_s)))
+    if until is not None:
+        serving.append(asyncio.ensure_future(_stop_when(until, stop)))
     try:
         await driver.run_async()
         if not stop.is_set():
@@ -144,6 +148,12 @@ async def _run_driver(net: Net, corpus, cfg: PeerConfig, steps: int, run_for: fl
         for t in serving:
             t.cancel()
     return driver
+
+
+async def _stop_when(until: Callable[[], bool], stop: asyncio.Event) -> None:
+    while not until():
+        await asyncio.sleep(0.1)
+    stop.set()
 
 
 @pytest.mark.timeout(150)

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import random
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -227,9 +228,11 @@ def _recording(pipe: PipelineServicer) -> dict[int, torch.Tensor]:
     return applied
 
 
-def _drive(net: Net, a0: PipelineServicer, corpus, cfg: PeerConfig, *, steps: int, seconds: float) -> None:  # noqa: F811
-    """Stage 0 trains for ``seconds`` at most, with the daemon's timer dropping overdue micro-batches; once stopped,
-    it stops waiting for a route too (all its next hops may be banned)."""
+def _drive(net: Net, a0: PipelineServicer, corpus, cfg: PeerConfig, *, steps: int, seconds: float,  # noqa: F811
+           until: Callable[[], bool] | None = None) -> None:
+    """Stage 0 trains for ``seconds`` at most (or ``steps``, or until ``until()`` holds), with the daemon's timer
+    dropping overdue micro-batches; once stopped, it stops waiting for a route too (all its next hops may be
+    banned)."""
     async def expire() -> None:
         while True:
             await asyncio.sleep(0.5)
@@ -238,7 +241,7 @@ def _drive(net: Net, a0: PipelineServicer, corpus, cfg: PeerConfig, *, steps: in
     async def go() -> None:
         asyncio.get_running_loop().call_later(seconds, a0.stop_accepting)
         timer = asyncio.ensure_future(expire())
-        await _run_driver(net, corpus, cfg, steps=steps, run_for=seconds)
+        await _run_driver(net, corpus, cfg, steps=steps, run_for=seconds, until=until)
         timer.cancel()
     asyncio.run(go())
 
