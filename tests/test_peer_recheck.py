@@ -22,6 +22,7 @@ from peer.pipeline.boundary import Boundary
 from peer.pipeline.recheck import HeldCopy, RecheckConfig, Rechecks, as_sent, input_gradient, judgeable
 from peer.pipeline.servicer import PipelineServicer
 from peer.pipeline.spotcheck import SpotCheckConfig, SpotChecker, agreement, distance
+from peer.pipeline.work import BackwardWork
 from peer.state.spare import SpareStore
 from protocol.codecs.registry import encode
 from protocol.messages import Ack, Backward
@@ -170,6 +171,37 @@ def test_an_answer_of_nothing_is_proven_wrong_whatever_the_copy():
         RecheckConfig(fraction=1.5)
     with pytest.raises(ValueError):
         PeerConfig(recheck_min_cosine=1.0)
+
+
+def test_two_disagreeing_answers_the_copy_finds_both_right_are_dropped_and_credit_nobody():
+    """A spot check's answers disagree and the held copy passes each (at a middle stage, each by its own hop's
+    witnesses: a hop whose colluding witness vouches for its fabrication passes too): the micro-batch is dropped and
+    neither hop earns a passed check, so the liar earns no trust from it; neither is blamed. With one answer right,
+    that one is trained on, credited and vouched for, the other struck."""
+    spot = SpotChecker(SpotCheckConfig(trust_after=2, ban_after=3))
+    requeued: list[BackwardWork] = []
+    vouched: list[str] = []
+    metrics = PeerMetrics("a0", 0)
+    copy = SimpleNamespace(want_fresh=lambda: None, nbytes=lambda: 0)
+    ns = SimpleNamespace(spot=spot, config=RecheckConfig(), copy=copy, held=lambda mb_id, p: True, judged=0,
+                         metrics=metrics, requeue=requeued.append, vouch=vouched.append, seen=[], compute_s=0.0,
+                         revoke=lambda peer: None, stage=0, router=None)
+    for name in ("passes", "record", "snapshot", "_banned"):
+        setattr(ns, name, functools.partial(getattr(Rechecks, name), ns))
+    p = SimpleNamespace(trained_from=None)
+    g = torch.ones(4)
+    answers = {peer: (Backward(run_id=RUN.run_id, mb_id=7, route=[], gradient=encode(sign * g, "none"), loss=1.0,
+                               is_eval=False), sign * g) for peer, sign in (("liar", -1.0), ("honest", 1.0))}
+    right = ((0.9, 1.0), "", 68)
+    Rechecks.decide(ns, p, answers, {"liar": right, "honest": right})  # type: ignore[arg-type]
+    assert [w.grad for w in requeued] == [None] and vouched == [] and p.trained_from is None  # dropped
+    assert spot._hop("liar").passed == 0 and spot._hop("honest").passed == 0  # nobody credited
+    assert spot._hop("liar").re_strikes == 0 and spot._hop("honest").re_strikes == 0  # nobody blamed
+    assert metrics.snapshot()["counters"]["spotcheck_unresolved"] == 1
+    requeued.clear()
+    Rechecks.decide(ns, p, answers, {"liar": ((-1.0, 1.0), "", 68), "honest": right})  # type: ignore[arg-type]
+    assert len(requeued) == 1 and requeued[0].grad is answers["honest"][1] and vouched == ["honest"]
+    assert spot._hop("honest").passed == 1 and spot._hop("liar").re_strikes == 1
 
 
 def _with_copy(net: Net, cfg: PeerConfig, spares: SpareStore | None) -> PipelineServicer:

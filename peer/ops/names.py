@@ -21,7 +21,7 @@ COUNTERS = (
     "sync_resync_failed", "sync_resync_refused",
     # spot checks of the next stage (peer/pipeline/spotcheck.py)
     "spotcheck_sent", "spotcheck_passed", "spotcheck_failed", "spotcheck_unavailable", "spotcheck_void",
-    "spotcheck_arbitrated", "spotcheck_banned",
+    "spotcheck_arbitrated", "spotcheck_banned", "spotcheck_unresolved",
     # re-checks of the last stage from the held copy of it (peer/pipeline/recheck.py)
     "recheck_sampled", "recheck_passed", "recheck_failed", "recheck_banned", "recheck_unavailable", "recheck_errors",
     "recheck_by_record",

@@ -358,6 +358,18 @@ class Rechecks:
         msg = next(iter(answers.values()))[0]
         if not self.held(msg.mb_id, p):
             return
+        passing = [peer for peer, (verdict, _, _) in verdicts.items() if verdict is not None and self.passes(verdict)]
+        if len(passing) > 1:  # they disagree, and the copy finds both right: no answer is trained on, nobody is
+            # credited (the passes would earn a liar whose colluding witness vouched for it the trust that spares it
+            # checks) and nobody blamed (an honest replica's witness vouched for it as well)
+            self.judged += len(passing)
+            self.metrics.inc("spotcheck_unresolved")
+            self.metrics.rechecks = self.snapshot()
+            logger.warning("spot check of micro-batch %d: %s disagree, and the held copy finds each right by its own "
+                           "witnesses (a hop and its witness colluding, or replicas far apart); dropped, neither "
+                           "credited", msg.mb_id, " and ".join(short_id(peer) for peer in passing))
+            self.requeue(BackwardWork(msg, None))
+            return
         right = []
         for peer, (verdict, why, copy) in verdicts.items():
             if verdict is None:
