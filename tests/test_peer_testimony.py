@@ -330,11 +330,13 @@ def test_a_middle_stage_that_does_no_work_or_names_nobody_is_banned(corpus, trai
     revoked: set[str] = set()
     a0.revoke = revoked.add
 
-    seconds = 12.0 if attack is _silent else 4.0  # a silent witness takes 4 re-checks per strike, 3 strikes to ban
+    # until the hop is banned (a silent witness takes 4 re-checks per strike, 3 strikes to ban; a loaded machine
+    # gets through fewer re-checks a second)
+    seconds = 40.0 if attack is _silent else 20.0
 
     async def go() -> None:
         asyncio.get_running_loop().call_later(seconds, a0.stop_accepting)
-        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=seconds)
+        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=seconds, until=lambda: bool(revoked))
     asyncio.run(go())
     pool.shutdown()
     counters = a0.metrics.snapshot()["counters"]
@@ -483,9 +485,9 @@ def test_a_hop_that_keeps_sending_to_a_witness_proven_to_lie_for_it_is_banned(co
     a0.revoke = revoked.add
     start = a0.worker.local_step
 
-    async def go() -> None:
-        asyncio.get_running_loop().call_later(8.0, a0.stop_accepting)
-        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=8.0)
+    async def go() -> None:  # until the hop is banned
+        asyncio.get_running_loop().call_later(30.0, a0.stop_accepting)
+        await _run_driver(net, corpus, cfg, steps=start + 30, run_for=30.0, until=lambda: bool(revoked))
     asyncio.run(go())
     pool.shutdown()
     counters = a0.metrics.snapshot()["counters"]
