@@ -30,6 +30,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import Backward, Error, Forward
 from tests.notaries import NamedNotary
 from tests.test_peer_pipeline import RUN, Net, _run_driver, build, corpus  # noqa: F401  (fixture)
+from tests.test_peer_recheck import _drive, _recording
 from trainer.data import BatchStream
 from trainer.worker import StageWorker
 
@@ -355,8 +356,6 @@ def test_a_middle_liar_with_a_longer_record_cannot_get_its_honest_partner_blamed
     every micro-batch spot-checked. The history rule blames the partner and bans it; the copy judges each answer as
     a re-check of its own, with the testimony of the witness its hop names, bans the liar and trains on the honest
     answers."""
-    from tests.test_peer_recheck import _drive, _recording
-
     torch.manual_seed(0)
     cfg = PeerConfig(microbatch_timeout_s=10.0, drain_timeout_s=1.0, recheck_after_warmups=0,
                      spot_check_fraction=1.0, recheck_fraction=0.0)
@@ -400,6 +399,81 @@ def test_a_middle_liar_with_a_longer_record_cannot_get_its_honest_partner_blamed
     else:  # what the copy closes: the honest partner takes every blame (three in a row ban it), the liar none
         assert "b1" in revoked or spot._hop("b1").strikes >= 1, (revoked, counters)
         assert "f1" not in revoked and spot._hop("f1").strikes == 0, (revoked, counters)
+
+
+@pytest.mark.timeout(120)
+def test_a_hop_and_its_colluding_witness_earn_nothing_from_their_disputes(corpus, trained):  # noqa: F811
+    """The documented limit (docs/security.md, "Not covered: a hop and its witness that collude"): f1 of stage 1
+    routes only to z2 of stage 2, which returns fabricated (negated) gradients and testifies truthfully about them;
+    f1 passes them through its real backward and does not re-check z2. Stage 0 spot-checks every micro-batch of f1
+    against b1 (honest, routing to the honest c2): each pair disagrees, the copy passes each answer by its own
+    hop's witness, and the micro-batch is dropped, neither hop credited nor blamed. None of the pair's answers is
+    trained on; and f1, training on z2's fabrications, drifts from the copy until its re-checks fail and it is
+    banned (b1 never is)."""
+    torch.manual_seed(0)
+    cfg = PeerConfig(microbatch_timeout_s=10.0, drain_timeout_s=1.0, recheck_after_warmups=0,
+                     spot_check_fraction=1.0, recheck_fraction=0.0)
+    net, pool, a0 = _three_stages(corpus, cfg, trained[0], middle=("b1", "f1"), last=("c2", "z2"))
+    for hop, hidden in (("f1", "c2"), ("b1", "z2")):  # each middle replica sees one replica of stage 2
+        view = net.stages[hop].hops
+
+        def seen(hidden=hidden):
+            return {k: r for k, r in a0.swarm().items() if k != hidden}
+        view.swarm = seen  # type: ignore[method-assign]
+    z2 = net.stages["z2"].worker
+    honest_last = z2.forward_loss
+
+    def fabricated(mb_id, x, targets, **kw):
+        loss, g = honest_last(mb_id, x, targets, **kw)
+        return loss, None if g is None else -g
+    z2.forward_loss = fabricated  # type: ignore[method-assign]
+    relayed: list[torch.Tensor] = []  # what f1 returned to stage 0 (it forwards under ids of its own)
+    f1 = net.stages["f1"].worker
+    f1_backward = f1.backward
+
+    def recording(mb_id, g):
+        out = f1_backward(mb_id, g)
+        relayed.append(out.clone())
+        return out
+    f1.backward = recording  # type: ignore[method-assign]
+    spot, rechecks = a0.spot, a0.recheck
+    assert spot is not None and rechecks is not None
+    for name in ("f1", "b1"):  # both trusted, by spot checks and re-checks, and both answered before
+        spot._hop(name).passed = 20
+        spot._hop(name).rechecked = spot.config.trust_after
+        a0.router.sent(name, -1)
+        a0.router.returned(name, -1)
+    credited: list[str] = []  # hops credited by a spot check whose two disagreeing answers both passed
+    passes: list[str] | None = None  # the passes of the arbitration being decided
+    record, decide = rechecks.record, rechecks.decide
+
+    def recorded(peer, verdict, copy):
+        passed, ban = record(peer, verdict, copy)
+        if passed and passes is not None:
+            passes.append(peer)
+        return passed, ban
+
+    def deciding_(p, answers, verdicts):
+        nonlocal passes
+        passes = []
+        try:
+            decide(p, answers, verdicts)
+        finally:
+            if len(passes) > 1:
+                credited.extend(passes)
+            passes = None
+    rechecks.record, rechecks.decide = recorded, deciding_  # type: ignore[method-assign]
+    revoked: set[str] = set()
+    a0.revoke = revoked.add
+    applied = _recording(a0)
+    _drive(net, a0, corpus, cfg, steps=a0.worker.local_step + 40, seconds=45.0, until=lambda: bool(revoked))
+    pool.shutdown()
+    counters = a0.metrics.snapshot()["counters"]
+    assert counters.get("spotcheck_unresolved", 0) >= 1 and relayed, counters  # the test tests something
+    assert "f1" not in credited and "b1" not in credited, credited
+    trained_lies = [mb for mb, g in applied.items() if any(distance(g, lie) < 0.5 for lie in relayed)]
+    assert trained_lies == [], trained_lies
+    assert revoked == {"f1"}, (revoked, counters)
 
 
 def _not_blamed_for_the_lie(caplog, counters) -> None:
