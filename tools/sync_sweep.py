@@ -8,6 +8,11 @@ each at every ``--lrs`` value, with the warm-up and schedule counted in samples 
 (trainer.sim.methods.fullsync_optim). It reports each variant's final validation loss and the best; the daemon takes
 the chosen values with ``--set sync_optimizer=... --set sync_lr=...``. In-process and exact, so a sweep takes
 minutes where the daemon would take hours.
+
+``--method asyncmesh`` sweeps the asynchronous side the same way, for a comparison that tunes both sides: the run's
+own optimiser (NAdam beta1 0.99 in the shipped runs) at every ``--lrs`` value, PipeDream's 1F1B staleness plus
+``--pipeline-extra`` ticks, and averaging rounds delayed by ``--tau`` local steps (a daemon's summaries say what its
+peers measured: ``avg_delay_steps``); ``--optimizers`` does not apply there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=4, help="M, micro-batches per flush (sync_microbatches)")
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="peak learning rates (default: run's x 1/3..3)")
     p.add_argument("--optimizers", nargs="+", default=["adamw", "nadam"], choices=["adamw", "nadam"])
+    p.add_argument("--method", default="fullsync", choices=["fullsync", "asyncmesh"],
+                   help="the simulator's method to sweep (asyncmesh: the run's optimiser, --lrs only)")
+    p.add_argument("--tau", type=int, default=1, help="asyncmesh: averaging delay in local steps")
+    p.add_argument("--pipeline-extra", type=int, default=0,
+                   help="asyncmesh: ticks of staleness beyond 1F1B's K - 1 - s (stage 0 keeping W in flight: W - K)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--device", default="cpu", help="torch device of every simulated worker ('cpu', 'cuda')")
     p.add_argument("--seed", type=int, default=None, help="the run's seed (init and data; default: the run file's)")
@@ -50,22 +60,25 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps // args.micro_batches * args.micro_batches
     results = []
     started = time.time()
-    for opt in args.optimizers:
+    asynchronous = args.method != "fullsync"
+    for opt in [run.optim.optimizer] if asynchronous else args.optimizers:
         for lr in lrs:
-            sim = SimConfig(preset="sync-sweep", run=run, n_replicas=args.replicas, steps=steps,
-                            micro_batches=args.micro_batches, accumulate=args.micro_batches,
+            sim = SimConfig(preset="sync-sweep", run=run.replace(optim={"lr": lr}) if asynchronous else run,
+                            n_replicas=args.replicas, steps=steps, micro_batches=args.micro_batches,
+                            accumulate=args.micro_batches,
                             eval_every=max(args.micro_batches, steps // 8 // args.micro_batches * args.micro_batches),
-                            eval_batches=args.eval_batches, methods=("fullsync",), sync_optimizer=opt, sync_lr=lr,
-                            device=args.device)
-            rec = run_method(sim, "fullsync", "fullsync", 0)
+                            eval_batches=args.eval_batches, methods=(args.method,), sync_optimizer=opt, sync_lr=lr,
+                            device=args.device, tau=args.tau, pipeline_extra=args.pipeline_extra)
+            rec = run_method(sim, args.method, args.method, args.tau)
             results.append({"optimizer": opt, "lr": lr, "final_val_loss": rec["final_val_loss"],
                             "curve": [(p["samples"], p["val_loss"]) for p in rec["curve"]],
                             "compute_s": rec["compute_s"]})
-            print(f"fullsync {opt:5s} lr {lr:.2e}: final val loss {rec['final_val_loss']:.4f}", flush=True)
+            print(f"{args.method} {opt:5s} lr {lr:.2e}: final val loss {rec['final_val_loss']:.4f}", flush=True)
     best = min(results, key=lambda r: r["final_val_loss"])
-    doc = {"run": str(args.run), "seed": run.seed, "run_id": run.run_id, "replicas": args.replicas,
-           "n_stages": run.n_stages, "steps_per_replica": steps, "device": args.device,
+    doc = {"run": str(args.run), "method": args.method, "seed": run.seed, "run_id": run.run_id,
+           "replicas": args.replicas, "n_stages": run.n_stages, "steps_per_replica": steps, "device": args.device,
            "micro_batches": args.micro_batches, "results": results,
+           **({"tau": args.tau, "pipeline_extra": args.pipeline_extra} if asynchronous else {}),
            "best": {k: best[k] for k in ("optimizer", "lr", "final_val_loss")},
            "meta": {"command": " ".join(["python tools/sync_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
                     "nproc": os.cpu_count(), "loadavg_end": os.getloadavg(), "elapsed_s": time.time() - started}}
