@@ -359,22 +359,17 @@ class Rechecks:
         if not self.held(msg.mb_id, p):
             return
         passing = [peer for peer, (verdict, _, _) in verdicts.items() if verdict is not None and self.passes(verdict)]
-        if len(passing) > 1:  # they disagree, and the copy finds both right: no answer is trained on, nobody is
-            # credited (the passes would earn a liar whose colluding witness vouched for it the trust that spares it
-            # checks) and nobody blamed (an honest replica's witness vouched for it as well)
-            self.judged += len(passing)
-            self.metrics.inc("spotcheck_unresolved")
-            self.metrics.rechecks = self.snapshot()
-            logger.warning("spot check of micro-batch %d: %s disagree, and the held copy finds each right by its own "
-                           "witnesses (a hop and its witness colluding, or replicas far apart); dropped, neither "
-                           "credited", msg.mb_id, " and ".join(short_id(peer) for peer in passing))
-            self.requeue(BackwardWork(msg, None))
-            return
+        # they disagree, and the copy finds both right: neither is credited (the passes would earn a liar whose
+        # colluding witness vouched for it the trust that spares it checks) nor blamed (an honest replica's witness
+        # vouched for it as well), and neither is trained on
+        unresolved = len(passing) > 1
         right = []
         for peer, (verdict, why, copy) in verdicts.items():
             if verdict is None:
                 continue
             self.judged += 1
+            if unresolved:
+                continue
             passed, ban = self.record(peer, verdict, copy)
             if passed:
                 right.append(peer)
@@ -383,7 +378,12 @@ class Rechecks:
                                "it (%s)%s", msg.mb_id, short_id(peer), why, ", banned" if ban else "")
                 self._banned(peer, ban, "the held copy of its stage")
         self.metrics.rechecks = self.snapshot()
-        if len(right) != 1:  # both wrong, or both right by the copy while they disagree: nobody's to train on
+        if unresolved:
+            self.metrics.inc("spotcheck_unresolved")
+            logger.warning("spot check of micro-batch %d: %s disagree, and the held copy finds each right by its own "
+                           "witnesses (a hop and its witness colluding, or replicas far apart); dropped, neither "
+                           "credited", msg.mb_id, " and ".join(short_id(peer) for peer in passing))
+        if len(right) != 1:  # both wrong, both right by the copy while they disagree, or unjudged: none to train on
             self.requeue(BackwardWork(msg, None))
             return
         self.vouch(right[0])
