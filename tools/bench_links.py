@@ -322,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_swarm_arguments(p, replicas=1, budget_s=90.0, eval_every_s=10.0, subnet="100.64.9")
     p.add_argument("--in-process-steps", type=int, default=0,
                    help="also train each codec this many micro-batches in one process, without network (0: skip)")
+    p.add_argument("--in-process-evals", type=int, default=4,
+                   help="evaluations along the in-process run, evenly spaced in micro-batches")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
                    help="only recompute an earlier result's figures from its raw records, rewrite it, print the table")
     args = p.parse_args(argv)
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     for codec, run in runs.items():
         if args.in_process_steps:
             logger.info("%s: %d micro-batches in process", codec, args.in_process_steps)
-            codecs[codec]["in_process_curve"] = train_in_process(run, args.in_process_steps)
+            codecs[codec]["in_process_curve"] = train_in_process(run, args.in_process_steps, args.in_process_evals)
     if args.in_process_steps and BASELINE in codecs:
         base_loss = codecs[BASELINE]["in_process_curve"][-1]["val_loss"]
         for rec in codecs.values():
