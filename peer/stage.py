@@ -157,7 +157,8 @@ class StageService:
             self.averager = AveragingLoop(p2p=host.p2p, rpc_server=host.handlers, dht=host.dht, run=host.run,
                                           stage=stage, worker_call=self.worker_call, metrics=host.metrics,
                                           config=NetAveragingConfig(), behaviour=host.averaging_behaviour,
-                                          prepare=self.worker.averaging_prepare)
+                                          prepare=self.worker.averaging_prepare,
+                                          place=self.worker.averaging_place)
             await self.averager.start()
         else:
             self.sync = await SyncSchedule.start(host, stage, self.worker, pipe)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,11 +119,18 @@ class FakeWorker:
         self.local_step = 0
         self.begun: set[int] = set()
         self.prepared: set[int] = set()
+        self.placed: set[int] = set()  # ids of the tensors averaging_place handed back
         self.finished: dict[int, list[torch.Tensor]] = {}
         self.aborted: list[int] = []
 
     def averaging_prepare(self, r: int) -> None:
         self.prepared.add(r)
+
+    def averaging_place(self, mean: list[torch.Tensor]) -> list[torch.Tensor]:
+        assert threading.current_thread() is not threading.main_thread(), "placed on a worker thread"
+        out = [m.clone() for m in mean]
+        self.placed.update(id(m) for m in out)
+        return out
 
     def averaging_begin(self, r: int) -> list[torch.Tensor]:
         assert r in self.prepared, "the loop draws a round's partition off the compute thread before its begin"
@@ -131,6 +139,7 @@ class FakeWorker:
 
     def averaging_finish(self, r: int, mean: list[torch.Tensor]) -> None:
         assert r in self.begun
+        assert all(id(m) in self.placed for m in mean), "the aggregate reaches the finish through averaging_place"
         self.begun.discard(r)
         self.finished[r] = mean
 
@@ -153,7 +162,8 @@ def _make_peer(net: MemTransport, name: str, worker: FakeWorker, peers: list[str
     loop = AveragingLoop(p2p=None, rpc_server=None, dht=None, run=run, stage=0, worker_call=worker_call,
                          metrics=metrics, config=config, transport=net.for_peer(name), fetch_peers=fetch_peers,
                          me=name, local_step=lambda: worker.local_step,
-                         behaviour=Attacker(attack) if attack else None, prepare=worker.averaging_prepare)
+                         behaviour=Attacker(attack) if attack else None, prepare=worker.averaging_prepare,
+                         place=worker.averaging_place)
     return loop, metrics
 
 

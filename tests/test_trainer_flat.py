@@ -174,3 +174,31 @@ def test_a_round_issues_as_many_operators_for_many_tensors_as_for_few():
     few, many = _round_ops(3), _round_ops(60)
     assert few == many, (few, many)
     assert many < 60  # a per-tensor loop alone would issue several per tensor
+
+
+def test_a_placed_aggregate_is_the_host_one_on_the_cpu_and_a_finish_takes_it():
+    w = StageWorker(tiny(), 0)
+    w.averaging_prepare(0)
+    values = w.averaging_begin(0)
+    mean = [v + 0.01 for v in values]
+    placed = w.averaging_place(mean)
+    assert all(a is b for a, b in zip(placed, mean, strict=True))  # the CPU: nothing copied
+    w.averaging_finish(0, placed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_placed_aggregate_lands_on_the_gpu_off_the_compute_thread_and_finishes_like_the_host_one():
+    from concurrent.futures import ThreadPoolExecutor
+
+    results = []
+    for place in (False, True):
+        w = StageWorker(tiny(), 0, device="cuda")
+        w.averaging_prepare(0)
+        mean = [v.cpu() * 0.5 for v in w.averaging_begin(0)]
+        if place:
+            with ThreadPoolExecutor(1) as pool:
+                mean = pool.submit(w.averaging_place, mean).result()
+            assert all(m.device.type == "cuda" for m in mean)
+        w.averaging_finish(0, mean)
+        results.append(torch.cat([p.detach().reshape(-1).cpu() for p in w.parameters()]))
+    assert torch.equal(results[0], results[1])

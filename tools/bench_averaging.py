@@ -95,41 +95,57 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
         w.forward(i, x)
         w.backward(i, grad_y)  # auto_step: the optimiser steps after the backward
 
-    def round_(r: int) -> tuple[float, float, int]:
+    def round_(r: int, *, placed: bool = True) -> tuple[float, float, float, float, int]:
         box: list[list[torch.Tensor]] = []
         p_ms = _ms(lambda: w.averaging_prepare(r), device)  # the daemon draws it on another thread than the compute's
         b_ms = _ms(lambda: box.append(w.averaging_begin(r)), device)
-        mean = [v + 1e-3 * torch.randn(v.shape, generator=gen).to(v.device) for v in box[0]]
+        # the aggregate as the daemon has it: decoded from the parts on the host, then moved onto the device on a
+        # worker thread (averaging_place) before the compute thread's finish; placed=False hands it over on the host
+        mean = [v.cpu() + 1e-3 * torch.randn(v.shape, generator=gen) for v in box[0]]
+        m_ms = _ms(lambda: mean.__setitem__(slice(None), w.averaging_place(mean)), device) if placed else 0.0
         w.local_step += 1  # a step between begin and finish, as in a real round
         f_ms = _ms(lambda: w.averaging_finish(r, mean), device)
-        return p_ms, b_ms, f_ms, sum(v.numel() for v in box[0])
+        return p_ms, b_ms, m_ms, f_ms, sum(v.numel() for v in box[0])
 
     gen = torch.Generator().manual_seed(0)
     step(-1)  # warm-up: allocations, optimiser state
     round_(0)
-    step_ms, prepare_ms, begin_ms, finish_ms, slice_sizes = [], [], [], [], []
+    step_ms, prepare_ms, begin_ms, place_ms, finish_ms, slice_sizes = [], [], [], [], [], []
+    host_ms: list[float] = []  # on a GPU: the round with the aggregate handed to the finish on the host
+    on_gpu = device.startswith("cuda")
+    r = 0
     for i in range(max(rounds, steps)):  # interleaved, so that both see the same load on a shared machine
         if i < steps:
             step_ms.append(_ms(lambda i=i: step(i), device))
         if i < rounds:
-            p_ms, b_ms, f_ms, n = round_(i + 1)
+            r += 1
+            p_ms, b_ms, m_ms, f_ms, n = round_(r)
             prepare_ms.append(p_ms)
             begin_ms.append(b_ms)
+            place_ms.append(m_ms)
             finish_ms.append(f_ms)
             slice_sizes.append(n)
+            if on_gpu:
+                r += 1
+                _, hb_ms, _, hf_ms, _ = round_(r, placed=False)
+                host_ms.append(hb_ms + hf_ms)
     # one more round, profiled apart from the timed ones (the profiler slows what it watches)
-    w.averaging_prepare(max(rounds, steps) + 1)
+    r += 1
+    w.averaging_prepare(r)
     box: list[list[torch.Tensor]] = []
-    ops = count_ops(lambda: box.append(w.averaging_begin(max(rounds, steps) + 1)), device)
-    mean = [v + 1e-3 for v in box[0]]
+    ops = count_ops(lambda: box.append(w.averaging_begin(r)), device)
+    mean = w.averaging_place([v.cpu() + 1e-3 for v in box[0]])
     w.local_step += 1
-    for k, v in count_ops(lambda: w.averaging_finish(max(rounds, steps) + 1, mean), device).items():
+    for k, v in count_ops(lambda: w.averaging_finish(r, mean), device).items():
         ops[k] += v
     begin, finish = statistics.median(begin_ms), statistics.median(finish_ms)
     step_med = statistics.median(step_ms)
     return {"params": params, "slice": int(statistics.median(slice_sizes)), "round_ms": round(begin + finish, 2),
             "begin_ms": round(begin, 2), "finish_ms": round(finish, 2),
-            "prepare_ms_off_thread": round(statistics.median(prepare_ms), 2), "round_ms_max": round(
+            "prepare_ms_off_thread": round(statistics.median(prepare_ms), 2),
+            "place_ms_off_thread": round(statistics.median(place_ms), 2),
+            **({"round_ms_mean_on_host": round(statistics.median(host_ms), 2)} if host_ms else {}),
+            "round_ms_max": round(
                 max(a + b for a, b in zip(begin_ms, finish_ms, strict=True)), 2),
             "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4),
             "tensors": len(w.parameters()), **{f"{k}_per_round": v for k, v in ops.items()}}

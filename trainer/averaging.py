@@ -450,3 +450,28 @@ class SparseAveragingState:
         if self.applied_flat is not None:
             self.applied_flat.zero_()
         self.snapshots.clear()
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def onto_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``: those already there as they are; on the CPU nothing is copied. On a GPU the copies
+    run on a stream of their own, so that they neither queue behind nor hold up the kernels the compute thread keeps
+    issuing on the device's default stream, and the calling thread waits for them; each copy is then marked as used
+    by the default stream, so that its memory is not handed out again before the kernels of the ``finish`` that reads
+    it have run."""
+    if device.type != "cuda" or all(t.device == device for t in tensors):
+        return tensors
+    with _SIDE_LOCK:
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        out = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+    side.synchronize()  # the host's pageable pages were staged, and the copies have landed
+    consumer = torch.cuda.default_stream(device)
+    for t in out:
+        t.record_stream(consumer)
+    return out

@@ -54,7 +54,7 @@ from typing import Any, overload
 import torch
 from torch.func import functional_call
 
-from trainer.averaging import SparseAveragingState
+from trainer.averaging import SparseAveragingState, onto_device
 from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -438,6 +438,11 @@ class StageWorker:
         """Draw round ``round_no``'s partition ahead; safe on any thread (it reads no weight), so the daemon does it
         off the compute thread and ``averaging_begin`` only gathers."""
         self._avg().prepare(round_no, self.device)
+
+    def averaging_place(self, mean: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A round's aggregate (decoded on the host) moved onto this stage's device; safe on any thread (it reads no
+        weight), so the daemon does it off the compute thread and ``averaging_finish`` does not pay the transfer."""
+        return onto_device(mean, self.device)
 
     def averaging_begin(self, round_no: int) -> list[torch.Tensor]:
         """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""

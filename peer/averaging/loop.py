@@ -128,6 +128,8 @@ class AveragingLoop:
             team hands another one in.
         prepare: fn(round_no) drawing a round's partition ahead on a worker thread (StageWorker.averaging_prepare),
             so that the compute thread's part of the begin is only the gather.
+        place: fn(mean) moving a round's aggregate (decoded on the host) onto the stage's device on a worker thread
+            (StageWorker.averaging_place), so that the compute thread's finish does not pay the transfer.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
@@ -135,9 +137,11 @@ class AveragingLoop:
                  transport: Transport | None = None, clock: Callable[[], float] = time.time,
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
                  local_step: Callable[[], int] | None = None, behaviour: AveragingBehaviour | None = None,
-                 prepare: Callable[[int], None] | None = None) -> None:
+                 prepare: Callable[[int], None] | None = None,
+                 place: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.prepare = prepare
+        self.place = place
         self.rule = rule_of(run.averaging)
         self.config = config or NetAveragingConfig()
         self.period_s, self.per_tick = run.averaging.period_s, run.averaging.rounds_per_tick
@@ -493,11 +497,14 @@ class AveragingLoop:
         whether its pull on our values was clipped."""
         own = slot.own_values
         assert own is not None  # a round is combined only after our part was published
-        mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: robust_combine(self.me, own, slot.contributions, self.run.averaging,
-                                         outlier_factor=self.config.outlier_factor,
-                                         outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound,
-                                         asked=asked, quorum=quorum))
+        def combine() -> tuple[list[torch.Tensor], list[str], bool]:
+            mean, dropped, clipped = robust_combine(
+                self.me, own, slot.contributions, self.run.averaging, outlier_factor=self.config.outlier_factor,
+                outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound, asked=asked, quorum=quorum)
+            # onto the stage's device here, on a worker thread: the compute thread's finish then does not transfer
+            return (mean if self.place is None else self.place(mean)), dropped, clipped
+
+        mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(None, combine)
         for peer in dropped:
             if peer == self.me:
                 self.metrics.inc("avg_self_outlier")
