@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.test_trainer_worker import tiny
-from trainer.averaging import SparseAveragingState, mu_at
+from trainer.averaging import AveragingError, SparseAveragingState, mu_at
 from trainer.config import AveragingConfig
 from trainer.flat import FlatLayout
 from trainer.rules import RoundInputs, rule_of
@@ -176,14 +176,34 @@ def test_a_round_issues_as_many_operators_for_many_tensors_as_for_few():
     assert many < 60  # a per-tensor loop alone would issue several per tensor
 
 
-def test_a_placed_aggregate_is_the_host_one_on_the_cpu_and_a_finish_takes_it():
+def test_a_placed_aggregate_is_checked_off_the_compute_thread_and_finishes_like_the_plain_one():
+    results = []
+    for placed in (False, True):
+        w = StageWorker(tiny(), 0)
+        w.averaging_prepare(0)
+        mean = [v + 0.01 for v in w.averaging_begin(0)]
+        w.local_step += 1
+        if placed:
+            p = w.averaging_place(mean)
+            assert all(a is b for a, b in zip(p.tensors, mean, strict=True))  # the CPU: nothing copied
+            w.averaging_finish(0, p)
+        else:
+            w.averaging_finish(0, mean)
+        results.append(torch.cat([q.detach().reshape(-1) for q in w.parameters()]))
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_placing_an_aggregate_with_nan_or_inf_refuses_it_and_the_round_can_be_aborted(bad):
     w = StageWorker(tiny(), 0)
     w.averaging_prepare(0)
-    values = w.averaging_begin(0)
-    mean = [v + 0.01 for v in values]
-    placed = w.averaging_place(mean)
-    assert all(a is b for a, b in zip(placed, mean, strict=True))  # the CPU: nothing copied
-    w.averaging_finish(0, placed)
+    mean = [v.clone() for v in w.averaging_begin(0)]
+    mean[-1][0] = bad
+    before = [q.detach().clone() for q in w.parameters()]
+    with pytest.raises(AveragingError, match="NaN or Inf"):
+        w.averaging_place(mean)
+    w.averaging_abort(0)
+    assert all(torch.equal(a, b) for a, b in zip(before, w.parameters(), strict=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -197,8 +217,10 @@ def test_a_placed_aggregate_lands_on_the_gpu_off_the_compute_thread_and_finishes
         mean = [v.cpu() * 0.5 for v in w.averaging_begin(0)]
         if place:
             with ThreadPoolExecutor(1) as pool:
-                mean = pool.submit(w.averaging_place, mean).result()
-            assert all(m.device.type == "cuda" for m in mean)
-        w.averaging_finish(0, mean)
+                placed = pool.submit(w.averaging_place, mean).result()
+            assert all(m.device.type == "cuda" for m in placed.tensors)
+            w.averaging_finish(0, placed)
+        else:
+            w.averaging_finish(0, mean)
         results.append(torch.cat([p.detach().reshape(-1).cpu() for p in w.parameters()]))
     assert torch.equal(results[0], results[1])

@@ -8,9 +8,12 @@ A round that costs a sizeable share of a step slows training down, and one that 
 consecutive rounds, so cycle boundaries are included; interleaved with the steps, so that both see the same load)
 and one training step of the same stage (forward, backward with its recompute, optimiser step; stage 0 of two, on
 the CPU or ``--device cuda``, at the run's micro-batch size) at stages of about 0.4 M, 4 M and 40 M parameters, with
-the embedded default run's averaging (rule, p, round_steps). It also counts the torch operators one round issues
-(``ops_per_round``; ``data_ops_per_round`` leaves out those that only make a view; on a GPU ``kernels_per_round``),
-which on a GPU are kernel launches: the count does not depend on the machine's clock or load.
+the embedded default run's averaging (rule, p, round_steps). The round's aggregate is built on the host, where the
+daemon decodes the partners' parts, and placed as the daemon does (``averaging_place``: checked finite and moved onto
+the device on a worker thread, timed apart as ``place_ms_off_thread``); ``round_ms_unplaced`` times rounds whose
+aggregate goes to the finish as decoded, which then checks and moves it itself. It also counts the torch operators
+one round issues (``ops_per_round``; ``data_ops_per_round`` leaves out those that only make a view; on a GPU
+``kernels_per_round``), which on a GPU are kernel launches: the count does not depend on the machine's clock or load.
 
     python tools/bench_averaging.py --json docs/bench/averaging_cost.json
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.averaging import Placed
 from trainer.config import RunConfig
 from trainer.worker import StageWorker
 
@@ -102,17 +106,17 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
         # the aggregate as the daemon has it: decoded from the parts on the host, then moved onto the device on a
         # worker thread (averaging_place) before the compute thread's finish; placed=False hands it over on the host
         mean = [v.cpu() + 1e-3 * torch.randn(v.shape, generator=gen) for v in box[0]]
-        m_ms = _ms(lambda: mean.__setitem__(slice(None), w.averaging_place(mean)), device) if placed else 0.0
+        held: list[list[torch.Tensor] | Placed] = [mean]
+        m_ms = _ms(lambda: held.__setitem__(0, w.averaging_place(mean)), device) if placed else 0.0
         w.local_step += 1  # a step between begin and finish, as in a real round
-        f_ms = _ms(lambda: w.averaging_finish(r, mean), device)
+        f_ms = _ms(lambda: w.averaging_finish(r, held[0]), device)
         return p_ms, b_ms, m_ms, f_ms, sum(v.numel() for v in box[0])
 
     gen = torch.Generator().manual_seed(0)
     step(-1)  # warm-up: allocations, optimiser state
     round_(0)
     step_ms, prepare_ms, begin_ms, place_ms, finish_ms, slice_sizes = [], [], [], [], [], []
-    host_ms: list[float] = []  # on a GPU: the round with the aggregate handed to the finish on the host
-    on_gpu = device.startswith("cuda")
+    host_ms: list[float] = []  # the round with the aggregate handed to the finish as decoded, not placed
     r = 0
     for i in range(max(rounds, steps)):  # interleaved, so that both see the same load on a shared machine
         if i < steps:
@@ -125,10 +129,9 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
             place_ms.append(m_ms)
             finish_ms.append(f_ms)
             slice_sizes.append(n)
-            if on_gpu:
-                r += 1
-                _, hb_ms, _, hf_ms, _ = round_(r, placed=False)
-                host_ms.append(hb_ms + hf_ms)
+            r += 1
+            _, hb_ms, _, hf_ms, _ = round_(r, placed=False)
+            host_ms.append(hb_ms + hf_ms)
     # one more round, profiled apart from the timed ones (the profiler slows what it watches)
     r += 1
     w.averaging_prepare(r)
@@ -144,7 +147,7 @@ def measure(run: RunConfig, *, rounds: int, steps: int, device: str = "cpu") -> 
             "begin_ms": round(begin, 2), "finish_ms": round(finish, 2),
             "prepare_ms_off_thread": round(statistics.median(prepare_ms), 2),
             "place_ms_off_thread": round(statistics.median(place_ms), 2),
-            **({"round_ms_mean_on_host": round(statistics.median(host_ms), 2)} if host_ms else {}),
+            "round_ms_unplaced": round(statistics.median(host_ms), 2),
             "round_ms_max": round(
                 max(a + b for a, b in zip(begin_ms, finish_ms, strict=True)), 2),
             "step_ms": round(step_med, 1), "round_share_of_step": round((begin + finish) / step_med, 4),

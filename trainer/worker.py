@@ -54,7 +54,7 @@ from typing import Any, overload
 import torch
 from torch.func import functional_call
 
-from trainer.averaging import SparseAveragingState, onto_device
+from trainer.averaging import Placed, SparseAveragingState, place
 from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -439,16 +439,17 @@ class StageWorker:
         off the compute thread and ``averaging_begin`` only gathers."""
         self._avg().prepare(round_no, self.device)
 
-    def averaging_place(self, mean: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A round's aggregate (decoded on the host) moved onto this stage's device; safe on any thread (it reads no
-        weight), so the daemon does it off the compute thread and ``averaging_finish`` does not pay the transfer."""
-        return onto_device(mean, self.device)
+    def averaging_place(self, mean: list[torch.Tensor]) -> Placed:
+        """A round's aggregate (decoded on the host) checked finite and moved onto this stage's device; safe on any
+        thread (it reads no weight), so the daemon does it off the compute thread and ``averaging_finish`` pays
+        neither the check nor the transfer. Raises AveragingError for NaN or Inf."""
+        return place(mean, self.device)
 
     def averaging_begin(self, round_no: int) -> list[torch.Tensor]:
         """Values of round ``round_no``'s partition (one flat tensor per parameter); snapshots them for the drift."""
         return self._avg().begin(round_no, self._params)
 
-    def averaging_finish(self, round_no: int, mean: list[torch.Tensor], *, bounded: bool = False) -> None:
+    def averaging_finish(self, round_no: int, mean: list[torch.Tensor] | Placed, *, bounded: bool = False) -> None:
         """Apply the run's rule with the drift since begin; raises AveragingError (weights untouched) on bad input.
 
         Pending micro-batches keep the weights their forward used (stashed first when stashing is on). ``bounded``:

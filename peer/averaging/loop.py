@@ -41,6 +41,7 @@ from peer.membership.records import fetch_swarm
 from peer.seams import WorkerCall
 from protocol.errors import ErrorCode
 from protocol.rpc import HandlerTable, RpcTransport, Transport
+from trainer.averaging import Placed
 from trainer.config import RunConfig
 from trainer.rules import rule_of, wagma_group, wagma_is_global, wagma_phase
 
@@ -128,8 +129,8 @@ class AveragingLoop:
             team hands another one in.
         prepare: fn(round_no) drawing a round's partition ahead on a worker thread (StageWorker.averaging_prepare),
             so that the compute thread's part of the begin is only the gather.
-        place: fn(mean) moving a round's aggregate (decoded on the host) onto the stage's device on a worker thread
-            (StageWorker.averaging_place), so that the compute thread's finish does not pay the transfer.
+        place: fn(mean) checking a round's aggregate (decoded on the host) finite and moving it onto the stage's device
+            on a worker thread (StageWorker.averaging_place), so that the compute thread's finish pays neither.
     """
 
     def __init__(self, *, p2p: P2P | None, rpc_server: HandlerTable | None, dht: DHT | None, run: RunConfig,
@@ -138,7 +139,7 @@ class AveragingLoop:
                  fetch_peers: Callable[[], Awaitable[list[str]]] | None = None, me: str | None = None,
                  local_step: Callable[[], int] | None = None, behaviour: AveragingBehaviour | None = None,
                  prepare: Callable[[int], None] | None = None,
-                 place: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
+                 place: Callable[[list[torch.Tensor]], Placed] | None = None) -> None:
         self.run, self.stage, self.worker_call, self.metrics = run, stage, worker_call, metrics
         self.prepare = prepare
         self.place = place
@@ -492,16 +493,17 @@ class AveragingLoop:
         self.metrics.inc("avg_below_quorum")
         return True
 
-    async def _combine(self, slot: Slot, *, asked: int, quorum: int) -> tuple[list[torch.Tensor], int, bool]:
+    async def _combine(self, slot: Slot, *, asked: int,
+                       quorum: int) -> tuple[list[torch.Tensor] | Placed, int, bool]:
         """The round's robust aggregate (peer.averaging.aggregate), the contributions it kept, ours included, and
         whether its pull on our values was clipped."""
         own = slot.own_values
         assert own is not None  # a round is combined only after our part was published
-        def combine() -> tuple[list[torch.Tensor], list[str], bool]:
+        def combine() -> tuple[list[torch.Tensor] | Placed, list[str], bool]:
             mean, dropped, clipped = robust_combine(
                 self.me, own, slot.contributions, self.run.averaging, outlier_factor=self.config.outlier_factor,
                 outlier_rms=self.config.outlier_rms, lone_bound=self.config.lone_bound, asked=asked, quorum=quorum)
-            # onto the stage's device here, on a worker thread: the compute thread's finish then does not transfer
+            # checked and onto the stage's device here, on a worker thread: the compute thread's finish does neither
             return (mean if self.place is None else self.place(mean)), dropped, clipped
 
         mean, dropped, clipped = await asyncio.get_running_loop().run_in_executor(None, combine)
@@ -524,7 +526,7 @@ class AveragingLoop:
                          "norm: clipped", slot.key, len(slot.contributions) + 1, self.config.lone_bound)
         return mean, len(slot.contributions) + 1 - len(dropped), clipped
 
-    def _finisher(self, r: int, mean: list[torch.Tensor], bounded: bool) -> Callable[[StageWorker], int]:
+    def _finisher(self, r: int, mean: list[torch.Tensor] | Placed, bounded: bool) -> Callable[[StageWorker], int]:
         def finish(w: StageWorker) -> int:
             if bounded:
                 w.averaging_finish(r, mean, bounded=True)
