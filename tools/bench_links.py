@@ -392,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         "eval_batches": args.eval_batches, "torch_threads": args.torch_threads,
                         "device": args.device, "nproc": os.cpu_count(), "loadavg_start": load_start,
                         "loadavg_end": os.getloadavg(), "python": platform.python_version(),
-                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
+                        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "command": " ".join(["python tools/bench_links.py",
+                                             *(sys.argv[1:] if argv is None else argv)])}}
         if partial:
             doc["meta"]["partial"] = "written before every swarm had run"
         refigure(doc)
