@@ -322,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_swarm_arguments(p, replicas=1, budget_s=90.0, eval_every_s=10.0, subnet="100.64.9")
     p.add_argument("--in-process-steps", type=int, default=0,
                    help="also train each codec this many micro-batches in one process, without network (0: skip)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="every codec's peak learning rate (default: the run file's), to tune each side")
     p.add_argument("--in-process-evals", type=int, default=4,
                    help="evaluations along the in-process run, evenly spaced in micro-batches")
     p.add_argument("--table", type=Path, default=None, metavar="JSON",
@@ -357,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     base = RunConfig.from_toml(args.run)
     if args.seed is not None:
         base = base.replace(seed=args.seed)
+    if args.lr is not None:
+        base = base.replace(optim={"lr": args.lr})
     args.networks = [n for n in args.networks if n != "none"]  # 'none': the in-process comparison only
     if any(n != "loopback" for n in args.networks) and (why := check_available(args.emulator)):
         print(f"bench_links: error: the emulated WAN is not available here: {why}", file=sys.stderr)
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     def document(partial: bool = False) -> dict[str, Any]:
         doc = {"networks": networks, "codecs": codecs,
                "meta": {"run": repo_path(args.run), "rank": args.rank, "table_std": args.table_std,
-                        "seed": base.seed, "n_stages": base.n_stages,
+                        "seed": base.seed, "lr": base.optim.lr, "n_stages": base.n_stages,
                         "tokens_per_microbatch": base.data.batch_size * base.model.block_size,
                         "replicas": args.replicas, "budget_s": args.budget_s, "eval_every_s": args.eval_every_s,
                         "eval_batches": args.eval_batches, "torch_threads": args.torch_threads,
