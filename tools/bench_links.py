@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `tools` importable
 from peer.ops.procs import unwind_on_sigterm  # noqa: E402
 from tools.bench_swarm import REPO, BenchError, Case, repo_path  # noqa: E402
 from tools.bench_ttl import at_sparser_evaluation, final_loss, interpolate, time_to_reach, train_case  # noqa: E402
-from tools.swarm_case import add_swarm_arguments, swarm_overrides  # noqa: E402
+from tools.swarm_case import add_swarm_arguments, command_line, swarm_overrides  # noqa: E402
 from tools.wan import check_available  # noqa: E402
 
 logger = logging.getLogger("bench_links")
@@ -397,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                         "device": args.device, "nproc": os.cpu_count(), "loadavg_start": load_start,
                         "loadavg_end": os.getloadavg(), "python": platform.python_version(),
                         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                        "command": " ".join(["python tools/bench_links.py",
-                                             *(sys.argv[1:] if argv is None else argv)])}}
+                        "command": command_line("python tools/bench_links.py", argv)}}
         if partial:
             doc["meta"]["partial"] = "written before every swarm had run"
         refigure(doc)

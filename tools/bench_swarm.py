@@ -62,6 +62,7 @@ from tools.swarm_case import (  # noqa: E402
     BenchError,
     Case,
     SwarmCase,
+    command_line,
     counter_deltas,
     plan,
     repo_path,
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_outputs(args: argparse.Namespace, run: Any, results: list[dict[str, Any]],
                   figures: dict[str, dict[str, float | None]], argv: list[str] | None,
                   failed: list[dict[str, str]]) -> None:
-    meta = {"command": " ".join(["python tools/bench_swarm.py", *(argv if argv is not None else sys.argv[1:])]),
+    meta = {"command": command_line("python tools/bench_swarm.py", argv),
             "run": repo_path(args.run), "run_id": run.run_id, "n_stages": run.n_stages, "replicas": args.replicas,
             "tokens_per_microbatch": run.data.batch_size * run.model.block_size, "nproc": os.cpu_count(),
             "settings": {k: (repo_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

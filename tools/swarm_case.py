@@ -197,6 +197,12 @@ def repo_path(path: Path) -> str:
         return str(path)
 
 
+def command_line(tool: str, argv: list[str] | None) -> str:
+    """How a result file names the command that made it: ``tool`` (``python tools/<name>.py``, options that select a
+    mode included) and its arguments (``argv``, or the process's own when None)."""
+    return " ".join([tool, *(sys.argv[1:] if argv is None else argv)])
+
+
 def plan(args: argparse.Namespace, *, zero_delay: bool = True) -> list[Case]:
     """The cases in running order: per network, every mode of ``args.modes`` back to back (so ratios compare
     neighbours in time). ``zero_delay``: always add the 0-ms WAN case (latency hiding's reference)."""

@@ -400,7 +400,7 @@ class SparseAveragingState:
             torch.cat(pieces, out=a)
         else:  # parts decoded on the host: one transfer for the whole slice, not one per tensor
             a.copy_(torch.cat(pieces))
-        if not checked and not torch.isfinite(a.sum()):  # one pass: NaN and Inf propagate into the sum
+        if not checked and not finite(a):
             raise AveragingError(f"round {round_no}: the mean holds NaN or Inf; round rejected")
         del self.snapshots[round_no]
         now = part.gather_flat(flat, scratch[0])
@@ -454,6 +454,11 @@ class SparseAveragingState:
         self.snapshots.clear()
 
 
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``, in one pass (they propagate into the sum); on a GPU the answer waits for the device."""
+    return bool(torch.isfinite(t.sum()))
+
+
 @dataclass(frozen=True)
 class Placed:
     """A round's aggregate checked finite and moved onto the stage's device off the compute thread (``place``): a
@@ -469,7 +474,7 @@ def place(mean: Sequence[torch.Tensor], device: torch.device) -> Placed:
     for j, m in enumerate(mean):
         if not isinstance(m, torch.Tensor) or not m.is_floating_point():
             raise AveragingError(f"tensor {j} of the aggregate must be a float tensor, got {type(m).__name__}")
-        if not torch.isfinite(m.sum()):  # one pass: NaN and Inf propagate into the sum
+        if not finite(m):
             raise AveragingError(f"tensor {j} of the aggregate holds NaN or Inf; round rejected")
     return Placed(onto_device(list(mean), device))
 
