@@ -101,6 +101,84 @@ def test_invariant_kept_after_step_averaging_and_load():
     assert float(ss.tok_table.std()) == pytest.approx(SUB.compression.subspace_table_std, rel=0.05)
 
 
+def test_a_constrained_stage_steps_adam_in_the_subspace_coordinates():
+    """The optimiser of a constrained stage holds [k, *] moments and takes Adam's step on the coordinates: the same
+    weights as NAdam run by hand on (W - F) U / U^T W, which is not what projecting a full-coordinate step gives."""
+    w = StageWorker(SUB, 0, auto_step=False)
+    ss, k = w.subspace, SUB.compression.subspace_rank
+    named = dict(w.model.named_parameters())
+    targets = {n for n, _ in ss._targets(w.model)}
+    assert targets and {"wte.weight", "wpe.weight"} <= targets
+    coords = {n: ss.to_coords(n, p.detach(), fixed=True).clone().requires_grad_(True) for n, p in named.items()
+              if n in targets}
+    others = {n: p.detach().clone().requires_grad_(True) for n, p in named.items() if n not in targets}
+    by_hand = torch.optim.NAdam([coords.get(n, others.get(n)) for n in named], lr=1.0, betas=(SUB.optim.beta1,
+                                SUB.optim.beta2), eps=SUB.optim.eps, weight_decay=SUB.optim.weight_decay,
+                                momentum_decay=SUB.optim.momentum_decay, decoupled_weight_decay=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=g) * 1e-3 for n, p in named.items()}  # below the clip
+        for n, p in named.items():
+            p.grad = grads[n].clone()
+            t = coords.get(n, others.get(n))
+            t.grad = ss.to_coords(n, grads[n], fixed=False) if n in targets else grads[n].clone()
+        for group in by_hand.param_groups:
+            group["lr"] = w.lr_now()
+        w.optimizer_step()
+        by_hand.step()
+        by_hand.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in named.values())
+    for n, p in named.items():
+        want = ss.from_coords(n, coords[n], fixed=True) if n in targets else others[n]
+        assert torch.allclose(p, want, atol=1e-6), n
+    assert ss.distance(w.model) < 1e-6
+    moments = w.state_dict()["optimizer"]["state"]
+    index = {n: i for i, n in enumerate(named)}
+    assert moments[index["wte.weight"]]["exp_avg"].shape == (SUB.model.vocab_size, k)
+    assert moments[index["blocks.0.mlp.c_proj.weight"]]["exp_avg_sq"].shape == (k, 4 * SUB.model.n_embd)
+    assert moments[index["blocks.0.mlp.c_fc.weight"]]["exp_avg"].shape == named["blocks.0.mlp.c_fc.weight"].shape
+
+
+def test_a_state_carries_the_coordinates_moments_and_older_states_still_load():
+    """A constrained stage's state round-trips its [k, *] moments (the next step is the same), and a state whose
+    moments have the parameters' shapes (written before stages stepped coordinates) loads as their coordinates."""
+    ids, _ = _batch(SUB)
+    w = StageWorker(SUB, 0)
+    for i in range(3):
+        w.forward(i, ids)
+        w.backward(i, torch.randn(*ids.shape, SUB.model.n_embd))
+    state = w.state_dict()
+    twin = StageWorker(SUB, 0)
+    twin.load_state_dict(state)
+    for i, entry in twin.state_dict()["optimizer"]["state"].items():
+        assert all(torch.equal(v, state["optimizer"]["state"][i][key]) for key, v in entry.items())
+    grad = torch.randn(*ids.shape, SUB.model.n_embd)
+    for x in (w, twin):
+        x.forward(9, ids)
+        x.backward(9, grad)
+    for a, b in zip(w.parameters(), twin.parameters(), strict=True):  # the load's projection rounds (~3e-8), which
+        assert torch.allclose(a, b, atol=1e-4)  # Adam's division by sqrt(v) of a young state can magnify a little
+    ss, named = w.subspace, [n for n, _ in w.model.named_parameters()]
+    older = w.state_dict()
+    for i, n in enumerate(named):  # moments as a full-coordinate optimiser held them
+        if n.endswith("c_proj.weight"):
+            entry = older["optimizer"]["state"][i]
+            entry["exp_avg"] = ss.from_coords(n, entry["exp_avg"], fixed=False)
+            entry["exp_avg_sq"] = ss.from_coords(n, entry["exp_avg_sq"], fixed=False).abs()
+    fresh = StageWorker(SUB, 0)
+    fresh.load_state_dict(older)
+    loaded = fresh.state_dict()["optimizer"]["state"]
+    for i, n in enumerate(named):
+        if n.endswith("c_proj.weight"):
+            assert loaded[i]["exp_avg"].shape[0] == SUB.compression.subspace_rank
+            assert bool((loaded[i]["exp_avg_sq"] >= 0).all())
+    wrong = w.state_dict()
+    first = next(i for i, n in enumerate(named) if n.endswith("c_proj.weight"))
+    wrong["optimizer"]["state"][first]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        fresh.load_state_dict(wrong)
+
+
 def test_frames_are_validated():
     b = Boundary(SUB, None)
     ids, _ = _batch(SUB)

@@ -109,12 +109,14 @@ def payload_per_token(run: Any) -> dict[str, float]:
 
 
 def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
-    """Seconds to encode+decode one micro-batch's activations and gradient, the subspace projection per step, and
+    """Seconds to encode+decode one micro-batch's activations and gradient, the subspace coordinates' way in and out
+    of a constrained stage's optimiser step (``projection_s_per_step``), and
     the bytes a stage keeps for the codec (median of ``repeats``, one thread, on the CPU)."""
     import torch
 
     from peer.pipeline.boundary import Boundary
     from protocol.messages import Forward
+    from trainer.subspace import Coordinates
     from trainer.worker import StageWorker
 
     torch.set_num_threads(1)
@@ -142,7 +144,10 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
     ss = boundary.subspace
     if ss is not None:
         worker = StageWorker(run, 0)
-        out["projection_s_per_step"] = median(lambda: (ss.project_grads_(worker.model), ss.project_(worker.model)))
+        for p in worker.parameters():
+            p.grad = torch.randn_like(p)
+        coords = Coordinates(ss, worker.model, worker.parameters())  # a constrained stage's step: coordinates out, in
+        out["projection_s_per_step"] = median(lambda: (coords.gather(), coords.scatter()))
         tables = [ss.u, ss.tok_table] + ([ss.pos_table] if ss.pos_table is not None else [])
         out["memory_bytes"] = sum(x.numel() * x.element_size() for x in tables)
     else:

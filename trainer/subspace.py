@@ -9,19 +9,23 @@ anywhere in the model is then ``x = F_tok[ids] + F_pos[pos] + U c``: a stage bou
 
 Gradients: every trained weight sees the gradient ``g`` at a boundary only through ``U U^T g`` (the stage's outputs
 move only inside span(U), and the out-of-subspace parts of the embeddings and writers are projected away), so the
-backward sends ``U^T g``, losslessly. ``project_grads_`` applies the same projection to the gradients computed
-locally, so a stage steps on the same gradient whichever side of a boundary its layers sit.
+backward sends ``U^T g``, losslessly. A constrained stage's optimiser steps each writer and table as its
+coordinates in the subspace (``Coordinates``): the gradients computed locally enter as their coordinates, the same
+projection, so a stage steps on the same gradient whichever side of a boundary its layers sit, and Adam scales each
+direction of the subspace, not each coordinate of the full tensor.
 
-The optimiser (Adam's per-coordinate scaling, weight decay) and averaging (coordinate-wise robust aggregation,
-quantised payloads) move the weights out of the subspace; ``project_`` puts them back and runs after every optimiser
-step, averaging finish and state load. U and F derive from the run seed alone and are never trained or sent, so every
-stage and replica agrees on them, and the weights stay an ordinary GPT's (export needs nothing of this module).
+Averaging (coordinate-wise robust aggregation, quantised payloads) and a state load move the weights out of the
+subspace; ``project_`` puts them back after every averaging finish and state load. U and F derive from the run seed
+alone and are never trained or sent, so every stage and replica agrees on them, and the weights stay an ordinary
+GPT's (export needs nothing of this module).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +33,7 @@ from torch import nn
 from trainer.config import RunConfig
 from trainer.model import seeded_normal
 
-__all__ = ["Layout", "LAYOUTS", "Subspace", "basis"]
+__all__ = ["Coordinates", "Layout", "LAYOUTS", "Subspace", "basis"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,13 +130,27 @@ class Subspace:
             return self.tok_table
         return self.pos_table if name == self.layout.position_table else None
 
-    def _project(self, name: str, t: torch.Tensor, *, fixed: bool) -> torch.Tensor:
+    def to_coords(self, name: str, t: torch.Tensor, *, fixed: bool) -> torch.Tensor:
+        """A constrained parameter (or its gradient, ``fixed=False``) as its coordinates in the subspace: a table's
+        rows ``(T - F) U`` [rows, k], a writer's columns or bias ``U^T w`` [k, ...]."""
         u = self.u.to(t.device, t.dtype)
         table = self._table(name)
-        if table is not None:  # rows are residual vectors: F + ((W - F) U) U^T
-            f = table[: t.shape[0]].to(t.device, t.dtype)
-            return (f + ((t - f) @ u) @ u.T) if fixed else (t @ u) @ u.T
-        return u @ (u.T @ t)  # a weight's columns or a bias vector: U U^T w
+        if table is not None:
+            return ((t - table[: t.shape[0]].to(t.device, t.dtype)) if fixed else t) @ u
+        return u.T @ t
+
+    def from_coords(self, name: str, c: torch.Tensor, *, fixed: bool) -> torch.Tensor:
+        """The inverse of ``to_coords`` on the subspace: ``F + C U^T`` for a table, ``U c`` for a writer."""
+        u = self.u.to(c.device, c.dtype)
+        table = self._table(name)
+        if table is not None:
+            rows = c @ u.T
+            return rows + table[: c.shape[0]].to(c.device, c.dtype) if fixed else rows
+        return u @ c
+
+    def _project(self, name: str, t: torch.Tensor, *, fixed: bool) -> torch.Tensor:
+        """U U^T applied to a writer, F + ((T - F) U) U^T to a table (``fixed=False``: without F, for gradients)."""
+        return self.from_coords(name, self.to_coords(name, t, fixed=fixed), fixed=fixed)
 
     @torch.no_grad()
     def project_(self, module: nn.Module) -> None:
@@ -141,14 +159,80 @@ class Subspace:
             p.copy_(self._project(name, p, fixed=True))
 
     @torch.no_grad()
-    def project_grads_(self, module: nn.Module) -> None:
-        """Project the same parameters' gradients onto the subspace (what a boundary's U^T g would have given)."""
-        for name, p in self._targets(module):
-            if p.grad is not None:
-                p.grad.copy_(self._project(name, p.grad, fixed=False))
-
-    @torch.no_grad()
     def distance(self, module: nn.Module) -> float:
         """Largest |value| by which any constrained parameter leaves the subspace (0 up to rounding when kept)."""
         return max((float((p - self._project(n, p, fixed=True)).abs().max()) for n, p in self._targets(module)),
                    default=0.0)
+
+
+class Coordinates:
+    """What the optimiser steps on a constrained stage: each subspace-confined parameter as its k coordinates.
+
+    Adam scales every coordinate by its own second moment, so a step taken on the full [n_embd, *] tensor and then
+    projected is not Adam's step in the subspace: the step spreads the gradient's k directions over all n_embd
+    coordinates before scaling them, and the projection throws away what falls outside. Stepping the coordinates
+    (``to_coords``) instead gives every direction of the subspace its own moments, as an unconstrained model's
+    weight gets one per coordinate (docs/performance.md measures what it changes). The moments are [k, *] instead
+    of [n_embd, *], and a state's optimiser entry holds them so.
+
+    The parameters stay the model's (full tensors, in the subspace): ``gather`` reads their coordinates and those of
+    their gradients before a step (an averaging finish or a state load may have moved them), ``scatter`` writes the
+    stepped coordinates back in place. ``params`` is the stage's parameter list with each constrained one replaced by
+    its coordinates, in the same order, so an optimiser state's indices are the stage's.
+
+    Args:
+        subspace: the run's ``Subspace``.
+        module: the stage module (its constrained parameters are found by name).
+        params: the stage's parameters, in the optimiser's order.
+    """
+
+    def __init__(self, subspace: Subspace, module: nn.Module, params: Sequence[torch.Tensor]) -> None:
+        index = {id(p): i for i, p in enumerate(params)}
+        self.subspace = subspace
+        self.slots: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (index, name, parameter, coordinates)
+        for name, p in subspace._targets(module):
+            c = subspace.to_coords(name, p.detach(), fixed=True).clone().requires_grad_(True)
+            self.slots.append((index[id(p)], name, p, c))
+        self.params = list(params)
+        for i, _, _, c in self.slots:
+            self.params[i] = c
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Before a step: the coordinates of the live weights and of their gradients (a projection of each)."""
+        for _, name, p, c in self.slots:
+            c.copy_(self.subspace.to_coords(name, p, fixed=True))
+            c.grad = None if p.grad is None else self.subspace.to_coords(name, p.grad, fixed=False)
+
+    @torch.no_grad()
+    def scatter(self) -> None:
+        """After a step: the weights rebuilt, in place, from their stepped coordinates (exactly in the subspace)."""
+        for _, name, p, c in self.slots:
+            p.copy_(self.subspace.from_coords(name, c, fixed=True))
+
+    def zero_grad(self) -> None:
+        for _, _, p, c in self.slots:
+            p.grad = c.grad = None
+
+    def import_state(self, state: dict[Any, Any]) -> dict[Any, Any]:
+        """An optimiser's per-parameter state (``state_dict()["state"]``, checked) for these coordinates: moments
+        shaped like a constrained parameter (a state written before its stage stepped coordinates) are turned into
+        its coordinates (second moments kept >= 0 against rounding); coordinate-shaped ones pass as they are."""
+        out = dict(state)
+        for i, name, p, _ in self.slots:
+            entry = state.get(i)
+            if not isinstance(entry, dict):
+                continue
+            out[i] = {}
+            for key, v in entry.items():
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape:
+                    v = self.subspace.to_coords(name, v, fixed=False)
+                    if "sq" in key:
+                        v = v.clamp_min(0)
+                out[i][key] = v
+        return out
+
+    def shapes(self) -> dict[int, tuple[torch.Size, ...]]:
+        """Per constrained parameter's index: the shapes its optimiser state's tensors may have (coordinates, or
+        the parameter's own in a state written before; ``import_state`` converts those)."""
+        return {i: (c.shape, p.shape) for i, _, p, c in self.slots}

@@ -28,8 +28,9 @@ each, and a weight stash is one copy. The optimiser, the model and ``load_state_
 anything that rebinds a parameter's ``.data`` is undone at the next round (the parameters are moved back).
 
 **Subspace runs** (``compression.activations = "subspace"``, trainer/subspace.py): the worker keeps its residual
-writers and embeddings in the run's subspace: projected at construction and after every optimiser step, averaging
-finish and state load, and their gradients projected before the step. Its inputs and outputs stay full vectors; the
+writers and embeddings in the run's subspace: projected at construction and after every averaging finish and state
+load, and stepped as their coordinates in the subspace (``Coordinates``: the optimiser's moments are per direction
+of the subspace), so a step leaves them in it. Its inputs and outputs stay full vectors; the
 peer's wire side turns them into coefficients and back with ``subspace``. The last stage's residual stream never
 crosses a boundary, so its weights are not constrained (it receives a residual stream in the subspace and may write
 anywhere after that).
@@ -59,7 +60,7 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from trainer.rules import rule_of
-from trainer.subspace import Subspace
+from trainer.subspace import Coordinates, Subspace
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,10 @@ class StageWorker:
         self._names = [n for n, _ in self.model.named_parameters()]
         self._params: list[torch.Tensor] = list(self.model.parameters())
         self.optim = optim if optim is not None else run.optim
-        self.optimizer = build_optimizer(self._params, self.optim, stage, run.n_stages)
+        self._coords = (Coordinates(self.subspace, self.model, self._params)
+                        if self.constrained and self.subspace is not None else None)
+        stepped = self._params if self._coords is None else self._coords.params
+        self.optimizer = build_optimizer(stepped, self.optim, stage, run.n_stages)
         self.local_step = 0
         self.accumulated = 0  # gradient contributions summed into .grad since the last step
         self.steps_skipped = 0  # steps refused because the gradient norm was not finite
@@ -378,9 +382,9 @@ class StageWorker:
 
         A non-finite gradient norm skips the step (counted in ``steps_skipped``) so the weights stay intact.
         """
-        if self.constrained and self.subspace is not None:
-            self.subspace.project_grads_(self.model)
-        norm = clip_grad_norm(self._params, self.optim.grad_clip)
+        if self._coords is not None:
+            self._coords.gather()  # the gradients' coordinates: what a boundary's U^T g would have given
+        norm = clip_grad_norm(self._params if self._coords is None else self._coords.params, self.optim.grad_clip)
         self.last_grad_norm = norm
         if not torch.isfinite(torch.tensor(norm)):
             self.steps_skipped += 1
@@ -389,10 +393,16 @@ class StageWorker:
             self._weights_will_change()
             set_lr(self.optimizer, self.lr_now())
             self.optimizer.step()
-            self._keep_in_subspace()
+            if self._coords is not None:
+                self._coords.scatter()
             self.local_step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         self.accumulated = 0
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._coords is not None:
+            self._coords.zero_grad()
 
     def lr_now(self) -> float:
         """The learning rate of the next step: the schedule's at ``local_step``, ramped up again over the run's
@@ -491,7 +501,10 @@ class StageWorker:
         self._weights_will_change()
         self.model.load_state_dict(d["model"])
         own_groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": copy.deepcopy(d["optimizer"]["state"]), "param_groups": own_groups})
+        state = copy.deepcopy(d["optimizer"]["state"])
+        if self._coords is not None:
+            state = self._coords.import_state(state)
+        self.optimizer.load_state_dict({"state": state, "param_groups": own_groups})
         if self.averaging is not None and d["averaging"] is not None:
             self.averaging.load_state_dict(d["averaging"])
         self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
@@ -503,7 +516,7 @@ class StageWorker:
         if d["grads"] is not None:
             self.set_grads(d["grads"])
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
 
     def _check_state(self, d: dict[str, Any]) -> None:
         if not isinstance(d, dict):
@@ -526,12 +539,15 @@ class StageWorker:
         opt = d["optimizer"]
         if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict):
             raise ValueError("state's optimizer entry must be a torch optimizer state_dict")
+        coords = {} if self._coords is None else self._coords.shapes()
         for idx, entry in opt["state"].items():
             if not isinstance(idx, int) or not 0 <= idx < len(self._params) or not isinstance(entry, dict):
                 raise ValueError(f"state's optimizer holds an entry for unknown parameter {idx!r}")
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor):
                     shape = self._params[idx].shape if value.dim() else torch.Size([])
+                    if value.dim() and value.shape in coords.get(idx, ()):
+                        shape = value.shape  # a constrained parameter's moments: its coordinates' (or its own)
                     _check_tensor(f"optimizer[{idx}][{name}]", value, shape)
         for name in ("local_step", "accumulated", "steps_skipped"):
             if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 0:
