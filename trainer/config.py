@@ -270,10 +270,11 @@ class CompressionConfig:
     confined to (k coefficients per token cross a stage boundary instead of n_embd values); 0 otherwise."""
     subspace_codec: str = "none"
     """With "subspace": the codec of the coefficients ("none": fp32, exact; int8, int4 and int3 quantise them)."""
-    subspace_table_std: float = 0.1
+    subspace_table_std: float = 0.2
     """With "subspace": the std of the fixed embedding tables F (every token's and position's embedding outside the
     subspace, drawn from the seed, never trained). Larger than the usual 0.02 init: F is all a boundary carries of a
-    token's identity outside the k trained dimensions, and at 0.02 the trained writes drown it."""
+    token's identity outside the k trained dimensions, and at 0.02 the trained writes drown it (0.2: the best of
+    0.1-0.4 over three seeds of the links bench, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         if (self.activations == SUBSPACE) != (self.gradients == SUBSPACE):
