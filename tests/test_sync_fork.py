@@ -67,8 +67,14 @@ def test_the_stage_weights_are_the_majoritys_and_a_pair_follows_the_lower_id():
     assert fork is not None and fork.donor == "a"
 
 
-def test_a_donors_state_is_vetted_against_our_own_before_it_replaces_it():
-    ours, donor = StageWorker(RUN, 0), StageWorker(RUN, 0)
+SUBSPACE = RUN.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 4})
+
+
+@pytest.mark.parametrize("run", [RUN, SUBSPACE], ids=["plain", "subspace"])
+def test_a_donors_state_is_vetted_against_our_own_before_it_replaces_it(run):
+    """Weights, step and moments are vetted, also on a subspace run's stage 0, whose moments of the constrained
+    weights are their coordinates' (an honest Adam state there too)."""
+    ours, donor = StageWorker(run, 0), StageWorker(run, 0)
     for k in range(3):  # both trained alike, then the donor made one step more: a fork of one step
         _step(ours, k)
         _step(donor, k)
