@@ -13,6 +13,7 @@ from peer.cli import main as cli_main
 from trainer.config import RunConfig
 from trainer.memory import HEADROOM, PRECISIONS, backward_peak, estimate_run, estimate_stage, fits
 from trainer.model import build_stage
+from trainer.worker import StageWorker
 
 TINY = RunConfig.from_dict({
     "n_stages": 3, "model": {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64},
@@ -29,6 +30,21 @@ def test_parameters_and_fp32_state_are_counted_from_the_stage_module(stage):
     assert e.grads == 4 * n
     assert e.optimizer == 2 * 4 * n  # NAdam: two moments per weight, measured by stepping it
     assert estimate_stage(TINY.replace(optim={"optimizer": "adamw"}), stage).optimizer == 2 * 4 * n
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_subspace_stage_counts_the_moments_its_optimiser_keeps(stage):
+    """A constrained stage steps its writers and tables as coordinates: the estimate is the state a real worker
+    holds after a step (the last stage is not constrained)."""
+    run = TINY.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 4})
+    w = StageWorker(run, stage)
+    w.set_grads([torch.ones_like(p) for p in w.parameters()])
+    w.optimizer_step()
+    held = sum(v.numel() * v.element_size() for entry in w.optimizer.state.values() for v in entry.values()
+               if isinstance(v, torch.Tensor) and v.dim())
+    e = estimate_stage(run, stage)
+    assert e.optimizer == held
+    assert (e.optimizer < estimate_stage(TINY, stage).optimizer) == (stage < 2)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

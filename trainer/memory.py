@@ -63,7 +63,8 @@ class StageMemory:
     grads: int
     """fp32 gradients summed into the weights' ``.grad`` (the backward's own gradients are in ``backward``)."""
     optimizer: int
-    """The optimiser's per-weight state (Adam-family: two fp32 moments)."""
+    """The optimiser's per-weight state (Adam-family: two fp32 moments; of a subspace run's constrained weights,
+    two per coordinate in the subspace)."""
     stash: int
     """Weight copies kept for micro-batches forwarded at older weights (weight stashing)."""
     averaging: int
@@ -137,7 +138,7 @@ def estimate_stage(run: RunConfig, stage: int, *, precision: str = "fp32", infli
     return StageMemory(
         stage=stage, precision=precision, inflight=inflight, params=params, weights=weight_bytes,
         grads=shape.weight_bytes,
-        optimizer=_optimizer_slots(run, stage) * shape.weight_bytes,
+        optimizer=_optimizer_slots(run, stage) * 4 * _stepped_numel(run, stage),
         stash=0 if is_last or not run.optim.weight_stashing else inflight * shape.weight_bytes,
         averaging=averaging,
         inputs=0 if is_last else inflight * input_bytes,
@@ -177,6 +178,20 @@ def _meta_stage(run: RunConfig, stage: int) -> torch.nn.Module:
 
     with torch.device("meta"):
         return build_stage(run, stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _stepped_numel(run: RunConfig, stage: int) -> int:
+    """Values the optimiser steps (and keeps state for): the stage's parameters, except that a subspace run's
+    constrained stage steps each residual writer and embedding table as its coordinates, k per n_embd
+    (trainer/subspace.py, ``Coordinates``)."""
+    if not run.compression.subspace or stage == run.n_stages - 1:
+        return _stage_shape(run, stage).params
+    from trainer.subspace import LAYOUTS  # kept local for start-up, as build_stage
+
+    layout, d, k = LAYOUTS[run.model.arch], run.model.n_embd, run.compression.subspace_rank
+    return sum(p.numel() // d * k if layout.constrains(n) else p.numel()
+               for n, p in _meta_stage(run, stage).named_parameters())
 
 
 @functools.lru_cache(maxsize=16)

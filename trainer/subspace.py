@@ -49,6 +49,10 @@ class Layout:
     token_table: str
     position_table: str | None
 
+    def constrains(self, name: str) -> bool:
+        """Whether a stage's parameter ``name`` is kept in the subspace (a writer or an embedding table)."""
+        return name.endswith(self.writers) or name in (self.token_table, self.position_table)
+
 
 #: per architecture (``model.arch``); a new stage model adds its own
 LAYOUTS: dict[str, Layout] = {
@@ -122,8 +126,7 @@ class Subspace:
 
     # --- the weights ------------------------------------------------------------------------------------------------
     def _targets(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in module.named_parameters()
-                if n.endswith(self.layout.writers) or n in (self.layout.token_table, self.layout.position_table)]
+        return [(n, p) for n, p in module.named_parameters() if self.layout.constrains(n)]
 
     def _table(self, name: str) -> torch.Tensor | None:
         if name == self.layout.token_table:
