@@ -141,7 +141,7 @@ def test_a_constrained_stage_steps_adam_in_the_subspace_coordinates():
 
 def test_a_state_carries_the_coordinates_moments_and_older_states_still_load():
     """A constrained stage's state round-trips its [k, *] moments (the next step is the same), and a state whose
-    moments have the parameters' shapes (written before stages stepped coordinates) loads as their coordinates."""
+    moments have the parameters' shapes (written before stages stepped coordinates) loads without them."""
     ids, _ = _batch(SUB)
     w = StageWorker(SUB, 0)
     for i in range(3):
@@ -166,12 +166,9 @@ def test_a_state_carries_the_coordinates_moments_and_older_states_still_load():
             entry["exp_avg"] = ss.from_coords(n, entry["exp_avg"], fixed=False)
             entry["exp_avg_sq"] = ss.from_coords(n, entry["exp_avg_sq"], fixed=False).abs()
     fresh = StageWorker(SUB, 0)
-    fresh.load_state_dict(older)
-    loaded = fresh.state_dict()["optimizer"]["state"]
-    for i, n in enumerate(named):
-        if n.endswith("c_proj.weight"):
-            assert loaded[i]["exp_avg"].shape[0] == SUB.compression.subspace_rank
-            assert bool((loaded[i]["exp_avg_sq"] >= 0).all())
+    fresh.load_state_dict(older)  # its second moments have no coordinates' equivalent: loaded without moments
+    assert fresh.state_dict()["optimizer"]["state"] == {} and fresh.rewarm_from == fresh.local_step == 4
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fresh.parameters(), w.parameters(), strict=True))
     wrong = w.state_dict()
     first = next(i for i, n in enumerate(named) if n.endswith("c_proj.weight"))
     wrong["optimizer"]["state"][first]["exp_avg"] = torch.zeros(3, 3)

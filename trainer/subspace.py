@@ -217,25 +217,14 @@ class Coordinates:
         for _, _, p, c in self.slots:
             p.grad = c.grad = None
 
-    def import_state(self, state: dict[Any, Any]) -> dict[Any, Any]:
-        """An optimiser's per-parameter state (``state_dict()["state"]``, checked) for these coordinates: moments
-        shaped like a constrained parameter (a state written before its stage stepped coordinates) are turned into
-        its coordinates (second moments kept >= 0 against rounding); coordinate-shaped ones pass as they are."""
-        out = dict(state)
-        for i, name, p, _ in self.slots:
-            entry = state.get(i)
-            if not isinstance(entry, dict):
-                continue
-            out[i] = {}
-            for key, v in entry.items():
-                if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape:
-                    v = self.subspace.to_coords(name, v, fixed=False)
-                    if "sq" in key:
-                        v = v.clamp_min(0)
-                out[i][key] = v
-        return out
+    def legacy(self, state: dict[Any, Any]) -> bool:
+        """Whether an optimiser state (``state_dict()["state"]``, checked) holds moments of a constrained parameter
+        shaped like the parameter: written by a stage that stepped full tensors. Its second moments are not the
+        coordinates' (no map turns one into the other), so such a state is loaded without its moments."""
+        return any(isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape != c.shape
+                   for i, _, p, c in self.slots if isinstance(state.get(i), dict) for v in state[i].values())
 
     def shapes(self) -> dict[int, tuple[torch.Size, ...]]:
         """Per constrained parameter's index: the shapes its optimiser state's tensors may have (coordinates, or
-        the parameter's own in a state written before; ``import_state`` converts those)."""
+        the parameter's own in a state written before, which ``legacy`` finds)."""
         return {i: (c.shape, p.shape) for i, _, p, c in self.slots}

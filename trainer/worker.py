@@ -502,15 +502,18 @@ class StageWorker:
         self.model.load_state_dict(d["model"])
         own_groups = self.optimizer.state_dict()["param_groups"]
         state = copy.deepcopy(d["optimizer"]["state"])
-        if self._coords is not None:
-            state = self._coords.import_state(state)
+        if self._coords is not None and self._coords.legacy(state):
+            logger.warning("stage %d: the state's optimiser moments were written by a version that stepped the "
+                           "subspace's weights as full tensors; loading it without them (the learning rate warms up "
+                           "again)", self.stage)
+            state = {}
         self.optimizer.load_state_dict({"state": state, "param_groups": own_groups})
         if self.averaging is not None and d["averaging"] is not None:
             self.averaging.load_state_dict(d["averaging"])
         self.local_step, self.accumulated = int(d["local_step"]), int(d["accumulated"])
         self.steps_skipped = int(d["steps_skipped"])
         # a state without moments (a witnessed one from another peer: peer.state.witness.sanitize) warms up again
-        fresh = not d["optimizer"]["state"] and self.local_step > 0
+        fresh = not state and self.local_step > 0
         self.rewarm_from = self.local_step if fresh else None
         self._keep_in_subspace()  # a donor's weights are a stranger's: the invariant is ours to keep
         if d["grads"] is not None:
