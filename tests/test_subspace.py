@@ -164,7 +164,7 @@ def test_a_state_carries_the_coordinates_moments_and_older_states_still_load():
         if n.endswith("c_proj.weight"):
             entry = older["optimizer"]["state"][i]
             entry["exp_avg"] = ss.from_coords(n, entry["exp_avg"], fixed=False)
-            entry["exp_avg_sq"] = ss.from_coords(n, entry["exp_avg_sq"], fixed=False).abs()
+            entry["exp_avg_sq"] = entry["exp_avg"] ** 2  # within what an Adam state reaches (|m| <= c sqrt(v))
     fresh = StageWorker(SUB, 0)
     fresh.load_state_dict(older)  # its second moments have no coordinates' equivalent: loaded without moments
     assert fresh.state_dict()["optimizer"]["state"] == {} and fresh.rewarm_from == fresh.local_step == 4

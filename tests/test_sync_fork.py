@@ -15,12 +15,13 @@ import torch
 
 import peer.sync_schedule as schedule
 from peer.averaging.config import NetAveragingConfig
-from peer.averaging.fork import digests_agree, fork_of, moment_bound, vet_resync, weights_digest
+from peer.averaging.fork import digests_agree, fork_of, vet_resync, weights_digest
 from peer.averaging.sync import SyncAverager
 from peer.ops.metrics import PeerMetrics
 from peer.state.sync import StateServer, StateSyncConfig
 from tests.test_netavg_rounds import MemTransport, aio
 from trainer.config import RunConfig
+from trainer.optim import moment_bound
 from trainer.worker import StageWorker
 
 RUN = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")

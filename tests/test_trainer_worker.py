@@ -370,6 +370,11 @@ def test_load_state_dict_rejects_bad_states_and_leaves_worker_intact():
         "lacks": bad(lambda d: d.pop("grads")),
         "EMA": bad(lambda d: d["averaging"].__setitem__("ema", [])),
         r"optimizer\[0\]\[exp_avg\]": bad(lambda d: d["optimizer"]["state"][0].__setitem__("exp_avg", torch.ones(2))),
+        # v = 0 under m != 0 (or v < 0): a step of any size, whoever sends it (a donor when witnessing is off)
+        "never reach": bad(lambda d: d["optimizer"]["state"][0]["exp_avg_sq"].zero_()),
+        r"optimizer\[1\] holds moments": bad(lambda d: d["optimizer"]["state"][1]["exp_avg_sq"].fill_(-1.0)),
+        "step count": bad(lambda d: d["optimizer"]["state"][0].__setitem__("step", torch.tensor(0.0))),
+        "not an AdamW": bad(lambda d: d["optimizer"]["state"][0].__setitem__("momentum_buffer", torch.tensor(1.0))),
     }
     for match, state in cases.items():
         with pytest.raises((ValueError, TypeError), match=match):

@@ -66,6 +66,34 @@ def build_optimizer(
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use 'nadam' or 'adamw'")
 
 
+MOMENT_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "mu_product"})
+"""Per-parameter optimiser state an AdamW or NAdam step keeps; anything else in a loaded state is refused."""
+
+
+def moment_bound(beta1: float, beta2: float) -> float:
+    """The largest |m| / sqrt(v) exponential averages with these betas reach on any gradients (Cauchy-Schwarz):
+    sqrt((1 - b1)^2 / ((1 - b2) (1 - b1^2 / b2)))."""
+    return math.sqrt((1 - beta1) ** 2 / ((1 - beta2) * (1 - beta1**2 / beta2)))
+
+
+def moments_refused(entry: object, beta1: float, beta2: float) -> str | None:
+    """Why one parameter's optimiser state is none an AdamW / NAdam with these betas holds, or None. A state whose
+    first moment exceeds what the second allows (v = 0 under m != 0, say) makes a step of any size."""
+    if not isinstance(entry, dict) or not set(entry) <= MOMENT_KEYS:
+        return "is not an AdamW or NAdam state"
+    m, v, n, mu = (entry.get(k) for k in ("exp_avg", "exp_avg_sq", "step", "mu_product"))
+    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or not isinstance(n, torch.Tensor):
+        return "lacks its moments"
+    if m.shape != v.shape or n.numel() != 1 or not float(n) >= 1:
+        return "is malformed (moments of two shapes, or a step count below 1)"
+    bound = moment_bound(beta1, beta2) * 1.001
+    if not bool((v >= 0).all()) or not bool((m.abs() <= bound * v.sqrt() + 1e-12).all()):
+        return "holds moments that exponential averages of gradients never reach (|m| > c sqrt(v))"
+    if mu is not None and not (isinstance(mu, torch.Tensor) and mu.numel() == 1 and 0 < float(mu) <= 1):
+        return "holds a momentum product outside (0, 1]"
+    return None
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -58,7 +58,7 @@ from torch.func import functional_call
 from trainer.averaging import Placed, SparseAveragingState, place
 from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
-from trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from trainer.optim import build_optimizer, clip_grad_norm, lr_at, moments_refused, set_lr
 from trainer.rules import rule_of
 from trainer.subspace import Coordinates, Subspace
 
@@ -543,6 +543,7 @@ class StageWorker:
         if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict):
             raise ValueError("state's optimizer entry must be a torch optimizer state_dict")
         coords = {} if self._coords is None else self._coords.shapes()
+        beta1, beta2 = self.optimizer.param_groups[0]["betas"]
         for idx, entry in opt["state"].items():
             if not isinstance(idx, int) or not 0 <= idx < len(self._params) or not isinstance(entry, dict):
                 raise ValueError(f"state's optimizer holds an entry for unknown parameter {idx!r}")
@@ -552,6 +553,8 @@ class StageWorker:
                     if value.dim() and value.shape in coords.get(idx, ()):
                         shape = value.shape  # a constrained parameter's moments: its coordinates' (or its own)
                     _check_tensor(f"optimizer[{idx}][{name}]", value, shape)
+            if (why := moments_refused(entry, float(beta1), float(beta2))) is not None:
+                raise ValueError(f"state's optimizer[{idx}] {why}; refusing to load it")
         for name in ("local_step", "accumulated", "steps_skipped"):
             if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 0:
                 raise ValueError(f"state's {name} must be a non-negative int, got {d[name]!r}")

@@ -27,6 +27,7 @@ from peer.state.digest import RMS_FLOOR
 from peer.state.sync import load_state_from_peers
 from protocol.rpc import Transport
 from trainer.config import RunConfig
+from trainer.optim import moments_refused
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
@@ -37,8 +38,6 @@ __all__ = ["Fork", "digest_len", "digests_agree", "fork_of", "resync", "vet_resy
 
 MAX_STEPS_AHEAD = 4
 """A donor's state may be this many local steps past the barrier that found the fork (it may have gone on alone)."""
-MOMENT_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "mu_product"})
-"""Per-parameter optimiser state an AdamW or NAdam step keeps; anything else in a donor's state is refused."""
 
 
 def digest_len(n_tensors: int) -> int:
@@ -95,28 +94,6 @@ def fork_of(me: str, digests: dict[str, torch.Tensor], numels: Sequence[int], rt
     return Fork(donor=best, min_step=max(1, int(step) + 1), agreeing=len(agree[best]))
 
 
-def moment_bound(beta1: float, beta2: float) -> float:
-    """The largest |m| / sqrt(v) exponential averages with these betas reach on any gradients (Cauchy-Schwarz):
-    sqrt((1 - b1)^2 / ((1 - b2) (1 - b1^2 / b2)))."""
-    return math.sqrt((1 - beta1) ** 2 / ((1 - beta2) * (1 - beta1**2 / beta2)))
-
-
-def _moments_refused(entry: object, bound: float) -> str | None:
-    """Why one parameter's optimiser state is none an AdamW / NAdam with our betas holds, or None."""
-    if not isinstance(entry, dict) or not set(entry) <= MOMENT_KEYS:
-        return "is not an AdamW or NAdam state"
-    m, v, n, mu = (entry.get(k) for k in ("exp_avg", "exp_avg_sq", "step", "mu_product"))
-    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or not isinstance(n, torch.Tensor):
-        return "lacks its moments"
-    if m.shape != v.shape or n.numel() != 1 or not float(n) >= 1:
-        return "is malformed (moments of two shapes, or a step count below 1)"
-    if not bool((v >= 0).all()) or not bool((m.abs() <= bound * v.sqrt() + 1e-12).all()):
-        return "holds moments that exponential averages of gradients never reach (|m| > c sqrt(v))"
-    if mu is not None and not (isinstance(mu, torch.Tensor) and mu.numel() == 1 and 0 < float(mu) <= 1):
-        return "holds a momentum product outside (0, 1]"
-    return None
-
-
 def vet_resync(state: dict[str, Any], own: dict[str, Any], *, min_step: int, tolerance: float) -> str | None:
     """Why the donor's ``state`` may not replace ``own`` (this worker's ``state_dict()``), or None; see the module
     docstring. Shapes, dtypes and finite values are the worker's own check at the load."""
@@ -139,9 +116,8 @@ def vet_resync(state: dict[str, Any], own: dict[str, Any], *, min_step: int, tol
     if not isinstance(entries, dict):
         return "it holds no optimiser state"
     beta1, beta2 = own["optimizer"]["param_groups"][0]["betas"]
-    bound = moment_bound(float(beta1), float(beta2)) * 1.001
     for idx, entry in entries.items():
-        why = _moments_refused(entry, bound)
+        why = moments_refused(entry, float(beta1), float(beta2))
         if why is not None:
             return f"its optimiser state of parameter {idx!r} {why}"
     return None
