@@ -141,6 +141,17 @@ def test_the_simulator_gets_each_replicas_measured_speed_from_its_stage_0():
     assert replica_steps([{"stage": 0, "steps": 0}, {"stage": 0, "steps": 5}], 2) == []
 
 
+def test_the_simulation_reaches_the_daemons_first_evaluation_whatever_the_cap():
+    from tools.bench_ttl import sim_steps
+
+    assert sim_steps(304_896, 20_000, 256, [600, 590], 2, 400) == 400  # capped, and past the first evaluation
+    assert sim_steps(304_896, 20_000, 256, [600, 590], 2, 0) == 600  # uncapped: what the faster replica made
+    # a first evaluation late in tokens (a loaded start): the cap gives way, so the curves share a token count
+    steps = sim_steps(304_896, 250_000, 256, [600, 590], 2, 400)
+    assert steps == 496 and steps * 256 * (1190 / 600) >= 250_000  # the replicas' tokens at its last step
+    assert sim_steps(4_096, 0, 256, [], 2, 400) == 8
+
+
 @pytest.mark.timeout(600)
 def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     from tools.bench_swarm import main

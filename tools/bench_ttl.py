@@ -314,6 +314,18 @@ def pace_record(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 # ----- the simulator on the same run ---------------------------------------------------------------------------------
+def sim_steps(tokens: int, first_tokens: int, tpm: int, made: list[int], replicas: int, cap: int) -> int:
+    """Micro-batches of the simulation's fastest replica (a multiple of 8): as many as the daemon's fastest replica
+    trained (``tokens`` in all, ``made`` stage-0 steps per replica, [] for equal speeds), at most ``cap`` (0: no
+    cap), but never fewer than reach the daemon's first evaluation (``first_tokens``): without a token count common
+    to both curves there is nothing to compare, and a fast machine evaluates late in tokens."""
+    share = max(made) / sum(made) if made else 1 / replicas  # the fastest replica's share of the tokens
+    per_replica = int(tokens / tpm * share)
+    steps = max(8, (min(per_replica, cap) if cap else per_replica) // 8 * 8)
+    first = int(first_tokens / tpm * share) + 1 if first_tokens else 0
+    return steps if steps >= first else -(-first // 8) * 8
+
+
 def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """asyncmesh in the simulator: same run and cadence, R replicas, delays drawn from the case's measured taus, as
     many micro-batches per replica as the daemon's stage-0 replicas trained (``--sim-max-steps`` caps it when set), so
@@ -326,8 +338,8 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     # that the simulation trains the fast and the slow replica in the daemon's proportion, as many tokens in all
     made = replica_steps(case["summaries"], args.replicas)
     speeds = speeds_from_steps(made) if made else ()
-    per_replica = int(case["tokens"] / tpm * (max(made) / sum(made) if made else 1 / args.replicas))
-    steps = max(8, (min(per_replica, args.sim_max_steps) if args.sim_max_steps else per_replica) // 8 * 8)
+    first = case["curve"][0]["tokens"] if case["curve"] else 0
+    steps = sim_steps(case["tokens"], first, tpm, made, args.replicas, args.sim_max_steps)
     # the cadence the daemon really ran: a round opens on the first clock tick after round_steps local steps, so it
     # stands for more steps than round_steps; the simulator opens one every measured steps-per-round, each round
     # averaging the run's round fraction, so that both average the same fraction per local step
@@ -418,7 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-timeout-s", type=float, default=600.0,
                    help="start-up allowance of a compute-only process on top of --compute-s")
     p.add_argument("--sim-max-steps", type=int, default=0,
-                   help="cap on the simulator's micro-batches per replica (0: as many as the daemon's replicas made)")
+                   help="cap on the simulator's micro-batches per replica (0: as many as the daemon's replicas made; "
+                   "never fewer than reach the daemon's first evaluation)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_agreement)")
     p.add_argument("--resimulate", type=Path, default=None, metavar="JSON",
                    help="only re-run the simulator against the swarms of an earlier --json result, and rewrite it")
