@@ -358,8 +358,10 @@ def simulate_same_run(run: Any, case: dict[str, Any], args: argparse.Namespace) 
     d_loss = interpolate(daemon, at) if at is not None else None
     s_loss = interpolate(curve, at) if at is not None else None
     if d_loss is None or s_loss is None:
-        logger.warning("no token count common to the daemon's and the simulator's curves (simulator capped at %d "
-                       "steps by --sim-max-steps?): no sim_agreement", steps)
+        logger.warning("no token count common to the daemon's curve (%s to %s tokens) and the simulator's (%s to "
+                       "%s, %d steps): no sim_agreement", daemon[0][0] if daemon else None,
+                       daemon[-1][0] if daemon else None, curve[0][0] if curve else None,
+                       curve[-1][0] if curve else None, steps)
     return {"steps": steps, "delays_drawn_from": len(taus), "tokens": at, "daemon_loss": d_loss, "sim_loss": s_loss,
             "sim_agreement": d_loss / s_loss if d_loss and s_loss else None, "sim_curve": curve,
             "avg_fraction_per_step": rec["avg_fraction_per_step"], "avg_delay_steps": rec["avg_delay_steps"],
