@@ -185,9 +185,10 @@ def _stepped_numel(run: RunConfig, stage: int) -> int:
     """Values the optimiser steps (and keeps state for): the stage's parameters, except that a subspace run's
     constrained stage steps each residual writer and embedding table as its coordinates, k per n_embd
     (trainer/subspace.py, ``Coordinates``)."""
-    if not run.compression.subspace or stage == run.n_stages - 1:
+    from trainer.subspace import LAYOUTS, constrained  # kept local for start-up, as build_stage
+
+    if not constrained(run, stage):
         return _stage_shape(run, stage).params
-    from trainer.subspace import LAYOUTS  # kept local for start-up, as build_stage
 
     layout, d, k = LAYOUTS[run.model.arch], run.model.n_embd, run.compression.subspace_rank
     return sum(p.numel() // d * k if layout.constrains(n) else p.numel()

@@ -33,7 +33,7 @@ from torch import nn
 from trainer.config import RunConfig
 from trainer.model import seeded_normal
 
-__all__ = ["Coordinates", "Layout", "LAYOUTS", "Subspace", "basis"]
+__all__ = ["Coordinates", "Layout", "LAYOUTS", "Subspace", "basis", "constrained"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +61,13 @@ LAYOUTS: dict[str, Layout] = {
     "llama": Layout(writers=("self_attn.o_proj.weight", "mlp.down_proj.weight"),
                     token_table="model.embed_tokens.weight", position_table=None),  # rotary: no position table
 }
+
+
+def constrained(run: RunConfig, stage: int) -> bool:
+    """Whether ``stage`` keeps its writers and tables in the subspace: every stage of a subspace run but the last,
+    whose residual stream never crosses a boundary (its writers are free, as in Protocol Models' unconstrained final
+    layers)."""
+    return run.compression.subspace and stage != run.n_stages - 1
 
 
 def basis(seed: int, n_embd: int, rank: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, moments_refused, set_lr
 from trainer.rules import rule_of
-from trainer.subspace import Coordinates, Subspace
+from trainer.subspace import Coordinates, Subspace, constrained
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +152,8 @@ class StageWorker:
         self.optim = optim if optim is not None else run.optim
         self._coords = (Coordinates(self.subspace, self.model, self._params)
                         if self.constrained and self.subspace is not None else None)
-        stepped = self._params if self._coords is None else self._coords.params
-        self.optimizer = build_optimizer(stepped, self.optim, stage, run.n_stages)
+        self._stepped = self._params if self._coords is None else self._coords.params  # what the optimiser steps
+        self.optimizer = build_optimizer(self._stepped, self.optim, stage, run.n_stages)
         self.local_step = 0
         self.accumulated = 0  # gradient contributions summed into .grad since the last step
         self.steps_skipped = 0  # steps refused because the gradient norm was not finite
@@ -195,9 +195,8 @@ class StageWorker:
 
     @property
     def constrained(self) -> bool:
-        """Whether this stage keeps its weights in the subspace: every stage but the last, whose residual stream
-        never crosses a boundary (its writers are free, as in Protocol Models' unconstrained final layers)."""
-        return self.subspace is not None and not self.is_last
+        """Whether this stage keeps its weights in the subspace (``trainer.subspace.constrained``)."""
+        return self.subspace is not None and constrained(self.run, self.stage)
 
     def _keep_in_subspace(self) -> None:
         if self.constrained and self.subspace is not None:
@@ -384,7 +383,7 @@ class StageWorker:
         """
         if self._coords is not None:
             self._coords.gather()  # the gradients' coordinates: what a boundary's U^T g would have given
-        norm = clip_grad_norm(self._params if self._coords is None else self._coords.params, self.optim.grad_clip)
+        norm = clip_grad_norm(self._stepped, self.optim.grad_clip)
         self.last_grad_norm = norm
         if not torch.isfinite(torch.tensor(norm)):
             self.steps_skipped += 1
