@@ -53,7 +53,8 @@ MAX_ELEMENTS = 2**16  # the fuzzer's decoded tensors stay small; the memory test
 
 _gen = torch.Generator().manual_seed(3)
 ENVELOPES = [
-    encode(torch.randn(3, 70, generator=_gen), codec) for codec in ("none", "fp16", "bf16", "int8", "int4", "int8q")
+    encode(torch.randn(3, 70, generator=_gen), codec)
+    for codec in ("none", "fp16", "bf16", "int8", "int4", "int8q", "int3", "ecq")
 ] + [encode(torch.randn(300, generator=_gen), "topk:0.05"), encode(torch.arange(10), "none"),
      encode(torch.randn(5, generator=_gen).to(torch.bfloat16), "none")]  # fmt: skip
 MESSAGES: list[Message] = [
@@ -153,7 +154,7 @@ def test_fuzz_read_message() -> None:
     assert sum(seen.values()) >= FUZZ_INPUTS and seen["ok"] > 0 and seen["rejected"] > 0, seen
 
 
-CODEC_CHOICES = sorted(CODEC_IDS) + [7, 255]
+CODEC_CHOICES = sorted(CODEC_IDS) + [9, 255]
 DTYPE_CHOICES = ["float32", "float16", "bfloat16", "int64", "bool", "x"]
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codecs.quant import INT3_BLOCK, INT3_LEVELS, INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
+from protocol.codecs.quant import ECQ_BLOCK, ECQ_STEP, INT3_BLOCK, INT3_LEVELS, INT4_BLOCK, INT4_LEVELS, INT8_BLOCK
 from protocol.codecs.registry import encode, roundtrip
 from protocol.envelope import TensorEnvelope
 from protocol.errors import ErrorCode
@@ -41,7 +41,7 @@ def _envelope(shape: tuple[int, ...], seed: int, codec: str) -> TensorEnvelope:
 
 
 envelopes = st.builds(_envelope, shapes, st.integers(0, 2**31),
-                      st.sampled_from(["none", "fp16", "bf16", "int8", "int4", "topk:0.5"]))  # fmt: skip
+                      st.sampled_from(["none", "fp16", "bf16", "int8", "int4", "topk:0.5", "ecq"]))  # fmt: skip
 
 
 def _state_chunk(n_chunks: int) -> st.SearchStrategy[StateChunk]:
@@ -109,4 +109,14 @@ def test_int3_error_within_half_the_widest_gap_per_block(x: torch.Tensor) -> Non
     half_gap = float((INT3_LEVELS[1:] - INT3_LEVELS[:-1]).max()) / 2
     bound = _block_absmax(x, INT3_BLOCK) * BF16_UP * half_gap
     err = (roundtrip(x, "int3") - x).abs()
+    assert bool((err <= bound * (1 + 1e-5) + 1e-35).all())
+
+
+@PROPS
+@given(tensors)
+def test_ecq_error_within_half_a_step_per_block(x: torch.Tensor) -> None:
+    flat = torch.nn.functional.pad(x.reshape(-1), (0, (-x.numel()) % ECQ_BLOCK)).view(-1, ECQ_BLOCK).double()
+    rms = flat.square().mean(dim=1).sqrt().repeat_interleave(ECQ_BLOCK)[: x.numel()]
+    bound = rms * (1 + 2**-8) * ECQ_STEP / 2  # the scale is the block's RMS rounded to the nearest bfloat16
+    err = (roundtrip(x, "ecq").double() - x.double()).abs()
     assert bool((err <= bound * (1 + 1e-5) + 1e-35).all())

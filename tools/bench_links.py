@@ -10,7 +10,7 @@ stage-0 replicas evaluate the run's fixed validation batches every ``--eval-ever
 
 Codecs: ``int8`` (the default: blockwise int8 activations and gradients), ``subspace`` (k fp32 coefficients per token
 and the token ids, trainer/subspace.py), ``subspace-int8``, ``subspace-int4`` and ``subspace-int3`` (the coefficients
-quantised).
+quantised), ``subspace-ecq`` (quantised on a uniform grid and Huffman-coded, protocol/codecs/quant.py).
 
 Figures (``--json OUT``), under ``networks`` -> network (``20mbit-101ms``) -> codec:
 
@@ -60,7 +60,7 @@ from tools.wan import check_available  # noqa: E402
 
 logger = logging.getLogger("bench_links")
 
-CODECS = ("int8", "subspace", "subspace-int8", "subspace-int4", "subspace-int3")
+CODECS = ("int8", "subspace", "subspace-int8", "subspace-int4", "subspace-int3", "subspace-ecq")
 BASELINE = "int8"
 _NETWORK = re.compile(r"^(?P<rate>[0-9.]+)mbit-(?P<rtt>[0-9.]+)ms$")
 
@@ -155,10 +155,11 @@ def codec_costs(run: Any, repeats: int = 5) -> dict[str, Any]:
     return out
 
 
-def train_in_process(run: Any, steps: int, evals: int = 4) -> list[dict[str, float]]:
+def train_in_process(run: Any, steps: int, evals: int = 4, eval_batches: int = 2) -> list[dict[str, float]]:
     """The same micro-batches through a 2-stage pair of workers in this process, every activation and gradient
     through the codec's real encode and decode (peer/pipeline/boundary.py), no network and no delay: validation loss
-    against tokens with the wall clock and the machine's load taken out. Returns [{tokens, val_loss}]."""
+    on ``eval_batches`` fixed micro-batches against tokens, with the wall clock and the machine's load taken out.
+    Returns [{tokens, val_loss}]."""
     import torch
 
     from peer.pipeline.boundary import Boundary
@@ -171,7 +172,7 @@ def train_in_process(run: Any, steps: int, evals: int = 4) -> list[dict[str, flo
     torch.set_num_threads(1)
     corpus = load_corpus(run.data, run.model.vocab_size)
     b, t = run.data.batch_size, run.model.block_size
-    val = val_batches(corpus, t, b, 2)
+    val = val_batches(corpus, t, b, eval_batches)
     stream = BatchStream(corpus.train, t, b, seed=1)
     w0, w1 = StageWorker(run, 0), StageWorker(run, 1)
     wire = Boundary(run, w0.subspace)
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     for codec, run in runs.items():
         if args.in_process_steps:
             logger.info("%s: %d micro-batches in process", codec, args.in_process_steps)
-            codecs[codec]["in_process_curve"] = train_in_process(run, args.in_process_steps, args.in_process_evals)
+            codecs[codec]["in_process_curve"] = train_in_process(run, args.in_process_steps, args.in_process_evals,
+                                                                   args.eval_batches)
     if args.in_process_steps and BASELINE in codecs:
         base_loss = codecs[BASELINE]["in_process_curve"][-1]["val_loss"]
         for rec in codecs.values():

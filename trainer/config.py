@@ -269,7 +269,8 @@ class CompressionConfig:
     """With activations = gradients = "subspace": k, the dimension of the fixed subspace the residual stream is
     confined to (k coefficients per token cross a stage boundary instead of n_embd values); 0 otherwise."""
     subspace_codec: str = "none"
-    """With "subspace": the codec of the coefficients ("none": fp32, exact; int8, int4 and int3 quantise them)."""
+    """With "subspace": the codec of the coefficients ("none": fp32, exact; int8, int4 and int3 quantise them; ecq
+    quantises them on a finer grid and Huffman-codes the steps)."""
     subspace_table_std: float = 0.2
     """With "subspace": the std of the fixed embedding tables F (every token's and position's embedding outside the
     subspace, drawn from the seed, never trained). Larger than the usual 0.02 init: F is all a boundary carries of a

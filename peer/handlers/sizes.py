@@ -29,7 +29,7 @@ from peer.pipeline.hops import BACKWARD_RPC, FORWARD_RPC
 from peer.pipeline.infer import INFER_RPC
 from peer.pipeline.testimony import TESTIMONY_RPC
 from peer.state.sync import STATE_RPC
-from protocol.codecs.registry import encode
+from protocol.codecs.registry import encode, largest
 from protocol.messages import (
     MAX_DOWNSTREAM,
     MAX_KEY_BYTES,
@@ -86,12 +86,13 @@ def pipeline_request_bytes(run: RunConfig) -> dict[str, int]:
     boundary = Boundary(run, None)
     targets, window = boundary.first_hop(ids, ids)
     acts, tokens = boundary.encode_forward(x, window)
+    acts = largest(acts)
     key, signature = b"k" * MAX_KEY_BYTES, b"s" * MAX_SIGNATURE_BYTES  # signed frames (peer/pipeline/attest.py)
     relayed = [b"r" * max(MAX_KEY_BYTES, MAX_SIGNATURE_BYTES)] * 3
     forward = Forward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, targets=targets, is_eval=False,
                       activations=acts, sent_at=1e12, flush=2**63 - 1, tokens=tokens, signer=key, signature=signature)
     backward = Backward(run_id=run.run_id, mb_id=2**63 - 1, route=_ROUTE, loss=1e30, is_eval=False,
-                        gradient=boundary.encode_gradient(x), downstream=["Q" * 64] * MAX_DOWNSTREAM,
+                        gradient=largest(boundary.encode_gradient(x)), downstream=["Q" * 64] * MAX_DOWNSTREAM,
                         downstream_id=2**63 - 1, signer=key, signature=signature, relayed=[relayed] * MAX_DOWNSTREAM)
     testimony = Testimony(forward=pack(forward), backward=pack(backward), signer=key, signature=signature)
     fraud = Fraud(run_id=run.run_id, witness="Q" * 64, mb_id=2**63 - 1, testimony=pack(testimony), relayed=relayed)

@@ -28,6 +28,7 @@ CODEC_TABLE = (
     CodecName("topk", 5, False, "k indices + k values: deltas with error feedback (benchmarks; zeroes values)"),
     CodecName("int8q", 6, False, "hivemind's Quantile8BitQuantization (reference point for benchmarks)"),
     CodecName("int3", 7, True, "blockwise absmax, 64 values a block, 8 levels: subspace coefficients on slow links"),
+    CodecName("ecq", 8, True, "steps of 0.35 RMS per 64 values, Huffman-coded: subspace coefficients on slow links"),
 )
 CODEC_NAMES = tuple(c.name for c in CODEC_TABLE)
 """Every codec a peer decodes."""

@@ -12,11 +12,13 @@ Names and ids come from the one table, protocol.codecs.names; this module attach
 | topk  | 5  | k sorted int32 indices + k fp32 values (protocol.codecs.topk)| averaging deltas, with feedback.py  |
 | int8q | 6  | hivemind Quantile8BitQuantization: 256 levels + u8 | per-tensor quantile 8-bit (reference) |
 | int3  | 7  | blockwise absmax, 64 values/block, 8 Lloyd levels    | subspace coefficients on slow links   |
+| ecq   | 8  | bf16 RMS per 64 values, then Huffman-coded int8 steps| subspace coefficients on slow links   |
 
 Quantizing codecs accept floating-point tensors only and decode back to the sender's dtype. The float codecs (fp16,
 bf16, int8, int4, int3) have a *kernel* that runs on the tensor's own device: a GPU tensor is encoded on the GPU and
 only the encoded tensors (codes and scales) are copied to the host, through pinned buffers (``to_host``). A CPU
-tensor takes the same path without the copy, so its payload is the same bytes. `decode` validates
+tensor takes the same path without the copy, so its payload is the same bytes. ecq's codes are made on
+the tensor's device too, and Huffman-coded on the CPU (raw deflate, Huffman only: zlib). `decode` validates
 everything before and after decoding (see protocol.validation) and raises `ValidationError` naming field and peer.
 (De)quantization of large tensors is CPU work that releases the GIL: on an event loop use `encode_async` /
 `decode_async`, which run it in an executor.
@@ -30,6 +32,7 @@ import functools
 import math
 import re
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -49,6 +52,7 @@ __all__ = [
     "TensorEnvelope",
     "encode",
     "decode",
+    "largest",
     "roundtrip",
     "encode_async",
     "decode_async",
@@ -74,9 +78,12 @@ class Codec:
     check_length: Callable[[int, int, torch.dtype], str | None]
     #: (payload, numel, dtype) -> flat tensor (any float dtype for lossy codecs, exactly `dtype` for none)
     decode: Callable[[bytes, int, torch.dtype], torch.Tensor]
-    #: tensor -> the encoded tensors whose bytes, in order, are the payload; run on the tensor's device (None: the
-    #: codec runs on the CPU only, ``encode`` after a copy of the whole tensor)
+    #: tensor -> the encoded tensors whose bytes, in order, are the payload (ecq's: what it Huffman-codes); run on the
+    #: tensor's device (None: the codec runs on the CPU only, ``encode`` after a copy of the whole tensor)
     kernel: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    #: numel -> the most payload bytes a valid payload of that many values has, for codecs whose length depends on
+    #: the values (ecq); None: every payload of a shape has one length
+    max_length: Callable[[int], int] | None = None
 
 
 def _raw(*tensors: torch.Tensor) -> bytes:
@@ -124,6 +131,42 @@ def _int3_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     n_scales = (len(data) - (3 * n + 7) // 8) // 2
     scales = _frombuffer(data, torch.bfloat16, n_scales)
     return quant.dequantize_int3(scales, _frombuffer(data, torch.uint8, (3 * n + 7) // 8, 2 * n_scales), n)
+
+
+def _ecq_encode(t: torch.Tensor) -> bytes:
+    scales, codes = to_host(quant.quantize_ecq(t))
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    return _raw(scales) + packer.compress(_raw(codes)) + packer.flush()
+
+
+def _deflate_bound(n: int) -> int:
+    """The most bytes raw deflate makes of `n` bytes (zlib's compressBound less its 6-byte wrapper, plus slack)."""
+    return n + (n >> 12) + (n >> 14) + (n >> 25) + 13
+
+
+def _ecq_max_length(n: int) -> int:
+    return quant.ecq_scale_bytes(n) + _deflate_bound(n)
+
+
+def _ecq_check_length(n_bytes: int, n: int, dtype: torch.dtype) -> str | None:
+    if quant.ecq_scale_bytes(n) + 2 <= n_bytes <= _ecq_max_length(n):
+        return None
+    return (f"payload is {n_bytes} bytes; {n} values need {quant.ecq_scale_bytes(n)} bytes of scales and 2 to "
+            f"{_deflate_bound(n)} of coded steps")
+
+
+def _ecq_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
+    n_scales = quant.ecq_scale_bytes(n) // 2
+    unpacker = zlib.decompressobj(-15)
+    try:  # at most n bytes come out, whatever the stream says (no inflation bombs)
+        codes = unpacker.decompress(memoryview(data)[2 * n_scales :], n)
+        extra = unpacker.decompress(unpacker.unconsumed_tail, 1) if not unpacker.eof else b""
+    except zlib.error as e:
+        raise PayloadError(f"the coded steps are not a deflate stream ({e})") from None
+    if len(codes) != n or extra or not unpacker.eof or unpacker.unused_data:
+        raise PayloadError(f"the coded steps must inflate to exactly {n} bytes and end there")
+    scales = _frombuffer(data, torch.bfloat16, n_scales)
+    return quant.dequantize_ecq(scales, _frombuffer(codes, torch.int8, n), n)
 
 
 def _fp16_kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
@@ -178,9 +221,11 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 _Device = Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None
-_Kernels = tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
-                 Callable[[bytes, int, torch.dtype], torch.Tensor], _Device]
-_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode, device kernel); names.py
+_Kernels = (tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
+                  Callable[[bytes, int, torch.dtype], torch.Tensor], _Device]
+            | tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
+                    Callable[[bytes, int, torch.dtype], torch.Tensor], _Device, Callable[[int], int]])
+_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode, device kernel[, max length])
     "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode, None),
     "fp16": (True, _kernel_encode(_fp16_kernel), _exact_length(lambda n, d: 2 * n),
              lambda data, n, d: _frombuffer(data, torch.float16, n), _fp16_kernel),
@@ -192,6 +237,7 @@ _KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check,
              _int4_decode, quant.quantize_int4),
     "int3": (True, _kernel_encode(quant.quantize_int3), _exact_length(lambda n, d: quant.int3_payload_bytes(n)),
              _int3_decode, quant.quantize_int3),
+    "ecq": (True, _ecq_encode, _ecq_check_length, _ecq_decode, quant.quantize_ecq, _ecq_max_length),
     "topk": (True, functools.partial(topk.topk_encode, fraction=0.01),
              lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n), None),
     "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode, None),
@@ -268,6 +314,15 @@ def decode(
     except PayloadError as e:
         raise ValidationError(f"{field}.data", peer, f"{codec.name}: {e}") from None
     return check_values(flat.to(dtype).reshape(env.shape), spec, peer=peer, field=field)
+
+
+def largest(env: TensorEnvelope) -> TensorEnvelope:
+    """The envelope of ``env``'s codec, dtype and shape with the longest payload it may have (sizes of frames that a
+    receiver must accept: the same envelope for fixed-length codecs, zero bytes up to the bound for ecq)."""
+    max_length = CODEC_IDS[env.codec].max_length
+    if max_length is None:
+        return env
+    return dataclasses.replace(env, data=bytes(max_length(math.prod(env.shape))))
 
 
 def roundtrip(t: torch.Tensor, codec: str) -> torch.Tensor:
