@@ -316,6 +316,10 @@ def test_ecq_refuses_streams_that_are_not_exactly_its_codes() -> None:
         with pytest.raises(ValidationError, match="ecq"):
             decode(TensorEnvelope(codec=env.codec, dtype=env.dtype, shape=env.shape, data=data), peer="p")
             pytest.fail(f"{why} was accepted")
+    empty = encode(torch.zeros(0), "ecq")
+    assert decode(empty, peer="p").shape == (0,)
+    with pytest.raises(ValidationError, match="ecq"):  # zlib reads a limit of 0 as none: an empty tensor's is 1
+        decode(TensorEnvelope(codec=env.codec, dtype=env.dtype, shape=(0,), data=deflated(bytes(9))), peer="p")
 
 
 def test_frame_limits_hold_the_longest_ecq_payload() -> None:

@@ -158,8 +158,8 @@ def _ecq_check_length(n_bytes: int, n: int, dtype: torch.dtype) -> str | None:
 def _ecq_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
     n_scales = quant.ecq_scale_bytes(n) // 2
     unpacker = zlib.decompressobj(-15)
-    try:  # at most n bytes come out, whatever the stream says (no inflation bombs)
-        codes = unpacker.decompress(memoryview(data)[2 * n_scales :], n)
+    try:  # at most n bytes come out (one for n = 0, where zlib reads 0 as "no limit"), whatever the stream says
+        codes = unpacker.decompress(memoryview(data)[2 * n_scales :], max(n, 1))
         extra = unpacker.decompress(unpacker.unconsumed_tail, 1) if not unpacker.eof else b""
     except zlib.error as e:
         raise PayloadError(f"the coded steps are not a deflate stream ({e})") from None
