@@ -20,7 +20,7 @@ def test_bench_codecs_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out = tmp_path / "codecs.json"
     assert bench.main(["--json", str(out), "--size-mib", "1", "--repeats", "1"]) == 0
     codecs = json.loads(out.read_text())["codecs"]
-    assert set(codecs) == {"none", "fp16", "bf16", "int8", "int4", "topk"}
+    assert set(codecs) == {"none", "fp16", "bf16", "int8", "int4", "int3", "ecq", "topk"}
     keys = {"ratio", "rel_error_gaussian", "rel_error_outliers", "rel_error_activation", "encode_mb_s", "decode_mb_s"}
     for row in codecs.values():
         assert set(row) == keys and all(v >= 0 for v in row.values())

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from protocol.codecs.registry import decode, encode  # noqa: E402
 
-CODECS = {"none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4", "topk": "topk:0.01"}
+CODECS = {"none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4", "int3": "int3", "ecq": "ecq",
+          "topk": "topk:0.01"}
 
 
 def rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
