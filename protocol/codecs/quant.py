@@ -1,6 +1,8 @@
-"""Blockwise absmax quantization kernels (8-, 4- and 3-bit), pure functions that run on the tensor's own device.
+"""Blockwise quantization kernels (8-, 4- and 3-bit absmax, and ecq's RMS grid), pure functions that run on the
+tensor's own device.
 
-Both codecs split the flattened tensor into fixed blocks, store one scale per block and one small code per value:
+Every codec here splits the flattened tensor into fixed blocks, stores one scale per block and one small code per
+value:
 - int8: blocks of 128, codes -127..127 on a uniform grid, scale = block absmax rounded *up* to bfloat16 (so codes
   never clip and the scale keeps fp32's range: tiny gradients and huge activations both survive).
 - int4: blocks of 64, 16 levels from `INT4_LEVELS` (Lloyd-Max levels for absmax-normalised Gaussian blocks of 64 with
