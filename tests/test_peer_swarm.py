@@ -91,8 +91,16 @@ def test_churn_kill9_replica_then_auto_joiner_loads_donor_state_and_contributes(
     a.wait_status(lambda s: s["local_step"] >= 10, 120, "10 steps")
     d.proc.kill()  # kill -9 one replica mid-run
     d.proc.wait()
-    before = a.status()["local_step"]
-    a.wait_status(lambda s: s["local_step"] >= before + 10, 60, "progress after the kill")
+    # the swarm keeps training after the kill: stage 0 makes 10 more steps, on either replica. Not on a alone: early
+    # in a run one stage-0 replica can fall behind the other, and stage 1's loss check then refuses its micro-batches
+    # until averaging, rare in this run, pulls it back (once on CI: a's loss 6.19 against a ceiling of 4.76, while c
+    # trained on)
+    before = {p: p.status()["local_step"] for p in (a, c)}
+
+    def stage0_progressed() -> bool:
+        return any((s := p.status()) is not None and s["local_step"] >= before[p] + 10 for p in (a, c))
+
+    a.wait_for(stage0_progressed, 60, "progress of stage 0 after the kill", 0.3)
     time.sleep(4.5)  # the killed peer's record expires
     a.signal(signal.SIGSTOP)  # freeze training so the donor's weights stay put while the joiner loads them
     c.signal(signal.SIGSTOP)
