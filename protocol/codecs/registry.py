@@ -221,11 +221,9 @@ def _q8_decode(data: bytes, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 _Device = Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None
-_Kernels = (tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
-                  Callable[[bytes, int, torch.dtype], torch.Tensor], _Device]
-            | tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
-                    Callable[[bytes, int, torch.dtype], torch.Tensor], _Device, Callable[[int], int]])
-_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode, device kernel[, max length])
+_Kernels = tuple[bool, Callable[[torch.Tensor], bytes], Callable[[int, int, torch.dtype], str | None],
+                 Callable[[bytes, int, torch.dtype], torch.Tensor], _Device]
+_KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check, decode, device kernel); names.py
     "none": (False, _raw, _exact_length(lambda n, d: n * d.itemsize), _none_decode, None),
     "fp16": (True, _kernel_encode(_fp16_kernel), _exact_length(lambda n, d: 2 * n),
              lambda data, n, d: _frombuffer(data, torch.float16, n), _fp16_kernel),
@@ -237,14 +235,16 @@ _KERNELS: dict[str, _Kernels] = {  # name -> (floats only, encode, length check,
              _int4_decode, quant.quantize_int4),
     "int3": (True, _kernel_encode(quant.quantize_int3), _exact_length(lambda n, d: quant.int3_payload_bytes(n)),
              _int3_decode, quant.quantize_int3),
-    "ecq": (True, _ecq_encode, _ecq_check_length, _ecq_decode, quant.quantize_ecq, _ecq_max_length),
+    "ecq": (True, _ecq_encode, _ecq_check_length, _ecq_decode, quant.quantize_ecq),
     "topk": (True, functools.partial(topk.topk_encode, fraction=0.01),
              lambda nb, n, d: topk.topk_check_length(nb, n), lambda data, n, d: topk.topk_decode(data, n), None),
     "int8q": (True, _q8_encode, _exact_length(lambda n, d: 8 + 4 * _Q8_CODEBOOK + n), _q8_decode, None),
 }  # fmt: skip
 if set(_KERNELS) != set(CODEC_NAMES):
     raise ImportError(f"codec table and kernels differ: {sorted(set(_KERNELS) ^ set(CODEC_NAMES))}")
-_REGISTRY = tuple(Codec(row.name, row.id, *_KERNELS[row.name]) for row in CODEC_TABLE)
+_MAX_LENGTH: dict[str, Callable[[int], int]] = {"ecq": _ecq_max_length}  # the variable-length codecs' bounds
+_REGISTRY = tuple(Codec(row.name, row.id, *_KERNELS[row.name], max_length=_MAX_LENGTH.get(row.name))
+                  for row in CODEC_TABLE)
 CODECS: dict[str, Codec] = {c.name: c for c in _REGISTRY}
 CODEC_IDS: dict[int, Codec] = {c.id: c for c in _REGISTRY}
 _TOPK_NAME = re.compile(r"^topk(?::|\()([0-9.eE+-]+)\)?$")
