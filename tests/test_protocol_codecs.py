@@ -338,3 +338,17 @@ def test_frame_limits_hold_the_longest_ecq_payload() -> None:
     worst = env.data[: 2 * n // 64] + packer.compress(noise.numpy().tobytes()) + packer.flush()
     assert len(env.data) < len(worst) <= len(largest(env).data)
     decode(TensorEnvelope(codec=env.codec, dtype=env.dtype, shape=env.shape, data=worst), peer="p")
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "ecq"])
+@pytest.mark.parametrize("value", [1e-40, 3e-39, 1e-38, 1e-31])
+def test_blocks_of_tiny_values_are_sent_as_zeros_not_blown_up_or_refused(codec: str, value: float) -> None:
+    """The block codecs divide by a block's scale: below FLUSH_BELOW the reciprocal overflowed (a block of 3e-39
+    decoded to 44x its values under ecq; one of 1e-40 got an infinite scale, refused by an honest receiver)."""
+    from protocol.codecs.quant import FLUSH_BELOW
+
+    x = torch.zeros(200)
+    x[:64], x[70], x[150:] = value, value, torch.randn(50)  # tiny blocks beside an ordinary one
+    y = decode(encode(x, codec), TensorSpec((200,), torch.float32))
+    assert bool((y[:128] - x[:128]).abs().max() <= FLUSH_BELOW) and bool((y[:128].abs() <= FLUSH_BELOW).all())
+    assert float((y[150:] - x[150:]).norm() / x[150:].norm()) < 0.25

@@ -126,9 +126,17 @@ def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(-1, block)
 
 
+#: a block whose largest |value| is below this is sent as zeros: the codecs divide by a block's scale (or a step
+#: of it), and the reciprocal of a float32 below ~3e-39 overflows, which turned a block of such values into codes
+#: of 44x their size, or into an infinite scale an honest receiver refuses
+FLUSH_BELOW = 1e-30
+
+
 def _scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block absmax rounded up to bfloat16: (bf16 scales for the wire, the same values as fp32)."""
+    """Per-block absmax rounded up to bfloat16 (0 below ``FLUSH_BELOW``): (bf16 scales for the wire, the same
+    values as fp32)."""
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
+    absmax = absmax.masked_fill(absmax < FLUSH_BELOW, 0.0)
     bits = absmax.view(torch.int32)
     bits = (bits + 0xFFFF) & ~0xFFFF  # ceil to the next bfloat16 (absmax >= 0, so this rounds the magnitude up)
     scales = (bits >> 16).to(torch.int16).view(torch.bfloat16)
