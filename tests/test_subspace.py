@@ -54,6 +54,9 @@ def test_config_checks_and_run_ids():
     assert SUB.replace(compression={"subspace_table_std": 0.02}).run_id != SUB.run_id  # F is part of the model
     with pytest.raises(ValueError, match="subspace_table_std"):
         SUB.replace(compression={"subspace_table_std": float("nan")})
+    for unused in ({"subspace_codec": "ecq"}, {"subspace_table_std": 0.3}):  # silently unused, yet a new run id
+        with pytest.raises(ValueError, match="applies only with"):
+            TINY.replace(compression=unused)
 
 
 def test_boundary_rebuilds_exactly_and_gradients_lose_nothing():

@@ -288,6 +288,13 @@ class CompressionConfig:
             raise ValueError(f"compression.subspace_codec must be one of {RUN_CODECS}, got {self.subspace_codec!r}")
         if not 0.0 < self.subspace_table_std <= 10.0:  # NaN fails too
             raise ValueError(f"compression.subspace_table_std must be in (0, 10], got {self.subspace_table_std}")
+        if not self.subspace:  # unused without it, yet part of the run's id: a run that differs in nothing else
+            defaults = CompressionConfig.__dataclass_fields__
+            for name in ("subspace_codec", "subspace_table_std"):
+                if getattr(self, name) != defaults[name].default:
+                    raise ValueError(f'compression.{name} applies only with "subspace" compression '
+                                     '(compression.activations = "subspace"); remove it, or set the codec of '
+                                     "compression.activations and compression.gradients instead")
         for name in ("activations", "gradients", "averaging"):
             if self.subspace and name != "averaging":
                 continue
