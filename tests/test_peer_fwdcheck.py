@@ -25,9 +25,13 @@ from trainer.worker import StageWorker
 
 pytestmark = pytest.mark.timeout(90)
 
+RUN3 = RUN.replace(n_stages=3, model={"n_layer": 3})
+RUN_SUB = RUN.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 4,
+                                   "subspace_codec": "ecq"})
+
 
 def _copy_of_stage0(worker: StageWorker) -> SpareStore:
-    spares = SpareStore(RUN, None)
+    spares = SpareStore(worker.run, None)
     assert spares.offer(0, worker.state_dict(), source="a0", taken_at=time.time())
     return spares
 
@@ -36,9 +40,9 @@ async def _direct(fn, *args):
     return fn(*args)
 
 
-def _checks(spares: SpareStore, **kw) -> tuple[ForwardChecks, PeerMetrics]:
+def _checks(spares: SpareStore, run=RUN, **kw) -> tuple[ForwardChecks, PeerMetrics]:
     metrics = PeerMetrics("b1", 1)
-    return ForwardChecks(ForwardCheckConfig(**kw), copy=HeldCopy(RUN, 0, spares), boundary=Boundary(RUN, None),
+    return ForwardChecks(ForwardCheckConfig(**kw), copy=HeldCopy(run, 0, spares), boundary=Boundary(run, None),
                          compute=_direct, queued=lambda: 0, metrics=metrics, rng=random.Random(0)), metrics
 
 
@@ -68,6 +72,54 @@ def test_the_copy_reproduces_honest_activations_and_refuses_fabricated_ones(corp
     assert metrics.snapshot()["fwdchecks"]["checks"] == 6 and checks.compute_s > 0
 
 
+def test_a_subspace_runs_forwards_are_judged_on_their_coefficients_not_the_fixed_tables(corpus):  # noqa: F811
+    """In a subspace run the activations a receiver rebuilds are F (its own fixed tables' rows for the ids) + U c:
+    judged whole, F dominates and fabricated coefficients (zeros, noise, negated, another model's) pass; judged on
+    the coefficients the sender chose (``Boundary.sent``), they fail and honest ones pass. The norm bound reads the
+    same coefficients."""
+    from peer.pipeline.spotcheck import agreement
+    from protocol.codecs.registry import decode, encode
+    from trainer.subspace import fixed_tables
+
+    run = RUN_SUB
+    torch.manual_seed(0)
+    w0 = StageWorker(run, 0)
+    checks, metrics = _checks(_copy_of_stage0(w0), run=run)
+    boundary = checks.boundary
+    x, y = BatchStream(corpus.train, 32, 8, seed=1).next()
+    window = torch.cat([x, y[:, -1:]], dim=1)
+    sub = boundary.subspace
+    assert sub is not None
+
+    def received(c: torch.Tensor) -> torch.Tensor:  # coefficients through the wire, rebuilt as the receiver does
+        return sub.rebuild(decode(encode(c, run.compression.subspace_codec)), x)
+
+    # another model in the run's subspace (the run's seed fixes U and F for every model of it): every weight drawn
+    # afresh, the tables' trained parts too
+    impostor, tables = StageWorker(run, 0), fixed_tables(run, 0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in impostor.model.named_parameters():
+            own = p - tables[name] if name in tables else p
+            p.copy_(torch.randn(p.shape, generator=g) * float(own.std()) + (tables[name] if name in tables else 0))
+        sub.project_(impostor.model)
+        c = sub.coefficients(w0.model(x), x)
+        other = sub.coefficients(impostor.model(x), x)
+    honest = received(c)
+    fakes = {"zeros": received(torch.zeros_like(c)), "noise": received(torch.randn_like(c) * c.std()),
+             "negated": received(-c), "other model": received(other)}
+    assert agreement(fakes["zeros"], honest)[0] > 0.5  # whole vectors: F alone reads close to an honest frame
+    verdict = lambda acts: asyncio.run(checks.judge("a0", 1, acts, window))  # noqa: E731
+    assert verdict(honest)
+    failed = {name: not verdict(fake) for name, fake in fakes.items()}
+    assert all(failed.values()), (failed, list(checks.seen))
+    assert metrics.snapshot()["counters"]["fwdcheck_failed"] == len(fakes)
+    # the coefficients of what was received, as the norm bound reads them: zeros have none
+    assert torch.allclose(boundary.sent(honest, window), decode(encode(c, run.compression.subspace_codec)),
+                          atol=1e-4)
+    assert float(boundary.sent(fakes["zeros"], window).norm()) < 1e-3 * float(c.norm())
+
+
 def test_a_sender_is_checked_every_time_until_trusted_then_sampled(corpus):  # noqa: F811
     w0 = StageWorker(RUN, 0)
     spares = SpareStore(RUN, None)
@@ -86,9 +138,6 @@ def test_a_sender_is_checked_every_time_until_trusted_then_sampled(corpus):  # n
     assert checks.wants("a0") and not checks.trusted("a0")
     with pytest.raises(ValueError):
         ForwardCheckConfig(fraction=2.0)
-
-
-RUN3 = RUN.replace(n_stages=3, model={"n_layer": 3})
 
 
 def _stage1_with_copy(net: Net, cfg: PeerConfig, spares: SpareStore, run=RUN) -> PipelineServicer:
@@ -127,7 +176,7 @@ def _pipeline(corpus, *, fabricate: bool, steps: int, run_for: float, run=RUN): 
     return a0, b1, net
 
 
-@pytest.mark.parametrize("run", [RUN, RUN3], ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("run", [RUN, RUN3, RUN_SUB], ids=["2-stages", "3-stages", "subspace"])
 def test_an_honest_stage0_passes_with_a_stale_copy(corpus, run):  # noqa: F811
     a0, b1, _ = _pipeline(corpus, fabricate=False, steps=30, run_for=60.0, run=run)
     counters = b1.metrics.snapshot()["counters"]

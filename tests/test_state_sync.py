@@ -160,7 +160,7 @@ def _server(worker: StageWorker, clock=time.monotonic, config=SMALL_CHUNKS) -> S
     async def worker_call(fn):
         return fn(worker)
 
-    server = StateServer(p2p=None, rpc_server=None, run=RUN, stage=0, worker_call=worker_call,
+    server = StateServer(p2p=None, rpc_server=None, run=getattr(worker, "run", RUN), stage=0, worker_call=worker_call,
                          metrics=PeerMetrics("donor", 0), config=config, transport=Direct({}), clock=clock)
     server.ready = True
     server.worker = worker  # for the tests' comparisons

@@ -256,3 +256,57 @@ def test_a_client_that_trusts_nobody_keeps_the_replicas_a_majority_vouches_for()
         assert sorted(kept) == ["h1", "h2", "h3"]
 
     asyncio.run(main())
+
+
+def test_a_subspace_runs_tables_are_witnessed_on_their_trained_part_not_on_the_fixed_tables():
+    """A subspace run's embedding tables are F (fixed, every replica's) plus a trained part: a state that replaces
+    the whole trained part (zeroed or negated) is refused, though F keeps it near the honest table as a whole."""
+    from pathlib import Path
+
+    from trainer.config import RunConfig
+    from trainer.subspace import fixed_tables
+
+    tiny = RunConfig.from_toml(Path(__file__).parent / "runs" / "tiny.toml")
+    run = tiny.replace(compression={"activations": "subspace", "gradients": "subspace", "subspace_rank": 4})
+    tables = fixed_tables(run, 0)
+    assert set(tables) == {"wte.weight", "wpe.weight"} and fixed_tables(run, 1) == {} and fixed_tables(tiny, 0) == {}
+
+    def replica(seed: int) -> StageWorker:
+        torch.manual_seed(0)
+        w = StageWorker(run, 0)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            w.set_grads([torch.randn(p.shape, generator=g) for p in w.parameters()])
+            w.optimizer_step()
+        return w
+
+    async def main():
+        servers = {f"h{i}": _server(replica(i)) for i in (1, 2)}
+        honest = servers["h1"].worker.state_dict()
+        figures = {}
+        for kind in ("honest", "zeros", "negated"):
+            state = {**honest, "model": dict(honest["model"])}
+            f = tables["wte.weight"]
+            if kind == "zeros":
+                state["model"]["wte.weight"] = f.clone()
+            elif kind == "negated":
+                state["model"]["wte.weight"] = 2 * f - honest["model"]["wte.weight"]
+            verdict = await witness_state(transport=Direct(servers), state=state, witnesses=["h2"], run=run,
+                                          stage=0, config=SMALL_CHUNKS)
+            assert "h2" in verdict.distances, verdict.reason
+            figures[kind] = (verdict.loadable, verdict.distances["h2"])
+        assert figures["honest"][0] and figures["honest"][1] < SMALL_CHUNKS.tensor_tolerance, figures
+        assert not figures["zeros"][0] and figures["zeros"][1] > 0.9, figures  # ~1: the trained part's own norm
+        assert not figures["negated"][0] and figures["negated"][1] > 1.8, figures  # ~2: a sign flip
+        # against the whole table, as before, the same lies read near: F is most of its norm
+        seed = 7
+        names = list(honest["model"])
+        i = names.index("wte.weight")
+        ours = digest(witnessed_tensors(honest), seed=seed, dims=64, local_step=0)
+        zeroed = digest([tables["wte.weight"] if n == "wte.weight" else t for n, t in honest["model"].items()],
+                        seed=seed, dims=64, local_step=0)
+        assert float(tensor_distances(ours, zeroed)[i]) < SMALL_CHUNKS.tensor_tolerance
+        fixed = witness_mod.fixed_sketches(run, 0, names, seed=seed)
+        assert float(tensor_distances(ours, zeroed, fixed=fixed)[i]) > 0.9
+
+    asyncio.run(main())

@@ -119,7 +119,7 @@ def main() -> None:
                     x, y = fresh.next()
                     with torch.no_grad():
                         act = w0.model(x)
-                    act = boundary.decode_forward(_fwd(boundary, act), "me")[0]
+                    act = boundary.decode_forward(_fwd(boundary, act, boundary.first_hop(x, y)[1]), "me")[0]
                     g_live = boundary.decode_gradient(boundary.encode_gradient(input_gradient(a, act, y)), "me")
                     g_copy = boundary.decode_gradient(boundary.encode_gradient(input_gradient(b, act, y)), "me")
                     cos, ratio = agreement(g_live, g_copy)
@@ -164,13 +164,14 @@ def _forward_figures(run: RunConfig, boundary: Boundary, old: dict[str, torch.Te
     copy = build_stage(run, 0)
     copy.load_state_dict(old)
     copy.eval()
+    window = boundary.first_hop(x, y)[1]
     with torch.no_grad():
-        live = boundary.decode_forward(_fwd(boundary, w0.model(x)), "me")[0]
+        live = boundary.decode_forward(_fwd(boundary, w0.model(x), window), "me")[0]
         ids = torch.cat([x[:, :1], y[:, :-1]], dim=1)  # the targets shifted back: x, given its first column
         table = copy(torch.arange(run.model.vocab_size).unsqueeze(1))[:, 0]  # [V, d]: position 0 of each token
         found = torch.cdist(live[:, 0], table).argmin(dim=1)
         ref = copy(ids)
-    cos, ratio = agreement(live, ref)
+    cos, ratio = agreement(boundary.sent(live, window), boundary.sent(ref, window))  # as the re-check compares them
     return cos, ratio, float((found == x[:, 0]).float().mean())
 
 

@@ -9,7 +9,8 @@ replica 0 and every other replica, on every stage, under several floors: the fix
 (the witnesses' rule, ``peer.state.digest.witness_floors``) k x the run's peak learning rate for the tensors the
 seeded init sets to zero. It also measures what a floor lets a liar do: replica 0's validation loss with its
 tensors pushed, in a random direction, as far as the tolerance allows (every tensor, or only the zero-initialised
-ones: what their floor adds).
+ones: what their floor adds). In a subspace run the embedding tables are measured on their trained part, as the
+witnesses measure them (their fixed part F left out of the scale); ``tables_max`` is the largest such distance.
 
     python tools/witness_drift.py --run tests/runs/tiny.toml --steps 400 --eval-every 20 --speeds 1,0.5 \
         --json docs/bench/witness_drift_tiny.json
@@ -39,12 +40,15 @@ from trainer.data import load_corpus, val_batches  # noqa: E402
 from trainer.model import starts_at_zero  # noqa: E402
 from trainer.sim import simulator as sim_mod  # noqa: E402
 from trainer.sim.methods import METHODS  # noqa: E402
+from trainer.subspace import fixed_tables  # noqa: E402
 
 
-def distance(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
-    """The witness's relative distance of two tensors, exactly (the witness reads it through a sketch)."""
+def distance(a: torch.Tensor, b: torch.Tensor, floor: float, fixed: torch.Tensor | None = None) -> float:
+    """The witness's relative distance of two tensors, exactly (the witness reads it through a sketch); ``fixed``:
+    the part both hold that nobody trains (a subspace run's fixed table), left out of the scale as the witness does."""
     a, b = a.double(), b.double()
-    scale = max(float(a.norm()), float(b.norm()), floor * math.sqrt(a.numel()))
+    fa, fb = (a, b) if fixed is None else (a - fixed.double(), b - fixed.double())
+    scale = max(float(fa.norm()), float(fb.norm()), floor * math.sqrt(a.numel()))
     return float((a - b).norm()) / scale if scale > 0 else 0.0
 
 
@@ -61,13 +65,15 @@ def pushed_loss(state: Any, k: float | None, lr: float, tolerance: float, seed: 
     g = torch.Generator().manual_seed(seed)
     saved = [{n: v.detach().clone() for n, v in w.model.state_dict().items()} for w in state.w[0]]
     try:
-        for w in state.w[0]:
+        for s, w in enumerate(state.w[0]):
+            fixed = fixed_tables(state.run, s)
             with torch.no_grad():
                 for name, p in w.model.named_parameters():
                     if zero_init_only and not starts_at_zero(name):
                         continue
                     noise = torch.randn(p.shape, generator=g).to(p.dtype)
-                    scale = max(float(p.norm()), floor_of(name, k, lr) * math.sqrt(p.numel()))
+                    own = p if name not in fixed else p - fixed[name].to(p.device, p.dtype)
+                    scale = max(float(own.norm()), floor_of(name, k, lr) * math.sqrt(p.numel()))
                     p.add_(noise * (tolerance * scale / max(float(noise.norm()), 1e-30)))
         return round(float(state._val_loss(0)), 4)
     finally:
@@ -110,6 +116,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
 
     loaded: list[int] = []
+    fixed = [fixed_tables(run, s) for s in range(run.n_stages)]
 
     def measured() -> None:
         record()
@@ -128,8 +135,10 @@ def main() -> None:
                 ref = dict(state.w[0][s].model.state_dict())
                 for r in range(1, state.R):
                     for key, v in state.w[r][s].model.state_dict().items():
-                        d = distance(ref[key], v, floor_of(key, k, lr))
+                        d = distance(ref[key], v, floor_of(key, k, lr), fixed[s].get(key))
                         worst["over_tolerance"] += int(d > tolerance)
+                        if key in fixed[s]:  # a subspace run's table: measured on its trained part
+                            worst["tables_max"] = round(max(worst.get("tables_max", 0.0), d), 4)
                         if d > worst["max"]:
                             worst.update(max=round(d, 4), tensor=f"stage {s} {key}")
             point["floors"][name] = worst

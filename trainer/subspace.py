@@ -33,7 +33,7 @@ from torch import nn
 from trainer.config import RunConfig
 from trainer.model import seeded_normal
 
-__all__ = ["Coordinates", "Layout", "LAYOUTS", "Subspace", "basis", "constrained"]
+__all__ = ["Coordinates", "Layout", "LAYOUTS", "Subspace", "basis", "constrained", "fixed_tables", "holds_tables"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +79,33 @@ def basis(seed: int, n_embd: int, rank: int) -> torch.Tensor:
     return u.to(torch.float32).contiguous()
 
 
+def _fixed_table(run: RunConfig, name: str, rows: int) -> torch.Tensor:
+    """F of the embedding table ``name``: the init's draw of it at the std ``compression.subspace_table_std`` (so F
+    is parallel to the table's init), [rows, n_embd] fp32 on the CPU."""
+    return seeded_normal(run.seed, name, (rows, run.model.n_embd), run.compression.subspace_table_std)
+
+
+def holds_tables(run: RunConfig, stage: int) -> bool:
+    """Whether ``stage``'s weights include embedding tables kept in the subspace (F plus a trainable part): stage 0
+    of a subspace run, unless it is also the last."""
+    return stage == 0 and constrained(run, stage)
+
+
+def fixed_tables(run: RunConfig, stage: int) -> dict[str, torch.Tensor]:
+    """The fixed part F of every embedding table ``stage`` holds in the subspace, by parameter name (empty for a
+    stage without one, or outside the subspace): such a table is F plus a trainable part in span(U), and F is the
+    same for every replica. What tells two replicas' tables apart, or a replica's from a forged one, is the trainable
+    part alone; against the whole table (F's std 0.2 next to a trained part of a few hundredths) a replacement of
+    the entire trainable part reads as a small relative change (``peer.state.witness``)."""
+    if not holds_tables(run, stage):
+        return {}
+    layout = LAYOUTS[run.model.arch]
+    out = {layout.token_table: _fixed_table(run, layout.token_table, run.model.vocab_size)}
+    if layout.position_table is not None:
+        out[layout.position_table] = _fixed_table(run, layout.position_table, run.model.block_size)
+    return out
+
+
 class Subspace:
     """The run's basis and fixed embedding tables, and the maps between full vectors and coefficients.
 
@@ -86,9 +113,12 @@ class Subspace:
         run: a run with ``compression.subspace``; its seed, width and rank fix everything here.
         arch: the architecture's ``Layout`` key (default: the run's ``model.arch``).
         device: where the tensors live (the worker's device; the peer's wire side keeps a CPU one).
+        tables: whether to hold the fixed tables F (vocab_size x n_embd: 262 MB for a 1 B Llama): the wire side
+            needs them on every stage, a worker only on a stage whose embeddings it trains (``holds_tables``).
     """
 
-    def __init__(self, run: RunConfig, *, arch: str | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(self, run: RunConfig, *, arch: str | None = None, device: str | torch.device = "cpu",
+                 tables: bool = True) -> None:
         arch = run.model.arch if arch is None else arch
         if not run.compression.subspace:
             raise ValueError('this run does not use "subspace" compression (compression.activations)')
@@ -98,16 +128,17 @@ class Subspace:
         self.n_embd, self.rank, self.vocab_size = cfg.n_embd, run.compression.subspace_rank, cfg.vocab_size
         self.device = torch.device(device)
         self.u = basis(run.seed, cfg.n_embd, self.rank).to(self.device)  # [d, k]
-        std = run.compression.subspace_table_std  # the init's draw, scaled: F is parallel to the tables' init
-        self.tok_table = seeded_normal(run.seed, self.layout.token_table, (cfg.vocab_size, cfg.n_embd),
-                                       std).to(self.device)  # [V, d]
+        self.has_tables = tables
+        self.tok_table = (_fixed_table(run, self.layout.token_table, cfg.vocab_size).to(self.device) if tables
+                          else torch.empty(0, cfg.n_embd, device=self.device))  # [V, d]
         self.pos_table = (None if self.layout.position_table is None else
-                          seeded_normal(run.seed, self.layout.position_table, (cfg.block_size, cfg.n_embd),
-                                        std).to(self.device))  # [block, d]
+                          _fixed_table(run, self.layout.position_table, cfg.block_size).to(self.device) if tables
+                          else torch.empty(0, cfg.n_embd, device=self.device))  # [block, d]
 
     # --- the boundary: full vectors <-> coefficients --------------------------------------------------------------
     def fixed(self, ids: torch.Tensor) -> torch.Tensor:
         """F_tok[ids] + F_pos[positions]: the part of the residual stream that never leaves the fixed tables."""
+        self._need_tables()
         ids = ids.to(self.device, torch.long)  # [B, T]
         x = self.tok_table[ids]  # [B, T, d]
         if self.pos_table is not None:
@@ -135,10 +166,16 @@ class Subspace:
     def _targets(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in module.named_parameters() if self.layout.constrains(n)]
 
+    def _need_tables(self) -> None:
+        if not self.has_tables:
+            raise RuntimeError("this Subspace was built without the fixed tables (tables=False): it maps the weights "
+                               "of a stage without embeddings, not boundary frames or embedding tables")
+
     def _table(self, name: str) -> torch.Tensor | None:
-        if name == self.layout.token_table:
-            return self.tok_table
-        return self.pos_table if name == self.layout.position_table else None
+        if name not in (self.layout.token_table, self.layout.position_table):
+            return None
+        self._need_tables()
+        return self.tok_table if name == self.layout.token_table else self.pos_table
 
     def to_coords(self, name: str, t: torch.Tensor, *, fixed: bool) -> torch.Tensor:
         """A constrained parameter (or its gradient, ``fixed=False``) as its coordinates in the subspace: a table's

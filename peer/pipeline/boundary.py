@@ -42,7 +42,8 @@ class Boundary:
 
     Args:
         run: the run; its compression section picks the plain codecs or the subspace pair.
-        subspace: the run's ``Subspace`` (any device; a CPU copy is kept for the wire), None in plain runs.
+        subspace: the run's ``Subspace`` (any device; the wire keeps a CPU one with the fixed tables: this one when it
+            is that), None in plain runs.
     """
 
     def __init__(self, run: RunConfig, subspace: Subspace | None) -> None:
@@ -52,7 +53,8 @@ class Boundary:
         self.ids_spec = TensorSpec((b, t + 1), ids_dtype(run.model.vocab_size))
         self.subspace = None
         if run.compression.subspace:
-            self.subspace = subspace if subspace is not None and subspace.device.type == "cpu" else Subspace(run)
+            reuse = subspace is not None and subspace.device.type == "cpu" and subspace.has_tables
+            self.subspace = subspace if reuse and subspace is not None else Subspace(run)
             k = run.compression.subspace_rank
             # |c_i| <= |x - F|_2 <= sqrt(d) * (MAX_ACT_ABS + max |F|): a coefficient beyond it cannot rebuild into
             # activations the act_spec accepts
@@ -104,6 +106,19 @@ class Boundary:
         c = decode(msg.activations, self.coef_spec, peer=peer, field="activations")
         x = self.subspace.rebuild(c, window[:, :-1])
         return check_values(x, self.act_spec, peer=peer, field="activations"), window
+
+    def sent(self, x: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+        """What the sender chose of activations ``x`` [B, T, d] (rows of the micro-batch whose token ``window`` is
+        [B, T+1]), for the checks that judge it (the norm bound, the forward re-checks): ``x`` itself in a plain run;
+        in a subspace run its coefficients ``U^T (x - F)`` [B, T, k], which have the norm of ``x - F`` and agree with
+        another frame's as ``x - F`` does. The fixed tables' rows F are the receiver's own, rebuilt from the ids, and
+        dominate ``x``: judged whole, a frame of zero coefficients (F alone) read a cosine of 0.97 and a norm ratio
+        of 1.03 against an honest one in the links run."""
+        if self.subspace is None:
+            return x
+        if window is None:
+            raise ValueError("a subspace run's activations are judged with their token window")
+        return self.subspace.coefficients(x, window[:, :-1])
 
     def _window(self, msg: Forward, peer: str) -> torch.Tensor:
         assert msg.tokens is not None

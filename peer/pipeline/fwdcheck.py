@@ -78,7 +78,7 @@ class ForwardChecks:
 
     Args:
         copy: the held copy of stage 0.
-        boundary: projects the copy's output as the wire does (subspace runs).
+        boundary: what of the activations is compared (``Boundary.sent``: a subspace run's coefficients).
         compute: the compute thread; queued: items waiting for it.
     """
 
@@ -110,9 +110,6 @@ class ForwardChecks:
         device = next(module.parameters()).device
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             y: torch.Tensor = module(ids.to(device)).float().cpu()
-        sub = self.boundary.subspace
-        if sub is not None:  # what the wire can carry of it: the projection into the run's subspace
-            y = sub.rebuild(sub.coefficients(y, ids), ids).cpu()
         self.compute_s += time.perf_counter() - t0
         return y
 
@@ -137,7 +134,7 @@ class ForwardChecks:
                 logger.warning("forward re-check of micro-batch %d failed here: %s: %s", mb_id, type(e).__name__, e)
                 self.metrics.inc("fwdcheck_errors")
                 return True
-            cos, ratio = agreement(x[rows], ref)
+            cos, ratio = agreement(self.boundary.sent(x[rows], window[rows]), self.boundary.sent(ref, window[rows]))
         self.seen.append((cos, ratio))
         self.judged += 1
         passed = cos >= self.config.min_cosine and ratio <= self.config.max_norm_ratio

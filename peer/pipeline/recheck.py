@@ -120,8 +120,10 @@ def input_gradient(module: StageBase, x: torch.Tensor, targets: torch.Tensor, *,
 
 
 def as_sent(boundary: Boundary, g: torch.Tensor, share: float = 1.0) -> torch.Tensor:
-    """The copy's gradient of some rows as the wire would deliver it: scaled to the mean over all the micro-batch's
-    tokens (``share``: the rows' part of them), then projected into the run's subspace or through its codec."""
+    """The copy's gradient of some rows as the wire would carry it: scaled to the mean over all the micro-batch's
+    tokens (``share``: the rows' part of them), then through the run's codec, or, in a subspace run, projected into
+    its subspace (exactly: the coefficient codec's rounding, a few percent, is left out, which the re-checks'
+    thresholds dwarf)."""
     g = g.cpu() * share
     sub = boundary.subspace
     if sub is not None:

@@ -199,6 +199,12 @@ class PipelineServicer:
     async def _decode(self, env: TensorEnvelope, spec: TensorSpec, peer: str) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: decode(env, spec, peer=peer))
 
+    def _decode_forward(self, msg: Forward, peer: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(activations, token window, what the sender chose of the activations: ``Boundary.sent``), in an
+        executor."""
+        x, window = self.boundary.decode_forward(msg, peer)
+        return x, window, self.boundary.sent(x, window)
+
     # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
     async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
         if not isinstance(msg, Forward):  # the server admits only Forward here (sizes.HANDLER_KINDS)
@@ -238,8 +244,8 @@ class PipelineServicer:
                                     "carry its sender's signature (peer.pipeline.attest)")
             answers = signed
         try:
-            x, window = await asyncio.get_running_loop().run_in_executor(
-                None, self.boundary.decode_forward, msg, peer_id)
+            x, window, sent = await asyncio.get_running_loop().run_in_executor(
+                None, self._decode_forward, msg, peer_id)
             targets = None
             if self.is_last and window is not None:  # the window's last T ids (plain runs: the targets are them)
                 targets = window[:, 1:]
@@ -254,7 +260,7 @@ class PipelineServicer:
                     return self._reject("bad_request", ErrorCode.BAD_REQUEST, "targets outside the vocabulary")
         except ProtocolError as e:
             return self._reject("bad_tensor", ErrorCode.BAD_REQUEST, str(e))
-        if not self.guard.norm_ok("activations", x, peer_id):
+        if not self.guard.norm_ok("activations", sent, peer_id):
             return Error(code=ErrorCode.OUT_OF_BOUNDS, message="activation norm outside the bounds of recent traffic")
         if self.forward_q.full():  # filled while we decoded
             return Busy(retry_after_s=0.1)

@@ -97,14 +97,21 @@ def digest(tensors: list[torch.Tensor], *, seed: int, dims: int, local_step: int
                   numel=torch.tensor([t.numel() for t in tensors], dtype=torch.int64), local_step=int(local_step))
 
 
-def tensor_distances(a: Digest, b: Digest, floor: float | torch.Tensor = RMS_FLOOR) -> torch.Tensor:
-    """Per tensor, ``|S(a) - S(b)| / max(|S(a)|, |S(b)|, floor sqrt(numel))`` with S the sketch: about the relative
-    distance of the two tensors, exactly 0 for equal ones, 1 for zeros against anything far above the floor and 2
-    for a sign flip. The floor (rms per coordinate, one or per tensor: ``witness_floors``) keeps tensors that are
-    small next to how far training moves them (biases that start at zero) from reading small honest differences as
-    far."""
+def tensor_distances(a: Digest, b: Digest, floor: float | torch.Tensor = RMS_FLOOR,
+                     fixed: torch.Tensor | None = None) -> torch.Tensor:
+    """Per tensor, ``|S(a) - S(b)| / max(|S(a) - S(F)|, |S(b) - S(F)|, floor sqrt(numel))`` with S the sketch:
+    about the relative distance of the two tensors, exactly 0 for equal ones, 1 for zeros against anything far above
+    the floor and 2 for a sign flip. The floor (rms per coordinate, one or per tensor: ``witness_floors``) keeps
+    tensors that are small next to how far training moves them (biases that start at zero) from reading small honest
+    differences as far. ``fixed``: the sketches [n, dims] (same seed) of a part F every replica's tensor holds and
+    nobody trains (a subspace run's fixed embedding tables, ``trainer.subspace.fixed_tables``; zeros elsewhere), so
+    that the distance is relative to the trained part alone: a shared F in the denominator would let a state replace
+    the whole trained part of a table and read as near."""
     diff = (a.sketch - b.sketch).double().norm(dim=1)
-    scale = torch.maximum(a.sketch.double().norm(dim=1), b.sketch.double().norm(dim=1))
+    sa, sb = a.sketch.double(), b.sketch.double()
+    if fixed is not None:
+        sa, sb = sa - fixed.double(), sb - fixed.double()
+    scale = torch.maximum(sa.norm(dim=1), sb.norm(dim=1))
     scale = torch.maximum(scale, floor * a.numel.double().sqrt())
     return torch.where(scale > 0, diff / scale.clamp_min(1e-30), torch.zeros_like(diff)).float()
 

@@ -20,10 +20,13 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from peer.state.digest import Digest, digest, read_digest, tensor_distances, witness_floors, witnessed_tensors
+import torch
+
+from peer.state.digest import Digest, digest, read_digest, sketch, tensor_distances, witness_floors, witnessed_tensors
 from peer.state.sync import STATE_RPC, StateSyncConfig, StateSyncError, Vet
 from protocol.errors import PeerUnreachable, ProtocolError, RemoteError
 from protocol.messages import StateChunk, StateDigestRequest
+from trainer.subspace import fixed_tables
 
 if TYPE_CHECKING:
     from peer.ops.metrics import PeerMetrics
@@ -125,7 +128,9 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
 
     for label, held in (local or {}).items():
         answers[label] = await loop.run_in_executor(None, digest_of, held)
-    floors = witness_floors(list(state["model"]), run.optim.lr)
+    names = list(state["model"])
+    floors = witness_floors(names, run.optim.lr)
+    fixed = await loop.run_in_executor(None, lambda: fixed_sketches(run, stage, names, seed=seed))
     distances: dict[str, float] = {}
     problems: list[str] = []
     for w, answer in answers.items():
@@ -135,7 +140,7 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
         if not bool((answer.numel == ours.numel).all()):
             problems.append(f"witness {w[:16]} holds tensors of other sizes")
             continue
-        d = tensor_distances(ours, answer, floors)
+        d = tensor_distances(ours, answer, floors, fixed)
         distances[w] = float(d.max()) if d.numel() else 0.0
         if distances[w] > config.tensor_tolerance:
             worst = int(d.argmax())
@@ -148,6 +153,20 @@ async def witness_state(*, transport: Transport, state: dict[str, Any], witnesse
     tally = f"{agree + 1} of {len(answers) + 1} (the donor and {agree} of {len(answers)} witnesses) vouch for it"
     return Verdict(loadable=loadable, reason="; ".join([tally, *problems]), distances=distances,
                    step_cap=max(steps) if steps else None, dissent=len(problems))
+
+
+def fixed_sketches(run: RunConfig, stage: int, names: list[str], *, seed: int) -> torch.Tensor | None:
+    """The sketches (``DIMS`` under ``seed``, in the order of ``names``, the state's model keys) of the part of each
+    tensor that no replica trains (``trainer.subspace.fixed_tables``; zeros for the others), for
+    ``tensor_distances``; None in a run without one (blocking)."""
+    tables = fixed_tables(run, stage)
+    if not tables:
+        return None
+    out = torch.zeros(len(names), DIMS)
+    for i, name in enumerate(names):
+        if name in tables:
+            out[i] = sketch(tables[name], seed=seed, index=i, dims=DIMS)
+    return out
 
 
 def sanitize(state: dict[str, Any], step_cap: int | None) -> dict[str, Any]:
