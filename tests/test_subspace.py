@@ -99,8 +99,12 @@ def test_invariant_kept_after_step_averaging_and_load():
     w.load_state_dict(state)
     assert ss.distance(w.model) < 1e-6
     # the fixed embedding tables are the seeded init of every replica: two replicas agree without communicating
-    other = StageWorker(SUB, 1).subspace
+    other = StageWorker(SUB, 0, replica=1).subspace
     assert torch.equal(other.u, ss.u) and torch.equal(other.tok_table, ss.tok_table)
+    later = StageWorker(SUB, 1).subspace  # a stage without embeddings holds U only, not the tables
+    assert torch.equal(later.u, ss.u) and not later.has_tables and later.tok_table.numel() == 0
+    with pytest.raises(RuntimeError, match="without the fixed tables"):
+        later.fixed(torch.zeros(1, 2, dtype=torch.long))
     assert float(ss.tok_table.std()) == pytest.approx(SUB.compression.subspace_table_std, rel=0.05)
 
 

@@ -45,6 +45,17 @@ def test_a_subspace_stage_counts_the_moments_its_optimiser_keeps(stage):
     e = estimate_stage(run, stage)
     assert e.optimizer == held
     assert (e.optimizer < estimate_stage(TINY, stage).optimizer) == (stage < 2)
+    # the basis, the fixed tables where the worker holds them (stage 0), the coordinates and their gradients
+    ss, coords = w.subspace, w._coords
+    tensors = [ss.u, ss.tok_table, ss.pos_table] + ([] if coords is None else [c for *_, c in coords.slots])
+    w.set_grads([torch.ones_like(p) for p in w.parameters()])
+    if coords is not None:
+        coords.gather()  # what a step holds: each coordinate tensor and its gradient
+        tensors += [c.grad for *_, c in coords.slots]
+    assert e.subspace == sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    assert (ss.tok_table.numel() > 0) == (stage == 0) and estimate_stage(TINY, stage).subspace == 0
+    wire = 4 * (ss.u.numel() + (run.model.vocab_size + run.model.block_size) * run.model.n_embd)
+    assert e.host - estimate_stage(TINY, stage).host == wire  # the wire side's own copy, with the tables
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

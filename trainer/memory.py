@@ -75,13 +75,18 @@ class StageMemory:
     """Peak of one micro-batch's recomputed forward and backward (activations saved, the loss, the gradients of
     activations, weights and input, the output gradient received)."""
     host: int
-    """Host memory only: the averaging partition cache (two cycles of one small integer per coordinate)."""
+    """Host memory only: the averaging partition cache (two cycles of one small integer per coordinate); in a
+    subspace run also the wire side's basis and fixed tables (a CPU peer's stage 0 shares its worker's, counted
+    twice here)."""
+    subspace: int = 0
+    """A subspace run's basis U and, on the stage that trains the embeddings, the fixed tables F (vocab x n_embd),
+    and a constrained stage's coordinates the optimiser steps with their gradients, on the compute device."""
 
     @property
     def device_bytes(self) -> int:
         """What the compute device holds."""
         return (self.weights + self.grads + self.optimizer + self.stash + self.averaging + self.inputs
-                + self.backward)
+                + self.backward + self.subspace)
 
     @property
     def total_bytes(self) -> int:
@@ -143,7 +148,8 @@ def estimate_stage(run: RunConfig, stage: int, *, precision: str = "fp32", infli
         averaging=averaging,
         inputs=0 if is_last else inflight * input_bytes,
         backward=_backward_peak(run, stage, precision),
-        host=host)
+        host=host + _subspace_bytes(run, stage, wire=True),
+        subspace=_subspace_bytes(run, stage, wire=False))
 
 
 def estimate_run(run: RunConfig, *, inflight: int | None = None) -> list[StageMemory]:
@@ -193,6 +199,33 @@ def _stepped_numel(run: RunConfig, stage: int) -> int:
     layout, d, k = LAYOUTS[run.model.arch], run.model.n_embd, run.compression.subspace_rank
     return sum(p.numel() // d * k if layout.constrains(n) else p.numel()
                for n, p in _meta_stage(run, stage).named_parameters())
+
+
+def _unconstrained_numel(run: RunConfig, stage: int) -> int:
+    """Parameters of the stage outside the subspace (all of them on a stage that is not constrained)."""
+    from trainer.subspace import LAYOUTS, constrained  # kept local for start-up, as build_stage
+
+    if not constrained(run, stage):
+        return _stage_shape(run, stage).params
+    layout = LAYOUTS[run.model.arch]
+    return sum(p.numel() for n, p in _meta_stage(run, stage).named_parameters() if not layout.constrains(n))
+
+
+@functools.lru_cache(maxsize=64)
+def _subspace_bytes(run: RunConfig, stage: int, *, wire: bool) -> int:
+    """fp32 bytes of a subspace run's tensors (0 in a plain run): the wire side's basis and fixed tables (``wire``),
+    or the worker's basis, its tables where it holds them and its coordinates with their gradients."""
+    from trainer.subspace import LAYOUTS, holds_tables  # kept local for start-up, as build_stage
+
+    if not run.compression.subspace:
+        return 0
+    m, k = run.model, run.compression.subspace_rank
+    basis = m.n_embd * k
+    tables = (m.vocab_size + (m.block_size if LAYOUTS[m.arch].position_table is not None else 0)) * m.n_embd
+    if wire:
+        return 4 * (basis + tables)
+    coordinates = _stepped_numel(run, stage) - _unconstrained_numel(run, stage)
+    return 4 * (basis + (tables if holds_tables(run, stage) else 0) + 2 * coordinates)
 
 
 @functools.lru_cache(maxsize=16)

@@ -60,7 +60,7 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.model import build_stage
 from trainer.optim import build_optimizer, clip_grad_norm, lr_at, moments_refused, set_lr
 from trainer.rules import rule_of
-from trainer.subspace import Coordinates, Subspace, constrained
+from trainer.subspace import Coordinates, Subspace, constrained, holds_tables
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class StageWorker:
         self.precision = resolve_precision(precision, self.device)
         self.model = build_stage(run, stage, seed).to(self.device)
         self.model.train()
-        self.subspace = Subspace(run, device=self.device) if run.compression.subspace else None
+        self.subspace = (Subspace(run, device=self.device, tables=holds_tables(run, stage))
+                         if run.compression.subspace else None)
         self._keep_in_subspace()
         self._names = [n for n, _ in self.model.named_parameters()]
         self._params: list[torch.Tensor] = list(self.model.parameters())

@@ -28,7 +28,8 @@ held copies it re-checks its neighbours' work with on its device: 'copies' (coun
 'device'). join adds 15 % headroom when it decides what fits."""
 
 COLUMNS = (("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("stash", "stash"),
-           ("averaging", "avg"), ("inputs", "inputs"), ("backward", "backward"), ("device_bytes", "device"),
+           ("averaging", "avg"), ("inputs", "inputs"), ("backward", "backward"), ("subspace", "subspace"),
+           ("device_bytes", "device"),
            ("host", "host"))
 
 
