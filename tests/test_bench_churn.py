@@ -2,7 +2,8 @@
 with the same identity, a graceful restart; no sample may be lost, no process orphaned, and the restarted peers resume
 at their step and train again. (With 4 peers the bootstrap may be the only peer of its stage, so its kill can lose
 that stage's state: ``states_lost`` is asserted only by the full run.) The full benchmark (6 peers, a whole stage
-killed, a whole-swarm restart, a clean control) is marked slow; it takes about 4 minutes on 2 busy cores."""
+killed, a whole-swarm restart, a clean control) takes about 4 minutes on 2 busy cores; both runs are marked slow
+(``pytest -m slow tests/test_bench_churn.py``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_a_stage_left_training_by_its_other_replicas_counts_as_kept():
     assert stage_resumed([lost])[0] == {"before": 1043, "after": 0}
 
 
+@pytest.mark.slow  # 88 s on 2 cores; churn in the default run: tests/test_peer_swarm.py (kill -9, auto joiner)
 @pytest.mark.timeout(480)
 def test_short_churn_run_loses_nothing(tmp_path):
     res = _run(tmp_path, "--only", "churn", "--peers", "4", "--steps", "120", "--events", "kill_bootstrap,graceful",

@@ -152,6 +152,7 @@ def test_the_simulation_reaches_the_daemons_first_evaluation_whatever_the_cap():
     assert sim_steps(4_096, 0, 256, [], 2, 400) == 8
 
 
+@pytest.mark.slow  # two 4-peer swarms and a simulation: 92 s of the default run's ~18 min on 2 cores
 @pytest.mark.timeout(600)
 def test_plumbing_on_a_tiny_loopback_swarm(tmp_path):
     from tools.bench_swarm import main
