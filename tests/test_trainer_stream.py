@@ -158,6 +158,19 @@ def test_a_shard_without_documents_fails_when_first_read(jsonl):
     stream.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_shard_shorter_than_one_sequence_fails_when_first_read_instead_of_waiting_for_ever(tmp_path):
+    """Documents, but fewer tokens than one sequence: before, every epoch re-read the source and never yielded, and
+    stage 0 waited without a word."""
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "hi"}\n{"text": "there"}\n')
+    stream = ShardStream(DataConfig(source=str(small), shards=1, val_fraction=0.01), ByteTokenizer(), 64, 2,
+                         DataPosition(shard=0))
+    with pytest.raises(DataError, match="fewer than one sequence of 65"):
+        stream.wait_ready()
+    stream.close()
+
+
 def test_legacy_sources_are_not_streamed():
     assert not DataConfig().streamed
     assert DataConfig(source="corpus.jsonl").streamed and DataConfig(source="hf:x/y").streamed

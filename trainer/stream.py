@@ -99,7 +99,11 @@ def local_files(source: str) -> tuple[str, list[str]]:
         raise DataError(f"data source {source} does not exist; pass a file, a folder or a glob of .txt, .jsonl or "
                         ".parquet files, or hf:NAME for a Hugging Face dataset")
     kinds = {Path(f).suffix for f in files}
-    if not files or not kinds <= set(DOCUMENT_FILES):
+    if not files:
+        raise DataError(f"data source {source} holds no .txt, .jsonl or .parquet file; a source read as documents "
+                        "(one with data.tokenizer set, or of .jsonl/.parquet files) must: other files (.py, .bin) are "
+                        "read as bytes or token ids, without data.tokenizer")
+    if not kinds <= set(DOCUMENT_FILES):
         raise DataError(f"data source {source} must hold .txt, .jsonl or .parquet files (found {sorted(kinds)})")
     if len(kinds) > 1:
         raise DataError(f"data source {source} mixes {sorted(kinds)} files; put each kind in its own folder")
@@ -146,7 +150,7 @@ def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, 
     left at the end of a pass (fewer than one sequence) are dropped. ``pos.taken`` is ignored."""
     pos, n = DataPosition(**{**pos.to_dict(), "taken": 0}), seq_len + 1
     while True:
-        found, pass_start = False, (pos.doc, pos.offset)
+        found, yielded, pass_start = False, False, (pos.doc, pos.offset)
         segments: deque[tuple[int, int, list[int]]] = deque()  # (doc, offset of its first token, tokens) not cut yet
         held = 0
         for i, text in documents(cfg, pos.doc):
@@ -170,11 +174,15 @@ def sequences(cfg: DataConfig, tok: Tokenizer, seq_len: int, pos: DataPosition, 
                 held -= n
                 pos.doc, pos.offset = (segments[0][0], segments[0][1]) if segments else (i + 1, 0)
                 pos.sequences += 1
+                yielded = True
                 yield seq, DataPosition(**pos.to_dict())
         if role == VAL:
             return
         if not found and pass_start == (0, 0):
             raise DataError(f"shard {role} of {cfg.source} holds no document: use fewer data.shards or more data")
+        if not yielded and pass_start == (0, 0):  # else every epoch re-reads the source and never yields
+            raise DataError(f"shard {role} of {cfg.source} holds {held} tokens, fewer than one sequence of {n} "
+                            "(block_size + 1): use fewer data.shards, a smaller model.block_size or more data")
         pos.doc, pos.offset, pos.epoch = 0, 0, pos.epoch + 1
 
 
@@ -232,7 +240,9 @@ def val_set(cfg: DataConfig, tok: Tokenizer, seq_len: int, batch_size: int, n: i
             break
     if len(rows) < need:
         raise DataError(f"the held-out documents of {cfg.source} make {len(rows)} sequences of {seq_len + 1} tokens, "
-                        f"fewer than the {need} of the validation set: raise data.val_fraction or add data")
+                        f"fewer than the {need} of the validation set: raise data.val_fraction or add data (documents "
+                        "are held out whole, and a .txt file is one document: split it into several files, or use "
+                        ".jsonl, a document per line)")
     return [_rows(rows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]
 
 
