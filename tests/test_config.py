@@ -49,11 +49,26 @@ def test_unknown_keys_are_refused_with_their_name(tmp_path):
         ("averaging", {"round_steps": 0}, "round_steps"),
         ("averaging", {"period_s": 0.0}, "period_s"),
         ("data", {"batch_size": 0}, "batch_size"),
+        ("model", {"vocab_size": "32000"}, r"model.vocab_size must be an integer, got '32000' \(str\).*quotes"),
+        ("model", {"n_layer": 2.5}, "model.n_layer must be an integer"),
+        ("optim", {"lr": "1e-3"}, "optim.lr must be a number"),
+        ("data", {"batch_size": True}, "data.batch_size must be an integer"),
+        ("data", {"bin_vocab_size": 128256}, "at most 65536"),
     ],
 )
 def test_invalid_values_say_what_is_wrong(section, values, message):
     with pytest.raises(ValueError, match=message):
         RunConfig.from_dict({section: values})
+
+
+def test_wrong_kinds_are_refused_by_replace_too_and_byte_level_documents_need_the_bytes(tmp_path):
+    with pytest.raises(ValueError, match="model.vocab_size must be an integer"):
+        RunConfig.default().replace(model={"vocab_size": "300"})
+    assert RunConfig.default().replace(optim={"lr": 1}).optim.lr == 1  # an integer is a number
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="at least 256"):
+        RunConfig.default().replace(model={"vocab_size": 128}, data={"source": str(docs)})
 
 
 def test_partitions_count_is_ceil_of_inverse_fraction():

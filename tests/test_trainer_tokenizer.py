@@ -47,7 +47,8 @@ def test_a_trained_tokenizer_round_trips_and_ends_documents(tok_file):
 
 
 def test_the_tokenizer_file_is_part_of_the_run_id_not_its_path(tok_file, tmp_path):
-    run = RunConfig.default().replace(model={"vocab_size": 320}, data={"tokenizer": str(tok_file)})
+    docs = str(tok_file.parent / "code.parquet")
+    run = RunConfig.default().replace(model={"vocab_size": 320}, data={"tokenizer": str(tok_file), "source": docs})
     assert run.run_id != DEFAULT_RUN_ID and run.data.tokenizer_sha256
     copy = tmp_path / "elsewhere.json"
     copy.write_bytes(tok_file.read_bytes())
@@ -64,7 +65,8 @@ def test_the_tokenizer_file_is_part_of_the_run_id_not_its_path(tok_file, tmp_pat
 def test_a_run_file_names_its_tokenizer_relative_to_itself(tok_file, tmp_path):
     (tmp_path / "run.toml").write_text(RunConfig.default().to_toml().replace("vocab_size = 256", "vocab_size = 300")
                                        + '\n')
-    text = (tmp_path / "run.toml").read_text().replace("[data]", f'[data]\ntokenizer = "{tok_file.name}"')
+    text = (tmp_path / "run.toml").read_text().replace("[data]", f'[data]\ntokenizer = "{tok_file.name}"').replace(
+        'source = "stdlib"', f'source = "{tok_file.parent / "code.parquet"}"')
     (tok_file.parent / "run.toml").write_text(text)
     run = RunConfig.from_toml(tok_file.parent / "run.toml")
     assert tokenizer_path(run) == tok_file.resolve()
@@ -73,8 +75,13 @@ def test_a_run_file_names_its_tokenizer_relative_to_itself(tok_file, tmp_path):
 
 
 def test_the_model_vocabulary_must_cover_the_tokenizer(tok_file):
+    docs = str(tok_file.parent / "code.parquet")
     with pytest.raises(ValueError, match=r"set model.vocab_size = 300"):
-        RunConfig.default().replace(data={"tokenizer": str(tok_file)})
+        RunConfig.default().replace(data={"tokenizer": str(tok_file), "source": docs})
+    # a token array (the embedded stdlib sources, .bin shards) takes no tokenizer: said when the run is read
+    for source in ("stdlib", "data/tokens/shard0.bin"):
+        with pytest.raises(ValueError, match="remove data.tokenizer"):
+            RunConfig.default().replace(model={"vocab_size": 300}, data={"tokenizer": str(tok_file), "source": source})
     with pytest.raises(ValueError, match="asyncmesh-peer tokenizer"):
         DataConfig(tokenizer="/nonexistent/tokenizer.json")
 

@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import tomllib
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -355,6 +357,10 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_bytes < 0 or self.bin_vocab_size < 0:
             raise ValueError("data.max_bytes and data.bin_vocab_size must be >= 0")
+        if self.bin_vocab_size > 2**16:
+            raise ValueError(f".bin shards hold uint16 token ids (nanoGPT's format): data.bin_vocab_size must be at "
+                             f"most 65536, got {self.bin_vocab_size}; a larger vocabulary needs its text and "
+                             "data.tokenizer instead")
         if self.shards < 1:
             raise ValueError(f"data.shards must be >= 1, got {self.shards}")
         if self.shuffle_window < 1:
@@ -369,6 +375,11 @@ class DataConfig:
                 raise ValueError(f"data.tokenizer {self.tokenizer} has sha256 {digest}, but the run pins "
                                  f"{self.tokenizer_sha256}: use the run's tokenizer file (or update the pin)")
             object.__setattr__(self, "tokenizer_sha256", digest)
+        if self.tokenizer and (self.source == "stdlib" or self.source.endswith(".bin")):
+            raise ValueError(f"data.tokenizer reads documents (.txt, .jsonl or .parquet files, or hf:NAME), but "
+                             f"data.source {self.source!r} is a token array read as it is (the embedded stdlib "
+                             "sources as bytes, .bin shards as token ids): point data.source at text documents, or "
+                             "remove data.tokenizer")
 
     @property
     def streamed(self) -> bool:
@@ -440,6 +451,9 @@ class RunConfig:
                 raise ValueError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the vocabulary of "
                                  f"data.tokenizer {self.data.tokenizer} ({need} token ids): set "
                                  f"model.vocab_size = {need} (or more, e.g. a multiple of 64)")
+        elif self.data.streamed and self.model.vocab_size < 256:
+            raise ValueError(f"data.source {self.data.source} is read as documents, byte by byte without "
+                             f"data.tokenizer: model.vocab_size must be at least 256, got {self.model.vocab_size}")
         if self.compression.subspace:
             if not self.compression.subspace_rank < self.model.n_embd:
                 raise ValueError(f"compression.subspace_rank ({self.compression.subspace_rank}) must be below "
@@ -528,6 +542,7 @@ class RunConfig:
         for key, value in sections.items():
             current = getattr(self, key)
             if dataclasses.is_dataclass(current) and not isinstance(current, type) and isinstance(value, dict):
+                _check_types(type(current), key, value)
                 kwargs[key] = dataclasses.replace(current, **value)
             else:
                 kwargs[key] = value
@@ -549,12 +564,32 @@ class RunConfig:
         return "\n".join(lines) + "\n"
 
 
+_SCALARS: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
 def _build_section(cls: type, name: str, values: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown key(s) {sorted(unknown)} in [{name}]; known keys: {sorted(known)}")
+    _check_types(cls, name, values)
     return cls(**values)
+
+
+def _check_types(cls: type, name: str, values: dict[str, Any]) -> None:
+    """A ValueError for a value of the wrong kind in section ``name``: a quoted number or a fraction where a count
+    goes fails here, with its key, instead of as a TypeError deep in a check or mid-run."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        what, ok = _SCALARS.get(hints.get(key), ("", lambda v: True))
+        if not ok(value):
+            quoted = " (in TOML a value in quotes is a string: remove them)" if isinstance(value, str) else ""
+            raise ValueError(f"{name}.{key} must be {what}, got {value!r} ({type(value).__name__}){quoted}")
 
 
 def _toml_value(v: Any) -> str:
