@@ -86,11 +86,16 @@ def test_val_batches_fixed_and_cover_the_split():
     assert v1[-1][1][-1, -1].item() == corpus.val[-1]  # last window ends at the end
 
 
-def test_bin_shards_hash_split_capped_and_single_shard_memmapped(tmp_path):
+def test_bin_shards_hash_split_capped_and_single_shard_memmapped(tmp_path, caplog):
     for i in range(30):
         np.full(1000, i, dtype=np.uint16).tofile(tmp_path / f"shard{i:02d}.bin")
-    corpus = load_corpus(DataConfig(source=str(tmp_path), bin_vocab_size=256, max_bytes=40_000, val_fraction=0.2), 256)
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        corpus = load_corpus(DataConfig(source=str(tmp_path), bin_vocab_size=256, max_bytes=40_000, val_fraction=0.2),
+                             256)
     assert len(corpus.train) == 16_000 and len(corpus.val) == 4_000  # cap 20k tokens split 80/20
+    assert "reads 20000 of the 30000 tokens" in caplog.text and "data.max_bytes = 0" in caplog.text  # said, not silent
+    whole = load_corpus(DataConfig(source=str(tmp_path), bin_vocab_size=256, max_bytes=0, val_fraction=0.2), 256)
+    assert len(whole.train) + len(whole.val) == 30_000
     assert set(np.unique(corpus.train)).isdisjoint(np.unique(corpus.val))  # whole shards on one side
     single = tmp_path / "one" / "big.bin"
     single.parent.mkdir()

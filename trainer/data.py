@@ -147,7 +147,13 @@ def _load_bins(root: Path, cfg: DataConfig, files: list[tuple[str, Path]], vocab
         raise DataError(f"data.bin_vocab_size ({cfg.bin_vocab_size}) must equal model.vocab_size ({vocab_size})")
     names = {rel: p for rel, p in files}
     cap = cfg.max_bytes // 2 if len(files) > 1 else 0  # a lone memory-mapped shard costs no memory: no cap
-    if "train.bin" in names and "val.bin" in names:
+    presplit = "train.bin" in names and "val.bin" in names  # read whole, memory-mapped
+    total = sum(p.stat().st_size // 2 for _, p in files)
+    if cap and not presplit and total > cap:
+        logger.warning("data.max_bytes = %d reads %d of the %d tokens of the %d shards in %s (several shards are "
+                       "concatenated in memory, 2 bytes a token): set data.max_bytes = 0 to train on all of them",
+                       cfg.max_bytes, cap, total, len(files), root)
+    if presplit:
         corpus = Corpus(_concat_bins([names["train.bin"]], 0), _concat_bins([names["val.bin"]], 0))
     else:
         train_p = [p for rel, p in files if not _is_val(rel, cfg.val_fraction)]
