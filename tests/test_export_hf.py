@@ -90,7 +90,8 @@ def test_a_run_s_tokenizer_json_is_copied_and_an_upload_goes_through_the_hub(tmp
     run = _run("llama", vocab_size=300).replace(data={"source": "tokens", "bin_vocab_size": 300})
     (tmp_path / "run.toml").write_text(run.to_toml())
     _trained_checkpoints(run, tmp_path, steps=1)
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(299)} | {"[UNK]": 299}, unk_token="[UNK]"))
+    vocab = {f"w{i}": i for i in range(298)} | {"<|endoftext|>": 298, "[UNK]": 299}  # the run's data.eot_token
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "tokenizer.json"))
     calls = []
@@ -118,6 +119,9 @@ def test_a_run_s_tokenizer_json_is_copied_and_an_upload_goes_through_the_hub(tmp
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("w5 w7")["input_ids"] == [5, 7]
+    # generation stops where training joined documents: the run's end-of-text token
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 298
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == 298
     assert [c[0] for c in calls] == ["token", "create_repo", "upload_folder"]
     assert calls[1][1]["repo_id"] == "me/m" and calls[1][1]["private"] is True
     assert Path(calls[2][1]["folder_path"]) == tmp_path / "hf"

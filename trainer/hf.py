@@ -118,6 +118,10 @@ def save_hf(directory: str | Path, run: RunConfig, state: dict[str, torch.Tensor
                          "tokenizer.json its data were tokenized with (--tokenizer)")
     d = Path(directory)
     config = hf_config(run)
+    eos = None
+    if tokenizer_json is not None:  # the id documents were joined with in training: where generation should stop
+        eos = _require("tokenizers").Tokenizer.from_file(str(tokenizer_json)).token_to_id(run.data.eot_token)
+        config.eos_token_id = eos
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.load_state_dict(hf_state(run, state), strict=not run.model.tie_embeddings, assign=True)
@@ -131,6 +135,8 @@ def save_hf(directory: str | Path, run: RunConfig, state: dict[str, torch.Tensor
         if vocab > run.model.vocab_size:
             raise ValueError(f"{tokenizer_json} has {vocab} tokens, more than the model's vocabulary "
                              f"({run.model.vocab_size}); it is not the run's tokenizer")
+        if eos is not None:
+            tok.eos_token = run.data.eot_token
     else:
         tok = byte_tokenizer(run.model.block_size)
     tok.save_pretrained(d)
