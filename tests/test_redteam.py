@@ -192,3 +192,17 @@ def test_a_sender_cannot_drag_the_loss_ceiling_up(tmp_path: Path) -> None:
     ev = res["loss_window_drift"]["evidence"]
     assert ev["trained"] >= 1, ev  # it did get micro-batches trained, just under the ceiling
     assert ev["ceiling_drift"] is None or ev["ceiling_drift"] < 1.1, ev
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_blank_coefficients_in_a_subspace_run_are_refused(tmp_path: Path) -> None:
+    """Zero coefficients rebuild into the fixed tables' rows alone, which a check of whole vectors read as honest
+    (docs/security.md, "Subspace runs: what is judged"): the norm bound and the forward re-checks read the
+    coefficients, and none is trained."""
+    res = _campaign(tmp_path, "--run", str(REPO / "tests" / "runs" / "tiny_subspace.toml"), "--attacks",
+                    "blank_forwards", "--phase-s", "20", "--victim-set", "backup_every_s=5", timeout=280)
+    ev = res["blank_forwards"]["evidence"]
+    assert ev["forwards"], ev
+    seen = ev["victim_counters"]
+    assert ev["trained"] == 0 and seen["rejected:activations_norm"] + seen["fwdcheck_failed"] >= 1, ev

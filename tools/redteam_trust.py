@@ -44,6 +44,7 @@ from protocol.rpc import RpcServer, call
 from protocol.validation import TensorSpec
 from trainer.data import BatchStream, load_corpus
 from trainer.model import build_stage
+from trainer.subspace import Subspace, fixed_tables
 from trainer.worker import StageWorker
 
 SCALES = (1.0, 4.0, 0.25, 16.0, 1 / 16, 64.0, 1 / 64, 256.0, 1 / 256)
@@ -481,8 +482,10 @@ class _Stage0Pose:
         """Send ``peer`` a training forward of activations ``acts`` (an envelope), ``targets`` and token window
         ``tokens`` under the next id of our own; (that id, the reply's kind)."""
         self.mb += 1
+        sub = self.att.run.compression.subspace  # a subspace run's forward carries its targets in the window only
         msg = Forward(run_id=self.att.run.run_id, mb_id=self.mb, route=[self.att.signer.peer_id], activations=acts,
-                      targets=encode(targets, "none"), is_eval=False, sent_at=time.time(), tokens=tokens)
+                      targets=None if sub else encode(targets, "none"), is_eval=False, sent_at=time.time(),
+                      tokens=tokens)
         return self.mb, await self.send(peer, msg)
 
     async def send(self, peer: str, msg: Forward) -> str:
@@ -587,16 +590,51 @@ async def loss_window_drift(att: Any, victims: dict[str, str], until: float) -> 
             "highest_scrambled_share_trained": round(max((f for _, _, f in trained), default=0.0), 3),
             "b_refused_above_ceiling": seen["rejected:loss_above_ceiling"]}
 
-async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> dict[str, Any]:
+def _blank(run: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``blank(honest, x)``: activations whose subspace coefficients are zero, the fixed tables' rows F alone (what
+    the receiver rebuilds from a frame that says nothing). Judged as whole vectors, F dominated them: cosine 0.97 and
+    norm ratio 1.03 against honest ones on the links run."""
+    sub = Subspace(run)
+    return lambda honest, x: sub.fixed(x)
+
+
+def _foreign(run: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``foreign(honest, x)``: another stage 0's output for inputs ``x``, scaled to the honest output's norm: the
+    run's model with another seed, which nobody trained; in a subspace run one in the run's own subspace (the seed
+    fixes U and F for every model of the run), every weight drawn afresh, the tables' trained parts too."""
+    if not run.compression.subspace:
+        other = StageWorker(run.replace(seed=run.seed + 1), 0).model.eval()
+    else:
+        worker = StageWorker(run, 0)
+        tables, gen = fixed_tables(run, 0), torch.Generator().manual_seed(12345)
+        with torch.no_grad():
+            for name, p in worker.model.named_parameters():
+                own = p - tables[name] if name in tables else p
+                p.copy_(torch.randn(p.shape, generator=gen) * float(own.std()) + tables.get(name, 0.0))
+        assert worker.subspace is not None
+        worker.subspace.project_(worker.model)
+        other = worker.model.eval()
+
+    def foreign(honest: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = other(x)
+        return y * (honest.norm() / y.norm())
+    return foreign
+
+
+async def foreign_forwards(att: Any, victims: dict[str, str], until: float, *, blank: bool = False
+                           ) -> dict[str, Any]:
     """A stranger announces itself as a stage-0 peer and sends the last stage forwards of real training text, with
     their true targets and token window, whose activations come from another stage 0: the run's model with another
     seed, which nobody trained (what a peer running a model of its own would send), scaled to the norm of stage 0's
     own activations for the same batch (it fetches a's weights, as any joiner may) so that the norm bounds pass.
     The last stage's forward re-checks refuse them, whatever their loss, once it holds a copy of stage 0
     (``--victim-set backup_every_s=5``); without re-checks only the loss check stands. Nothing of the attacker's
-    may be trained."""
+    may be trained. ``blank`` (``blank_forwards``, subspace runs): zero coefficients instead, the fixed tables'
+    rows alone."""
     run = att.run
-    other = StageWorker(run.replace(seed=run.seed + 1), 0).model.eval()
+    if blank and not run.compression.subspace:
+        return {"refused": False, "error": "blank_forwards attacks a subspace run (--run with subspace compression)"}
+    fake = _blank(run) if blank else _foreign(run)
     state = await load_state_from_peers(p2p=att.p2p, run=run, stage=0, metrics=PeerMetrics("attacker", 0),
                                         donors=[victims["a"]])
     if state is None:
@@ -625,22 +663,22 @@ async def foreign_forwards(att: Any, victims: dict[str, str], until: float) -> d
             x, y = stream.next()
             window = torch.cat([x, y[:, -1:]], dim=1)
             with torch.no_grad():
-                foreign = other(x)
-                foreign = foreign * (stage0(x).norm() / foreign.norm())
-                acts, tokens = boundary.encode_forward(foreign, window)
+                acts, tokens = boundary.encode_forward(fake(stage0(x), x), window)
             _, reply = await pose.forward(victims["b"], acts, y, tokens)
             await asyncio.sleep(0.05 if reply == "Ack" else 0.2)
         await asyncio.sleep(1.0)  # the last verdicts
     finally:
         await pose.server.shutdown()
     seen = await _changed(att.status_b, before, ("fwdcheck_passed", "fwdcheck_failed", "rejected:loss_above_ceiling",
-                                                  "share_bans"))
-    return {"refused": verdicts["trained"] == 0 and pose.replies.get("Ack", 0) > 0, "forwards": pose.replies,
+                                                  "rejected:activations_norm", "share_bans"))
+    judged = pose.replies.get("Ack", 0) + seen["rejected:activations_norm"]  # taken, or refused at the norm bound
+    return {"refused": verdicts["trained"] == 0 and judged > 0, "forwards": pose.replies,
             **verdicts,
             "victim_counters": seen}
 
 
 TRUST_ATTACKS = {"fake_next_stage": fake_next_stage, "foreign_forwards": foreign_forwards,
+                 "blank_forwards": functools.partial(foreign_forwards, blank=True),
                  "patient_liar": functools.partial(fake_next_stage, patient=True),
                  "fake_middle_stage": fake_middle_stage, "lying_witness": lying_witness,
                  "silent_witness": functools.partial(lying_witness, silent=True),
