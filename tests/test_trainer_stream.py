@@ -171,6 +171,14 @@ def test_a_shard_shorter_than_one_sequence_fails_when_first_read_instead_of_wait
     stream.close()
 
 
+def test_unreadable_documents_name_the_source_and_what_it_must_hold(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait")
+    (tmp_path / "broken.jsonl").write_text('{"text": "x"}\nnot json\n')
+    for name in ("latin1.txt", "broken.jsonl"):
+        with pytest.raises(DataError, match=rf"{name} \(from document 0 on\).*must be UTF-8 text"):
+            list(documents(DataConfig(source=str(tmp_path / name))))
+
+
 def test_legacy_sources_are_not_streamed():
     assert not DataConfig().streamed
     assert DataConfig(source="corpus.jsonl").streamed and DataConfig(source="hf:x/y").streamed

@@ -130,7 +130,19 @@ def documents(cfg: DataConfig, start: int = 0) -> Iterator[tuple[int, str]]:
     ds = open_dataset(cfg)
     if start:
         ds = ds.skip(start)
-    for i, row in enumerate(ds, start):
+    rows = iter(enumerate(ds, start))
+    i = start
+    while True:
+        try:
+            i, row = next(rows)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except (UnicodeDecodeError, ValueError) as e:  # the readers' own errors name neither the run nor a fix
+            raise DataError(f"cannot read the documents of data.source {cfg.source} (from document {i} on): "
+                            f"{type(e).__name__}: {e}. .txt files must be UTF-8 text, .jsonl files one JSON object "
+                            "per line") from e
         text = row.get(cfg.text_field) if isinstance(row, dict) else None
         if text is None:
             raise DataError(f"document {i} of {cfg.source} has no field {cfg.text_field!r} (fields: "
