@@ -431,8 +431,9 @@ class Rechecks:
             self.vouch(peer)
             self.requeue(BackwardWork(msg, grad))
             return
-        logger.warning("re-check of micro-batch %d: the work of %s disagrees with the held copy's (%s); not trained "
-                       "on%s", msg.mb_id, short_id(peer), why, ", banned" if ban else "")
+        logger.warning("re-check of micro-batch %d: the work of %s disagrees with the held copy's (%s; the copy's "
+                       "step %s, ours %d); not trained on%s", msg.mb_id, short_id(peer), why, copy,
+                       self.copy.local_step(), ", banned" if ban else "")
         self._banned(peer, ban, "the held copy of its stage")
         self.requeue(BackwardWork(msg, None))  # dropped here and upstream (stage 0 re-sends its sample)
 
