@@ -79,7 +79,7 @@ def test_a_subspace_runs_forwards_are_judged_on_their_coefficients_not_the_fixed
     same coefficients."""
     from peer.pipeline.spotcheck import agreement
     from protocol.codecs.registry import decode, encode
-    from trainer.subspace import fixed_tables
+    from tools.redteam_trust import subspace_impostor
 
     run = RUN_SUB
     torch.manual_seed(0)
@@ -94,17 +94,10 @@ def test_a_subspace_runs_forwards_are_judged_on_their_coefficients_not_the_fixed
     def received(c: torch.Tensor) -> torch.Tensor:  # coefficients through the wire, rebuilt as the receiver does
         return sub.rebuild(decode(encode(c, run.compression.subspace_codec)), x)
 
-    # another model in the run's subspace (the run's seed fixes U and F for every model of it): every weight drawn
-    # afresh, the tables' trained parts too
-    impostor, tables = StageWorker(run, 0), fixed_tables(run, 0)
-    g = torch.Generator().manual_seed(1)
+    impostor = subspace_impostor(run, 1)  # another model in the run's subspace
     with torch.no_grad():
-        for name, p in impostor.model.named_parameters():
-            own = p - tables[name] if name in tables else p
-            p.copy_(torch.randn(p.shape, generator=g) * float(own.std()) + (tables[name] if name in tables else 0))
-        sub.project_(impostor.model)
         c = sub.coefficients(w0.model(x), x)
-        other = sub.coefficients(impostor.model(x), x)
+        other = sub.coefficients(impostor(x), x)
     honest = received(c)
     fakes = {"zeros": received(torch.zeros_like(c)), "noise": received(torch.randn_like(c) * c.std()),
              "negated": received(-c), "other model": received(other)}

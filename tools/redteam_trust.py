@@ -598,22 +598,28 @@ def _blank(run: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return lambda honest, x: sub.fixed(x)
 
 
+def subspace_impostor(run: Any, seed: int) -> Any:
+    """A stage 0 of a subspace run that nobody trained and that is not the run's: in the run's own subspace (the
+    run's seed fixes U and F for every model of it), every weight drawn afresh from ``seed``, the tables' trained
+    parts too (their fixed part F kept), in eval mode."""
+    worker = StageWorker(run, 0)
+    tables, gen = fixed_tables(run, 0), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            own = p - tables[name] if name in tables else p
+            p.copy_(torch.randn(p.shape, generator=gen) * float(own.std()) + tables.get(name, 0.0))
+    assert worker.subspace is not None
+    worker.subspace.project_(worker.model)
+    return worker.model.eval()
+
+
 def _foreign(run: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``foreign(honest, x)``: another stage 0's output for inputs ``x``, scaled to the honest output's norm: the
-    run's model with another seed, which nobody trained; in a subspace run one in the run's own subspace (the seed
-    fixes U and F for every model of the run), every weight drawn afresh, the tables' trained parts too."""
+    run's model with another seed, which nobody trained; in a subspace run ``subspace_impostor``."""
     if not run.compression.subspace:
         other = StageWorker(run.replace(seed=run.seed + 1), 0).model.eval()
     else:
-        worker = StageWorker(run, 0)
-        tables, gen = fixed_tables(run, 0), torch.Generator().manual_seed(12345)
-        with torch.no_grad():
-            for name, p in worker.model.named_parameters():
-                own = p - tables[name] if name in tables else p
-                p.copy_(torch.randn(p.shape, generator=gen) * float(own.std()) + tables.get(name, 0.0))
-        assert worker.subspace is not None
-        worker.subspace.project_(worker.model)
-        other = worker.model.eval()
+        other = subspace_impostor(run, 12345)
 
     def foreign(honest: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = other(x)
