@@ -94,9 +94,15 @@ class Boundary:
     def decode_forward(self, msg: Forward, peer: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(activations [B, T, d] fp32, token window [B, T+1] int64 or None); ValidationError names what was
         wrong."""
+        x, window, _ = self.decode_forward_sent(msg, peer)
+        return x, window
+
+    def decode_forward_sent(self, msg: Forward, peer: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``decode_forward`` and what the sender chose of the activations (``sent``: in a subspace run the
+        coefficients as decoded, not computed again from the rebuilt activations)."""
         if self.subspace is None:
             x = decode(msg.activations, self.act_spec, peer=peer, field="activations")
-            return x, None if msg.tokens is None else self._window(msg, peer)
+            return x, None if msg.tokens is None else self._window(msg, peer), x
         if msg.tokens is None:
             raise ValidationError("tokens", peer, "a subspace run's forward must carry the token window")
         if msg.targets is not None:
@@ -105,7 +111,7 @@ class Boundary:
         window = self._window(msg, peer)
         c = decode(msg.activations, self.coef_spec, peer=peer, field="activations")
         x = self.subspace.rebuild(c, window[:, :-1])
-        return check_values(x, self.act_spec, peer=peer, field="activations"), window
+        return check_values(x, self.act_spec, peer=peer, field="activations"), window, c
 
     def sent(self, x: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
         """What the sender chose of activations ``x`` [B, T, d] (rows of the micro-batch whose token ``window`` is

@@ -199,12 +199,6 @@ class PipelineServicer:
     async def _decode(self, env: TensorEnvelope, spec: TensorSpec, peer: str) -> torch.Tensor:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: decode(env, spec, peer=peer))
 
-    def _decode_forward(self, msg: Forward, peer: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(activations, token window, what the sender chose of the activations: ``Boundary.sent``), in an
-        executor."""
-        x, window = self.boundary.decode_forward(msg, peer)
-        return x, window, self.boundary.sent(x, window)
-
     # ----- RPC handlers (network boundary) --------------------------------------------------------------------------
     async def rpc_forward(self, msg: Message, peer_id: str) -> Message:
         if not isinstance(msg, Forward):  # the server admits only Forward here (sizes.HANDLER_KINDS)
@@ -245,7 +239,7 @@ class PipelineServicer:
             answers = signed
         try:
             x, window, sent = await asyncio.get_running_loop().run_in_executor(
-                None, self._decode_forward, msg, peer_id)
+                None, self.boundary.decode_forward_sent, msg, peer_id)
             targets = None
             if self.is_last and window is not None:  # the window's last T ids (plain runs: the targets are them)
                 targets = window[:, 1:]
